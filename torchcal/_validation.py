@@ -1,0 +1,175 @@
+"""Input validation shared by every public entry point.
+
+Every check raises ``ValueError`` (or ``TypeError`` for the wrong kind of object) with a message
+that names the problem and says how to fix it. Nothing here modifies its input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = [
+    "as_tensor",
+    "check_logits",
+    "check_labels",
+    "check_logits_and_labels",
+    "check_probs",
+    "check_priors",
+    "check_costs",
+    "compute_dtype",
+]
+
+
+def as_tensor(x: Any, name: str) -> Tensor:
+    """Return ``x`` as a tensor without copying when it already is one (NumPy arrays are wrapped)."""
+    if isinstance(x, Tensor):
+        return x
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(x)
+    if isinstance(x, (list, tuple)):
+        return torch.as_tensor(x)
+    raise TypeError(f"{name} must be a torch.Tensor or a NumPy array, got {type(x).__name__}")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype computations run in: float32 for half precision, else the input's own."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _describe_nonfinite(x: Tensor) -> str:
+    bad = ~torch.isfinite(x)
+    n_nan = int(torch.isnan(x).sum())
+    n_inf = int(bad.sum()) - n_nan
+    first = int(bad.reshape(bad.shape[0], -1).any(dim=1).nonzero()[0, 0]) if x.ndim else 0
+    return f"{n_nan} NaN and {n_inf} infinite values (first in row {first})"
+
+
+def check_logits(logits: Any, name: str = "logits", num_classes: int | None = None) -> Tensor:
+    """Validate scores of shape (N, K): floating dtype, K >= 2, N >= 1, all finite.
+
+    Scores are logits in the wide sense: any unnormalised log-posteriors (``log(probs)`` works).
+    """
+    logits = as_tensor(logits, name)
+    if not torch.is_floating_point(logits):
+        raise ValueError(
+            f"{name} must be a floating-point tensor of scores, got dtype {logits.dtype}. "
+            f"If these are class indices, pass them as labels; if they are scores, convert with .float()."
+        )
+    if logits.ndim != 2:
+        hint = (
+            " A binary task given as one score column can be turned into two columns with "
+            "torchcal.data.binary_scores_to_logits."
+            if logits.ndim == 1
+            else ""
+        )
+        raise ValueError(f"{name} must have shape (N, K), got shape {tuple(logits.shape)}.{hint}")
+    n, k = logits.shape
+    if n == 0:
+        raise ValueError(f"{name} is empty (N = 0): at least one sample is needed.")
+    if k < 2:
+        raise ValueError(
+            f"{name} must have K >= 2 class columns, got K = {k}. For a binary task given as one "
+            f"column use torchcal.data.binary_scores_to_logits."
+        )
+    if num_classes is not None and k != num_classes:
+        raise ValueError(
+            f"{name} has K = {k} classes but {num_classes} were expected "
+            f"(the calibrator was fitted on {num_classes} classes)."
+        )
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError(
+            f"{name} contain {_describe_nonfinite(logits)}. Scores must be finite: check for a "
+            f"diverged network, or replace log(0) = -inf by a large negative number."
+        )
+    return logits
+
+
+def check_labels(labels: Any, num_samples: int, num_classes: int, name: str = "labels") -> Tensor:
+    """Validate class indices: an integer (N,) tensor with values in [0, K)."""
+    labels = as_tensor(labels, name)
+    if labels.dtype == torch.bool:
+        labels = labels.long()
+    if torch.is_floating_point(labels) or torch.is_complex(labels):
+        raise ValueError(
+            f"{name} must be an integer tensor of class indices, got dtype {labels.dtype}. "
+            f"If they are whole numbers stored as floats, pass {name}.long()."
+        )
+    if labels.ndim != 1:
+        raise ValueError(
+            f"{name} must have shape (N,), got shape {tuple(labels.shape)}"
+            + (f"; use {name}.reshape(-1)." if labels.numel() == num_samples else ".")
+        )
+    if labels.shape[0] != num_samples:
+        raise ValueError(
+            f"{name} has {labels.shape[0]} entries but the scores have N = {num_samples} rows; "
+            f"they must describe the same samples."
+        )
+    if num_samples and (labels.min() < 0 or labels.max() >= num_classes):
+        bad = labels[(labels < 0) | (labels >= num_classes)]
+        raise ValueError(
+            f"{name} must lie in [0, {num_classes}) for K = {num_classes} classes; found "
+            f"{bad.numel()} out-of-range value(s), e.g. {int(bad[0])}."
+        )
+    return labels
+
+
+def check_logits_and_labels(
+    logits: Any, labels: Any, num_classes: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """Validate a (scores, labels) pair and put the labels on the scores' device."""
+    logits = check_logits(logits, num_classes=num_classes)
+    labels = check_labels(labels, logits.shape[0], logits.shape[1]).to(logits.device)
+    return logits, labels
+
+
+def check_probs(probs: Any, name: str = "probs", atol: float | None = None) -> Tensor:
+    """Validate probabilities of shape (N, K): non-negative rows summing to one."""
+    probs = check_logits(probs, name)
+    if bool((probs < 0).any()) or bool((probs > 1).any()):
+        raise ValueError(f"{name} must lie in [0, 1]; found values outside. Did you pass logits?")
+    if atol is None:
+        atol = 1e-3 if probs.dtype in (torch.float16, torch.bfloat16) else 1e-4
+    sums = probs.sum(dim=1, dtype=torch.float64)
+    worst = int((sums - 1).abs().argmax())
+    if abs(float(sums[worst]) - 1) > atol:
+        raise ValueError(
+            f"rows of {name} must sum to one (within {atol:g}); row {worst} sums to "
+            f"{float(sums[worst]):.6g}. Pass logits instead, or renormalise the rows."
+        )
+    return probs
+
+
+def check_priors(priors: Any, num_classes: int, device: torch.device | None = None) -> Tensor:
+    """Validate class priors: K non-negative numbers summing to one. Returned in float64."""
+    priors = as_tensor(priors, "priors").to(dtype=torch.float64, device=device)
+    if priors.shape != (num_classes,):
+        raise ValueError(
+            f"priors must have shape ({num_classes},) for K = {num_classes} classes, got {tuple(priors.shape)}."
+        )
+    if not bool(torch.isfinite(priors).all()) or bool((priors < 0).any()):
+        raise ValueError("priors must be finite and non-negative.")
+    total = float(priors.sum())
+    if abs(total - 1) > 1e-6:
+        raise ValueError(f"priors must sum to one, got sum {total:.8g}; divide them by their sum.")
+    return priors
+
+
+def check_costs(costs: Any, num_classes: int, device: torch.device | None = None) -> Tensor:
+    """Validate a cost matrix of shape (K, M): rows are true classes, columns decisions. Float64."""
+    costs = as_tensor(costs, "costs").to(dtype=torch.float64, device=device)
+    if costs.ndim != 2 or costs.shape[0] != num_classes or costs.shape[1] < 1:
+        raise ValueError(
+            f"costs must have shape (K, M) = ({num_classes}, M) with rows for the true classes and "
+            f"columns for the decisions, got {tuple(costs.shape)}."
+        )
+    if not bool(torch.isfinite(costs).all()):
+        raise ValueError("costs must be finite.")
+    if bool((costs < 0).any()):
+        raise ValueError(
+            "costs must be non-negative; subtract each row's minimum (this leaves Bayes decisions unchanged)."
+        )
+    return costs

@@ -1,0 +1,174 @@
+"""Expected proper scoring rules: cross-entropy and the Brier score, with prior weighting.
+
+All functions take scores ``logits: (N, K)`` — logits in the wide sense, i.e. any unnormalised
+log-posteriors (``log(probs)`` works) — and class indices ``labels: (N,)``. They compute in float64
+and return a float64 scalar tensor.
+
+Prior weighting (Ferrer & Ramos, App. A): with deployment priors ``P``, sample ``t`` of class
+``h_t`` gets weight ``P[h_t] / P_data[h_t]`` where ``P_data`` are the class frequencies in the data,
+so the score becomes ``sum_h P[h] * (mean score over the samples of class h)``.
+
+Normalised scores divide by the score of the best naive system, the one that ignores its input and
+always outputs the priors: the prior entropy for cross-entropy, ``sum_k P_k (1 - P_k)`` for Brier.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from torchcal._validation import check_logits_and_labels, check_priors
+
+__all__ = [
+    "log_loss_per_sample",
+    "brier_per_sample",
+    "class_weights",
+    "weighted_mean",
+    "class_frequencies",
+    "naive_cross_entropy",
+    "naive_brier_score",
+    "cross_entropy",
+    "brier_score",
+    "PER_SAMPLE_SCORES",
+]
+
+
+def log_loss_per_sample(log_probs: Tensor, labels: Tensor) -> Tensor:
+    """``-log q[y]`` for normalised log-posteriors ``log_probs: (N, K)``; returns (N,)."""
+    return -log_probs.gather(1, labels.unsqueeze(1)).squeeze(1)
+
+
+def brier_per_sample(log_probs: Tensor, labels: Tensor) -> Tensor:
+    """``sum_k (q_k - [y == k])^2`` on the 0..2 scale (summed over classes); returns (N,).
+
+    Expanded as ``sum_k q_k^2 - 2 q_y + 1`` so no one-hot matrix is materialised.
+    """
+    probs = log_probs.exp()
+    return (probs * probs).sum(dim=1) - 2 * probs.gather(1, labels.unsqueeze(1)).squeeze(1) + 1
+
+
+PER_SAMPLE_SCORES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "log": log_loss_per_sample,
+    "brier": brier_per_sample,
+}
+
+
+def class_frequencies(labels: Tensor, num_classes: int) -> Tensor:
+    """Empirical class priors ``N_k / N`` in float64; (K,)."""
+    counts = torch.bincount(labels, minlength=num_classes).to(torch.float64)
+    return counts / counts.sum()
+
+
+def class_weights(labels: Tensor, num_classes: int, priors: Optional[Tensor] = None) -> Optional[Tensor]:
+    """Per-class weights ``P[k] / P_data[k]`` (K,) that re-weight the data to ``priors``.
+
+    Returns ``None`` when ``priors`` is None (plain average). A class with a positive prior but no
+    sample cannot be re-weighted and raises ``ValueError``.
+    """
+    if priors is None:
+        return None
+    priors = check_priors(priors, num_classes, device=labels.device)
+    freq = class_frequencies(labels, num_classes)
+    missing = (freq == 0) & (priors > 0)
+    if bool(missing.any()):
+        raise ValueError(
+            f"classes {missing.nonzero().flatten().tolist()} have a positive prior but no sample in "
+            f"the data, so they cannot be re-weighted; give them prior 0 or add samples."
+        )
+    return torch.where(freq > 0, priors / freq.clamp_min(1e-300), torch.zeros_like(priors))
+
+
+def weighted_mean(per_sample: Tensor, labels: Tensor, weights: Optional[Tensor]) -> Tensor:
+    """Mean of ``per_sample`` (N,) in float64, with per-class ``weights`` (K,) if given.
+
+    Samples of weight 0 contribute 0 even when their score is infinite.
+    """
+    per_sample = per_sample.to(torch.float64)
+    if weights is None:
+        return per_sample.mean()
+    w = weights[labels]
+    return torch.where(w > 0, w * per_sample, torch.zeros_like(per_sample)).sum() / per_sample.shape[0]
+
+
+def naive_cross_entropy(priors: Tensor) -> Tensor:
+    """Cross-entropy of the system that always outputs ``priors``: the prior entropy (nats)."""
+    return -torch.special.xlogy(priors, priors).sum()
+
+
+def naive_brier_score(priors: Tensor) -> Tensor:
+    """Brier score (0..2 scale) of the system that always outputs ``priors``."""
+    return (priors * (1 - priors)).sum()
+
+
+def _epsr(
+    per_sample: Callable[[Tensor, Tensor], Tensor],
+    naive: Callable[[Tensor], Tensor],
+    logits: Tensor,
+    labels: Tensor,
+    priors: Optional[Tensor],
+    normalize: bool,
+) -> Tensor:
+    logits, labels = check_logits_and_labels(logits, labels)
+    num_classes = logits.shape[1]
+    log_probs = torch.log_softmax(logits.to(torch.float64), dim=1)
+    weights = class_weights(labels, num_classes, priors)
+    score = weighted_mean(per_sample(log_probs, labels), labels, weights)
+    if not normalize:
+        return score
+    reference = class_frequencies(labels, num_classes) if priors is None else check_priors(
+        priors, num_classes, device=logits.device
+    )
+    return score / naive(reference)
+
+
+def cross_entropy(
+    logits: Tensor, labels: Tensor, priors: Optional[Tensor] = None, normalize: bool = False
+) -> Tensor:
+    """Mean cross-entropy (log-loss, nats) of the posteriors ``softmax(logits)``.
+
+    Args:
+        logits: (N, K) scores; any unnormalised log-posteriors.
+        labels: (N,) class indices in [0, K).
+        priors: optional (K,) deployment priors; re-weights the classes (Ferrer & Ramos App. A).
+        normalize: divide by the prior entropy (the naive system's cross-entropy): NCE.
+
+    Example:
+        >>> import torch
+        >>> from torchcal.functional import cross_entropy
+        >>> probs = torch.tensor([[.8, .2], [.3, .7], [.6, .4], [.1, .9]])
+        >>> labels = torch.tensor([0, 1, 1, 1])
+        >>> round(float(cross_entropy(probs.log(), labels)), 6)
+        0.400367
+        >>> round(float(cross_entropy(probs.log(), labels, normalize=True)), 6)
+        0.711973
+    """
+    return _epsr(log_loss_per_sample, naive_cross_entropy, logits, labels, priors, normalize)
+
+
+def brier_score(
+    logits: Tensor, labels: Tensor, priors: Optional[Tensor] = None, normalize: bool = False
+) -> Tensor:
+    """Mean Brier score, summed over classes: ``sum_k (q_k - [y == k])^2``, on the 0..2 scale.
+
+    This is K times the "mean over N*K" convention of psrcal and of Ferrer's papers; normalised
+    values (``normalize=True``, NBS) are the same under both conventions.
+
+    Args:
+        logits: (N, K) scores; any unnormalised log-posteriors.
+        labels: (N,) class indices in [0, K).
+        priors: optional (K,) deployment priors (class re-weighting).
+        normalize: divide by the naive system's Brier score ``sum_k P_k (1 - P_k)``: NBS.
+
+    Example:
+        >>> import torch
+        >>> from torchcal.functional import brier_score
+        >>> probs = torch.tensor([[.8, .2], [.3, .7], [.6, .4], [.1, .9]])
+        >>> labels = torch.tensor([0, 1, 1, 1])
+        >>> round(float(brier_score(probs.log(), labels)), 6)
+        0.25
+        >>> round(float(brier_score(probs.log(), labels, normalize=True)), 6)
+        0.666667
+    """
+    return _epsr(brier_per_sample, naive_brier_score, logits, labels, priors, normalize)

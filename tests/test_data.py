@@ -1,0 +1,226 @@
+"""torchcal.data: file loaders, the bundled example, and the Ferrer & Ramos synthetic generator."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from torchcal.data import (
+    EXAMPLE_PATH,
+    binary_scores_to_logits,
+    class_priors,
+    ferrer_systems,
+    gaussian_task,
+    has_split,
+    load_scores,
+    mismatched_priors,
+)
+
+
+def _nll(logits, labels) -> float:
+    """Mean cross-entropy in nats, computed in NumPy (independent of torchcal.functional)."""
+    z = np.asarray(logits, dtype=np.float64)
+    z = z - z.max(1, keepdims=True)
+    log_p = z - np.log(np.exp(z).sum(1, keepdims=True))
+    return float(-log_p[np.arange(len(labels)), np.asarray(labels)].mean())
+
+
+@pytest.fixture
+def small():
+    rs = np.random.RandomState(0)
+    return rs.normal(size=(50, 3)).astype(np.float32), rs.randint(0, 3, size=50)
+
+
+# --- the bundled example ------------------------------------------------------------------------
+
+def test_bundled_example_matches_the_published_numbers():
+    test = load_scores(EXAMPLE_PATH)
+    val = load_scores(EXAMPLE_PATH, split="val")
+    assert (test.num_samples, test.num_classes, val.num_samples) == (10000, 10, 5000)
+    assert test.read_as == "logits"
+    # Kull et al. 2019 / Kängsepp: test error 6.44 %, log-loss 0.3583; validation NLL 0.3002 (SOURCES.md)
+    assert float((test.logits.argmax(1) != test.labels).double().mean()) == pytest.approx(0.0644, abs=5e-5)
+    assert _nll(test.logits, test.labels) == pytest.approx(0.3583, abs=5e-5)
+    assert _nll(val.logits, val.labels) == pytest.approx(0.3002, abs=5e-5)
+    assert has_split(EXAMPLE_PATH)
+    licence = EXAMPLE_PATH.with_name("LICENSE-markus93-NN_calibration.MIT.txt").read_text()
+    assert "Copyright (c) 2018 Markus" in licence
+
+
+def test_bundled_example_is_the_shared_file(real):
+    shared = real("cifar10_resnet110_kangsepp")
+    with np.load(EXAMPLE_PATH) as bundled:
+        for key in ("logits", "labels", "logits_val", "labels_val"):
+            np.testing.assert_array_equal(bundled[key], shared[key])
+
+
+# --- formats ------------------------------------------------------------------------------------
+
+def test_probabilities_are_detected_only_when_provable(real, tmp_path):
+    data = real("cifar10_lenet5_netcal")  # the origin stored probabilities; SOURCES.md: NLL 1.3699
+    np.savez(tmp_path / "p.npz", logits=data["probs"], labels=data["labels"])
+    scores = load_scores(tmp_path / "p.npz")
+    assert scores.read_as.startswith("probabilities (every row lies in [0, 1] and sums to 1")
+    assert _nll(scores.logits, scores.labels) == pytest.approx(1.3699, abs=5e-5)
+    # the user overrides detection; softmax(p) is a different (and worse) posterior
+    forced = load_scores(tmp_path / "p.npz", input="logits")
+    assert forced.read_as == "logits (as requested)"
+    torch.testing.assert_close(forced.logits, torch.from_numpy(data["probs"]))
+
+
+def test_probs_key_says_probabilities(tmp_path):
+    probs = np.array([[0.8, 0.2], [0.0, 1.0], [0.6, 0.4]])
+    np.savez(tmp_path / "p.npz", probs=probs, labels=[0, 1, 1])
+    scores = load_scores(tmp_path / "p.npz")
+    assert "as the file's key says" in scores.read_as and "1 zero probabilities floored at 1e-20" in scores.read_as
+    np.testing.assert_allclose(scores.logits.softmax(1).numpy(), probs, atol=1e-15)
+
+
+def test_rows_that_do_not_sum_to_one_stay_logits(tmp_path):
+    np.savez(tmp_path / "s.npz", logits=np.array([[0.2, 0.3], [0.5, 0.1]]), labels=[0, 1])
+    assert load_scores(tmp_path / "s.npz").read_as == "logits"
+
+
+def test_npy_pairs_found_by_name_or_given(tmp_path, small):
+    logits, labels = small
+    np.save(tmp_path / "run1_logits.npy", logits)
+    np.save(tmp_path / "run1_labels.npy", labels.astype(np.uint8))
+    scores = load_scores(tmp_path / "run1_logits.npy")
+    torch.testing.assert_close(scores.logits, torch.from_numpy(logits))
+    assert scores.labels.dtype == torch.int64 and scores.labels.tolist() == labels.tolist()
+    # Ferrer's layout: scores.npy + targets.npy, labels as (N, 1)
+    folder = tmp_path / "ferrer"
+    folder.mkdir()
+    np.save(folder / "scores.npy", logits)
+    np.save(folder / "targets.npy", labels[:, None])
+    assert load_scores(folder / "scores.npy").labels.tolist() == labels.tolist()
+    np.save(tmp_path / "other.npy", logits)
+    assert load_scores(tmp_path / "other.npy", labels_path=tmp_path / "run1_labels.npy").num_samples == 50
+
+
+def test_torch_files(tmp_path, small):
+    logits, labels = torch.from_numpy(small[0]), torch.from_numpy(small[1])
+    torch.save({"logits": logits, "labels": labels}, tmp_path / "d.pt")
+    torch.save((logits, labels), tmp_path / "t.pth")
+    torch.save(logits, tmp_path / "only.pt")
+    torch.save(labels, tmp_path / "labels.pt")
+    for scores in (load_scores(tmp_path / "d.pt"), load_scores(tmp_path / "t.pth"),
+                   load_scores(tmp_path / "only.pt", labels_path=tmp_path / "labels.pt")):
+        torch.testing.assert_close(scores.logits, logits)
+        assert torch.equal(scores.labels, labels)
+
+
+def test_csv_with_a_label_column(tmp_path):
+    (tmp_path / "s.csv").write_text("p_cat,label,p_dog\n0.9,0,0.1\n0.25,1,0.75\n0.5,1,0.5\n")
+    scores = load_scores(tmp_path / "s.csv")
+    assert scores.labels.tolist() == [0, 1, 1]
+    np.testing.assert_allclose(scores.logits.exp().numpy(), [[0.9, 0.1], [0.25, 0.75], [0.5, 0.5]])
+    assert scores.read_as.startswith("probabilities")
+
+
+def test_binary_one_column(tmp_path):
+    llr = np.array([-3.0, 0.5, 2.0])
+    np.savez(tmp_path / "llr.npz", logits=llr, labels=[0, 1, 1])
+    scores = load_scores(tmp_path / "llr.npz")
+    assert scores.read_as.startswith("binary log-likelihood ratios (one score column with values outside")
+    np.testing.assert_allclose(scores.logits.softmax(1)[:, 1].numpy(), 1 / (1 + np.exp(-llr)))
+    with_priors = load_scores(tmp_path / "llr.npz", priors=[0.9, 0.1])
+    np.testing.assert_allclose(with_priors.logits.softmax(1)[:, 1].numpy(), 1 / (1 + 9 * np.exp(-llr)))
+    np.savez(tmp_path / "p.npz", logits=[0.1, 0.7, 0.9], labels=[0, 1, 1])
+    with pytest.raises(ValueError, match=r"--input probs\) or LLRs \(--input llr\)"):
+        load_scores(tmp_path / "p.npz")
+    probs = load_scores(tmp_path / "p.npz", input="probs")
+    np.testing.assert_allclose(probs.logits.softmax(1)[:, 1].numpy(), [0.1, 0.7, 0.9])
+
+
+def test_binary_scores_to_logits_bayes_rule():
+    # Ferrer eq. 46: P(H2|x) = 1 / (1 + P1/P2 / LR)
+    llr = torch.tensor([-1.0, 0.0, 2.197])
+    post = binary_scores_to_logits(llr, "llr", priors=[0.9, 0.1]).softmax(1)[:, 1]
+    torch.testing.assert_close(post, 1 / (1 + 9 / llr.double().exp()))
+    assert binary_scores_to_logits(torch.tensor([[1.0]])).isfinite().all()
+    with pytest.raises(ValueError, match="Are these LLRs"):
+        binary_scores_to_logits(torch.tensor([1.5]))
+
+
+# --- bad input: one clear ValueError naming the file ---------------------------------------------
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ({"scores_x": np.zeros((3, 2)), "labels": [0, 1, 0]}, r"no scores found: expected a key 'logits'"),
+        ({"logits": np.zeros((3, 2))}, r"no labels found"),
+        ({"logits": np.array([[0.0, np.nan], [1, 2], [0, 0]]), "labels": [0, 1, 0]}, r"1 NaN or infinite"),
+        ({"logits": np.zeros((3, 2)), "labels": [0, 2, 0]}, r"must lie in \[0, 2\)"),
+        ({"logits": np.zeros((3, 2)), "labels": [0, 1]}, r"labels has 2 entries but the scores have N = 3"),
+        ({"logits": np.zeros((3, 2)), "labels": [0.0, 1.5, 0.0]}, r"whole numbers"),
+        ({"logits": np.array(["a", "b"]), "labels": [0, 1]}, r"array of numbers"),
+    ],
+)
+def test_bad_content_raises_one_clear_error(tmp_path, content, message):
+    np.savez(tmp_path / "bad.npz", **content)
+    with pytest.raises(ValueError, match=message) as info:
+        load_scores(tmp_path / "bad.npz")
+    assert str(info.value).startswith(str(tmp_path / "bad.npz")) and "\n" not in str(info.value)
+
+
+def test_bad_files(tmp_path, small):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_scores(tmp_path / "missing.npz")
+    (tmp_path / "junk.npz").write_text("not a zip")
+    with pytest.raises(ValueError, match="not a readable .npz"):
+        load_scores(tmp_path / "junk.npz")
+    (tmp_path / "s.txt").write_text("1 2")
+    with pytest.raises(ValueError, match="unsupported file type"):
+        load_scores(tmp_path / "s.txt")
+    np.save(tmp_path / "lonely.npy", small[0])
+    with pytest.raises(ValueError, match="no labels file found next to it"):
+        load_scores(tmp_path / "lonely.npy")
+    (tmp_path / "noheader.csv").write_text("0.1,0.9,1\n")
+    with pytest.raises(ValueError, match="needs a header row"):
+        load_scores(tmp_path / "noheader.csv")
+    with pytest.raises(ValueError, match="only .npz files store a 'val' split"):
+        load_scores(tmp_path / "lonely.npy", split="val")
+
+
+# --- synthetic data (Ferrer §4.8 / Ferrer & Ramos App. C) ----------------------------------------
+
+def test_gaussian_task_draws_exactly_what_scipy_draws():
+    stats = pytest.importorskip("scipy.stats")
+    task = gaussian_task(3, num_samples=1000, prior1=0.8, layout="simplex", seed=3)
+    means = np.eye(3) * np.sqrt(0.5)
+    np.random.seed(3)  # the authors' code: legacy global seed, then one rvs call per class
+    expected = np.concatenate([stats.multivariate_normal.rvs(m, 0.15, n) for m, n in zip(means, [800, 99, 99])])
+    np.testing.assert_array_equal(task.features.numpy(), expected)
+    llk = np.stack([stats.multivariate_normal.logpdf(expected, m, 0.15) for m in means], axis=1)
+    np.testing.assert_allclose(task.log_likelihoods.numpy(), llk, rtol=1e-12)
+    assert task.labels.tolist() == [0] * 800 + [1] * 99 + [2] * 99
+
+
+def test_priors_and_truncated_class_sizes():
+    torch.testing.assert_close(class_priors(4, 0.7), torch.tensor([0.7, 0.1, 0.1, 0.1], dtype=torch.float64))
+    torch.testing.assert_close(mismatched_priors(3), torch.tensor([0.05, 0.05, 0.9], dtype=torch.float64))
+    # reference §C.2: truncation gives [90000, 9999] for K = 2 (0.1 is 1 - 0.9 in floating point)
+    assert torch.bincount(gaussian_task(2, num_samples=100_000).labels).tolist() == [90000, 9999]
+
+
+def test_ferrer_table4_uncalibrated_rows():
+    """Ferrer Table 4 (K = 10, seed 0), rows Datap and Mismp: NEC (0-1), NCE and NBS to 2 decimals."""
+    task = gaussian_task(10)
+    y = task.labels.numpy()
+    prior = np.bincount(y) / len(y)
+    published = {  # system: (NEC, XE, BR), normalised with the test-data priors
+        "Datap-cal": (0.25, 0.13, 0.21), "Datap-mc1": (0.29, 0.17, 0.26), "Datap-mc2": (0.25, 0.57, 0.70),
+        "Mismp-cal": (1.11, 0.50, 0.86), "Mismp-mc1": (0.70, 0.48, 0.70), "Mismp-mc2": (1.11, 0.99, 1.58),
+    }
+    systems = ferrer_systems(task)
+    for name, (nec, xe, br) in published.items():
+        p = systems[name].exp().numpy()
+        error = np.mean(p.argmax(1) != y)
+        nce = -np.mean(np.log(p[np.arange(len(y)), y])) / -(prior * np.log(prior)).sum()
+        nbs = np.mean(((p - np.eye(10)[y]) ** 2).sum(1)) / (prior * (1 - prior)).sum()
+        assert (round(error / (1 - prior.max()), 2), round(nce, 2), round(nbs, 2)) == (nec, xe, br), name
+    # text facts (reference §C.2): Mismp-cal and Datap-cal disagree on 9.9 % of the decisions
+    disagree = (systems["Mismp-cal"].argmax(1) != systems["Datap-cal"].argmax(1)).double().mean()
+    assert float(disagree) == pytest.approx(0.099, abs=5e-4)

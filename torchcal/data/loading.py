@@ -1,0 +1,374 @@
+"""Read classifier scores and labels from files, and say how the scores were read.
+
+Supported files:
+
+- ``.npz``: scores under ``logits`` (or ``log_probs``), ``probs`` or ``llr``; labels under
+  ``labels`` (or ``targets``). A calibration split may sit next to them as ``logits_val`` /
+  ``labels_val`` (read it with ``split="val"``).
+- ``.npy``: the scores; the labels come from ``labels_path`` or from a sibling file found by
+  name: ``x_logits.npy`` -> ``x_labels.npy``; ``logits.npy`` / ``scores.npy`` / ``probs.npy`` ->
+  ``labels.npy`` or ``targets.npy`` in the same folder.
+- ``.pt`` / ``.pth``: a dict with the ``.npz`` keys, a ``(scores, labels)`` pair, or a scores
+  tensor with ``labels_path``. Loaded with ``weights_only=True``.
+- ``.csv``: a header row, one column named ``label`` (or ``labels``, ``target``, ``y``); every
+  other column is a class score, in order.
+
+Scores are read as logits in the wide sense (any unnormalised log-posteriors) unless the caller
+says otherwise (``input="probs"`` / ``"llr"``), the file says so (key ``probs`` / ``llr``), or the
+rows are provably probabilities: every value in [0, 1] and every row summing to one. A single
+score column is a binary task: its values are read as probabilities of class 1 or as
+log-likelihood ratios (LLRs); when the file does not say which, values outside [0, 1] prove they
+are LLRs, and otherwise the caller must choose. :attr:`Scores.read_as` records what was assumed.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from torchcal._validation import as_tensor, check_logits_and_labels, check_priors
+
+__all__ = ["Scores", "load_scores", "has_split", "binary_scores_to_logits", "PROBABILITY_FLOOR", "EXAMPLE_PATH"]
+
+InputKind = Literal["auto", "logits", "probs", "llr"]
+
+#: Probabilities of exactly 0 are raised to this value before taking logs, so that the scores
+#: stay finite (log = -46). Ferrer & Ramos' data preparation uses the same floor.
+PROBABILITY_FLOOR = 1e-20
+
+#: The bundled real example (ResNet-110 CIFAR-10 logits, MIT; see ``examples/README.md``), with a
+#: ``val`` calibration split: ``load_scores(EXAMPLE_PATH, split="val")``.
+EXAMPLE_PATH = Path(__file__).with_name("examples") / "cifar10_resnet110_kangsepp.npz"
+
+_SCORE_KEYS: dict[str, InputKind] = {"logits": "logits", "log_probs": "logits", "probs": "probs", "llr": "llr"}
+_LABEL_KEYS = ("labels", "targets")
+_CSV_LABEL_COLUMNS = ("label", "labels", "target", "targets", "y")
+
+
+@dataclass(frozen=True)
+class Scores:
+    """Scores and labels read from a file.
+
+    Attributes:
+        logits: (N, K) float scores, logits in the wide sense (``softmax`` gives the posteriors).
+        labels: (N,) int64 class indices in [0, K).
+        read_as: one sentence saying how the file's scores were interpreted.
+        source: where the data came from.
+    """
+
+    logits: Tensor
+    labels: Tensor
+    read_as: str
+    source: str
+
+    @property
+    def num_samples(self) -> int:
+        return self.logits.shape[0]
+
+    @property
+    def num_classes(self) -> int:
+        return self.logits.shape[1]
+
+
+def binary_scores_to_logits(
+    scores: Any, kind: Literal["probability", "llr"] = "probability", priors: Any = None
+) -> Tensor:
+    """Turn one score column of a binary task into two logit columns (class 0, class 1).
+
+    Args:
+        scores: (N,) or (N, 1) probabilities of class 1 (``kind="probability"``) or
+            log-likelihood ratios ``log p(x|1) / p(x|0)`` (``kind="llr"``; log posterior odds are
+            the LLR under uniform priors).
+        kind: what the column holds.
+        priors: optional (2,) class priors; an LLR becomes a posterior only given priors (Bayes'
+            rule, Ferrer eq. 46), uniform when omitted. Not used for probabilities.
+
+    Returns:
+        (N, 2) logits in float64, with ``softmax(logits)[:, 1]`` the posterior of class 1.
+        Probabilities of 0 or 1 are floored at :data:`PROBABILITY_FLOOR` so the logits are finite.
+
+    Example:
+        >>> import torch
+        >>> binary_scores_to_logits(torch.tensor([0.25, 0.5])).softmax(1)[:, 1].tolist()
+        [0.25, 0.5]
+        >>> binary_scores_to_logits(torch.tensor([0.0]), kind="llr", priors=[0.9, 0.1]).softmax(1)
+        tensor([[0.9000, 0.1000]], dtype=torch.float64)
+    """
+    scores = as_tensor(scores, "scores").to(torch.float64)
+    if scores.ndim == 2 and scores.shape[1] == 1:
+        scores = scores[:, 0]
+    if scores.ndim != 1:
+        raise ValueError(f"a binary score column must have shape (N,) or (N, 1), got {tuple(scores.shape)}.")
+    if kind == "probability":
+        if bool(((scores < 0) | (scores > 1) | scores.isnan()).any()):
+            raise ValueError("probabilities must lie in [0, 1]; found values outside. Are these LLRs?")
+        return _log_probs(torch.stack([1 - scores, scores], dim=1))
+    if kind == "llr":
+        log_priors = torch.zeros(2, dtype=torch.float64) if priors is None else check_priors(priors, 2).log()
+        return torch.stack([torch.zeros_like(scores), scores], dim=1) + log_priors
+    raise ValueError(f"kind must be 'probability' or 'llr', got {kind!r}.")
+
+
+def load_scores(
+    path: str | Path,
+    labels_path: str | Path | None = None,
+    input: InputKind = "auto",
+    split: Literal["test", "val"] = "test",
+    priors: Any = None,
+) -> Scores:
+    """Load and validate scores and labels from ``path`` (formats in the module docstring).
+
+    Args:
+        path: the scores file.
+        labels_path: a separate labels file (``.npy``, ``.pt`` or one-column ``.csv``/``.txt``).
+        input: ``"logits"``, ``"probs"`` (rows of probabilities, or one column of probabilities
+            of class 1), ``"llr"`` (one column of log-likelihood ratios) or ``"auto"``.
+        split: ``"val"`` reads the ``logits_val``/``labels_val`` split of an ``.npz``.
+        priors: (K,) priors used only to turn binary LLRs into posteriors.
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: anything wrong with the content, with a
+        message that names the file and the fix.
+
+    Example:
+        >>> s = load_scores("scores.npz")  # doctest: +SKIP
+        >>> s.logits.shape, s.read_as      # doctest: +SKIP
+        (torch.Size([10000, 10]), "logits (key 'logits')")
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    try:
+        raw, labels, hint = _read(path, labels_path, split)
+        reason = "as requested" if input != "auto" else "as the file's key says"
+        logits, read_as = _to_logits(np.asarray(raw), input if input != "auto" else hint, reason, priors)
+        logits, labels = check_logits_and_labels(logits, _as_labels(labels))
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    return Scores(logits=logits, labels=labels, read_as=read_as, source=str(path))
+
+
+def has_split(path: str | Path, split: Literal["val"] = "val") -> bool:
+    """Whether the ``.npz`` at ``path`` stores a ``logits_val``/``labels_val`` calibration split."""
+    path = Path(path)
+    if path.suffix != ".npz" or not path.is_file():
+        return False
+    with np.load(path, allow_pickle=False) as f:
+        return f"labels_{split}" in f.files and any(f"{k}_{split}" in f.files for k in _SCORE_KEYS)
+
+
+# --- reading files -------------------------------------------------------------------------------
+
+def _read(path: Path, labels_path: str | Path | None, split: str) -> tuple[Any, Any, InputKind]:
+    """Return ``(scores, labels, kind hint)`` from any supported file."""
+    suffix = path.suffix.lower()
+    if split != "test" and suffix != ".npz":
+        raise ValueError(f"only .npz files store a '{split}' split.")
+    if suffix == ".npz":
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                found = {k: f[k] for k in f.files}
+        except (OSError, ValueError) as err:
+            raise ValueError(f"not a readable .npz file ({err}).") from None
+        return _from_mapping(found, labels_path, suffix="" if split == "test" else f"_{split}")
+    if suffix in (".pt", ".pth"):
+        return _from_torch(path, labels_path)
+    if suffix == ".npy":
+        return _load_array(path), _load_labels(labels_path or _sibling_labels(path)), "auto"
+    if suffix == ".csv":
+        scores, labels = _read_csv(path)
+        if labels is None:
+            labels = _load_labels(_required_labels(labels_path, path))
+        return scores, labels, "auto"
+    raise ValueError(f"unsupported file type {path.suffix!r}; use .npz, .npy, .pt/.pth or .csv.")
+
+
+def _from_mapping(found: dict[str, Any], labels_path: str | Path | None, suffix: str = ""):
+    score_keys = [k for k in _SCORE_KEYS if k + suffix in found]
+    if not score_keys:
+        raise ValueError(
+            f"no scores found: expected a key {' or '.join(repr(k + suffix) for k in _SCORE_KEYS)}, "
+            f"found keys {sorted(found)}."
+        )
+    key = score_keys[0]  # "logits" wins over "probs" when both are stored
+    label_keys = [k + suffix for k in _LABEL_KEYS if k + suffix in found]
+    if label_keys:
+        labels = found[label_keys[0]]
+    elif labels_path is not None:
+        labels = _load_labels(labels_path)
+    else:
+        raise ValueError(f"no labels found: expected a key 'labels{suffix}', found keys {sorted(found)}.")
+    kind = _SCORE_KEYS[key]
+    return found[key + suffix], labels, "auto" if kind == "logits" else kind
+
+
+def _from_torch(path: Path, labels_path: str | Path | None):
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises many exception types for a bad file
+        raise ValueError(f"not a readable torch file ({type(err).__name__}: {err}).") from None
+    if isinstance(obj, dict):
+        return _from_mapping(obj, labels_path)
+    if isinstance(obj, (tuple, list)) and len(obj) == 2:
+        return obj[0], obj[1], "auto"
+    if isinstance(obj, Tensor):
+        return obj, _load_labels(_required_labels(labels_path, path)), "auto"
+    raise ValueError(f"expected a dict, a (scores, labels) pair or a tensor, got {type(obj).__name__}.")
+
+
+def _load_array(path: Path) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"not a readable .npy file ({err}).") from None
+
+
+def _load_labels(path: str | Path) -> Any:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such labels file: {path}")
+    suffix = path.suffix.lower()
+    if suffix == ".npy":
+        return _load_array(path)
+    if suffix in (".pt", ".pth"):
+        return torch.load(path, map_location="cpu", weights_only=True)
+    if suffix in (".csv", ".txt"):
+        try:
+            return np.loadtxt(path, delimiter="," if suffix == ".csv" else None, ndmin=1)
+        except ValueError as err:
+            raise ValueError(f"{path}: labels must be one number per line ({err}).") from None
+    raise ValueError(f"unsupported labels file type {path.suffix!r}; use .npy, .pt, .csv or .txt.")
+
+
+def _sibling_labels(path: Path) -> Path:
+    """Find the labels file that goes with a ``.npy`` scores file, by name."""
+    stem = path.stem
+    candidates = [path.with_name(stem.replace(word, "labels") + ".npy")
+                  for word in ("logits", "scores", "probs") if word in stem]
+    candidates += [path.with_name("labels.npy"), path.with_name("targets.npy")]
+    for candidate in candidates:
+        if candidate != path and candidate.is_file():
+            return candidate
+    raise ValueError(
+        f"no labels file found next to it (looked for {', '.join(c.name for c in candidates)}); "
+        f"pass the labels file explicitly (--labels)."
+    )
+
+
+def _required_labels(labels_path: str | Path | None, path: Path) -> str | Path:
+    if labels_path is None:
+        raise ValueError("the file holds scores only; pass the labels file explicitly (--labels).")
+    return labels_path
+
+
+def _read_csv(path: Path) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    with path.open(newline="") as f:
+        rows = list(csv.reader(f))
+    if not rows:
+        raise ValueError("the CSV file is empty.")
+    header = [name.strip() for name in rows[0]]
+    if all(_is_number(cell) for cell in header):
+        raise ValueError("a CSV file needs a header row naming its columns, with one column 'label'.")
+    label_cols = [i for i, name in enumerate(header) if name.lower() in _CSV_LABEL_COLUMNS]
+    try:
+        table = np.array([[float(cell) for cell in row] for row in rows[1:] if row], dtype=np.float64)
+    except ValueError as err:
+        raise ValueError(f"every CSV cell after the header must be a number ({err}).") from None
+    if table.ndim != 2 or table.shape[1] != len(header):
+        raise ValueError(f"every CSV row must have {len(header)} cells, like the header.")
+    if not label_cols:
+        return table, None
+    score_cols = [i for i in range(len(header)) if i != label_cols[0]]
+    return table[:, score_cols], table[:, label_cols[0]]
+
+
+def _is_number(cell: str) -> bool:
+    try:
+        float(cell)
+    except ValueError:
+        return False
+    return True
+
+
+# --- interpreting the content --------------------------------------------------------------------
+
+def _as_labels(labels: Any) -> Tensor:
+    """Class indices as int64 (N,): accepts (N, 1), bool, unsigned and whole-number floats."""
+    labels = as_tensor(np.asarray(labels) if not isinstance(labels, Tensor) else labels, "labels")
+    if labels.ndim == 2 and labels.shape[1] == 1:
+        labels = labels[:, 0]
+    if torch.is_floating_point(labels):
+        if not bool(torch.isfinite(labels).all()):
+            raise ValueError("labels contain NaN or infinite values.")
+        if not bool((labels == labels.round()).all()):
+            raise ValueError("labels must be whole numbers (class indices 0..K-1).")
+    return labels.long()
+
+
+def _to_logits(scores: np.ndarray, kind: InputKind, reason: str, priors: Any) -> tuple[Tensor, str]:
+    """Interpret ``scores`` as ``kind`` (or detect it for ``"auto"``); return logits and a note."""
+    if scores.dtype.kind not in "fiub" or scores.ndim not in (1, 2) or scores.size == 0:
+        raise ValueError(f"scores must be a non-empty (N, K) or (N,) array of numbers, got shape "
+                         f"{scores.shape} and dtype {scores.dtype}.")
+    dtype = torch.float64 if scores.dtype == np.float64 else torch.float32
+    values = torch.from_numpy(np.ascontiguousarray(scores)).to(dtype)
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError(f"scores contain {int((~torch.isfinite(values)).sum())} NaN or infinite values.")
+    if values.ndim == 1 or values.shape[1] == 1:
+        return _one_column_to_logits(values.reshape(-1), kind, reason, priors)
+    return _columns_to_logits(values, kind, reason)
+
+
+def _one_column_to_logits(values: Tensor, kind: InputKind, reason: str, priors: Any) -> tuple[Tensor, str]:
+    ask = "say whether it holds probabilities of class 1 (--input probs) or LLRs (--input llr)"
+    if kind == "logits":
+        raise ValueError(f"one score column cannot be read as logits; {ask}.")
+    if kind == "auto":
+        if _in_unit_interval(values):
+            raise ValueError(f"one score column with every value in [0, 1]: {ask}.")
+        kind, note = "llr", "binary log-likelihood ratios (one score column with values outside [0, 1])"
+    else:
+        note = ("binary probabilities of class 1" if kind == "probs" else "binary log-likelihood ratios") + f" ({reason})"
+    if kind == "llr":
+        prior_note = "uniform priors" if priors is None else "the given priors"
+        return binary_scores_to_logits(values, "llr", priors), f"{note}, turned into posteriors with {prior_note}"
+    return binary_scores_to_logits(values, "probability"), note + _floor_note(torch.stack([1 - values, values], 1))
+
+
+def _columns_to_logits(values: Tensor, kind: InputKind, reason: str) -> tuple[Tensor, str]:
+    if kind == "llr":
+        raise ValueError(f"LLRs must be one score column; these scores have {values.shape[1]} columns.")
+    if kind == "logits":
+        return values, f"logits ({reason})"
+    row_sums = values.sum(1, dtype=torch.float64)
+    if kind == "auto":
+        if not (_in_unit_interval(values) and bool(((row_sums - 1).abs() < 1e-4).all())):
+            return values, "logits"
+        note = "probabilities (every row lies in [0, 1] and sums to 1; pass --input logits to override)"
+    else:
+        note = f"probabilities ({reason})"
+        if not _in_unit_interval(values):
+            raise ValueError("scores read as probabilities must lie in [0, 1]; found values outside. Are these logits?")
+        worst = int((row_sums - 1).abs().argmax())
+        if abs(float(row_sums[worst]) - 1) > 1e-3:
+            raise ValueError(f"rows of probabilities must sum to one; row {worst} sums to {float(row_sums[worst]):.6g}.")
+    return _log_probs(values), note + _floor_note(values)
+
+
+def _in_unit_interval(values: Tensor) -> bool:
+    return bool(((values >= 0) & (values <= 1)).all())
+
+
+def _log_probs(probs: Tensor) -> Tensor:
+    return probs.clamp_min(PROBABILITY_FLOOR).log()
+
+
+def _floor_note(probs: Tensor) -> str:
+    zeros = int((probs == 0).sum())
+    return f"; {zeros} zero probabilities floored at {PROBABILITY_FLOOR:g}" if zeros else ""

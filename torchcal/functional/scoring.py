@@ -14,7 +14,7 @@ always outputs the priors: the prior entropy for cross-entropy, ``sum_k P_k (1 -
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -26,6 +26,11 @@ __all__ = [
     "brier_per_sample",
     "class_weights",
     "weighted_mean",
+    "class_sums",
+    "prior_weighted_mean",
+    "epsr_from_class_sums",
+    "SumDecomposition",
+    "epsr_terms",
     "class_frequencies",
     "naive_cross_entropy",
     "naive_brier_score",
@@ -92,14 +97,108 @@ def weighted_mean(per_sample: Tensor, labels: Tensor, weights: Optional[Tensor])
     return torch.where(w > 0, w * per_sample, torch.zeros_like(per_sample)).sum() / per_sample.shape[0]
 
 
+def class_sums(per_sample: Tensor, labels: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:
+    """Per-class sums of ``per_sample`` (N,) and per-class counts, both (K,) float64.
+
+    These are the sufficient statistics of every prior-weighted mean: see ``prior_weighted_mean``.
+    """
+    sums = torch.zeros(num_classes, dtype=torch.float64, device=labels.device)
+    sums = sums.index_add(0, labels, per_sample.to(torch.float64))
+    counts = torch.bincount(labels, minlength=num_classes).to(torch.float64)
+    return sums, counts
+
+
+def prior_weighted_mean(sums: Tensor, counts: Tensor, priors: Optional[Tensor] = None) -> Tensor:
+    """``sum_h P[h] * sums[h] / counts[h]`` from per-class ``sums`` and ``counts`` (..., K).
+
+    Equals ``weighted_mean`` of the per-sample values; without ``priors`` it is the plain mean
+    ``sums.sum() / counts.sum()``. Leading dimensions broadcast (e.g. bootstrap replicates).
+    A class with a positive prior and no sample raises ``ValueError``; a class with prior 0
+    contributes 0 even when its sum is infinite.
+    """
+    if priors is None:
+        return sums.sum(-1) / counts.sum(-1)
+    num_classes = sums.shape[-1]
+    priors = check_priors(priors, num_classes, device=sums.device)
+    missing = (counts == 0) & (priors > 0)
+    if bool(missing.any()):
+        classes = missing.reshape(-1, num_classes).any(0).nonzero().flatten().tolist()
+        raise ValueError(
+            f"classes {classes} have a positive prior but no sample in the data, so they cannot be "
+            f"re-weighted; give them prior 0 or add samples."
+        )
+    terms = priors * sums / counts.clamp_min(1)
+    return torch.where(priors > 0, terms, torch.zeros_like(terms)).sum(-1)
+
+
 def naive_cross_entropy(priors: Tensor) -> Tensor:
-    """Cross-entropy of the system that always outputs ``priors``: the prior entropy (nats)."""
-    return -torch.special.xlogy(priors, priors).sum()
+    """Cross-entropy of the system that always outputs ``priors`` (..., K): the prior entropy (nats)."""
+    return -torch.special.xlogy(priors, priors).sum(-1)
 
 
 def naive_brier_score(priors: Tensor) -> Tensor:
-    """Brier score (0..2 scale) of the system that always outputs ``priors``."""
-    return (priors * (1 - priors)).sum()
+    """Brier score (0..2 scale) of the system that always outputs ``priors`` (..., K)."""
+    return (priors * (1 - priors)).sum(-1)
+
+
+def epsr_from_class_sums(
+    sums: Tensor,
+    counts: Tensor,
+    naive: Callable[[Tensor], Tensor],
+    priors: Optional[Tensor] = None,
+    normalize: bool = False,
+) -> Tensor:
+    """An expected proper scoring rule from per-class loss ``sums`` and ``counts`` (..., K).
+
+    ``naive`` maps priors to the score of the naive system (``naive_cross_entropy`` or
+    ``naive_brier_score``); it is used only with ``normalize=True``, with the empirical class
+    frequencies ``counts / counts.sum()`` when ``priors`` is None.
+    """
+    score = prior_weighted_mean(sums, counts, priors)
+    if not normalize:
+        return score
+    reference = counts / counts.sum(-1, keepdim=True) if priors is None else check_priors(
+        priors, sums.shape[-1], device=sums.device
+    )
+    return score / naive(reference)
+
+
+class SumDecomposition(NamedTuple):
+    """A metric written as ``reduce(*class_sums(per_sample, labels, num_classes))``.
+
+    Every prior-weighted mean of a per-sample value (scoring rules, expected cost) has this form;
+    streaming metrics accumulate the per-class sums, and the bootstrap evaluates ``reduce`` on the
+    per-class sums of all replicates at once.
+    """
+
+    per_sample: Tensor  # (N,)
+    labels: Tensor  # (N,)
+    num_classes: int
+    reduce: Callable[[Tensor, Tensor], Tensor]  # (sums (..., K), counts (..., K)) -> (...)
+
+    def evaluate(self) -> Tensor:
+        return self.reduce(*class_sums(self.per_sample, self.labels, self.num_classes))
+
+
+def epsr_terms(
+    per_sample: Callable[[Tensor, Tensor], Tensor],
+    naive: Callable[[Tensor], Tensor],
+    logits: Tensor,
+    labels: Tensor,
+    priors: Optional[Tensor] = None,
+    normalize: bool = False,
+) -> SumDecomposition:
+    """Validate the inputs of an EPSR and return its ``SumDecomposition``."""
+    logits, labels = check_logits_and_labels(logits, labels)
+    num_classes = logits.shape[1]
+    if priors is not None:
+        priors = check_priors(priors, num_classes, device=logits.device)
+    log_probs = torch.log_softmax(logits.to(torch.float64), dim=1)
+
+    def reduce(sums: Tensor, counts: Tensor) -> Tensor:
+        return epsr_from_class_sums(sums, counts, naive, priors, normalize)
+
+    return SumDecomposition(per_sample(log_probs, labels), labels, num_classes, reduce)
 
 
 def _epsr(
@@ -110,17 +209,7 @@ def _epsr(
     priors: Optional[Tensor],
     normalize: bool,
 ) -> Tensor:
-    logits, labels = check_logits_and_labels(logits, labels)
-    num_classes = logits.shape[1]
-    log_probs = torch.log_softmax(logits.to(torch.float64), dim=1)
-    weights = class_weights(labels, num_classes, priors)
-    score = weighted_mean(per_sample(log_probs, labels), labels, weights)
-    if not normalize:
-        return score
-    reference = class_frequencies(labels, num_classes) if priors is None else check_priors(
-        priors, num_classes, device=logits.device
-    )
-    return score / naive(reference)
+    return epsr_terms(per_sample, naive, logits, labels, priors, normalize).evaluate()
 
 
 def cross_entropy(

@@ -1,0 +1,171 @@
+"""Bootstrap confidence intervals for any metric (percentile method; Ferrer & Ramos, App. E).
+
+Each replicate draws N samples with replacement and recomputes the metric. Two paths, chosen
+automatically, give the same replicates for the same seed:
+
+- fast path, for metrics that are prior-weighted means of a per-sample value (``cross_entropy``,
+  ``brier_score``, ``expected_cost``, ``bayes_risk``, ``error_rate``, ``balanced_error_rate``,
+  with any of their options): the per-sample values are computed once, and every replicate is a
+  weighted reduction of them, evaluated for a chunk of replicates at once;
+- general path, for any other ``metric_fn`` or when a ``calibrator`` is given: a loop that calls
+  ``metric_fn`` on each resampled data set, handing it a fresh copy of the calibrator.
+
+The resampled data contain duplicates, so a calibrator cross-validated inside a replicate may see
+copies of a test sample in its training folds; this bias is small for smooth calibrators.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import partial
+from typing import Any, Callable, Iterator, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from torchcal._validation import as_tensor
+from torchcal.functional.decisions import (
+    balanced_error_rate,
+    balanced_error_rate_terms,
+    bayes_risk,
+    bayes_risk_terms,
+    error_rate,
+    error_rate_terms,
+    expected_cost,
+    expected_cost_terms,
+)
+from torchcal.functional.scoring import (
+    SumDecomposition,
+    brier_per_sample,
+    brier_score,
+    cross_entropy,
+    epsr_terms,
+    log_loss_per_sample,
+    naive_brier_score,
+    naive_cross_entropy,
+)
+
+__all__ = ["BootstrapResult", "bootstrap", "sum_decomposition", "resample_indices"]
+
+#: Index elements generated per chunk of replicates (bounds the memory of the fast path).
+CHUNK_ELEMENTS = 1 << 22
+
+_SUM_DECOMPOSITIONS: dict[Callable[..., Tensor], Callable[..., SumDecomposition]] = {
+    cross_entropy: partial(epsr_terms, log_loss_per_sample, naive_cross_entropy),
+    brier_score: partial(epsr_terms, brier_per_sample, naive_brier_score),
+    expected_cost: expected_cost_terms,
+    bayes_risk: bayes_risk_terms,
+    error_rate: error_rate_terms,
+    balanced_error_rate: balanced_error_rate_terms,
+}
+
+
+class BootstrapResult(NamedTuple):
+    estimate: Tensor  # the metric on the original data
+    lower: Tensor  # lower end of the percentile interval
+    upper: Tensor  # upper end
+    replicates: Tensor  # (num_replicates, ...) the metric on each resampled data set
+
+
+def sum_decomposition(metric_fn: Callable[..., Any]) -> Optional[Callable[..., SumDecomposition]]:
+    """The function returning the ``SumDecomposition`` of ``metric_fn``, or None if it has none."""
+    return _SUM_DECOMPOSITIONS.get(metric_fn)
+
+
+def resample_indices(num_samples: int, num_replicates: int, seed: int) -> Iterator[Tensor]:
+    """Chunks (b, N) of bootstrap indices, drawn from a generator seeded with ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    chunk = max(1, CHUNK_ELEMENTS // num_samples)
+    for start in range(0, num_replicates, chunk):
+        size = min(chunk, num_replicates - start)
+        yield torch.randint(num_samples, (size, num_samples), generator=generator)
+
+
+def _replicates_by_reduction(terms: SumDecomposition, num_replicates: int, seed: int) -> Tensor:
+    per_sample, labels = terms.per_sample.to(torch.float64), terms.labels
+    values = []
+    for index in resample_indices(labels.shape[0], num_replicates, seed):
+        index = index.to(labels.device)
+        drawn = labels[index]  # (b, N) class of each draw
+        shape = (index.shape[0], terms.num_classes)
+        sums = per_sample.new_zeros(shape).scatter_add_(1, drawn, per_sample[index])
+        counts = per_sample.new_zeros(shape).scatter_add_(1, drawn, torch.ones_like(sums[:, :1]).expand_as(index))
+        values.append(terms.reduce(sums, counts))
+    return torch.cat(values)
+
+
+def _as_float64(value: Any) -> Tensor:
+    """A metric's value as a float64 tensor; tuples (e.g. ``CalibrationLossResult``) are stacked."""
+    if isinstance(value, tuple):
+        return torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in value])
+    return torch.as_tensor(value, dtype=torch.float64)
+
+
+def bootstrap(
+    metric_fn: Callable[..., Any],
+    logits: Tensor,
+    labels: Tensor,
+    num_replicates: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+    calibrator: Optional[Any] = None,
+    **metric_kwargs: Any,
+) -> BootstrapResult:
+    """Percentile bootstrap interval of ``metric_fn(logits, labels, **metric_kwargs)``.
+
+    Args:
+        metric_fn: any function of ``(logits, labels, **metric_kwargs)`` returning a tensor or a
+            tuple of scalars (stacked into a vector). The torchcal scoring rules and expected-cost
+            functions take the fast path.
+        logits: (N, K) scores, or the (N,) decisions for ``expected_cost``; resampled along dim 0.
+        labels: (N,) class indices.
+        num_replicates: number of bootstrap replicates B.
+        confidence: coverage of the interval, e.g. 0.95 for the 2.5 % and 97.5 % percentiles.
+        seed: seed of the resampling (the same seed gives the same replicates on both paths).
+        calibrator: if given, every call of ``metric_fn`` receives ``calibrator=`` a fresh deep
+            copy of it, e.g. with ``cross_validated_calibration_loss`` to refit the calibrator
+            inside each replicate.
+        **metric_kwargs: passed to ``metric_fn`` (e.g. ``priors=``, ``normalize=``, ``costs=``).
+
+    Example:
+        >>> import torch
+        >>> from torchcal.functional import cross_entropy
+        >>> logits, labels = torch.randn(500, 3), torch.randint(0, 3, (500,))
+        >>> result = bootstrap(cross_entropy, logits, labels, num_replicates=200)
+        >>> bool(result.lower < result.estimate < result.upper), result.replicates.shape
+        (True, torch.Size([200]))
+    """
+    if isinstance(num_replicates, bool) or not isinstance(num_replicates, int) or num_replicates < 1:
+        raise ValueError(f"num_replicates must be a positive integer, got {num_replicates!r}.")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must lie strictly between 0 and 1, got {confidence}.")
+    logits, labels = as_tensor(logits, "logits"), as_tensor(labels, "labels")
+    if logits.ndim == 0 or labels.ndim == 0 or logits.shape[0] != labels.shape[0]:
+        raise ValueError(
+            f"logits and labels must have the same number N of rows to resample, got shapes "
+            f"{tuple(logits.shape)} and {tuple(labels.shape)}."
+        )
+
+    terms = sum_decomposition(metric_fn) if calibrator is None else None
+    if terms is not None:
+        decomposition = terms(logits, labels, **metric_kwargs)
+        estimate = decomposition.evaluate()
+        replicates = _replicates_by_reduction(decomposition, num_replicates, seed)
+    else:
+
+        def call(x: Tensor, y: Tensor) -> Tensor:
+            extra = {} if calibrator is None else {"calibrator": copy.deepcopy(calibrator)}
+            return _as_float64(metric_fn(x, y, **metric_kwargs, **extra))
+
+        estimate = call(logits, labels)
+        replicates = torch.stack(
+            [
+                call(logits[index.to(logits.device)], labels[index.to(labels.device)])
+                for chunk in resample_indices(labels.shape[0], num_replicates, seed)
+                for index in chunk
+            ]
+        )
+    alpha = (1 - confidence) / 2
+    levels = torch.tensor([alpha, 1 - alpha], dtype=torch.float64, device=replicates.device)
+    lower, upper = torch.quantile(replicates, levels, dim=0)
+    return BootstrapResult(estimate, lower, upper, replicates)

@@ -1,0 +1,116 @@
+"""Calibration loss (Ferrer & Ramos): how much of a score a calibration transform removes.
+
+``absolute = EPSR(raw) - EPSR(calibrated)`` and ``relative = 100 * absolute / EPSR(raw)`` (percent),
+for an expected proper scoring rule (EPSR) such as cross-entropy or the Brier score. The
+calibrated scores should come from a calibrator trained on other data than the one scored:
+held-out data, or cross-validation (``cross_validated_calibration_loss``). A calibrator that
+makes things worse gives a negative loss.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, NamedTuple, Optional
+
+from torch import Tensor
+
+from torchcal._validation import check_logits, check_logits_and_labels
+from torchcal.functional.scoring import cross_entropy
+
+__all__ = [
+    "CalibrationLossResult",
+    "calibration_loss",
+    "calibration_loss_from_scores",
+    "cross_validated_calibration_loss",
+]
+
+Score = Callable[..., Tensor]
+
+
+class CalibrationLossResult(NamedTuple):
+    absolute: Tensor  # EPSR(raw) - EPSR(calibrated), in the score's units
+    relative: Tensor  # 100 * absolute / EPSR(raw), in percent
+
+
+def calibration_loss_from_scores(raw: Tensor, calibrated: Tensor) -> CalibrationLossResult:
+    """``CalibrationLossResult`` from the EPSR of the raw and of the calibrated scores.
+
+    Raises ``ValueError`` when ``raw`` is not positive (the relative loss is undefined).
+    """
+    if not bool(raw > 0):
+        raise ValueError(
+            f"the raw score is {float(raw):.6g}, but the relative calibration loss needs a positive "
+            f"raw score (a perfect raw score leaves nothing to calibrate)."
+        )
+    absolute = raw - calibrated
+    return CalibrationLossResult(absolute, 100 * absolute / raw)
+
+
+def _score(score: Score, logits: Tensor, labels: Tensor, priors: Optional[Tensor]) -> Tensor:
+    return score(logits, labels) if priors is None else score(logits, labels, priors=priors)
+
+
+def calibration_loss(
+    raw_logits: Tensor,
+    calibrated_logits: Tensor,
+    labels: Tensor,
+    score: Score = cross_entropy,
+    priors: Optional[Tensor] = None,
+) -> CalibrationLossResult:
+    """Absolute and relative (%) calibration loss of ``score`` between raw and calibrated scores.
+
+    Args:
+        raw_logits: (N, K) scores before calibration.
+        calibrated_logits: (N, K) the same samples after calibration (log-posteriors).
+        labels: (N,) class indices in [0, K).
+        score: an EPSR ``score(logits, labels[, priors=...])``, e.g. ``cross_entropy`` or
+            ``brier_score``; use ``functools.partial`` to fix other arguments.
+        priors: optional (K,) deployment priors passed to ``score``.
+
+    Example:
+        >>> import torch
+        >>> raw = torch.tensor([[3., 0.], [0., 3.], [3., 0.], [0., 3.]])
+        >>> result = calibration_loss(raw, raw / 3, torch.tensor([0, 1, 1, 0]))
+        >>> round(float(result.absolute), 4), round(float(result.relative), 2)
+        (0.7353, 47.48)
+    """
+    raw_logits, labels = check_logits_and_labels(raw_logits, labels)
+    calibrated_logits = check_logits(calibrated_logits, "calibrated_logits", num_classes=raw_logits.shape[1])
+    if calibrated_logits.shape[0] != raw_logits.shape[0]:
+        raise ValueError(
+            f"calibrated_logits has {calibrated_logits.shape[0]} rows but raw_logits has "
+            f"{raw_logits.shape[0]}; they must describe the same samples."
+        )
+    return calibration_loss_from_scores(
+        _score(score, raw_logits, labels, priors), _score(score, calibrated_logits, labels, priors)
+    )
+
+
+def cross_validated_calibration_loss(
+    logits: Tensor,
+    labels: Tensor,
+    calibrator: Any,
+    score: Score = cross_entropy,
+    priors: Optional[Tensor] = None,
+    folds: int = 5,
+    seed: int = 0,
+) -> CalibrationLossResult:
+    """Calibration loss with out-of-fold calibrated scores from ``torchcal.cross_validate``.
+
+    Each sample is calibrated by a copy of ``calibrator`` fitted on the other folds (stratified),
+    which is Ferrer & Ramos' protocol when no separate calibration data exist. ``calibrator`` is
+    not modified.
+
+    Args:
+        logits: (N, K) scores before calibration.
+        labels: (N,) class indices in [0, K).
+        calibrator: an unfitted torchcal calibrator, e.g. ``torchcal.AffineCalibration()``.
+        score, priors: as in ``calibration_loss``.
+        folds: number of cross-validation folds.
+        seed: seed of the fold assignment.
+    """
+    from torchcal import cross_validate  # torchcal's top level imports this module
+
+    logits, labels = check_logits_and_labels(logits, labels)
+    calibrated = cross_validate(copy.deepcopy(calibrator), logits, labels, folds=folds, seed=seed)
+    return calibration_loss(logits, calibrated, labels, score, priors)

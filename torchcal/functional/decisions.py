@@ -1,0 +1,258 @@
+"""Expected cost of hard decisions, Bayes decisions and the Bayes risk (Ferrer, §2–3).
+
+A cost matrix ``costs: (K, M)`` has one row per true class and one column per decision;
+``M > K`` is allowed (e.g. an "abstain" column). With class priors ``P`` (the empirical class
+frequencies unless given) and ``R[i, j]`` the fraction of class ``i`` that received decision ``j``,
+
+    EC  = sum_ij costs[i, j] * P[i] * R[i, j]
+    NEC = EC / min_j sum_i costs[i, j] * P[i]
+
+where the denominator is the cost of the best naive system, the one that always makes the same
+decision. EC is the prior-weighted mean of the per-sample cost ``costs[y_t, d_t]``, so it is
+computed, like the scoring rules, from per-class sums (``scoring.class_sums``).
+
+Bayes decisions minimise the expected cost under the posteriors: ``argmin_j (q @ costs)[j]``.
+Ties go to the lowest decision index (with 0-1 costs: the first maximal posterior).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from torchcal._validation import (
+    as_tensor,
+    check_costs,
+    check_labels,
+    check_logits,
+    check_logits_and_labels,
+    check_priors,
+)
+from torchcal.functional.scoring import SumDecomposition, prior_weighted_mean
+
+__all__ = [
+    "zero_one_costs",
+    "bayes_decisions",
+    "expected_cost",
+    "bayes_risk",
+    "error_rate",
+    "balanced_error_rate",
+    "expected_cost_from_class_sums",
+    "expected_cost_terms",
+    "bayes_risk_terms",
+    "error_rate_terms",
+    "balanced_error_rate_terms",
+]
+
+
+def zero_one_costs(num_classes: int, abstain: Optional[float] = None) -> Tensor:
+    """The 0-1 cost matrix (K, K), or (K, K + 1) with a last "abstain" column costing ``abstain``.
+
+    Example:
+        >>> zero_one_costs(2, abstain=0.1)
+        tensor([[0.0000, 1.0000, 0.1000],
+                [1.0000, 0.0000, 0.1000]], dtype=torch.float64)
+    """
+    if num_classes < 2:
+        raise ValueError(f"num_classes must be at least 2, got {num_classes}.")
+    costs = 1 - torch.eye(num_classes, dtype=torch.float64)
+    if abstain is None:
+        return costs
+    if not 0 <= abstain:
+        raise ValueError(f"abstain must be a non-negative cost, got {abstain}.")
+    return torch.cat([costs, torch.full((num_classes, 1), float(abstain), dtype=torch.float64)], dim=1)
+
+
+def bayes_decisions(logits: Tensor, costs: Tensor) -> Tensor:
+    """Decisions (N,) int64 minimising the expected cost ``softmax(logits) @ costs`` (N, M).
+
+    Ties go to the lowest decision index. The posteriors are used as they are: to decide for
+    deployment priors ``P_new`` when the scores carry training priors ``P_train``, shift the
+    logits first, ``logits + log(P_new) - log(P_train)`` (Ferrer, eq. 45).
+
+    Args:
+        logits: (N, K) scores; any unnormalised log-posteriors.
+        costs: (K, M) cost matrix, rows true classes, columns decisions.
+
+    Example:
+        >>> import torch
+        >>> probs = torch.tensor([[0.7, 0.3], [0.5, 0.5], [0.1, 0.9]])
+        >>> bayes_decisions(probs.log(), zero_one_costs(2))
+        tensor([0, 0, 1])
+        >>> bayes_decisions(probs.log(), zero_one_costs(2, abstain=0.2))  # abstain = decision 2
+        tensor([2, 2, 1])
+    """
+    logits = check_logits(logits)
+    costs = check_costs(costs, logits.shape[1], device=logits.device)
+    return (torch.softmax(logits.to(torch.float64), dim=1) @ costs).argmin(dim=1)
+
+
+def expected_cost_from_class_sums(
+    sums: Tensor,
+    counts: Tensor,
+    costs: Tensor,
+    priors: Optional[Tensor] = None,
+    normalize: bool = False,
+) -> Tensor:
+    """EC (or NEC) from per-class sums of the per-sample cost and per-class counts (..., K).
+
+    Raises ``ValueError`` for NEC when the best naive system costs 0 (nothing to normalise by).
+    """
+    ec = prior_weighted_mean(sums, counts, priors)
+    if not normalize:
+        return ec
+    reference = counts / counts.sum(-1, keepdim=True) if priors is None else check_priors(
+        priors, sums.shape[-1], device=sums.device
+    )
+    naive = (reference @ costs).amin(-1)  # the cheapest constant decision
+    if bool((naive <= 0).any()):
+        raise ValueError(
+            "the best naive decision has zero expected cost under these costs and priors, so the "
+            "normalised expected cost is undefined; use normalize=False or check the cost matrix."
+        )
+    return ec / naive
+
+
+def expected_cost_terms(
+    decisions: Tensor,
+    labels: Tensor,
+    costs: Tensor,
+    priors: Optional[Tensor] = None,
+    normalize: bool = False,
+) -> SumDecomposition:
+    """Validate the inputs of ``expected_cost`` and return its ``SumDecomposition``.
+
+    The per-sample value is the cost ``costs[labels[t], decisions[t]]``.
+    """
+    costs = as_tensor(costs, "costs")
+    costs = check_costs(costs, costs.shape[0] if costs.ndim else 0)
+    labels = as_tensor(labels, "labels")
+    labels = check_labels(labels, labels.shape[0] if labels.ndim == 1 else labels.numel(), costs.shape[0])
+    if labels.shape[0] == 0:
+        raise ValueError("labels are empty (N = 0): at least one sample is needed.")
+    decisions = check_labels(decisions, labels.shape[0], costs.shape[1], name="decisions")
+    if priors is not None:
+        priors = check_priors(priors, costs.shape[0], device=costs.device)
+    costs = costs.to(labels.device)
+
+    def reduce(sums: Tensor, counts: Tensor) -> Tensor:
+        return expected_cost_from_class_sums(sums, counts, costs, priors, normalize)
+
+    return SumDecomposition(costs[labels, decisions.to(labels.device)], labels, costs.shape[0], reduce)
+
+
+def expected_cost(
+    decisions: Tensor,
+    labels: Tensor,
+    costs: Tensor,
+    priors: Optional[Tensor] = None,
+    normalize: bool = False,
+) -> Tensor:
+    """Expected cost EC of hard decisions, or NEC with ``normalize=True`` (Ferrer, eq. 4–6).
+
+    Args:
+        decisions: (N,) decision indices in [0, M).
+        labels: (N,) class indices in [0, K).
+        costs: (K, M) cost matrix, rows true classes, columns decisions.
+        priors: optional (K,) deployment priors; the default is the empirical class frequencies.
+        normalize: divide by the cost of the best naive system ``min_j sum_i costs[i, j] P[i]``
+            (NEC); ``ValueError`` if that is 0.
+
+    Example (Ferrer's micro test):
+        >>> import torch
+        >>> labels = torch.tensor([0, 1, 0, 0, 1, 0])
+        >>> decisions = torch.tensor([0, 1, 0, 0, 2, 2])
+        >>> costs = torch.tensor([[0, 1, .5], [1, 0, .5]])
+        >>> round(float(expected_cost(decisions, labels, costs)), 6)
+        0.166667
+        >>> float(expected_cost(decisions, labels, costs, normalize=True))
+        0.5
+    """
+    return expected_cost_terms(decisions, labels, costs, priors, normalize).evaluate()
+
+
+def bayes_risk_terms(
+    logits: Tensor,
+    labels: Tensor,
+    costs: Tensor,
+    priors: Optional[Tensor] = None,
+    normalize: bool = False,
+) -> SumDecomposition:
+    """``expected_cost_terms`` of the Bayes decisions of ``logits``."""
+    logits, labels = check_logits_and_labels(logits, labels)
+    return expected_cost_terms(bayes_decisions(logits, costs), labels, costs, priors, normalize)
+
+
+def bayes_risk(
+    logits: Tensor,
+    labels: Tensor,
+    costs: Tensor,
+    priors: Optional[Tensor] = None,
+    normalize: bool = False,
+) -> Tensor:
+    """Expected cost of the Bayes decisions of ``logits`` (Ferrer's EC~, a proper scoring rule).
+
+    ``priors`` weight the classes in the evaluation; the decisions use the posteriors as they are
+    (see ``bayes_decisions``).
+
+    Args:
+        logits: (N, K) scores; any unnormalised log-posteriors.
+        labels: (N,) class indices in [0, K).
+        costs: (K, M) cost matrix.
+        priors: optional (K,) deployment priors for the evaluation.
+        normalize: divide by the cost of the best naive system.
+
+    Example:
+        >>> import torch
+        >>> probs = torch.tensor([[.8, .2], [.3, .7], [.6, .4], [.1, .9]])
+        >>> labels = torch.tensor([0, 1, 1, 1])
+        >>> float(bayes_risk(probs.log(), labels, zero_one_costs(2)))
+        0.25
+        >>> float(bayes_risk(probs.log(), labels, zero_one_costs(2), normalize=True))
+        1.0
+    """
+    return bayes_risk_terms(logits, labels, costs, priors, normalize).evaluate()
+
+
+def error_rate(logits: Tensor, labels: Tensor) -> Tensor:
+    """Fraction of samples whose first maximal posterior is not the true class.
+
+    The Bayes risk under 0-1 costs with the empirical priors (``bayes_risk(..., zero_one_costs(K))``).
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[2., 0.], [0., 1.], [1., 1.]])
+        >>> round(float(error_rate(logits, torch.tensor([0, 0, 1]))), 6)
+        0.666667
+    """
+    return error_rate_terms(logits, labels).evaluate()
+
+
+def error_rate_terms(logits: Tensor, labels: Tensor) -> SumDecomposition:
+    """``SumDecomposition`` of ``error_rate``."""
+    logits = check_logits(logits)
+    return bayes_risk_terms(logits, labels, zero_one_costs(logits.shape[1]))
+
+
+def balanced_error_rate(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean over classes of the per-class error rate: the 0-1 Bayes risk with uniform priors.
+
+    Every class must have at least one sample.
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[2., 0.], [0., 1.], [3., 0.], [0., 2.]])
+        >>> float(balanced_error_rate(logits, torch.tensor([0, 0, 0, 1])))  # (1/3 + 0) / 2
+        0.16666666666666666
+    """
+    return balanced_error_rate_terms(logits, labels).evaluate()
+
+
+def balanced_error_rate_terms(logits: Tensor, labels: Tensor) -> SumDecomposition:
+    """``SumDecomposition`` of ``balanced_error_rate``."""
+    logits = check_logits(logits)
+    num_classes = logits.shape[1]
+    uniform = torch.full((num_classes,), 1 / num_classes, dtype=torch.float64)
+    return bayes_risk_terms(logits, labels, zero_one_costs(num_classes), priors=uniform)

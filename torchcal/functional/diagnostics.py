@@ -1,0 +1,359 @@
+"""Calibration diagnostics: reliability bins, the ECE family, ESCE and ECD.
+
+Binned diagnostics reduce the problem to C binary ones: a score in [0, 1] and a 0/1 target per
+sample and column, where the ``kind`` picks the columns (Silva Filho et al., §3.2):
+
+- ``"top-label"``: the confidence ``max_k q_k`` and whether the first maximal class is correct;
+- ``"binary"``: ``q_1`` and ``[y == 1]`` for K = 2 (class 1 is the positive class);
+- ``"class"``: ``q_j`` and ``[y == j]`` for one ``class_index`` j;
+- ``"classwise"``: all K columns ``q_k`` and ``[y == k]``.
+
+Bins. ``strategy="uniform"``: equal-width bins, right-closed with the first bin closed at 0,
+``[0, 1/M], (1/M, 2/M], ..., ((M-1)/M, 1]``, so a score of exactly 1.0 is in the last bin.
+``strategy="quantile"``: equal-mass bins whose interior edges are the k/M quantiles of each
+column's scores (linear interpolation, as ``numpy.quantile``), again right-closed; the outer edges
+are 0 and 1. Ties make equal-mass bins unequal, or empty. Either way, a score less than 1e-12
+above an interior edge counts as on the edge, so a score that is k/M up to the round-off of
+``softmax(log(p))`` lands in the same bin as k/M itself. Empty bins contribute 0 to every sum
+and are left out of the maximum. Bin sums are accumulated in float64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+from torch import Tensor
+
+from torchcal._validation import check_logits_and_labels
+
+__all__ = [
+    "ReliabilityBins",
+    "reliability_bins",
+    "expected_calibration_error",
+    "signed_calibration_error",
+    "entropic_calibration_difference",
+    "ecd_per_sample",
+    "binning_scores",
+    "uniform_edges",
+    "quantile_edges",
+    "bin_indices",
+    "bin_statistics",
+    "calibration_error_from_bins",
+]
+
+Kind = Literal["top-label", "binary", "class", "classwise"]
+Strategy = Literal["uniform", "quantile"]
+Norm = Literal["l1", "l2", "max"]
+Reduction = Literal["mean", "sum", "max"]
+
+EDGE_TOLERANCE = 1e-12
+
+
+@dataclass(frozen=True)
+class ReliabilityBins:
+    """Per-bin statistics of one binary reliability problem (M bins).
+
+    ``mean_score`` is the mean predicted probability in the bin and ``frequency`` the fraction of
+    positive targets (the accuracy for top-label bins); both are 0 in empty bins (``counts == 0``).
+    """
+
+    edges: Tensor  # (M + 1,)
+    counts: Tensor  # (M,)
+    mean_score: Tensor  # (M,)
+    frequency: Tensor  # (M,)
+
+
+def binning_scores(
+    log_probs: Tensor, labels: Tensor, kind: Kind, class_index: Optional[int] = None
+) -> tuple[Tensor, Tensor]:
+    """Scores (N, C) float64 and targets (N, C) bool of the binary problems that ``kind`` selects.
+
+    ``log_probs: (N, K)`` are normalised log-posteriors. C is 1, except K for ``"classwise"``.
+    """
+    probs = log_probs.to(torch.float64).exp()
+    num_classes = probs.shape[1]
+    if kind == "top-label":
+        predicted = probs.argmax(dim=1, keepdim=True)  # first maximal class on ties
+        return probs.gather(1, predicted), predicted == labels.unsqueeze(1)
+    if kind == "classwise":
+        return probs, torch.nn.functional.one_hot(labels, num_classes).bool()
+    if kind == "binary":
+        if num_classes != 2:
+            raise ValueError(f'kind="binary" needs K = 2 classes, got K = {num_classes}; use "classwise".')
+        class_index = 1
+    elif kind == "class":
+        if class_index is None or not 0 <= class_index < num_classes:
+            raise ValueError(f'kind="class" needs class_index in [0, {num_classes}), got {class_index}.')
+    else:
+        raise ValueError(f'kind must be "top-label", "binary", "class" or "classwise", got {kind!r}.')
+    return probs[:, class_index : class_index + 1], (labels == class_index).unsqueeze(1)
+
+
+def uniform_edges(n_bins: int) -> Tensor:
+    """Equal-width bin edges ``k / M``, k = 0..M; (M + 1,) float64.
+
+    Example:
+        >>> uniform_edges(4)
+        tensor([0.0000, 0.2500, 0.5000, 0.7500, 1.0000], dtype=torch.float64)
+    """
+    _check_n_bins(n_bins)
+    return torch.arange(n_bins + 1, dtype=torch.float64) / n_bins
+
+
+def quantile_edges(scores: Tensor, n_bins: int) -> Tensor:
+    """Equal-mass bin edges of each column of ``scores: (N, C)``; (C, M + 1) float64.
+
+    Interior edges are the k/M quantiles with linear interpolation between order statistics (the
+    default rule of ``numpy.quantile``); the outer edges are 0 and 1.
+
+    Example:
+        >>> quantile_edges(torch.tensor([[0.1], [0.2], [0.4], [0.9]]), 2)
+        tensor([[0.0000, 0.3000, 1.0000]], dtype=torch.float64)
+    """
+    _check_n_bins(n_bins)
+    ordered = scores.to(torch.float64).sort(dim=0).values
+    position = torch.arange(n_bins + 1, dtype=torch.float64, device=scores.device) * (scores.shape[0] - 1) / n_bins
+    lower = position.floor().long()
+    upper = position.ceil().long()
+    fraction = (position - lower).unsqueeze(1)
+    edges = ordered[lower] + fraction * (ordered[upper] - ordered[lower])
+    edges[0], edges[-1] = 0.0, 1.0
+    return edges.T.contiguous()
+
+
+def bin_indices(scores: Tensor, edges: Tensor) -> Tensor:
+    """Bin index in [0, M) of each score; ``scores: (N, C)``, ``edges: (M + 1,)`` or (C, M + 1).
+
+    Right-closed bins, the first closed at 0 (``torch.bucketize(..., right=False)`` on the interior
+    edges, shifted up by ``EDGE_TOLERANCE``).
+    """
+    interior = edges[..., 1:-1] + EDGE_TOLERANCE
+    if interior.ndim == 1:
+        return torch.bucketize(scores, interior, right=False)
+    return torch.searchsorted(interior.contiguous(), scores.T.contiguous(), right=False).T
+
+
+def bin_statistics(scores: Tensor, targets: Tensor, edges: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-bin ``counts``, ``score_sums`` and ``target_sums`` of each column, each (C, M) float64.
+
+    ``scores: (N, C)`` in [0, 1], ``targets: (N, C)`` bool, ``edges: (M + 1,)`` or (C, M + 1).
+    """
+    num_columns, n_bins = scores.shape[1], edges.shape[-1] - 1
+    offsets = n_bins * torch.arange(num_columns, device=scores.device)
+    flat = (bin_indices(scores, edges) + offsets).flatten()
+    size = num_columns * n_bins
+    counts = torch.bincount(flat, minlength=size).to(torch.float64)
+    score_sums = torch.bincount(flat, weights=scores.to(torch.float64).flatten(), minlength=size)
+    target_sums = torch.bincount(flat[targets.flatten()], minlength=size).to(torch.float64)
+    return tuple(x.reshape(num_columns, n_bins) for x in (counts, score_sums, target_sums))
+
+
+def calibration_error_from_bins(
+    counts: Tensor,
+    score_sums: Tensor,
+    target_sums: Tensor,
+    norm: Norm = "l1",
+    reduction: Reduction = "mean",
+) -> Tensor:
+    """Calibration error from per-bin statistics (C, M), reduced over the C columns to a scalar.
+
+    Per column, with ``gap_m = |target_sums_m - score_sums_m| / counts_m`` over non-empty bins:
+    ``l1`` is ``sum_m (counts_m / N) gap_m`` (ECE), ``l2`` is ``sqrt(sum_m (counts_m / N) gap_m^2)``
+    (RMS calibration error), ``max`` is ``max_m gap_m`` (MCE). ``reduction`` combines the columns.
+    """
+    n = counts.sum(-1)
+    gap = (target_sums - score_sums).abs() / counts.clamp_min(1)
+    if norm == "l1":
+        per_column = (target_sums - score_sums).abs().sum(-1) / n
+    elif norm == "l2":
+        per_column = ((counts / n.unsqueeze(-1)) * gap**2).sum(-1).sqrt()
+    elif norm == "max":
+        per_column = torch.where(counts > 0, gap, torch.zeros_like(gap)).amax(-1)
+    else:
+        raise ValueError(f'norm must be "l1", "l2" or "max", got {norm!r}.')
+    if reduction == "mean":
+        return per_column.mean(-1)
+    if reduction == "sum":
+        return per_column.sum(-1)
+    if reduction == "max":
+        return per_column.amax(-1)
+    raise ValueError(f'reduction must be "mean", "sum" or "max", got {reduction!r}.')
+
+
+def _check_n_bins(n_bins: int) -> None:
+    if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
+        raise ValueError(f"n_bins must be a positive integer, got {n_bins!r}.")
+
+
+def _edges(scores: Tensor, n_bins: int, strategy: Strategy) -> Tensor:
+    if strategy == "uniform":
+        return uniform_edges(n_bins).to(scores.device)
+    if strategy == "quantile":
+        return quantile_edges(scores, n_bins)
+    raise ValueError(f'strategy must be "uniform" or "quantile", got {strategy!r}.')
+
+
+def _binned(logits: Tensor, labels: Tensor, n_bins: int, strategy: Strategy, kind: Kind, class_index=None):
+    logits, labels = check_logits_and_labels(logits, labels)
+    log_probs = torch.log_softmax(logits.to(torch.float64), dim=1)
+    scores, targets = binning_scores(log_probs, labels, kind, class_index)
+    edges = _edges(scores, n_bins, strategy)
+    return log_probs, labels, scores, targets, edges
+
+
+def reliability_bins(
+    logits: Tensor,
+    labels: Tensor,
+    n_bins: int = 15,
+    strategy: Strategy = "uniform",
+    kind: Literal["top-label", "binary", "class"] = "top-label",
+    class_index: Optional[int] = None,
+) -> ReliabilityBins:
+    """Per-bin counts, mean scores and frequencies for a reliability diagram.
+
+    Args:
+        logits: (N, K) scores; any unnormalised log-posteriors.
+        labels: (N,) class indices in [0, K).
+        n_bins: number of bins M.
+        strategy: ``"uniform"`` (equal width) or ``"quantile"`` (equal mass); see the module notes.
+        kind: ``"top-label"`` (confidence vs accuracy), ``"binary"`` (class 1 of K = 2) or
+            ``"class"`` (``q_j`` vs ``[y == j]`` for ``class_index`` j).
+        class_index: the class j for ``kind="class"``.
+
+    Example:
+        >>> import torch
+        >>> probs = torch.tensor([[.9, .1], [.8, .2], [.4, .6], [.3, .7]], dtype=torch.float64)
+        >>> bins = reliability_bins(probs.log(), torch.tensor([0, 1, 1, 0]), n_bins=2)
+        >>> bins.counts, bins.frequency
+        (tensor([0., 4.], dtype=torch.float64), tensor([0.0000, 0.5000], dtype=torch.float64))
+    """
+    if kind == "classwise":
+        raise ValueError('reliability_bins describes one binary problem: use kind="class" with a class_index.')
+    _, _, scores, targets, edges = _binned(logits, labels, n_bins, strategy, kind, class_index)
+    counts, score_sums, target_sums = (x[0] for x in bin_statistics(scores, targets, edges))
+    return reliability_bins_from_sums(edges.reshape(-1, n_bins + 1)[0], counts, score_sums, target_sums)
+
+
+def reliability_bins_from_sums(edges: Tensor, counts: Tensor, score_sums: Tensor, target_sums: Tensor) -> ReliabilityBins:
+    """``ReliabilityBins`` from the per-bin sums (M,) of ``bin_statistics``."""
+    denominator = counts.clamp_min(1)
+    return ReliabilityBins(edges, counts, score_sums / denominator, target_sums / denominator)
+
+
+def expected_calibration_error(
+    logits: Tensor,
+    labels: Tensor,
+    n_bins: int = 15,
+    strategy: Strategy = "uniform",
+    kind: Literal["top-label", "binary", "classwise"] = "top-label",
+    norm: Norm = "l1",
+    reduction: Reduction = "mean",
+) -> Tensor:
+    """Binned calibration error: ECE (``norm="l1"``), RMS calibration error (``"l2"``), MCE (``"max"``).
+
+    ``kind="top-label"`` is the confidence ECE of Guo et al.; ``"binary"`` bins ``q_1`` for K = 2;
+    ``"classwise"`` computes the class-j ECE of every class and combines them with ``reduction``:
+    ``"mean"`` (the survey's classwise-ECE), ``"sum"`` (Kull et al. 2019's tables) or ``"max"``
+    (``norm="max", reduction="max"`` is the survey's classwise-MCE).
+
+    Args:
+        logits: (N, K) scores; any unnormalised log-posteriors.
+        labels: (N,) class indices in [0, K).
+        n_bins: number of bins M.
+        strategy: ``"uniform"`` (equal width) or ``"quantile"`` (equal mass); see the module notes.
+        kind: ``"top-label"``, ``"binary"`` or ``"classwise"``.
+        norm: ``"l1"``, ``"l2"`` or ``"max"``.
+        reduction: how ``"classwise"`` combines classes; ignored otherwise.
+
+    Example:
+        >>> import torch
+        >>> probs = torch.tensor([[.9, .1], [.8, .2], [.4, .6], [.3, .7]], dtype=torch.float64)
+        >>> labels = torch.tensor([0, 1, 1, 0])
+        >>> round(float(expected_calibration_error(probs.log(), labels, n_bins=10)), 6)
+        0.5
+        >>> round(float(expected_calibration_error(probs.log(), labels, n_bins=10, norm="max")), 6)
+        0.8
+    """
+    if kind not in ("top-label", "binary", "classwise"):
+        raise ValueError(f'kind must be "top-label", "binary" or "classwise", got {kind!r}.')
+    _, _, scores, targets, edges = _binned(logits, labels, n_bins, strategy, kind)
+    return calibration_error_from_bins(*bin_statistics(scores, targets, edges), norm=norm, reduction=reduction)
+
+
+def signed_calibration_error(
+    logits: Tensor, labels: Tensor, kind: Literal["top-label", "binary"] = "top-label"
+) -> Tensor:
+    """Expected signed calibration error (ESCE): ``sum_m (|B_m| / N) (frequency_m - mean_score_m)``.
+
+    The bin weights cancel the bin sizes, so ESCE does not depend on the binning: it equals the
+    mean target minus the mean score. Per-bin signed gaps are ``frequency - mean_score`` of
+    ``reliability_bins``.
+
+    Sign convention. ``kind="top-label"`` (default): accuracy minus mean confidence, so a negative
+    value means over-confident, a positive one under-confident. ``kind="binary"`` (K = 2, the form
+    of Sumler et al.): fraction of positives minus mean ``q_1``; its sign says whether the positive
+    class is under- or over-predicted, not whether the model is over-confident: over-confidence
+    gives positive gaps in the low bins and negative gaps in the high bins, which cancel.
+
+    Example:
+        >>> import torch
+        >>> probs = torch.tensor([[.9, .1], [.8, .2], [.4, .6], [.3, .7]], dtype=torch.float64)
+        >>> round(float(signed_calibration_error(probs.log(), torch.tensor([0, 1, 1, 0]))), 6)
+        -0.25
+    """
+    if kind not in ("top-label", "binary"):
+        raise ValueError(f'kind must be "top-label" or "binary", got {kind!r}.')
+    logits, labels = check_logits_and_labels(logits, labels)
+    scores, targets = binning_scores(torch.log_softmax(logits.to(torch.float64), dim=1), labels, kind)
+    return targets.to(torch.float64).mean() - scores.mean()
+
+
+def ecd_per_sample(log_probs: Tensor, labels: Tensor) -> Tensor:
+    """Per-sample ECD ``-log q_y - H(q)`` (N,) from normalised log-posteriors ``log_probs: (N, K)``.
+
+    ``H(q) = -sum_k q_k log q_k`` uses the log-probabilities directly: they are finite for finite
+    logits, so a probability that underflows to 0 contributes exactly 0 and ``q_y = 1`` gives 0.
+    """
+    entropy = -(log_probs.exp() * log_probs).sum(dim=1)
+    return -log_probs.gather(1, labels.unsqueeze(1)).squeeze(1) - entropy
+
+
+def entropic_calibration_difference(
+    logits: Tensor,
+    labels: Tensor,
+    n_bins: Optional[int] = None,
+    strategy: Strategy = "uniform",
+    kind: Literal["top-label", "binary"] = "top-label",
+) -> Tensor:
+    """Entropic calibration difference (Sumler et al. 2025): mean NLL minus mean predictive entropy.
+
+    ECD > 0 means over-confident, ECD < 0 under-confident; it is 0 for a calibrated model in
+    expectation, but also for uniform predictions, so |ECD| near 0 means "safe", not "calibrated".
+    It is a signed diagnostic, not a proper scoring rule: do not minimise it. Natural log.
+    It is at least ``-log K``; for K = 2 its minimum is -0.278465 (true-class probability 0.782188).
+
+    Args:
+        logits: (N, K) scores; any unnormalised log-posteriors.
+        labels: (N,) class indices in [0, K).
+        n_bins: if given, return the mean ECD of each of ``n_bins`` bins (0 for empty bins),
+            binned like ``reliability_bins(..., n_bins, strategy, kind)``; (n_bins,).
+        strategy: binning strategy when ``n_bins`` is given.
+        kind: which score is binned: ``"top-label"`` confidence or ``"binary"`` ``q_1`` (K = 2).
+
+    Example:
+        >>> import torch
+        >>> probs = torch.tensor([[.1, .9], [.5, .5]])
+        >>> round(float(entropic_calibration_difference(probs.log(), torch.tensor([1, 0]))), 6)
+        -0.109861
+    """
+    if n_bins is None:
+        logits, labels = check_logits_and_labels(logits, labels)
+        return ecd_per_sample(torch.log_softmax(logits.to(torch.float64), dim=1), labels).mean()
+    if kind not in ("top-label", "binary"):
+        raise ValueError(f'kind must be "top-label" or "binary", got {kind!r}.')
+    log_probs, labels, scores, _, edges = _binned(logits, labels, n_bins, strategy, kind)
+    index = bin_indices(scores, edges).squeeze(1)
+    sums = torch.bincount(index, weights=ecd_per_sample(log_probs, labels), minlength=n_bins)
+    return sums / torch.bincount(index, minlength=n_bins).clamp_min(1)

@@ -12,9 +12,9 @@ Bins. ``strategy="uniform"``: equal-width bins, right-closed with the first bin 
 ``[0, 1/M], (1/M, 2/M], ..., ((M-1)/M, 1]``, so a score of exactly 1.0 is in the last bin.
 ``strategy="quantile"``: equal-mass bins whose interior edges are the k/M quantiles of each
 column's scores (linear interpolation, as ``numpy.quantile``), again right-closed; the outer edges
-are 0 and 1. Ties make equal-mass bins unequal, or empty. Either way, a score less than 1e-12
-above an interior edge counts as on the edge, so a score that is k/M up to the round-off of
-``softmax(log(p))`` lands in the same bin as k/M itself. Empty bins contribute 0 to every sum
+are 0 and 1. Ties make equal-mass bins unequal, or empty. Either way, a score above an interior
+edge by less than a relative 1e-12 counts as on the edge, so a score that is k/M up to the
+round-off of ``softmax(log(p))`` lands in the same bin as k/M itself. Empty bins contribute 0 to every sum
 and are left out of the maximum. Bin sums are accumulated in float64.
 """
 
@@ -127,11 +127,11 @@ def bin_indices(scores: Tensor, edges: Tensor) -> Tensor:
     """Bin index in [0, M) of each score; ``scores: (N, C)``, ``edges: (M + 1,)`` or (C, M + 1).
 
     Right-closed bins, the first closed at 0 (``torch.bucketize(..., right=False)`` on the interior
-    edges, shifted up by ``EDGE_TOLERANCE``).
+    edges, raised by a relative ``EDGE_TOLERANCE``).
     """
-    interior = edges[..., 1:-1] + EDGE_TOLERANCE
+    interior = edges[..., 1:-1] * (1 + EDGE_TOLERANCE)
     if interior.ndim == 1:
-        return torch.bucketize(scores, interior, right=False)
+        return torch.bucketize(scores.contiguous(), interior, right=False)
     return torch.searchsorted(interior.contiguous(), scores.T.contiguous(), right=False).T
 
 

@@ -1,0 +1,290 @@
+"""Expected cost, Bayes decisions and Bayes risk against NumPy references and Ferrer's tables."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from torchcal.data.synthetic import ferrer_systems, gaussian_task
+from torchcal.functional import (
+    balanced_error_rate,
+    bayes_decisions,
+    bayes_risk,
+    error_rate,
+    expected_cost,
+    zero_one_costs,
+)
+
+# --------------------------------------------------------------------------- NumPy references
+
+
+def np_softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def np_expected_cost(decisions, labels, costs, priors=None, normalize=False) -> float:
+    """Ferrer eq. 4 from the confusion counts: EC = sum_ij c_ij P_i N_ij / N_i."""
+    k, m = costs.shape
+    counts = np.zeros((k, m))
+    np.add.at(counts, (labels, decisions), 1)
+    class_sizes = counts.sum(axis=1)
+    p = class_sizes / class_sizes.sum() if priors is None else np.asarray(priors, dtype=float)
+    rates = counts / np.maximum(class_sizes, 1)[:, None]
+    ec = float((costs * p[:, None] * rates).sum())
+    return ec / float((p @ costs).min()) if normalize else ec
+
+
+def random_problem(n: int, k: int, m: int, scale: float, seed: int):
+    rs = np.random.RandomState(seed)
+    logits = scale * rs.standard_normal((n, k))
+    labels = rs.randint(0, k, size=n)
+    labels[:k] = np.arange(k)  # every class present
+    costs = rs.uniform(0, 1, size=(k, m))
+    priors = rs.dirichlet(np.ones(k))
+    return logits, labels, costs, priors
+
+
+CASES = [(400, 2, 2, 3.0), (300, 3, 5, 1.0), (2000, 1000, 1000, 5.0), (300, 4, 4, 1e4)]
+
+# --------------------------------------------------------------------------- cost matrices
+
+
+def test_zero_one_costs():
+    assert torch.equal(zero_one_costs(3), torch.tensor([[0.0, 1, 1], [1, 0, 1], [1, 1, 0]], dtype=torch.float64))
+    with_abstain = zero_one_costs(3, abstain=0.25)
+    assert with_abstain.shape == (3, 4) and torch.all(with_abstain[:, 3] == 0.25)
+    with pytest.raises(ValueError, match="num_classes"):
+        zero_one_costs(1)
+    with pytest.raises(ValueError, match="abstain"):
+        zero_one_costs(2, abstain=-1.0)
+
+
+# --------------------------------------------------------------------------- Bayes decisions
+
+
+@pytest.mark.parametrize("n, k, m, scale", CASES)
+def test_bayes_decisions_match_numpy(n, k, m, scale):
+    logits, _, costs, _ = random_problem(n, k, m, scale, seed=k + m)
+    expected = (np_softmax(logits) @ costs).argmin(axis=1)
+    got = bayes_decisions(torch.from_numpy(logits).float(), torch.from_numpy(costs))
+    assert got.dtype == torch.int64
+    # float32 input is computed in float64: compare with NumPy on the same float32 values
+    expected32 = (np_softmax(logits.astype(np.float32).astype(np.float64)) @ costs).argmin(axis=1)
+    np.testing.assert_array_equal(got.numpy(), expected32)
+    assert (got.numpy() == expected).mean() > 0.99
+
+
+def test_bayes_decisions_ties_go_to_lowest_index():
+    costs = torch.tensor([[0.0, 1.0, 0.5], [1.0, 0.0, 0.5]])
+    even = torch.zeros(1, 2)  # expected costs (0.5, 0.5, 0.5): all tied
+    assert bayes_decisions(even, costs).item() == 0
+    assert bayes_decisions(torch.zeros(4, 5), zero_one_costs(5)).tolist() == [0, 0, 0, 0]
+
+
+def test_binary_threshold_rule():
+    """Decide class 1 iff q_1 > c_01 / (c_01 + c_10) (Ferrer eq. 44); ties go to class 0."""
+    costs = torch.tensor([[0.0, 1.0], [4.0, 0.0]])  # threshold 1 / 5
+    q1 = torch.tensor([0.1, 0.19, 0.21, 0.9], dtype=torch.float64)
+    logits = torch.stack([(1 - q1).log(), q1.log()], dim=1)
+    assert bayes_decisions(logits, costs).tolist() == [0, 0, 1, 1]
+
+
+def test_abstain_rule_is_max_posterior_below_one_minus_alpha():
+    rs = np.random.RandomState(3)
+    logits = torch.from_numpy(2 * rs.standard_normal((2000, 6)))
+    alpha = 0.3
+    decisions = bayes_decisions(logits, zero_one_costs(6, abstain=alpha))
+    confidence, predicted = torch.softmax(logits, 1).max(1)
+    expected = torch.where(confidence < 1 - alpha, torch.tensor(6), predicted)
+    assert torch.equal(decisions, expected)
+
+
+# --------------------------------------------------------------------------- expected cost
+
+
+def test_expected_cost_micro_example():
+    """Reference notes A.1.1: EC = 1/6, EC_naive = 1/3, NEC = 0.5."""
+    labels = torch.tensor([0, 1, 0, 0, 1, 0])
+    decisions = torch.tensor([0, 1, 0, 0, 2, 2])
+    costs = torch.tensor([[0, 1, 0.5], [1, 0, 0.5]])
+    assert expected_cost(decisions, labels, costs).item() == pytest.approx(1 / 6, abs=1e-15)
+    assert expected_cost(decisions, labels, costs, normalize=True).item() == pytest.approx(0.5, abs=1e-15)
+
+
+@pytest.mark.parametrize("n, k, m, scale", CASES)
+@pytest.mark.parametrize("use_priors", [False, True])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_expected_cost_matches_numpy(n, k, m, scale, use_priors, normalize):
+    logits, labels, costs, priors = random_problem(n, k, m, scale, seed=n + k)
+    decisions = np.random.RandomState(k).randint(0, m, size=n)
+    p = priors if use_priors else None
+    expected = np_expected_cost(decisions, labels, costs, p, normalize)
+    got = expected_cost(
+        torch.from_numpy(decisions), torch.from_numpy(labels), torch.from_numpy(costs),
+        priors=None if p is None else torch.from_numpy(p), normalize=normalize,
+    )
+    assert got.dtype == torch.float64
+    assert got.item() == pytest.approx(expected, rel=1e-10, abs=1e-12)
+
+
+def _confusion_data(n11: int, n12: int, n21: int, n22: int):
+    """Labels and decisions of a binary confusion matrix (class 1 = positive = index 1)."""
+    labels = torch.tensor([0] * (n11 + n12) + [1] * (n21 + n22))
+    decisions = torch.tensor([0] * n11 + [1] * n12 + [0] * n21 + [1] * n22)
+    return decisions, labels
+
+
+BETA2_COSTS = {1: torch.tensor([[0.0, 1.0], [1.0, 0.0]]), 2: torch.tensor([[0.0, 1.0], [2.0, 0.0]])}
+UNIFORM = torch.tensor([0.5, 0.5])
+
+
+def _three_necs(n1: int, n2: int, n21: int, n12: int) -> tuple[float, float, float]:
+    decisions, labels = _confusion_data(n1 - n12, n12, n21, n2 - n21)
+    nec_b = expected_cost(decisions, labels, BETA2_COSTS[1], priors=UNIFORM, normalize=True)
+    nec_1 = expected_cost(decisions, labels, BETA2_COSTS[1], normalize=True)
+    nec_2 = expected_cost(decisions, labels, BETA2_COSTS[2], normalize=True)
+    return nec_b.item(), nec_1.item(), nec_2.item()
+
+
+# Ferrer Tables 1 and 2: (N21, N12, NEC_b, NEC_beta2=1, NEC_beta2=2), printed to two decimals;
+# the unrounded values of the reference notes where the rounding is ambiguous.
+TABLE1 = [
+    (0, 50, 0.10, 0.10, 0.10), (25, 25, 0.10, 0.10, 0.15), (50, 0, 0.10, 0.10, 0.20),
+    (0, 250, 0.50, 0.50, 0.50), (125, 125, 0.50, 0.50, 0.75), (250, 0, 0.50, 0.50, 1.00),
+    (0, 450, 0.90, 0.90, 0.90), (225, 225, 0.90, 0.90, 1.35), (450, 0, 0.90, 0.90, 1.80),
+]
+TABLE2 = [
+    (0, 90, 0.10, 0.90, 0.45), (5, 45, 0.10, 0.50, 0.275), (10, 0, 0.10, 0.10, 0.10),
+    (0, 450, 0.50, 4.50, 2.25), (25, 225, 0.50, 2.50, 1.375), (50, 0, 0.50, 0.50, 0.50),
+    (0, 810, 0.90, 8.10, 4.05), (40, 450, 0.90, 4.90, 2.65), (90, 0, 0.90, 0.90, 0.90),
+    (45, 45, 0.50, 0.90, 0.675),
+]
+
+
+@pytest.mark.parametrize("n1, n2, table", [(500, 500, TABLE1), (900, 100, TABLE2)])
+def test_ferrer_tables_1_and_2(n1, n2, table):
+    for n21, n12, *printed in table:
+        assert _three_necs(n1, n2, n21, n12) == pytest.approx(printed, abs=1e-12)
+
+
+@pytest.mark.parametrize("n1, n2", [(500, 500), (900, 100)])
+def test_ferrer_nec_closed_form_on_the_whole_grid(n1, n2):
+    """NEC_beta2 = (beta2 R21 P2 + R12 P1) / min(beta2 P2, P1) on the 21 x 21 grid of Fig. 2."""
+    p1, p2 = n1 / (n1 + n2), n2 / (n1 + n2)
+    for n21 in range(0, n2 + 1, n2 // 20):
+        for n12 in range(0, n1 + 1, n1 // 20):
+            r21, r12 = n21 / n2, n12 / n1
+            closed = [r12 + r21] + [(b * r21 * p2 + r12 * p1) / min(b * p2, p1) for b in (1, 2)]
+            assert _three_necs(n1, n2, n21, n12) == pytest.approx(closed, rel=1e-12, abs=1e-15)
+
+
+def test_nec_undefined_when_the_naive_system_is_free():
+    labels, decisions = torch.tensor([0, 1]), torch.tensor([2, 2])
+    costs = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]])  # deciding 2 costs nothing
+    assert expected_cost(decisions, labels, costs).item() == 0
+    with pytest.raises(ValueError, match="naive"):
+        expected_cost(decisions, labels, costs, normalize=True)
+
+
+def test_expected_cost_with_prior_zero_class():
+    labels, decisions = torch.tensor([0, 0, 1]), torch.tensor([0, 1, 0])
+    ec = expected_cost(decisions, labels, zero_one_costs(2), priors=torch.tensor([1.0, 0.0]))
+    assert ec.item() == 0.5
+
+
+@pytest.mark.parametrize(
+    "decisions, labels, costs, priors, match",
+    [
+        ([0, 1], [0, 2], zero_one_costs(2), None, r"labels must lie in \[0, 2\)"),
+        ([0, 3], [0, 1], zero_one_costs(2, 0.1), None, r"decisions must lie in \[0, 3\)"),
+        ([0.0, 1.0], [0, 1], zero_one_costs(2), None, "decisions must be an integer"),
+        ([0, 1, 1], [0, 1], zero_one_costs(2), None, "decisions has 3 entries"),
+        ([0, 1], [0, 1], torch.ones(2), None, r"costs must have shape \(K, M\)"),
+        ([0, 1], [0, 1], -zero_one_costs(2), None, "non-negative"),
+        ([0, 1], [0, 1], zero_one_costs(2), [0.2, 0.2], "sum to one"),
+        ([0, 0], [0, 0], zero_one_costs(2), [0.5, 0.5], "no sample"),
+        ([], [], zero_one_costs(2), None, "empty"),
+    ],
+)
+def test_expected_cost_rejects_bad_input(decisions, labels, costs, priors, match):
+    with pytest.raises(ValueError, match=match):
+        expected_cost(
+            torch.tensor(decisions), torch.tensor(labels, dtype=torch.long), costs,
+            priors=None if priors is None else torch.tensor(priors),
+        )
+
+
+# --------------------------------------------------------------------------- Bayes risk
+
+
+@pytest.mark.parametrize("n, k, m, scale", CASES)
+def test_bayes_risk_is_expected_cost_of_bayes_decisions(n, k, m, scale):
+    logits, labels, costs, priors = random_problem(n, k, m, scale, seed=7)
+    z, y, c, p = map(torch.from_numpy, (logits, labels, costs, priors))
+    expected = np_expected_cost((np_softmax(logits) @ costs).argmin(axis=1), labels, costs, priors, True)
+    assert bayes_risk(z, y, c, priors=p, normalize=True).item() == pytest.approx(expected, rel=1e-10)
+
+
+@pytest.mark.parametrize("k, scale", [(2, 3.0), (10, 1.0), (1000, 5.0), (3, 1e4)])
+def test_error_rates_match_numpy(k, scale):
+    logits, labels, _, _ = random_problem(3000, k, k, scale, seed=k)
+    wrong = logits.argmax(axis=1) != labels
+    balanced = np.mean([wrong[labels == c].mean() for c in range(k) if (labels == c).any()])
+    z, y = torch.from_numpy(logits), torch.from_numpy(labels)
+    assert error_rate(z, y).item() == pytest.approx(wrong.mean(), abs=1e-14)
+    assert balanced_error_rate(z, y).item() == pytest.approx(balanced, rel=1e-10)
+
+
+def test_balanced_error_rate_needs_every_class():
+    with pytest.raises(ValueError, match="no sample"):
+        balanced_error_rate(torch.zeros(3, 3), torch.tensor([0, 1, 1]))
+
+
+# --------------------------------------------------------------------------- Ferrer §4.8 synthetic data
+
+
+@pytest.fixture(scope="module")
+def binary_systems():
+    task = gaussian_task(num_classes=2)
+    return task.labels, ferrer_systems(task)
+
+
+# Table 3: alpha, then (EC, NEC, % abstained) for LR-mc1 and LR-cal, as printed.
+TABLE3 = [
+    (0.01, (0.006, 0.638, 61.5), (0.005, 0.534, 41.1)),
+    (0.1, (0.030, 0.299, 12.3), (0.025, 0.249, 14.1)),
+    (0.2, (0.052, 0.521, 6.7), (0.0355, 0.355, 8.2)),
+    (0.4, (0.076, 0.756, 2.0), (0.046, 0.4565, 2.3)),
+    (0.6, (0.079, 0.786, 0.0), (0.047, 0.467, 0.0)),
+    (1.0, (0.079, 0.786, 0.0), (0.047, 0.467, 0.0)),
+]
+
+
+@pytest.mark.parametrize("alpha, miscalibrated, calibrated", TABLE3)
+def test_ferrer_table3_abstention(binary_systems, alpha, miscalibrated, calibrated):
+    labels, systems = binary_systems
+    costs = zero_one_costs(2, abstain=alpha)
+    for name, (ec, nec, abstained) in (("Datap-mc1", miscalibrated), ("Datap-cal", calibrated)):
+        logits = systems[name]
+        assert bayes_risk(logits, labels, costs).item() == pytest.approx(ec, abs=5e-4)
+        assert bayes_risk(logits, labels, costs, normalize=True).item() == pytest.approx(nec, abs=5e-4)
+        share = 100 * (bayes_decisions(logits, costs) == 2).double().mean().item()
+        assert share == pytest.approx(abstained, abs=0.05)
+
+
+def test_ferrer_table4_decision_columns():
+    """K = 10: NEC of argmax decisions and NEC with an abstain cost of 0.1, uncalibrated rows."""
+    task = gaussian_task(num_classes=10)
+    systems = ferrer_systems(task)
+    printed = {  # system: (NEC cal, mc1, mc2), (NEC-abs cal, mc1, mc2)
+        "Datap": ((0.25, 0.29, 0.25), (0.14, 0.17, 0.93)),
+        "Mismp": ((1.11, 0.70, 1.11), (0.52, 0.61, 1.00)),
+    }
+    for block, (nec, nec_abstain) in printed.items():
+        for variant, a, b in zip(("cal", "mc1", "mc2"), nec, nec_abstain):
+            logits = systems[f"{block}-{variant}"]
+            got = bayes_risk(logits, task.labels, zero_one_costs(10), normalize=True).item()
+            got_abstain = bayes_risk(logits, task.labels, zero_one_costs(10, 0.1), normalize=True).item()
+            assert (got, got_abstain) == pytest.approx((a, b), abs=5e-3)

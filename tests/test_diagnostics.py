@@ -1,0 +1,384 @@
+"""ECE family, reliability bins, ESCE and ECD: exact toy values, NumPy references, real data."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torchcal.functional import (
+    cross_entropy,
+    entropic_calibration_difference,
+    error_rate,
+    expected_calibration_error,
+    reliability_bins,
+    signed_calibration_error,
+)
+from torchcal.functional.diagnostics import ecd_per_sample, quantile_edges
+
+# --------------------------------------------------------------------------- the survey's toy problem
+
+# Silva Filho et al., Table 3: (s1, s2, s3) and the class (1-based), 10 samples per class.
+T = 1 / 3
+TOY_ROWS = [
+    (1, 0, 0), (.9, .1, 0), (.8, .1, .1), (.7, .1, .2), (.6, .3, .1), (.4, .1, .5), (T, T, T), (T, T, T),
+    (.2, .4, .4), (.1, .5, .4),
+    (.8, .2, 0), (.7, 0, .3), (.5, .2, .3), (.4, .4, .2), (.4, .2, .4), (.3, .4, .3), (.2, .3, .5),
+    (.1, .6, .3), (.1, .3, .6), (0, .2, .8),
+    (.8, .2, 0), (.8, .1, .1), (.8, 0, .2), (.6, 0, .4), (.3, 0, .7), (.2, .6, .2), (.2, .4, .4),
+    (0, .4, .6), (0, .3, .7), (0, .3, .7),
+]
+
+
+@pytest.fixture
+def toy():
+    probs = torch.tensor(TOY_ROWS, dtype=torch.float64)
+    logits = probs.log().clamp_min(-1e4)  # exp(-1e4) underflows to exactly 0
+    labels = torch.arange(3).repeat_interleave(10)
+    return logits, labels
+
+
+def test_toy_classwise_values(toy):
+    logits, labels = toy
+    ece = lambda **kw: expected_calibration_error(logits, labels, n_bins=5, kind="classwise", **kw).item()
+    assert ece() == pytest.approx(241 / 1350, abs=1e-14)
+    assert ece(reduction="sum") == pytest.approx(169 / 900 + 131 / 900 + 91 / 450, abs=1e-14)
+    assert ece(reduction="max") == pytest.approx(91 / 450, abs=1e-14)  # max class-j ECE (class 3)
+    assert ece(norm="max", reduction="max") == pytest.approx(17 / 35, abs=1e-14)  # classwise-MCE
+    assert ece(norm="max") == pytest.approx((17 / 35 + 7 / 30 + 3 / 10) / 3, abs=1e-14)
+
+
+def test_toy_confidence_values(toy):
+    logits, labels = toy
+    assert expected_calibration_error(logits, labels, n_bins=5).item() == pytest.approx(19 / 90, abs=1e-14)
+    assert expected_calibration_error(logits, labels, n_bins=5, norm="max").item() == pytest.approx(0.3, abs=1e-14)
+    assert error_rate(logits, labels).item() == pytest.approx(17 / 30, abs=1e-14)  # first-index argmax
+
+
+def test_toy_per_bin_tables(toy):
+    logits, labels = toy
+    class1 = reliability_bins(logits, labels, n_bins=5, kind="class", class_index=0)
+    assert class1.counts.tolist() == [11, 7, 3, 7, 2]
+    expected_mean = [0.1, 2.46667 / 7, 1.7 / 3, 5.4 / 7, 0.95]
+    assert class1.mean_score.tolist() == pytest.approx(expected_mean, abs=1e-5)
+    assert class1.frequency.tolist() == pytest.approx([2 / 11, 3 / 7, 1 / 3, 2 / 7, 1.0], abs=1e-14)
+    assert class1.edges.tolist() == pytest.approx([0, 0.2, 0.4, 0.6, 0.8, 1.0], abs=1e-15)
+    for j, counts in ((1, [15, 12, 3, 0, 0]), (2, [11, 11, 4, 4, 0])):
+        bins = reliability_bins(logits, labels, n_bins=5, kind="class", class_index=j)
+        assert bins.counts.tolist() == counts
+        assert bins.mean_score[bins.counts == 0].tolist() == bins.frequency[bins.counts == 0].tolist() == [0.0] * (
+            counts.count(0)
+        )
+    confidence = reliability_bins(logits, labels, n_bins=5)
+    assert confidence.counts.tolist() == [0, 7, 10, 11, 2]
+    assert confidence.frequency.tolist() == pytest.approx([0, 3 / 7, 3 / 10, 5 / 11, 1], abs=1e-14)
+
+
+# --------------------------------------------------------------------------- NumPy reference
+
+
+def np_softmax(z):
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def np_columns(probs, labels, kind):
+    if kind == "top-label":
+        pred = probs.argmax(axis=1)
+        return probs.max(axis=1)[:, None], (pred == labels)[:, None].astype(float)
+    if kind == "binary":
+        return probs[:, 1:], (labels == 1)[:, None].astype(float)
+    return probs, np.eye(probs.shape[1])[labels]
+
+
+def np_bins(s, n_bins, strategy):
+    """Bin index per score: right-closed bins, first closed at 0."""
+    if strategy == "uniform":
+        return np.clip(np.ceil(s * n_bins).astype(int) - 1, 0, n_bins - 1)
+    interior = np.quantile(s, np.arange(1, n_bins) / n_bins)
+    return np.searchsorted(interior, s, side="left")
+
+
+def np_calibration_error(logits, labels, n_bins, strategy, kind, norm, reduction):
+    scores, targets = np_columns(np_softmax(logits), labels, kind)
+    per_column = []
+    for s, t in zip(scores.T, targets.T):
+        idx = np_bins(s, n_bins, strategy)
+        gaps, weights = [], []
+        for m in range(n_bins):
+            inside = idx == m
+            if inside.any():
+                gaps.append(abs(t[inside].mean() - s[inside].mean()))
+                weights.append(inside.mean())
+        gaps, weights = np.array(gaps), np.array(weights)
+        per_column.append(
+            {"l1": (weights * gaps).sum(), "l2": np.sqrt((weights * gaps**2).sum()), "max": gaps.max()}[norm]
+        )
+    return {"mean": np.mean, "sum": np.sum, "max": np.max}[reduction](per_column)
+
+
+def random_scores(n, k, scale, seed):
+    rs = np.random.RandomState(seed)
+    logits = scale * rs.standard_normal((n, k))
+    labels = np.array([rs.choice(k, p=p) for p in np_softmax(logits / 2)]) if k < 100 else rs.randint(0, k, n)
+    return logits, labels
+
+
+SHAPES = [(3000, 2, 3.0), (2000, 10, 2.0), (500, 1000, 5.0), (1000, 4, 1e4)]
+
+
+@pytest.mark.parametrize("n, k, scale", SHAPES)
+@pytest.mark.parametrize("strategy", ["uniform", "quantile"])
+@pytest.mark.parametrize("norm", ["l1", "l2", "max"])
+def test_calibration_error_matches_numpy(n, k, scale, strategy, norm):
+    logits, labels = random_scores(n, k, scale, seed=k)
+    z, y = torch.from_numpy(logits), torch.from_numpy(labels)
+    kinds = [("top-label", "mean"), ("classwise", "mean"), ("classwise", "sum"), ("classwise", "max")]
+    if k == 2:
+        kinds.append(("binary", "mean"))
+    for kind, reduction in kinds:
+        if kind == "classwise" and k == 1000 and strategy == "quantile" and norm != "l1":
+            continue  # one quantile case per K = 1000 keeps the NumPy loop short
+        expected = np_calibration_error(logits, labels, 15, strategy, kind, norm, reduction)
+        got = expected_calibration_error(z, y, 15, strategy, kind, norm, reduction)
+        assert got.dtype == torch.float64
+        assert got.item() == pytest.approx(expected, rel=1e-10, abs=1e-13), (kind, reduction)
+
+
+def test_quantile_edges_match_numpy():
+    rs = np.random.RandomState(0)
+    scores = rs.beta(0.5, 2.0, size=(777, 3))
+    scores[:100, 0] = 0.25  # ties
+    edges = quantile_edges(torch.from_numpy(scores), 7).numpy()
+    expected = np.quantile(scores, np.arange(8) / 7, axis=0).T
+    np.testing.assert_allclose(edges[:, 1:-1], expected[:, 1:-1], rtol=0, atol=1e-15)
+    assert np.all(edges[:, 0] == 0) and np.all(edges[:, -1] == 1)
+
+
+def test_quantile_bins_are_equal_mass():
+    logits, labels = random_scores(3000, 5, 2.0, seed=1)
+    bins = reliability_bins(torch.from_numpy(logits), torch.from_numpy(labels), n_bins=10, strategy="quantile")
+    assert bins.counts.tolist() == [300.0] * 10
+
+
+def test_confidence_one_lands_in_the_last_bin():
+    """torchmetrics #3510: a saturated softmax must not create a phantom (M+1)-th bin."""
+    logits = torch.tensor([[0.0, -1e4], [0.0, -1e4], [0.0, 0.0]])
+    bins = reliability_bins(logits, torch.tensor([0, 1, 0]), n_bins=10)
+    assert torch.softmax(logits.double(), 1)[0, 0].item() == 1.0
+    assert bins.counts.tolist() == [0] * 4 + [1] + [0] * 4 + [2]
+    assert bins.frequency[-1].item() == 0.5 and bins.mean_score[-1].item() == 1.0
+    ece = expected_calibration_error(logits, torch.tensor([0, 1, 0]), n_bins=10).item()
+    assert ece == pytest.approx(2 / 3 * 0.5 + 1 / 3 * 0.5, abs=1e-15)
+
+
+def test_nominal_edges_go_to_the_lower_bin():
+    """0.6 after log/softmax may come back one ulp above 0.6: it still belongs to (0.4, 0.6]."""
+    q = torch.tensor([0.6, 0.4, 0.2, 0.8, 1.0, 0.0], dtype=torch.float64)
+    logits = torch.stack([q.log().clamp_min(-1e4), (1 - q).log().clamp_min(-1e4)], dim=1)
+    bins = reliability_bins(logits, torch.zeros(6, dtype=torch.long), n_bins=5, kind="class", class_index=0)
+    assert bins.counts.tolist() == [2, 1, 1, 1, 1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(2, 6),
+    st.integers(1, 60),
+    st.integers(1, 20),
+    st.floats(0.1, 50),
+    st.integers(0, 2**31 - 1),
+    st.sampled_from(["uniform", "quantile"]),
+)
+def test_norms_are_ordered(k, n, n_bins, scale, seed, strategy):
+    """l1 <= l2 <= max (Jensen), all in [0, 1], and binning into 1 bin gives |accuracy - confidence|."""
+    g = torch.Generator().manual_seed(seed)
+    logits = scale * torch.randn(n, k, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, k, (n,), generator=g)
+    l1, l2, mx = (expected_calibration_error(logits, labels, n_bins, strategy, norm=nm).item() for nm in ("l1", "l2", "max"))
+    assert 0 <= l1 <= l2 + 1e-12 and l2 <= mx + 1e-12 and mx <= 1 + 1e-12
+    one_bin = expected_calibration_error(logits, labels, 1, strategy).item()
+    assert one_bin == pytest.approx(abs(signed_calibration_error(logits, labels).item()), abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"n_bins": 0}, "n_bins"),
+        ({"n_bins": 2.5}, "n_bins"),
+        ({"strategy": "adaptive"}, "strategy"),
+        ({"kind": "multiclass"}, "kind"),
+        ({"kind": "binary"}, "K = 2"),
+        ({"norm": "l3"}, "norm"),
+        ({"kind": "classwise", "reduction": "median"}, "reduction"),
+    ],
+)
+def test_calibration_error_rejects_bad_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        expected_calibration_error(torch.randn(10, 3), torch.randint(0, 3, (10,)), **kwargs)
+
+
+def test_reliability_bins_rejects_bad_options():
+    z, y = torch.randn(10, 3), torch.randint(0, 3, (10,))
+    with pytest.raises(ValueError, match="class_index"):
+        reliability_bins(z, y, kind="class")
+    with pytest.raises(ValueError, match="class_index"):
+        reliability_bins(z, y, kind="class", class_index=3)
+    with pytest.raises(ValueError, match="one binary problem"):
+        reliability_bins(z, y, kind="classwise")
+    with pytest.raises(ValueError, match="labels must lie"):
+        reliability_bins(z, y + 3)
+
+
+# --------------------------------------------------------------------------- ESCE
+
+
+def test_signed_calibration_error_is_accuracy_minus_confidence():
+    logits, labels = random_scores(2000, 5, 3.0, seed=4)
+    p = np_softmax(logits)
+    expected = (p.argmax(1) == labels).mean() - p.max(1).mean()
+    z, y = torch.from_numpy(logits), torch.from_numpy(labels)
+    got = signed_calibration_error(z, y).item()
+    assert got == pytest.approx(expected, abs=1e-14)
+    bins = reliability_bins(z, y, n_bins=7, strategy="quantile")
+    weighted = (bins.counts / bins.counts.sum() * (bins.frequency - bins.mean_score)).sum().item()
+    assert weighted == pytest.approx(got, abs=1e-14)  # the binned form, whatever the bins
+
+
+def test_signed_calibration_error_signs():
+    """Over-confidence: negative top-label ESCE; the binary form cancels across the bins."""
+    rs = np.random.RandomState(5)
+    q1 = rs.uniform(0.05, 0.95, 20000)
+    labels = torch.from_numpy((rs.uniform(size=q1.size) < q1).astype(np.int64))
+    calibrated = torch.from_numpy(np.stack([np.log1p(-q1), np.log(q1)], axis=1))
+    overconfident = 4 * calibrated
+    assert signed_calibration_error(overconfident, labels).item() < -0.1
+    assert signed_calibration_error(calibrated / 4, labels).item() > 0.1  # under-confident
+    assert abs(signed_calibration_error(overconfident, labels, kind="binary").item()) < 0.01
+    bins = reliability_bins(overconfident, labels, n_bins=10, kind="binary")
+    gaps = bins.frequency - bins.mean_score
+    assert gaps[0] > 0.05 and gaps[-1] < -0.05
+    with pytest.raises(ValueError, match="kind"):
+        signed_calibration_error(overconfident, labels, kind="classwise")
+
+
+# --------------------------------------------------------------------------- ECD
+
+
+def binary_logits(p: float) -> torch.Tensor:
+    return torch.tensor([[math.log1p(-p), math.log(p)]], dtype=torch.float64)
+
+
+# Reference notes C.4 (binary, natural log): (p_hat of class 1, label, ECD)
+SUMLER = [
+    (0.5, 0, 0.0), (0.5, 1, 0.0), (0.9, 1, -0.219722), (0.9, 0, 1.977502), (0.1, 0, -0.219722),
+    (0.1, 1, 1.977502), (0.99, 1, -0.045951), (0.99, 0, 4.549169), (1e-4, 1, 9.209319),
+    (0.9999, 0, 9.209319), (0.62, 1, -0.186028), (0.7868, 1, -0.278384),
+]
+
+
+@pytest.mark.parametrize("p, label, value", SUMLER)
+def test_ecd_single_sample_values(p, label, value):
+    got = entropic_calibration_difference(binary_logits(p), torch.tensor([label])).item()
+    assert got == pytest.approx(value, abs=5e-7)
+    assert got == pytest.approx((p - label) * math.log(p / (1 - p)), abs=1e-12)  # Sumler eq. 15
+
+
+def test_ecd_minimum():
+    p = torch.linspace(0.5, 0.99, 49001, dtype=torch.float64)
+    logits = torch.stack([torch.log1p(-p), p.log()], dim=1)
+    values = ecd_per_sample(torch.log_softmax(logits, 1), torch.ones_like(p, dtype=torch.long))
+    assert values.min().item() == pytest.approx(-0.278465, abs=5e-7)
+    assert p[values.argmin()].item() == pytest.approx(0.782188, abs=2e-5)
+
+
+def test_ecd_is_exact_and_finite_at_saturation():
+    logits = torch.tensor([[0.0, -1e4], [0.0, -1e4]], dtype=torch.float64)
+    per_sample = ecd_per_sample(torch.log_softmax(logits, 1), torch.tensor([0, 1]))
+    assert per_sample[0].item() == 0.0
+    assert per_sample[1].item() == pytest.approx(1e4)
+
+
+def test_ecd_identities():
+    probs = torch.tensor([[.8, .2], [.3, .7], [.6, .4], [.1, .9]], dtype=torch.float64)
+    labels = torch.tensor([0, 1, 1, 1])
+    assert entropic_calibration_difference(probs.log(), labels).item() == pytest.approx(-0.126973, abs=5e-7)
+    three = torch.tensor([[0.3, 0.7]], dtype=torch.float64).log()
+    assert entropic_calibration_difference(three, torch.tensor([1])).item() == pytest.approx(-0.254189, abs=5e-7)
+
+
+@pytest.mark.parametrize("n, k, scale", SHAPES)
+def test_ecd_matches_numpy(n, k, scale):
+    logits, labels = random_scores(n, k, scale, seed=k + 1)
+    z = logits - logits.max(axis=1, keepdims=True)
+    log_p = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    expected = np.mean(-log_p[np.arange(n), labels] + (np.exp(log_p) * log_p).sum(axis=1))
+    got = entropic_calibration_difference(torch.from_numpy(logits), torch.from_numpy(labels)).item()
+    assert got == pytest.approx(expected, rel=1e-10, abs=1e-12)
+
+
+
+@pytest.mark.parametrize("k, scale", [(2, 3.0), (10, 2.0), (4, 1e4)])
+def test_ecd_expectation_under_own_posteriors_is_zero(k, scale):
+    """sum_y q_y ECD(q, y) = H(q) - H(q) = 0 for every prediction q (reference notes C.4)."""
+    lp = torch.log_softmax(scale * torch.randn(50, k, dtype=torch.float64), 1)
+    by_label = torch.stack([ecd_per_sample(lp, torch.full((50,), c)) for c in range(k)], dim=1)
+    assert (lp.exp() * by_label).sum(1).abs().max().item() < 1e-12
+
+
+def test_ecd_per_bin():
+    """Sumler Table II, ResNet18 bins 7 and 8: single positive samples at 0.62 and 0.7868."""
+    p = torch.tensor([0.62, 0.7868, 0.05, 0.02, 0.95, 0.97], dtype=torch.float64)
+    labels = torch.tensor([1, 1, 0, 1, 1, 1])
+    logits = torch.stack([torch.log1p(-p), p.log()], dim=1)
+    per_bin = entropic_calibration_difference(logits, labels, n_bins=10, kind="binary")
+    assert per_bin[6].item() == pytest.approx(-0.186028, abs=5e-7)
+    assert per_bin[7].item() == pytest.approx(-0.278384, abs=5e-7)
+    assert per_bin[1:6].tolist() == [0.0] * 5  # empty bins
+    counts = reliability_bins(logits, labels, n_bins=10, kind="binary").counts
+    total = entropic_calibration_difference(logits, labels).item()
+    assert (counts * per_bin).sum().item() / 6 == pytest.approx(total, abs=1e-14)
+    top = entropic_calibration_difference(logits, labels, n_bins=4, strategy="quantile")
+    assert top.shape == (4,)
+    with pytest.raises(ValueError, match="kind"):
+        entropic_calibration_difference(logits, labels, n_bins=4, kind="classwise")
+
+
+# --------------------------------------------------------------------------- real data
+
+
+def test_resnet110_published_values(real):
+    data = real("cifar10_resnet110_kangsepp")
+    z, y = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
+    assert expected_calibration_error(z, y).item() == pytest.approx(0.0475, abs=5e-5)
+    assert expected_calibration_error(z, y, kind="classwise", reduction="sum").item() == pytest.approx(0.098, abs=5e-4)
+    assert cross_entropy(z, y).item() == pytest.approx(0.3583, abs=5e-5)
+    assert error_rate(z, y).item() == pytest.approx(0.0644, abs=5e-5)
+
+
+# Ferrer & Ramos (TMLR 2025) Table 2, raw column: normalised cross-entropy and top-label ECE (%, 15 bins)
+FERRER_TABLE2 = {
+    "cifar10_resnet20_ferrer": (0.122, 3.9),
+    "cifar10_vgg19bn_ferrer": (0.153, 5.0),
+    "cifar10_repvgg-a2_ferrer": (0.092, 3.2),
+    "cifar100_resnet20_ferrer": (0.266, 10.3),
+    "cifar100_vgg19bn_ferrer": (0.392, 19.7),
+    "cifar100_repvgg-a2_ferrer": (0.200, 5.6),
+    "sst2_gpt2-0shot_ferrer": (0.917, 20.0),
+    "sst2_gpt2-4shot_ferrer": (1.073, 34.4),
+    "adrenalmnist3d_resnet50_ferrer": (0.931, 11.1),
+    "fvcaus_xvector-plda_ferrer": (1.966, 1.8),
+    "agnews_gpt2-0shot_ferrer": (0.814, 18.4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FERRER_TABLE2))
+def test_ferrer_ramos_table2_raw(real, name):
+    data = real(name)
+    z, y = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
+    nce, ece = FERRER_TABLE2[name]
+    assert cross_entropy(z, y, normalize=True).item() == pytest.approx(nce, abs=5e-4)
+    assert 100 * expected_calibration_error(z, y).item() == pytest.approx(ece, abs=0.05)

@@ -1,0 +1,120 @@
+"""torchcal.plots: what is drawn is what the metrics say, and matplotlib stays a lazy import."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from torchcal.functional import bayes_risk, cross_entropy, error_rate, reliability_bins
+from torchcal.plots import (
+    bayes_risk_curve,
+    bayes_risk_curves,
+    bayes_risk_sweep,
+    classwise_reliability,
+    reliability_diagram,
+)
+
+pytest.importorskip("matplotlib")
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    yield
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+@pytest.fixture
+def binary():
+    """Posteriors with known calibration: labels drawn from softmax(logits / 2), so logits / 2 is calibrated."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(2000, 2, generator=gen, dtype=torch.float64) * 2.5
+    labels = torch.multinomial(torch.softmax(logits / 2, dim=1), 1, generator=gen).squeeze(1)
+    return logits, labels
+
+
+def test_import_torchcal_does_not_import_matplotlib():
+    code = "import sys, torchcal, torchcal.report, torchcal.data; assert 'matplotlib' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_reliability_diagram_draws_the_bins(synthetic, tmp_path):
+    logits, labels = synthetic(4, 3000, seed=0)
+    logits, labels = torch.from_numpy(logits), torch.from_numpy(labels)
+    fig, ax = reliability_diagram({"raw": logits, "scaled": logits / 3}, labels, n_bins=10)
+    curves = {line.get_label(): line for line in ax.get_lines()}
+    assert {"raw", "scaled", "perfect calibration"} <= set(curves)
+    bins = reliability_bins(logits, labels, n_bins=10)
+    full = bins.counts > 0
+    np.testing.assert_allclose(curves["raw"].get_xdata(), bins.mean_score[full].numpy())  # markers at bin means
+    np.testing.assert_allclose(curves["raw"].get_ydata(), bins.frequency[full].numpy())
+    histogram = [a for a in fig.axes if a is not ax][0]
+    assert histogram.get_yscale() == "log" and len(histogram.patches) == 2  # one count histogram per system
+    fig.savefig(tmp_path / "r.png")
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_classwise_reliability_one_panel_per_class(synthetic):
+    logits, labels = synthetic(3, 600, seed=1)
+    fig, axes = classwise_reliability(torch.from_numpy(logits), torch.from_numpy(labels), n_bins=5)
+    assert [ax.get_visible() for ax in axes.flat] == [True, True, True]
+    assert "class 2" in axes.flat[2].get_xlabel()
+
+
+def test_sweep_is_the_bayes_risk_of_the_documented_cost_family(synthetic):
+    logits, labels = synthetic(4, 2000, seed=2)
+    logits, labels = torch.from_numpy(logits), torch.from_numpy(labels)
+    priors = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    t = torch.tensor([-4.0, -1.0, 0.3, 2.5])
+    _, nec = bayes_risk_sweep(logits, labels, class_index=2, log_odds=t, priors=priors)
+    for value, ti in zip(nec, t):
+        pi_k = torch.sigmoid(ti.double())
+        pi = (1 - pi_k) * priors / (1 - priors[2])
+        pi[2] = pi_k
+        costs = (pi / priors)[:, None] * (1 - torch.eye(4, dtype=torch.float64))  # c_ij = pi_i / P_i
+        assert float(value) == pytest.approx(float(bayes_risk(logits, labels, costs, priors, normalize=True)), rel=1e-9)
+    # with data priors, the operating point logit(P_k) is the 0-1 cost matrix: NEC = error / (1 - max P)
+    p = torch.bincount(labels).double() / len(labels)
+    _, at_01 = bayes_risk_sweep(logits, labels, class_index=1, log_odds=torch.logit(p[1:2]))
+    assert float(at_01) == pytest.approx(float(error_rate(logits, labels)) / (1 - float(p.max())), rel=1e-9)
+
+
+def test_binary_curve_integrates_to_the_cross_entropy(binary):
+    """Ferrer & Ramos Fig. 1: with costs C(a) = [[0, 1/a], [1/(1-a), 0]] the Bayes risk integrated
+    over a in (0, 1) is the cross-entropy. The sweep's point t = logit(P_1) + logit(a) has costs
+    proportional to C(a), so EC_C(a) = EC_sweep(t) * P_0 / (a * pi_0)."""
+    logits, labels = binary
+    p1 = float(labels.double().mean())
+    u = torch.linspace(-30, 30, 60001, dtype=torch.float64)  # u = logit(a), so da = a (1 - a) du
+    a = torch.sigmoid(u)
+    t = math.log(p1 / (1 - p1)) + u
+    nec = torch.cat([bayes_risk_sweep(logits, labels, 1, chunk)[1] for chunk in t.split(5000)])
+    pi1 = torch.sigmoid(t)
+    ec_sweep = nec * torch.minimum(pi1, 1 - pi1)
+    ec_fig1 = ec_sweep * (1 - p1) / (a * (1 - pi1))
+    integral = torch.trapezoid(ec_fig1 * a * (1 - a), u)
+    assert float(integral) == pytest.approx(float(cross_entropy(logits, labels)), rel=1e-4)
+
+
+def test_calibrated_scores_have_the_lower_curve(binary, tmp_path):
+    logits, labels = binary
+    fig, ax = bayes_risk_curve({"raw": logits, "calibrated": logits / 2}, labels)
+    lines = {line.get_label(): line.get_ydata() for line in ax.get_lines()}
+    assert np.mean(lines["calibrated"] <= lines["raw"] + 1e-12) > 0.95
+    fig.savefig(tmp_path / "b.png")
+
+
+def test_bayes_risk_curves_panels_and_errors(synthetic):
+    logits, labels = (torch.from_numpy(x) for x in synthetic(3, 600, seed=3))
+    fig, axes = bayes_risk_curves(logits, labels)
+    assert sum(ax.get_visible() for ax in axes.flat) == 3
+    with pytest.raises(ValueError, match="class_index"):
+        bayes_risk_curve(logits, labels)
+    with pytest.raises(ValueError, match=r"class_index must lie in \[0, 3\)"):
+        bayes_risk_sweep(logits, labels, class_index=3)

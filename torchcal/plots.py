@@ -1,0 +1,340 @@
+"""Pictures of posterior quality: reliability diagrams and Bayes-risk curves.
+
+Every function takes one system's scores, or several as a ``{name: logits}`` mapping drawn on the
+same axes (e.g. ``{"raw": logits, "affine": calibrated}``), and returns matplotlib
+``(fig, ax)``. Matplotlib is imported only when a function is called, never by ``import torchcal``;
+without a display (Linux with no ``$DISPLAY``) the non-interactive Agg backend is selected.
+
+Bayes-risk curves show the normalised expected cost (NEC) of the Bayes decisions across a family
+of cost matrices, one point per operating point. They are the integrand of Ferrer & Ramos' Fig. 1:
+for a binary task, the area under the unnormalised risk over the cost family of their eq. 34 is the
+cross-entropy. The family used here, for the effective prior of class ``k`` (see
+:func:`bayes_risk_sweep`), generalises the binary one to K classes.
+
+Example:
+    >>> import torch
+    >>> from torchcal.plots import reliability_diagram
+    >>> logits, labels = 3 * torch.randn(1000, 4), torch.randint(0, 4, (1000,))
+    >>> fig, ax = reliability_diagram({"raw": logits, "tempered": logits / 3}, labels)
+    >>> fig.savefig("reliability.png")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from torchcal._validation import check_logits_and_labels, check_priors
+from torchcal.functional import reliability_bins
+from torchcal.functional.scoring import class_frequencies
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+__all__ = ["reliability_diagram", "classwise_reliability", "bayes_risk_sweep", "bayes_risk_curve", "bayes_risk_curves"]
+
+Systems = Union[Tensor, Mapping[str, Tensor]]
+
+#: Reliability-diagram bins with fewer samples than this get open markers.
+SPARSE_BIN = 30
+
+
+
+def _pyplot():
+    """Import pyplot, choosing the Agg backend first when there is no display."""
+    if "matplotlib.pyplot" not in sys.modules and sys.platform.startswith("linux") and not (
+        os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")
+    ):
+        import matplotlib
+
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _systems(logits: Systems) -> dict[str, Tensor]:
+    if isinstance(logits, Mapping):
+        return dict(logits)
+    return {"": logits}
+
+
+def _colors(names: Sequence[str]) -> dict[str, Any]:
+    """"raw" in black, the others in the default colour cycle."""
+    cycle = iter(f"C{i}" for i in range(10 ** 3))
+    return {name: "black" if name == "raw" else next(cycle) for name in names}
+
+
+def _figure_and_axes(ax: Optional["Axes"], figsize: tuple[float, float]) -> tuple["Figure", "Axes"]:
+    if ax is not None:
+        return ax.figure, ax
+    fig, ax = _pyplot().subplots(figsize=figsize, layout="constrained")
+    return fig, ax
+
+
+# --- reliability diagrams --------------------------------------------------------------------------
+
+def reliability_diagram(
+    logits: Systems,
+    labels: Tensor,
+    *,
+    kind: str = "top-label",
+    class_index: Optional[int] = None,
+    n_bins: int = 15,
+    strategy: str = "uniform",
+    ax: Optional["Axes"] = None,
+    show_histogram: bool = True,
+) -> tuple["Figure", "Axes"]:
+    """Observed frequency against mean predicted probability, per bin, with the bin counts.
+
+    Markers sit at each non-empty bin's mean score (not its centre); they are open for bins with
+    fewer than :data:`SPARSE_BIN` samples, whose frequency is too noisy to read. Below the curves,
+    a step histogram on a log scale (right axis) shows how many samples fall in each bin.
+
+    Args:
+        logits: (N, K) scores, or ``{name: (N, K) scores}`` for several systems on one plot.
+        labels: (N,) class indices.
+        kind: ``"top-label"`` (confidence vs accuracy), ``"binary"`` (class 1 of K = 2) or
+            ``"class"`` (``q_j`` vs ``[y == j]`` for ``class_index`` j).
+        n_bins, strategy: binning, as :func:`torchcal.functional.reliability_bins`.
+        ax: draw into these axes instead of a new figure.
+        show_histogram: draw the bin counts.
+
+    Returns:
+        ``(fig, ax)``; ``ax`` holds the reliability curves (the histogram is on a twin axis).
+    """
+    fig, ax = _figure_and_axes(ax, (5.0, 4.6))
+    systems = _systems(logits)
+    colors = _colors(list(systems))
+    ax.plot([0, 1], [0, 1], color="0.6", linestyle="--", linewidth=1, label="perfect calibration")
+    histogram = ax.twinx() if show_histogram else None
+    largest = 1.0
+    for name, scores in systems.items():
+        bins = reliability_bins(scores, labels, n_bins=n_bins, strategy=strategy, kind=kind, class_index=class_index)
+        full, sparse = bins.counts > 0, bins.counts < SPARSE_BIN
+        x, y = bins.mean_score.numpy(), bins.frequency.numpy()
+        ax.plot(x[full], y[full], linewidth=1.5, color=colors[name], label=name or None)
+        ax.plot(x[full & ~sparse], y[full & ~sparse], "o", markersize=4, color=colors[name])
+        ax.plot(x[full & sparse], y[full & sparse], "o", markersize=4, color=colors[name], markerfacecolor="white")
+        if histogram is not None:
+            histogram.stairs(bins.counts.numpy(), bins.edges.numpy(), color=colors[name], alpha=0.8,
+                             linewidth=1, baseline=0.5)
+            largest = max(largest, float(bins.counts.max()))
+    if histogram is not None:
+        _style_histogram(histogram, largest)
+    what = {"top-label": ("confidence (top-label probability)", "accuracy"),
+            "binary": ("predicted probability of class 1", "frequency of class 1"),
+            "class": (f"predicted probability of class {class_index}", f"frequency of class {class_index}")}
+    xlabel, ylabel = what.get(kind, ("mean predicted probability", "observed frequency"))
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel=xlabel, ylabel=ylabel)
+    ax.text(0.98, 0.02 if histogram is None else 0.36, f"open markers: < {SPARSE_BIN} samples", ha="right",
+            va="bottom", transform=ax.transAxes, fontsize="x-small", color="0.45")
+    ax.set_title(f"reliability, {kind}" + (f" {class_index}" if kind == "class" else "") + f" ({n_bins} bins)",
+                 fontsize="medium")
+    if len(systems) > 1 or next(iter(systems)):
+        ax.legend(loc="upper left", fontsize="small", frameon=False)
+    return fig, ax
+
+
+def _style_histogram(ax: "Axes", largest: float) -> None:
+    """Log-scale counts filling the bottom third of the axes."""
+    ax.set_yscale("log")
+    bottom = 0.5
+    ax.set_ylim(bottom, bottom * (largest / bottom) ** 3)
+    ax.set_yticks([10.0**e for e in range(int(math.log10(largest)) + 1)])
+    ax.minorticks_off()
+    ax.set_ylabel("samples per bin", color="0.45", fontsize="small")
+    ax.tick_params(axis="y", colors="0.45", labelsize="x-small")
+
+
+def classwise_reliability(
+    logits: Systems,
+    labels: Tensor,
+    *,
+    classes: Optional[Sequence[int]] = None,
+    n_bins: int = 15,
+    strategy: str = "uniform",
+    max_panels: int = 10,
+) -> tuple["Figure", Any]:
+    """One reliability diagram per class (``kind="class"``), in a grid.
+
+    Args:
+        classes: which classes to draw; the first ``max_panels`` classes by default.
+
+    Returns:
+        ``(fig, axes)`` with ``axes`` the array of subplot axes.
+    """
+    num_classes = next(iter(_systems(logits).values())).shape[1]
+    classes = list(range(min(num_classes, max_panels))) if classes is None else list(classes)
+    fig, axes = _grid(len(classes))
+    for ax, k in zip(axes.flat, classes):
+        reliability_diagram(logits, labels, kind="class", class_index=k, n_bins=n_bins, strategy=strategy, ax=ax)
+    _tidy_grid(axes, len(classes))
+    return fig, axes
+
+
+def _grid(panels: int):
+    columns = min(panels, 5)
+    rows = math.ceil(panels / columns)
+    size = (5.4, 4.2) if panels == 1 else (3.6 * columns, 3.3 * rows)
+    return _pyplot().subplots(rows, columns, figsize=size, layout="constrained", squeeze=False)
+
+
+def _tidy_grid(axes, panels: int) -> None:
+    """Keep one legend, drop unused panels, shrink the labels of a grid."""
+    for i, ax in enumerate(axes.flat):
+        if i >= panels:
+            ax.set_visible(False)
+            continue
+        ax.xaxis.label.set_fontsize("small")
+        ax.yaxis.label.set_fontsize("small")
+        if i and ax.get_legend():
+            ax.get_legend().remove()
+
+
+# --- Bayes-risk curves -----------------------------------------------------------------------------
+
+def bayes_risk_sweep(
+    logits: Tensor,
+    labels: Tensor,
+    class_index: int = 1,
+    log_odds: Optional[Tensor] = None,
+    priors: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
+    """NEC of the Bayes decisions as the effective prior of one class sweeps ``(0, 1)``.
+
+    The operating point ``t`` (a prior log-odds) sets the effective priors
+    ``pi_k = sigmoid(t)`` for ``k = class_index`` and ``pi_j = (1 - pi_k) P_j / (1 - P_k)`` for the
+    other classes, and the cost matrix ``c_ij = pi_i / P_i`` for ``i != j`` (0 on the diagonal),
+    with ``P`` the evaluation priors (``priors``, or the class frequencies). So
+
+    - ``EC(t) = sum_i pi_i * err_i``, with ``err_i`` the error rate on class i, and the Bayes
+      decisions are ``argmax_j pi_j / P_j * q_j``: the posteriors re-weighted to the priors pi;
+    - ``NEC(t) = EC(t) / (1 - max_i pi_i)``, the cost of the best decision made without looking at
+      the input is 1 (values above 1 are worse than ignoring the classifier);
+    - at ``t = logit(P_k)`` the costs are 0-1 and EC is the error rate.
+
+    For K = 2 and ``class_index = 1`` this is the binary effective-prior curve (an APE-style normalised
+    DCF curve): the decisions threshold the posterior log-odds ``log(q_1/q_0)`` at ``logit(P_1) - t``,
+    and up to normalisation it is Ferrer & Ramos' eq.-34 family re-parameterised.
+
+    Args:
+        logits: (N, K) scores. labels: (N,) class indices.
+        class_index: the class whose effective prior is swept.
+        log_odds: (T,) operating points ``t``. The default, 201 points, spans the range the data
+            can measure: from ``-log(N_rest / 10)`` to ``log(N_k / 10)``, where one more error
+            moves the NEC by at most about 0.1 (beyond it the curve is a few samples' noise).
+        priors: (K,) evaluation priors P.
+
+    Returns:
+        ``(log_odds, nec)``, both (T,) float64.
+
+    Example:
+        >>> import torch
+        >>> probs = torch.tensor([[.8, .2], [.3, .7], [.6, .4], [.1, .9]])
+        >>> labels = torch.tensor([0, 1, 1, 1])
+        >>> bayes_risk_sweep(probs.log(), labels, log_odds=torch.tensor([0.0, 1.0986]))[1]
+        tensor([0.6667, 1.0000], dtype=torch.float64)
+    """
+    logits, labels = check_logits_and_labels(logits, labels)
+    num_classes = logits.shape[1]
+    if not 0 <= class_index < num_classes:
+        raise ValueError(f"class_index must lie in [0, {num_classes}), got {class_index}.")
+    t = _measurable_log_odds(labels, class_index) if log_odds is None else torch.as_tensor(log_odds, dtype=torch.float64)
+    log_odds, t = t, t.reshape(-1, 1)
+    p = class_frequencies(labels, num_classes) if priors is None else check_priors(priors, num_classes)
+    if not bool((p > 0).all()) or float(p[class_index]) >= 1:
+        raise ValueError("every class needs a positive prior for the effective-prior sweep.")
+    pi_k = torch.sigmoid(t)
+    pi = (1 - pi_k) * p / (1 - p[class_index])
+    pi[:, class_index] = pi_k[:, 0]
+    # The re-weighting only raises or lowers class k against all the others, so each sample's
+    # decision is either k or its best other class, whichever wins by the margin below.
+    log_q = torch.log_softmax(logits.to(torch.float64), dim=1)
+    others = log_q.clone()
+    others[:, class_index] = -math.inf
+    best_other_score, best_other = others.max(dim=1)
+    margin = log_q[:, class_index] - best_other_score
+    threshold = math.log(p[class_index] / (1 - p[class_index])) - t  # (T, 1)
+    decide_k = margin.unsqueeze(0) > threshold  # (T, N)
+    is_k = labels == class_index
+    wrong = torch.where(decide_k, ~is_k, best_other != labels).to(torch.float64)
+    one_hot = torch.nn.functional.one_hot(labels, num_classes).to(torch.float64)
+    counts = one_hot.sum(0)
+    error_rates = (wrong @ one_hot) / counts.clamp_min(1)
+    return log_odds, (pi * error_rates).sum(1) / (1 - pi.max(dim=1).values)
+
+
+def _measurable_log_odds(labels: Tensor, class_index: int, points: int = 201) -> Tensor:
+    in_class = int((labels == class_index).sum())
+    low = -math.log(max(labels.shape[0] - in_class, 20) / 10)
+    high = math.log(max(in_class, 20) / 10)
+    return torch.linspace(low, high, points, dtype=torch.float64)
+
+
+def bayes_risk_curve(
+    logits: Systems,
+    labels: Tensor,
+    *,
+    class_index: Optional[int] = None,
+    log_odds: Optional[Tensor] = None,
+    priors: Optional[Tensor] = None,
+    ax: Optional["Axes"] = None,
+) -> tuple["Figure", "Axes"]:
+    """Plot :func:`bayes_risk_sweep` for one or several systems.
+
+    Args:
+        logits: (N, K) scores, or ``{name: (N, K) scores}``.
+        class_index: the class whose effective prior is swept; class 1 for binary tasks, and
+            required for K > 2 (see :func:`bayes_risk_curves` for one panel per class).
+        log_odds, priors: as :func:`bayes_risk_sweep`.
+        ax: draw into these axes.
+    """
+    systems = _systems(logits)
+    num_classes = next(iter(systems.values())).shape[1]
+    if class_index is None:
+        if num_classes != 2:
+            raise ValueError("for K > 2 pass the class_index whose effective prior is swept.")
+        class_index = 1
+    fig, ax = _figure_and_axes(ax, (5.4, 4.0))
+    colors = _colors(list(systems))
+    top = 1.0
+    for name, scores in systems.items():
+        t, nec = bayes_risk_sweep(scores, labels, class_index, log_odds, priors)
+        ax.plot(t.numpy(), nec.numpy(), color=colors[name], linewidth=1.5, label=name or None)
+        top = max(top, float(nec.max()))
+    p = class_frequencies(labels, num_classes) if priors is None else check_priors(priors, num_classes)
+    ax.axhline(1.0, color="0.6", linestyle="--", linewidth=1, label="prior-only system")
+    ax.axvline(math.log(float(p[class_index]) / (1 - float(p[class_index]))), color="0.6", linestyle=":",
+               linewidth=1, label="0-1 costs")
+    ax.set(xlim=(float(t[0]), float(t[-1])), ylim=(0, min(top * 1.05, 2.0)),
+           xlabel=f"prior log-odds of class {class_index} (operating point)", ylabel="normalised expected cost")
+    ax.set_title(f"Bayes risk, effective prior of class {class_index}", fontsize="medium")
+    ax.legend(loc="best", fontsize="small", frameon=False)
+    return fig, ax
+
+
+def bayes_risk_curves(
+    logits: Systems,
+    labels: Tensor,
+    *,
+    classes: Optional[Sequence[int]] = None,
+    priors: Optional[Tensor] = None,
+    max_panels: int = 10,
+) -> tuple["Figure", Any]:
+    """:func:`bayes_risk_curve` for each class's effective prior: one panel for K = 2 (class 1),
+    else one per class in ``classes`` (the first ``max_panels`` by default). Returns ``(fig, axes)``."""
+    num_classes = next(iter(_systems(logits).values())).shape[1]
+    if classes is None:
+        classes = [1] if num_classes == 2 else list(range(min(num_classes, max_panels)))
+    fig, axes = _grid(len(classes))
+    for ax, k in zip(axes.flat, classes):
+        bayes_risk_curve(logits, labels, class_index=k, priors=priors, ax=ax)
+    _tidy_grid(axes, len(classes))
+    return fig, axes

@@ -1,0 +1,181 @@
+"""Bootstrap: the fast path equals the loop, percentile intervals, calibrators, speed."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import torchcal
+from torchcal.functional import (
+    balanced_error_rate,
+    bayes_decisions,
+    bayes_risk,
+    bootstrap,
+    brier_score,
+    cross_entropy,
+    cross_validated_calibration_loss,
+    error_rate,
+    expected_calibration_error,
+    expected_cost,
+)
+from torchcal.functional.bootstrap import resample_indices, sum_decomposition
+
+bootstrap_module = sys.modules["torchcal.functional.bootstrap"]  # the package attribute is the function
+
+
+@pytest.fixture
+def data():
+    g = torch.Generator().manual_seed(0)
+    logits = 2 * torch.randn(300, 4, generator=g, dtype=torch.float64)
+    labels = torch.distributions.Categorical(logits=logits / 2).sample()
+    labels[:4] = torch.arange(4)
+    return logits, labels
+
+
+COSTS = torch.tensor([[0.0, 1.0, 2.0, 1.0, 0.3], [1.0, 0.0, 1.0, 1.0, 0.3], [2.0, 1.0, 0.0, 1.0, 0.3], [1.0, 1.0, 1.0, 0.0, 0.3]])
+PRIORS = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+
+FAST_CASES = [
+    (cross_entropy, {}),
+    (cross_entropy, {"priors": PRIORS, "normalize": True}),
+    (brier_score, {"normalize": True}),
+    (brier_score, {"priors": PRIORS}),
+    (bayes_risk, {"costs": COSTS}),
+    (bayes_risk, {"costs": COSTS, "priors": PRIORS, "normalize": True}),
+    (error_rate, {}),
+    (balanced_error_rate, {}),
+]
+
+
+@pytest.mark.parametrize("metric_fn, kwargs", FAST_CASES)
+def test_fast_path_equals_the_loop(data, metric_fn, kwargs):
+    logits, labels = data
+    assert sum_decomposition(metric_fn) is not None
+    fast = bootstrap(metric_fn, logits, labels, num_replicates=40, seed=3, **kwargs)
+    loop = bootstrap(lambda z, y, **kw: metric_fn(z, y, **kw), logits, labels, num_replicates=40, seed=3, **kwargs)
+    assert fast.estimate.item() == pytest.approx(metric_fn(logits, labels, **kwargs).item(), rel=1e-14)
+    torch.testing.assert_close(fast.replicates, loop.replicates, rtol=1e-12, atol=1e-14)
+    assert fast.replicates.std() > 0
+
+
+def test_fast_path_of_expected_cost_of_fixed_decisions(data):
+    logits, labels = data
+    decisions = bayes_decisions(logits, COSTS)
+    fast = bootstrap(expected_cost, decisions, labels, num_replicates=30, costs=COSTS, normalize=True)
+    by_hand = [
+        expected_cost(decisions[i], labels[i], COSTS, normalize=True).item()
+        for chunk in resample_indices(300, 30, seed=0)
+        for i in chunk
+    ]
+    assert fast.replicates.tolist() == pytest.approx(by_hand, rel=1e-12)
+
+
+def test_chunking_does_not_change_the_replicates(data, monkeypatch):
+    logits, labels = data
+    whole = bootstrap(cross_entropy, logits, labels, num_replicates=25, seed=5)
+    monkeypatch.setattr(bootstrap_module, "CHUNK_ELEMENTS", 7 * 300)  # chunks of 7 replicates
+    chunked = bootstrap(cross_entropy, logits, labels, num_replicates=25, seed=5)
+    torch.testing.assert_close(chunked.replicates, whole.replicates, rtol=1e-14, atol=0)
+
+
+def test_percentile_interval_and_seeds(data):
+    logits, labels = data
+    result = bootstrap(cross_entropy, logits, labels, num_replicates=500, confidence=0.9, seed=1)
+    lower, upper = np.percentile(result.replicates.numpy(), [5, 95])
+    assert (result.lower.item(), result.upper.item()) == pytest.approx((lower, upper), rel=1e-12)
+    again = bootstrap(cross_entropy, logits, labels, num_replicates=500, confidence=0.9, seed=1)
+    assert torch.equal(again.replicates, result.replicates)
+    other = bootstrap(cross_entropy, logits, labels, num_replicates=500, confidence=0.9, seed=2)
+    assert not torch.equal(other.replicates, result.replicates)
+
+
+def test_interval_width_of_an_error_rate():
+    """For an error rate p on N samples the 95 % interval is about 2 * 1.96 * sqrt(p (1 - p) / N)."""
+    n, p = 4000, 0.2
+    labels = torch.zeros(n, dtype=torch.long)
+    logits = torch.zeros(n, 2)
+    logits[: int(p * n), 1] = 1.0  # the first 20 % are wrong
+    result = bootstrap(error_rate, logits, labels, num_replicates=2000)
+    width = (result.upper - result.lower).item()
+    assert width == pytest.approx(2 * 1.96 * (p * (1 - p) / n) ** 0.5, rel=0.1)
+    assert result.replicates.mean().item() == pytest.approx(p, abs=0.002)
+
+
+def test_general_path_any_metric_and_tuples(data):
+    logits, labels = data
+    ece = bootstrap(expected_calibration_error, logits, labels, num_replicates=20, n_bins=5)
+    assert ece.estimate.item() == pytest.approx(expected_calibration_error(logits, labels, n_bins=5).item())
+    assert ece.replicates.shape == (20,)
+    pair = bootstrap(lambda z, y: (cross_entropy(z, y), brier_score(z, y)), logits, labels, num_replicates=20)
+    assert pair.estimate.shape == pair.lower.shape == (2,) and pair.replicates.shape == (20, 2)
+    torch.testing.assert_close(pair.replicates[:, 0], bootstrap(cross_entropy, logits, labels, num_replicates=20).replicates)
+
+
+def test_each_call_gets_a_fresh_copy_of_the_calibrator(data):
+    logits, labels = data
+    original = torch.nn.Linear(1, 1)
+    seen = []
+
+    def metric(z, y, calibrator):
+        seen.append(calibrator)
+        calibrator.weight.data.fill_(float(len(seen)))  # mutate the copy
+        return cross_entropy(z, y)
+
+    bootstrap(metric, logits, labels, num_replicates=5, calibrator=original)
+    assert len(seen) == 6 and len({id(c) for c in seen}) == 6 and all(c is not original for c in seen)
+    assert original.weight.item() not in range(1, 7)
+
+
+def test_calibration_loss_with_refit_in_every_replicate(data):
+    logits, labels = data
+    result = bootstrap(
+        cross_validated_calibration_loss, 3 * logits, labels, num_replicates=4,
+        calibrator=torchcal.TemperatureScaling(), folds=3,
+    )
+    assert result.estimate.shape == (2,) and result.replicates.shape == (4, 2)
+    assert torch.all(result.replicates[:, 1] > 10)  # tripled logits: large relative loss
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"num_replicates": 0}, "num_replicates"),
+        ({"num_replicates": 2.5}, "num_replicates"),
+        ({"confidence": 1.0}, "confidence"),
+        ({"confidence": 0}, "confidence"),
+    ],
+)
+def test_bootstrap_rejects_bad_options(data, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        bootstrap(cross_entropy, *data, **kwargs)
+
+
+def test_bootstrap_rejects_mismatched_data(data):
+    logits, labels = data
+    with pytest.raises(ValueError, match="same number N of rows"):
+        bootstrap(cross_entropy, logits, labels[:-1])
+    with pytest.raises(ValueError, match="labels must lie"):
+        bootstrap(cross_entropy, logits, labels + 4)
+
+
+def test_missing_class_in_a_replicate_is_reported():
+    logits = torch.zeros(50, 2)
+    labels = torch.zeros(50, dtype=torch.long)
+    labels[0] = 1  # the rare class is absent from most replicates
+    with pytest.raises(ValueError, match="no sample"):
+        bootstrap(cross_entropy, logits, labels, num_replicates=20, priors=torch.tensor([0.5, 0.5]))
+
+
+def test_thousand_replicates_of_ten_thousand_by_hundred_take_seconds():
+    g = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(10_000, 100, generator=g)
+    labels = torch.randint(0, 100, (10_000,), generator=g)
+    start = time.perf_counter()
+    result = bootstrap(cross_entropy, logits, labels, num_replicates=1000, priors=torch.full((100,), 0.01))
+    elapsed = time.perf_counter() - start
+    assert result.replicates.shape == (1000,)
+    assert elapsed < 10, f"{elapsed:.1f} s"

@@ -1,0 +1,116 @@
+"""Calibration loss: NumPy reference, edge cases, and Ferrer's published relative losses."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+
+import torchcal
+from torchcal.data.synthetic import ferrer_systems, gaussian_task
+from torchcal.functional import (
+    bayes_risk,
+    brier_score,
+    calibration_loss,
+    cross_entropy,
+    cross_validated_calibration_loss,
+    zero_one_costs,
+)
+
+
+def np_log_softmax(z):
+    z = z - z.max(axis=1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+
+
+def np_weighted(per_sample, labels, priors):
+    if priors is None:
+        return per_sample.mean()
+    return sum(priors[c] * per_sample[labels == c].mean() for c in range(len(priors)))
+
+
+def np_cross_entropy(z, y, priors=None):
+    return np_weighted(-np_log_softmax(z)[np.arange(len(y)), y], y, priors)
+
+
+def np_brier(z, y, priors=None):
+    p = np.exp(np_log_softmax(z))
+    return np_weighted(((p - np.eye(z.shape[1])[y]) ** 2).sum(axis=1), y, priors)
+
+
+@pytest.mark.parametrize("k, scale", [(2, 3.0), (10, 2.0), (1000, 5.0), (4, 1e4)])
+@pytest.mark.parametrize("use_priors", [False, True])
+def test_calibration_loss_matches_numpy(k, scale, use_priors):
+    rs = np.random.RandomState(k)
+    raw = scale * rs.standard_normal((3000, k))
+    labels = np.concatenate([np.arange(k), rs.randint(0, k, 3000 - k)]) if k <= 3000 else None
+    calibrated = raw / 3 + rs.standard_normal(k)
+    priors = rs.dirichlet(np.ones(k)) if use_priors else None
+    for score, reference in ((cross_entropy, np_cross_entropy), (brier_score, np_brier)):
+        raw_score, cal_score = reference(raw, labels, priors), reference(calibrated, labels, priors)
+        got = calibration_loss(
+            torch.from_numpy(raw), torch.from_numpy(calibrated), torch.from_numpy(labels), score=score,
+            priors=None if priors is None else torch.from_numpy(priors),
+        )
+        assert got.absolute.item() == pytest.approx(raw_score - cal_score, rel=1e-9, abs=1e-11)
+        assert got.relative.item() == pytest.approx(100 * (raw_score - cal_score) / raw_score, rel=1e-9, abs=1e-9)
+
+
+def test_calibration_loss_of_a_decision_score():
+    """Any score works, e.g. the Bayes risk with an abstain column (functools.partial)."""
+    raw = torch.tensor([[2.0, 0.0], [0.0, 2.0], [2.0, 0.0], [1.0, 0.0]])
+    labels = torch.tensor([0, 1, 1, 1])
+    score = partial(bayes_risk, costs=zero_one_costs(2, abstain=0.3))
+    result = calibration_loss(raw, raw / 10, labels, score=score)  # raw/10 abstains everywhere
+    assert (result.absolute.item(), result.relative.item()) == pytest.approx((0.5 - 0.3, 40.0))
+
+
+def test_calibration_loss_can_be_negative():
+    z = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    result = calibration_loss(z, 5 * z, torch.tensor([0, 0]))
+    assert result.absolute.item() < 0 and result.relative.item() < 0
+
+
+def test_calibration_loss_rejects_bad_input():
+    perfect = torch.tensor([[0.0, -1e4], [-1e4, 0.0]])
+    labels = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="positive raw score"):
+        calibration_loss(perfect, perfect, labels)
+    with pytest.raises(ValueError, match="calibrated_logits has K = 3"):
+        calibration_loss(perfect, torch.zeros(2, 3), labels)
+    with pytest.raises(ValueError, match="calibrated_logits has 3 rows"):
+        calibration_loss(perfect, torch.zeros(3, 2), labels)
+    with pytest.raises(ValueError, match="calibrated_logits contain 1 NaN"):
+        calibration_loss(perfect, torch.tensor([[0.0, float("nan")], [0.0, 0.0]]), labels)
+
+
+def test_cross_validated_loss_leaves_the_calibrator_unfitted():
+    g = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(400, 3, generator=g)
+    labels = torch.distributions.Categorical(logits=logits / 3).sample()
+    calibrator = torchcal.TemperatureScaling()
+    result = cross_validated_calibration_loss(logits, labels, calibrator, folds=4, seed=1)
+    expected = calibration_loss(logits, torchcal.cross_validate(torchcal.TemperatureScaling(), logits, labels, folds=4, seed=1), labels)
+    assert result.absolute.item() == pytest.approx(expected.absolute.item(), rel=1e-12)
+    assert result.relative.item() > 20  # over-confident by a factor 3
+    assert not calibrator.is_fitted
+
+
+def test_ferrer_table5_datap_mc1():
+    """K = 10, Datap-mc1: relative calibration loss 23 % (XE) and 20 % (Brier), affine by 5-fold CV."""
+    task = gaussian_task(num_classes=10)
+    logits = ferrer_systems(task)["Datap-mc1"]
+    calibrated = torchcal.cross_validate(torchcal.AffineCalibration(), logits, task.labels)
+    assert calibration_loss(logits, calibrated, task.labels).relative.item() == pytest.approx(23, abs=0.5)
+    assert calibration_loss(logits, calibrated, task.labels, score=brier_score).relative.item() == pytest.approx(20, abs=0.5)
+
+
+# Ferrer & Ramos (TMLR 2025) Table 2: RCL (%) with affine calibration by cross-validation.
+@pytest.mark.parametrize("name, published", [("sst2_gpt2-0shot_ferrer", 46.0), ("agnews_gpt2-0shot_ferrer", 34.2)])
+def test_ferrer_ramos_table2_relative_calibration_loss(real, name, published):
+    data = real(name)
+    z, y = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
+    result = cross_validated_calibration_loss(z, y, torchcal.AffineCalibration())
+    assert result.relative.item() == pytest.approx(published, abs=0.05)

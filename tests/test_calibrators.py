@@ -1,0 +1,387 @@
+"""Calibration layers: optima against independent fits, published numbers, and the module contract."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from scipy.optimize import minimize as scipy_minimize
+from scipy.special import log_softmax as np_log_softmax
+
+import torchcal
+from torchcal.functional import cross_entropy
+
+ALL_MULTICLASS = [
+    lambda: torchcal.TemperatureScaling(),
+    lambda: torchcal.AffineCalibration(),
+    lambda: torchcal.AffineCalibration(bias=False),
+    lambda: torchcal.VectorScaling(),
+    lambda: torchcal.MatrixScaling(reg="odir", reg_lambda=1.0),
+    lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=1.0),
+    lambda: torchcal.DirichletCalibration(reg="l2", reg_lambda=1.0),
+    lambda: torchcal.HistogramBinning(),
+    lambda: torchcal.IsotonicCalibration(),
+]
+ALL_BINARY = [lambda: torchcal.PlattScaling(), lambda: torchcal.BetaCalibration()]
+
+
+def _objective(cal, logits, labels):
+    with torch.no_grad():
+        return float(cross_entropy(cal(logits.double()), labels))
+
+
+# --------------------------------------------------------------------------- independent optima
+# Anchor optima from the reference notes (section 6.2): psrcal and dirichletcal fits of the same
+# formulations on the seeded synthetic data, K = 10, fit set seed 0.
+@pytest.mark.parametrize(
+    "make, anchor",
+    [
+        (lambda: torchcal.TemperatureScaling(), 1.2008668839),
+        (lambda: torchcal.AffineCalibration(), 1.0120349944),
+        (lambda: torchcal.VectorScaling(), 0.9835345447),
+        (lambda: torchcal.MatrixScaling(), 0.9794629155),
+        (lambda: torchcal.DirichletCalibration(), 0.9842793954),
+    ],
+)
+def test_reaches_the_anchor_optimum(synthetic, make, anchor):
+    scores, y = synthetic(10, 10_000, seed=0)
+    logits, labels = torch.from_numpy(scores), torch.from_numpy(y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unregularised matrix models warn about identifiability
+        cal = make().fit(logits, labels)
+    assert _objective(cal, logits, labels) == pytest.approx(anchor, rel=1e-8)
+
+
+def test_odir_objective_matches_dirichletcal_paper_formulation(synthetic):
+    # dirichletcal reg_norm=False, ref_row=False: lambda * sum offdiag W^2 + mu * sum b^2 with
+    # lambda = mu = 1e-3; in torchcal's K-normalised convention that is lambda*K(K-1), mu*K.
+    scores, y = synthetic(10, 10_000, seed=0)
+    k = 10
+    cal = torchcal.DirichletCalibration(reg="odir", reg_lambda=1e-3 * k * (k - 1), reg_mu=1e-3 * k)
+    cal.fit(torch.from_numpy(scores), torch.from_numpy(y))
+    assert cal.fit_record_.loss == pytest.approx(0.9863994194747, rel=1e-9)
+
+
+def test_prior_weighted_affine_matches_psrcal_anchor():
+    rs = np.random.RandomState(3)
+    n = 20_000
+    y = rs.choice(4, size=n, p=[0.7, 0.1, 0.1, 0.1])
+    latent = rs.standard_normal((n, 4))
+    latent[np.arange(n), y] += 2
+    logits, labels = torch.from_numpy(3 * latent), torch.from_numpy(y)
+    cal = torchcal.AffineCalibration().fit(logits, labels, priors=torch.full((4,), 0.25))
+    assert cal.fit_record_.loss == pytest.approx(0.4565199524468042, rel=1e-8)
+    assert cal.alpha == pytest.approx(0.678219482049283, rel=1e-5)
+    unweighted = torchcal.AffineCalibration().fit(logits, labels)
+    assert unweighted.fit_record_.loss == pytest.approx(0.31962747650574513, rel=1e-8)
+
+
+def test_brier_objective_matches_psrcal_anchor(synthetic):
+    scores, y = synthetic(10, 10_000, seed=0)
+    cal = torchcal.AffineCalibration().fit(torch.from_numpy(scores), torch.from_numpy(y), loss="brier")
+    # psrcal averages the Brier score over N*K; torchcal sums over classes (K times larger).
+    # psrcal's SciPy defaults stop above the optimum (10 * 0.046733160697639976, alpha 0.66455831);
+    # a tight SciPy BFGS fit of the same objective reaches 0.46733122635445 at alpha 0.66436888.
+    assert cal.fit_record_.loss == pytest.approx(0.46733122635445, rel=1e-9)
+    assert cal.fit_record_.loss < 10 * 0.046733160697639976
+    assert cal.alpha == pytest.approx(0.66436888, rel=1e-5)
+
+
+def _scipy_fit(kind: str, z: np.ndarray, y: np.ndarray, reg: float = 0.0) -> float:
+    """Independent float64 SciPy fit of the same objective, with analytic gradients."""
+    n, k = z.shape
+    onehot = np.eye(k)[y]
+    ls = np_log_softmax(z, axis=1)
+
+    def unpack(theta):
+        if kind == "temperature":
+            return theta[0] * z, None
+        if kind == "affine":
+            return theta[0] * ls + theta[1:], None
+        if kind == "vector":
+            return theta[:k] * z + theta[k:], None
+        w, b = theta[: k * k].reshape(k, k), theta[k * k:]
+        return ls @ w.T + b, (w, b)
+
+    def fun(theta):
+        s, wb = unpack(theta)
+        lq = np_log_softmax(s, axis=1)
+        r = (np.exp(lq) - onehot) / n
+        loss = -lq[np.arange(n), y].mean()
+        if kind == "temperature":
+            grad = np.array([(r * z).sum()])
+        elif kind == "affine":
+            grad = np.r_[(r * ls).sum(), r.sum(0)]
+        elif kind == "vector":
+            grad = np.r_[(r * z).sum(0), r.sum(0)]
+        else:
+            w, b = wb
+            off = w - np.diag(np.diag(w))
+            loss += reg / (k * (k - 1)) * (off**2).sum() + reg / k * (b**2).sum()
+            grad = np.r_[(r.T @ ls + 2 * reg / (k * (k - 1)) * off).ravel(), r.sum(0) + 2 * reg / k * b]
+        return loss, grad
+
+    start = {"temperature": [1.0], "affine": np.r_[1.0, np.zeros(k)], "vector": np.r_[np.ones(k), np.zeros(k)]}
+    theta0 = start.get(kind, np.r_[np.eye(k).ravel(), np.zeros(k)])
+    res = scipy_minimize(fun, theta0, jac=True, method="L-BFGS-B", options={"maxiter": 10_000, "gtol": 1e-12, "ftol": 1e-15})
+    return res.fun
+
+
+@pytest.mark.parametrize(
+    "kind, make",
+    [
+        ("temperature", lambda: torchcal.TemperatureScaling()),
+        ("affine", lambda: torchcal.AffineCalibration()),
+        ("vector", lambda: torchcal.VectorScaling()),
+        ("dirichlet-odir", lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=0.5)),
+    ],
+)
+def test_reached_loss_matches_scipy(kind, make):
+    rs = np.random.RandomState(7)
+    k, n = 4, 3000
+    y = rs.randint(0, k, n)
+    z = rs.standard_normal((n, k)) * 2.5
+    z[np.arange(n), y] += 2.0
+    z += np.array([0.5, 0.0, -0.3, 0.2])
+    cal = make().fit(torch.from_numpy(z), torch.from_numpy(y))
+    reached = cal.fit_record_.loss if kind == "dirichlet-odir" else _objective(cal, torch.from_numpy(z), torch.from_numpy(y))
+    assert reached == pytest.approx(_scipy_fit(kind, z, y, reg=0.5), rel=1e-6)
+
+
+def test_newton_and_lbfgs_reach_the_same_dirichlet_optimum(synthetic):
+    scores, y = synthetic(6, 4000, seed=2)
+    logits, labels = torch.from_numpy(scores), torch.from_numpy(y)
+    newton = torchcal.DirichletCalibration(reg="odir", reg_lambda=0.1).fit(logits, labels)
+    # The generic path: the base class's L-BFGS fit of the same objective.
+    lbfgs = torchcal.DirichletCalibration(reg="odir", reg_lambda=0.1)
+    lbfgs.reg_lambda_ = lbfgs.reg_mu_ = 0.1
+    lbfgs._materialize(6)
+    features = torch.log_softmax(logits.double(), dim=1)
+    record = torchcal.Calibrator._fit(lbfgs, features, labels, None, "log", 5000)
+    assert record.loss == pytest.approx(newton.fit_record_.loss, rel=1e-9)
+
+
+# --------------------------------------------------------------------------- published numbers
+def test_kull_resnet110_cifar10(real):
+    d = real("cifar10_resnet110_kangsepp")
+    zv, yv = torch.from_numpy(d["logits_val"]), torch.from_numpy(d["labels_val"])
+    zt, yt = torch.from_numpy(d["logits"]), torch.from_numpy(d["labels"])
+    ts = torchcal.TemperatureScaling().fit(zv, yv)
+    assert ts.temperature == pytest.approx(2.395, abs=5e-4)
+    assert _objective(ts, zt, yt) == pytest.approx(0.2093, abs=5e-5)
+    published = {
+        "vector": (torchcal.VectorScaling(), 0.2062),
+        "dirichlet-odir": (torchcal.DirichletCalibration(reg="odir"), 0.2051),
+        "matrix-odir": (torchcal.MatrixScaling(reg="odir"), 0.2038),
+        "dirichlet-l2": (torchcal.DirichletCalibration(reg="l2"), 0.2030),
+    }
+    for name, (cal, value) in published.items():
+        cal.fit(zv, yv)
+        assert abs(_objective(cal, zt, yt) - value) < 0.003, name
+        assert cal.fit_record_.converged, name
+
+
+FERRER_TABLE_2 = {  # normalised CE raw -> affine (5-fold CV), RCL %
+    "cifar10_resnet20_ferrer": (0.122, 0.101, 17.2),
+    "cifar10_vgg19bn_ferrer": (0.153, 0.103, 32.4),
+    "cifar10_repvgg-a2_ferrer": (0.092, 0.074, 19.9),
+    "cifar100_resnet20_ferrer": (0.266, 0.243, 8.6),
+    "cifar100_vgg19bn_ferrer": (0.392, 0.247, 36.9),
+    "cifar100_repvgg-a2_ferrer": (0.200, 0.198, 0.8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FERRER_TABLE_2))
+def test_ferrer_ramos_table2_affine_cross_validated(real, name):
+    raw_nce, affine_nce, rcl = FERRER_TABLE_2[name]
+    d = real(name)
+    logits, labels = torch.from_numpy(d["logits"]), torch.from_numpy(d["labels"])
+    calibrated = torchcal.cross_validate(torchcal.AffineCalibration(), logits, labels, folds=5, seed=1)
+    raw = float(cross_entropy(logits, labels, normalize=True))
+    cal = float(cross_entropy(calibrated, labels, normalize=True))
+    assert raw == pytest.approx(raw_nce, abs=5e-4)
+    assert cal == pytest.approx(affine_nce, abs=1e-3)  # printed digit, up to the fold draw
+    assert 100 * (raw - cal) / raw == pytest.approx(rcl, abs=0.3)
+
+
+# --------------------------------------------------------------------------- module contract
+@pytest.fixture
+def data():
+    gen = torch.Generator().manual_seed(1)
+    logits = 3 * torch.randn(600, 5, generator=gen)
+    labels = torch.distributions.Categorical(logits=logits / 3).sample()
+    return logits, labels
+
+
+@pytest.mark.parametrize("make", ALL_MULTICLASS)
+def test_contract(make, data):
+    logits, labels = data
+    original = logits.clone()
+    cal = make()
+    with pytest.raises(RuntimeError, match="not fitted"):
+        cal(logits)
+    assert cal.fit(logits, labels) is cal
+    assert torch.equal(logits, original)  # inputs never modified
+    out = cal(logits)
+    assert out.dtype == torch.float32 and out.shape == logits.shape
+    assert torch.allclose(out.logsumexp(dim=1), torch.zeros(600), atol=1e-5)
+    assert torch.isfinite(out).all()
+    # state_dict round trip into a fresh instance
+    fresh = make()
+    fresh.load_state_dict(cal.state_dict())
+    assert torch.equal(fresh(logits), out)
+    # half precision in, float32 out; float64 in, float64 out
+    assert cal(logits.half()).dtype == torch.float32
+    assert torch.allclose(cal(logits.double()), out.double(), atol=1e-5)
+    with pytest.raises(ValueError, match="K = 4 classes but 5"):
+        cal(logits[:, :4])
+    with pytest.raises(ValueError, match="NaN"):
+        cal(torch.full((2, 5), float("nan")))
+    # never worse than the identity map on its own calibration data (it starts there)
+    if not isinstance(cal, (torchcal.HistogramBinning,)):
+        assert _objective(cal, logits, labels) <= float(cross_entropy(logits, labels)) + 1e-9
+
+
+@pytest.mark.parametrize("make", ALL_BINARY)
+def test_binary_contract(make, data):
+    logits, labels = data
+    binary_logits, binary_labels = logits[:, :2], (labels > 1).long()
+    cal = make().fit(binary_logits, binary_labels)
+    fresh = make()
+    fresh.load_state_dict(cal.state_dict())
+    assert torch.equal(fresh(binary_logits), cal(binary_logits))
+    with pytest.raises(ValueError, match="K = 2"):
+        make().fit(logits, labels)
+
+
+def test_fit_is_differentiable_and_works_under_inference_mode(data):
+    logits, labels = data
+    with torch.inference_mode():
+        cal = torchcal.AffineCalibration().fit(logits, labels)
+    x = logits.clone().requires_grad_(True)
+    cal(x).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_platt_is_affine_on_the_log_odds(data):
+    logits, labels = data
+    logits, labels = logits[:, :2], (labels > 1).long()
+    platt = torchcal.PlattScaling().fit(logits, labels)
+    llr = logits[:, 1] - logits[:, 0]
+    expected = torch.sigmoid(platt.slope * llr.double() + platt.intercept)
+    assert torch.allclose(platt(logits.double()).exp()[:, 1], expected, atol=1e-10)
+
+
+def test_beta_calibration_stays_near_identity_on_calibrated_data():
+    gen = torch.Generator().manual_seed(3)
+    llr = 2 * torch.randn(20_000, generator=gen, dtype=torch.float64)
+    labels = torch.bernoulli(torch.sigmoid(llr), generator=gen).long()
+    logits = torch.stack([torch.zeros_like(llr), llr], dim=1)
+    beta = torchcal.BetaCalibration().fit(logits, labels)
+    grid = torch.linspace(-6, 6, 101, dtype=torch.float64)
+    grid_logits = torch.stack([torch.zeros_like(grid), grid], dim=1)
+    assert (beta(grid_logits).exp()[:, 1] - torch.sigmoid(grid)).abs().max() < 0.02
+
+
+def test_isotonic_is_pav_and_matches_scikit_learn():
+    sklearn_isotonic = pytest.importorskip("sklearn.isotonic")
+    rs = np.random.RandomState(0)
+    p = rs.uniform(size=500)
+    y = (rs.uniform(size=500) < p**2).astype(np.int64)
+    logits = torch.from_numpy(np.log(np.stack([1 - p, p], axis=1)))
+    iso = torchcal.IsotonicCalibration(eps=1e-12).fit(logits, torch.from_numpy(y))
+    ours = iso(logits).exp()[:, 1].numpy()
+    reference = sklearn_isotonic.IsotonicRegression(out_of_bounds="clip").fit(p, y).predict(p)
+    np.testing.assert_allclose(np.clip(reference, 1e-12, 1 - 1e-12), ours, atol=1e-12)
+
+
+def test_histogram_binning_never_outputs_zero_and_fills_empty_bins_with_the_base_rate():
+    p = torch.tensor([0.05, 0.06, 0.07, 0.95, 0.96], dtype=torch.float64)
+    y = torch.tensor([0, 0, 0, 1, 1])
+    logits = torch.stack([(1 - p).log(), p.log()], dim=1)
+    hb = torchcal.HistogramBinning(n_bins=10).fit(logits, y)
+    values = hb.values[0]
+    assert (values > 0).all() and (values < 1).all()
+    base_rate = (2 + 1) / (5 + 2)
+    assert values[5] == pytest.approx(base_rate)  # bin (0.5, 0.6] is empty
+    assert values[0] == pytest.approx((0 + base_rate) / (3 + 1))
+
+
+def test_cross_validate_is_out_of_fold(data):
+    logits, labels = data
+    out = torchcal.cross_validate(torchcal.AffineCalibration(), logits, labels, folds=3, seed=4)
+    folds = torchcal.fit.fold_indices(labels, 3, seed=4)
+    train = torch.ones(600, dtype=torch.bool)
+    train[folds[0]] = False
+    alone = torchcal.AffineCalibration().fit(logits[train], labels[train])
+    assert torch.allclose(out[folds[0]], alone(logits[folds[0]]), atol=1e-6)
+    assert sorted(torch.cat(folds).tolist()) == list(range(600))
+
+
+def test_group_folds_keep_groups_together(data):
+    _, labels = data
+    groups = torch.arange(600) // 7
+    for fold in torchcal.fit.fold_indices(labels, 4, seed=0, groups=groups):
+        others = torch.ones(600, dtype=torch.bool)
+        others[fold] = False
+        assert not set(groups[fold].tolist()) & set(groups[others].tolist())
+
+
+def test_cross_validation_needs_enough_samples(data):
+    logits, labels = data
+    with pytest.raises(ValueError, match="at least 5 samples"):
+        torchcal.cross_validate(torchcal.TemperatureScaling(), logits[:3], labels[:3], folds=5)
+
+
+# --------------------------------------------------------------------------- degenerate data
+def test_separable_data_gives_a_finite_temperature_and_a_warning():
+    logits = torch.tensor([[3.0, 0.0], [0.0, 3.0]]).repeat(50, 1)
+    labels = torch.tensor([0, 1]).repeat(50)
+    with pytest.warns(torchcal.ConvergenceWarning, match="separable"):
+        ts = torchcal.TemperatureScaling().fit(logits, labels)
+    assert 0 < ts.temperature < 1e-2 and not ts.fit_record_.converged
+    assert torch.isfinite(ts(logits)).all()
+
+
+def test_anti_informative_scores_give_infinite_temperature_and_uniform_output():
+    logits = torch.tensor([[3.0, 0.0], [0.0, 3.0]]).repeat(50, 1)
+    labels = torch.tensor([1, 0]).repeat(50)
+    with pytest.warns(torchcal.ConvergenceWarning, match="not positively related"):
+        ts = torchcal.TemperatureScaling().fit(logits, labels)
+    assert ts.temperature == float("inf")
+    assert torch.allclose(ts(logits).exp(), torch.full((100, 2), 0.5))
+
+
+@pytest.mark.parametrize("make", ALL_MULTICLASS)
+def test_single_class_present_warns_and_stays_finite(make, data):
+    logits, _ = data
+    labels = torch.zeros(600, dtype=torch.long)
+    with pytest.warns(UserWarning, match="no sample"):
+        cal = make().fit(logits, labels)
+    assert torch.isfinite(cal(logits)).all()
+
+
+def test_too_few_samples_for_an_unregularised_matrix_warns(data):
+    logits, labels = data
+    with pytest.warns(UserWarning, match="over-fit"):
+        torchcal.MatrixScaling().fit(logits[:20], labels[:20])
+
+
+def test_bad_regulariser_arguments():
+    with pytest.raises(ValueError, match="reg must be"):
+        torchcal.DirichletCalibration(reg="l1")
+    with pytest.raises(ValueError, match="need a regulariser"):
+        torchcal.MatrixScaling(reg_lambda=1.0)
+    with pytest.raises(ValueError, match="loss must be"):
+        torchcal.TemperatureScaling().fit(torch.randn(10, 3), torch.zeros(10, dtype=torch.long), loss="hinge")
+
+
+def test_fit_does_not_depend_on_sample_order(data):
+    logits, labels = data
+    perm = torch.randperm(600)
+    for make in (torchcal.TemperatureScaling, torchcal.AffineCalibration):
+        a, b = make().fit(logits, labels), make().fit(logits[perm], labels[perm])
+        assert torch.allclose(a(logits), b(logits), atol=1e-6)

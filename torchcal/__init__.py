@@ -1,0 +1,39 @@
+"""torchcal: measure and fix the quality of classifier posteriors in PyTorch.
+
+Scores are logits in the wide sense throughout: any unnormalised log-posteriors of shape (N, K),
+so ``log(probs)`` works too. Calibrators return calibrated log-posteriors.
+"""
+
+from torchcal import functional
+from torchcal.calibrators import (
+    AffineCalibration,
+    BetaCalibration,
+    Calibrator,
+    DirichletCalibration,
+    HistogramBinning,
+    IsotonicCalibration,
+    MatrixScaling,
+    PlattScaling,
+    TemperatureScaling,
+    VectorScaling,
+)
+from torchcal.fit import ConvergenceWarning, FitRecord, cross_validate
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AffineCalibration",
+    "BetaCalibration",
+    "Calibrator",
+    "ConvergenceWarning",
+    "DirichletCalibration",
+    "FitRecord",
+    "HistogramBinning",
+    "IsotonicCalibration",
+    "MatrixScaling",
+    "PlattScaling",
+    "TemperatureScaling",
+    "VectorScaling",
+    "cross_validate",
+    "functional",
+]

@@ -1,0 +1,21 @@
+"""Calibration layers: ``nn.Module``s mapping scores to calibrated log-posteriors."""
+
+from torchcal.calibrators.affine import AffineCalibration, PlattScaling, VectorScaling
+from torchcal.calibrators.base import Calibrator
+from torchcal.calibrators.beta import BetaCalibration
+from torchcal.calibrators.matrix import DirichletCalibration, MatrixScaling
+from torchcal.calibrators.nonparametric import HistogramBinning, IsotonicCalibration
+from torchcal.calibrators.temperature import TemperatureScaling
+
+__all__ = [
+    "AffineCalibration",
+    "BetaCalibration",
+    "Calibrator",
+    "DirichletCalibration",
+    "HistogramBinning",
+    "IsotonicCalibration",
+    "MatrixScaling",
+    "PlattScaling",
+    "TemperatureScaling",
+    "VectorScaling",
+]

@@ -1,0 +1,187 @@
+"""The contract every calibrator follows.
+
+A calibrator is an ``nn.Module`` mapping scores ``logits: (N, K)`` — logits in the wide sense, i.e.
+any unnormalised log-posteriors, so ``log(probs)`` works too — to calibrated log-posteriors
+(``logsumexp == 0`` per row).
+
+- ``fit(logits, labels, ...)`` fits on held-out data and returns ``self``; what happened is in
+  ``fit_record_`` (a :class:`torchcal.fit.FitRecord`).
+- ``forward(logits)`` is pure and differentiable. It computes in the input's dtype, or float32 for
+  half precision, on the input's device (move the module with ``.to(device)``).
+- Fitted parameters are ``nn.Parameter``s or buffers, stored in float64; ``state_dict()`` round
+  trips into a fresh, unfitted instance.
+
+Parametric subclasses define the identity-map parameters (:meth:`_identity`), an optional feature
+map applied once to the data (:meth:`_features`), the unnormalised calibrated scores
+(:meth:`_scores`) and an optional penalty (:meth:`_penalty`); the base class fits them by
+:func:`torchcal.fit.minimize`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from torchcal._validation import check_logits, check_logits_and_labels, compute_dtype
+from torchcal.fit import FitRecord, minimize
+from torchcal.functional.scoring import PER_SAMPLE_SCORES, class_weights, weighted_mean
+
+__all__ = ["Calibrator"]
+
+
+class Calibrator(nn.Module):
+    """Base class of all calibrators. Subclasses implement the hooks described in the module docs."""
+
+    #: class counts the calibrator supports; ``None`` means any K >= 2.
+    supported_num_classes: Optional[int] = None
+    #: fitted tensors stored as buffers (not optimised) rather than parameters.
+    _buffer_names: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_classes: int = 0
+        self.fit_record_: Optional[FitRecord] = None
+
+    # ----------------------------------------------------------------- hooks for subclasses
+    def _identity(self, num_classes: int) -> dict[str, Tensor]:
+        """Initial (identity-map) values of the fitted tensors, float64."""
+        raise NotImplementedError
+
+    def _features(self, logits: Tensor) -> Tensor:
+        """Feature map applied to the scores before :meth:`_scores` (computed once per fit)."""
+        return logits
+
+    def _scores(self, features: Tensor) -> Tensor:
+        """Unnormalised calibrated log-posteriors from features (N, K)."""
+        raise NotImplementedError
+
+    def _penalty(self) -> Tensor | float:
+        """Regulariser added to the mean loss."""
+        return 0.0
+
+    # ----------------------------------------------------------------------- public API
+    @property
+    def is_fitted(self) -> bool:
+        return self.num_classes > 0
+
+    def fit(
+        self,
+        logits: Tensor,
+        labels: Tensor,
+        *,
+        loss: str = "log",
+        priors: Optional[Tensor] = None,
+        max_iter: int = 1000,
+        warm_start: bool = False,
+    ) -> "Calibrator":
+        """Fit on held-out ``logits: (N, K)`` and ``labels: (N,)``; returns ``self``.
+
+        Args:
+            loss: the expected proper scoring rule minimised: ``"log"`` (cross-entropy) or
+                ``"brier"``.
+            priors: optional (K,) deployment priors; each sample is weighted by
+                ``priors[y] / frequency[y]`` (Ferrer & Ramos App. A).
+            max_iter: iteration cap of the optimiser.
+            warm_start: start from the current parameters instead of the identity map.
+        """
+        logits, labels = check_logits_and_labels(logits, labels)
+        num_classes = logits.shape[1]
+        if self.supported_num_classes is not None and num_classes != self.supported_num_classes:
+            raise ValueError(
+                f"{type(self).__name__} is for K = {self.supported_num_classes} classes, got K = "
+                f"{num_classes}; use a multiclass calibrator such as AffineCalibration."
+            )
+        if loss not in PER_SAMPLE_SCORES:
+            raise ValueError(f"loss must be one of {sorted(PER_SAMPLE_SCORES)}, got {loss!r}.")
+        missing = torch.bincount(labels, minlength=num_classes) == 0
+        if bool(missing.any()):
+            warnings.warn(
+                f"classes {missing.nonzero().flatten().tolist()} have no sample in the calibration "
+                f"data; the fit cannot learn anything about them and will push their posteriors down.",
+                stacklevel=2,
+            )
+        # Fitting needs autograd even under Lightning's inference_mode; the clone makes the
+        # data ordinary tensors and guarantees the caller's tensors are never touched.
+        with torch.inference_mode(False), torch.enable_grad():
+            logits = logits.detach().to(torch.float64, copy=True)
+            labels = labels.detach().clone()
+            if not (warm_start and self.num_classes == num_classes):
+                self._materialize(num_classes, logits.device)
+            self.to(device=logits.device, dtype=torch.float64)
+            weights = class_weights(labels, num_classes, priors)
+            self.num_classes = num_classes
+            self.fit_record_ = self._fit(self._features(logits), labels, weights, loss, max_iter)
+        return self
+
+    def forward(self, logits: Tensor) -> Tensor:
+        """Calibrated log-posteriors (N, K) for ``logits: (N, K)``."""
+        self._check_input(logits)
+        dtype = compute_dtype(logits.dtype)
+        return torch.log_softmax(self._scores(self._features(logits.to(dtype))), dim=1)
+
+    def predict_proba(self, logits: Tensor) -> Tensor:
+        """Calibrated posteriors (N, K): ``forward(logits).exp()``."""
+        return self.forward(logits).exp()
+
+    # ------------------------------------------------------------------------ machinery
+    def _fit(
+        self, features: Tensor, labels: Tensor, weights: Optional[Tensor], loss: str, max_iter: int
+    ) -> FitRecord:
+        """Generic fit: minimise the (weighted) mean score plus penalty by L-BFGS."""
+        per_sample = PER_SAMPLE_SCORES[loss]
+        params = [p for p in self.parameters() if p.requires_grad]
+
+        def objective() -> Tensor:
+            log_probs = torch.log_softmax(self._scores(features), dim=1)
+            return weighted_mean(per_sample(log_probs, labels), labels, weights) + self._penalty()
+
+        return minimize(objective, params, max_iter=max_iter)
+
+    def _materialize(self, num_classes: int, device: Optional[torch.device] = None) -> None:
+        """(Re)create the fitted tensors at the identity map for ``num_classes`` classes."""
+        for name, value in self._identity(num_classes).items():
+            value = value.to(device=device, dtype=torch.float64)
+            if name in self._buffer_names:
+                self.register_buffer(name, value)
+            else:
+                self._parameters[name] = nn.Parameter(value)
+
+    def _check_input(self, logits: Tensor) -> None:
+        if not self.is_fitted:
+            raise RuntimeError(
+                f"this {type(self).__name__} is not fitted yet: call .fit(logits, labels) on held-out "
+                f"data, or load a fitted state_dict."
+            )
+        if torch.compiler.is_compiling():
+            if logits.ndim != 2 or logits.shape[1] != self.num_classes:
+                raise ValueError(f"expected logits of shape (N, {self.num_classes}), got {tuple(logits.shape)}")
+        else:
+            check_logits(logits, num_classes=self.num_classes)
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {"num_classes": self.num_classes}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        self.num_classes = int(state["num_classes"])
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # noqa: E501
+        # Fitted tensors' shapes depend on K: give them the stored shapes before loading.
+        extra = state_dict.get(prefix + "_extra_state")
+        if extra is not None and int(extra["num_classes"]) > 0:
+            device = next((t.device for t in self._tensors()), None)
+            self._materialize(int(extra["num_classes"]), device)
+            for name, tensor in list(self._parameters.items()) + list(self._buffers.items()):
+                stored = state_dict.get(prefix + name)
+                if tensor is not None and stored is not None and stored.shape != tensor.shape:
+                    getattr(self, name).data = torch.empty_like(stored, device=tensor.device)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)  # noqa: E501
+
+    def _tensors(self):
+        yield from (p for p in self._parameters.values() if p is not None)
+        yield from (b for b in self._buffers.values() if b is not None)
+
+    def extra_repr(self) -> str:
+        return f"num_classes={self.num_classes}" if self.is_fitted else "not fitted"

@@ -1,0 +1,239 @@
+"""Full linear maps: matrix scaling on logits and Dirichlet calibration on log-posteriors, with the
+ODIR and L2 regularisers of Kull et al. (2019) and cross-validated regularisation strength."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from torchcal.calibrators.base import Calibrator
+from torchcal.fit import ConvergenceWarning, FitRecord, fold_indices
+from torchcal.functional.scoring import PER_SAMPLE_SCORES, weighted_mean
+
+__all__ = ["MatrixScaling", "DirichletCalibration", "DEFAULT_REG_GRID", "fit_multinomial_newton"]
+
+#: Up to this many parameters K (K + 1), the log-loss fit uses Newton's method with the exact
+#: Hessian (a few dense solves) instead of L-BFGS, which crawls on these ill-conditioned problems.
+NEWTON_MAX_PARAMETERS = 1200
+
+#: Regularisation strengths tried by cross-validation when none is given (mu = lambda). Wide on
+#: purpose: on the ResNet-110 CIFAR-10 logits the best ODIR lambda is about 10.
+DEFAULT_REG_GRID: tuple[float, ...] = tuple(10.0**e for e in range(-4, 4))
+
+
+class MatrixScaling(Calibrator):
+    """``softmax(W @ logits + b)`` with a full ``W: (K, K)`` and ``b: (K,)``, on raw logits.
+
+    Args:
+        reg: ``None``, ``"odir"`` or ``"l2"``. The penalty is added to the mean loss:
+
+            - ODIR (off-diagonal and intercept): ``lambda / (K (K-1)) * sum_{i != j} W_ij^2 +
+              mu / K * sum_k b_k^2``; the diagonal is free, so per-class scaling is not penalised.
+            - L2: ``lambda / (K (K+1)) * (sum W^2 + sum b^2)`` (shrinks towards zero).
+        reg_lambda, reg_mu: penalty strengths. Left as ``None`` with a regulariser, they are chosen
+            by ``cv_folds``-fold cross-validation over ``reg_grid`` (``mu = lambda``, or pairs).
+            ``reg_mu`` defaults to ``reg_lambda``.
+        reg_grid: candidate lambdas, or ``(lambda, mu)`` pairs.
+
+    After fitting, ``reg_lambda_`` / ``reg_mu_`` hold the strengths used and ``cv_losses_`` the
+    cross-validated loss of every grid point.
+    """
+
+    def __init__(
+        self,
+        reg: Optional[str] = None,
+        reg_lambda: Optional[float] = None,
+        reg_mu: Optional[float] = None,
+        reg_grid: Sequence[float | tuple[float, float]] = DEFAULT_REG_GRID,
+        cv_folds: int = 5,
+        cv_seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if reg not in (None, "odir", "l2"):
+            raise ValueError(f"reg must be None, 'odir' or 'l2', got {reg!r}.")
+        if reg is None and (reg_lambda is not None or reg_mu is not None):
+            raise ValueError("reg_lambda / reg_mu need a regulariser: pass reg='odir' or reg='l2'.")
+        for name, value in (("reg_lambda", reg_lambda), ("reg_mu", reg_mu)):
+            if value is not None and not value >= 0:
+                raise ValueError(f"{name} must be >= 0, got {value}.")
+        self.reg = reg
+        self.reg_lambda = reg_lambda
+        self.reg_mu = reg_mu
+        self.reg_grid = [g if isinstance(g, tuple) else (float(g), float(g)) for g in reg_grid]
+        self.cv_folds = cv_folds
+        self.cv_seed = cv_seed
+        self.reg_lambda_: Optional[float] = None
+        self.reg_mu_: Optional[float] = None
+        self.cv_losses_: Optional[list[float]] = None
+
+    def _identity(self, num_classes: int) -> dict[str, Tensor]:
+        return {"weight": torch.eye(num_classes), "bias": torch.zeros(num_classes)}
+
+    def _scores(self, features: Tensor) -> Tensor:
+        return features @ self.weight.to(features.dtype).T + self.bias.to(features.dtype)
+
+    def _penalty_weights(self, num_classes: int) -> Tensor:
+        """The penalty as ``sum(weights * [W | b]^2)``: weights of shape (K, K + 1), float64."""
+        k = num_classes
+        weights = torch.zeros(k, k + 1, dtype=torch.float64)
+        if self.reg == "l2":
+            weights[:] = self.reg_lambda_ / (k * (k + 1))
+        elif self.reg == "odir":
+            weights[:, :k] = self.reg_lambda_ / (k * (k - 1))
+            weights[:, :k].fill_diagonal_(0.0)
+            weights[:, k] = self.reg_mu_ / k
+        return weights
+
+    def _penalty(self) -> Tensor | float:
+        if self.reg is None:
+            return 0.0
+        weights = self._penalty_weights(self.weight.shape[0]).to(self.weight.device)
+        return (weights[:, :-1] * self.weight.square()).sum() + (weights[:, -1] * self.bias.square()).sum()
+
+    def _fit(self, features, labels, weights, loss, max_iter) -> FitRecord:
+        k = features.shape[1]
+        if self.reg is None and features.shape[0] < k * (k + 1):
+            warnings.warn(
+                f"{features.shape[0]} samples for {k * (k + 1)} unregularised parameters: the fit "
+                f"will over-fit; use reg='odir'.",
+                stacklevel=3,
+            )
+        if self.reg is not None and self.reg_lambda is None:
+            self.cv_losses_ = self._cross_validate_grid(features, labels, weights, loss, max_iter)
+            best = min(range(len(self.reg_grid)), key=self.cv_losses_.__getitem__)
+            self.reg_lambda_, self.reg_mu_ = self.reg_grid[best]
+        elif self.reg is not None:
+            self.reg_lambda_ = self.reg_lambda
+            self.reg_mu_ = self.reg_lambda if self.reg_mu is None else self.reg_mu
+        return self._fit_fixed_penalty(features, labels, weights, loss, max_iter)
+
+    def _fit_fixed_penalty(self, features, labels, weights, loss, max_iter) -> FitRecord:
+        k = features.shape[1]
+        if loss != "log" or k * (k + 1) > NEWTON_MAX_PARAMETERS:
+            return Calibrator._fit(self, features, labels, weights, loss, max_iter)
+        theta = torch.cat([self.weight.detach(), self.bias.detach().unsqueeze(1)], dim=1)
+        penalty = self._penalty_weights(k).to(features.device)
+        theta, record = fit_multinomial_newton(features, labels, weights, theta, penalty, max_iter=min(max_iter, 100))
+        with torch.no_grad():
+            self.weight.copy_(theta[:, :k])
+            self.bias.copy_(theta[:, k])
+        return record
+
+    def _cross_validate_grid(self, features, labels, weights, loss, max_iter) -> list[float]:
+        """Out-of-fold loss of every grid point. Within a fold, the grid runs from the strongest
+        to the weakest penalty, each fit warm-started from the previous one."""
+        order = sorted(range(len(self.reg_grid)), key=lambda i: -self.reg_grid[i][0])
+        totals = [0.0] * len(self.reg_grid)
+        per_sample = PER_SAMPLE_SCORES[loss]
+        for test in fold_indices(labels, self.cv_folds, self.cv_seed):
+            test = test.to(features.device)
+            train = torch.ones_like(labels, dtype=torch.bool)
+            train[test] = False
+            model = copy.deepcopy(self)
+            model.num_classes = features.shape[1]
+            model._materialize(features.shape[1], features.device)
+            for i in order:
+                model.reg_lambda_, model.reg_mu_ = self.reg_grid[i]
+                model._fit_fixed_penalty(features[train], labels[train], weights, loss, max_iter)
+                with torch.no_grad():
+                    log_probs = torch.log_softmax(model._scores(features[test]), dim=1)
+                    totals[i] += float(
+                        weighted_mean(per_sample(log_probs, labels[test]), labels[test], weights)
+                    ) * test.numel()
+        return [t / labels.shape[0] for t in totals]
+
+    def get_extra_state(self):
+        return {**super().get_extra_state(), "reg_lambda_": self.reg_lambda_, "reg_mu_": self.reg_mu_}
+
+    def set_extra_state(self, state) -> None:
+        super().set_extra_state(state)
+        self.reg_lambda_, self.reg_mu_ = state.get("reg_lambda_"), state.get("reg_mu_")
+
+    def extra_repr(self) -> str:
+        reg = f"reg={self.reg!r}" + (f", lambda={self.reg_lambda_:g}, mu={self.reg_mu_:g}" if self.reg_lambda_ is not None else "")
+        return reg + ", " + super().extra_repr()
+
+
+class DirichletCalibration(MatrixScaling):
+    """``softmax(W @ log_softmax(logits) + b)``: Dirichlet calibration (Kull et al. 2019).
+
+    A K-dimensional logistic regression on the log-posteriors (the Dirichlet sufficient
+    statistics). Same parameters and regularisers as :class:`MatrixScaling`; ``reg="odir"`` is
+    Dir-ODIR, ``reg="l2"`` Dir-L2. The full ``W`` is penalised (no reference row).
+    """
+
+    def _features(self, logits: Tensor) -> Tensor:
+        return torch.log_softmax(logits, dim=1)
+
+
+def fit_multinomial_newton(
+    features: Tensor,
+    labels: Tensor,
+    weights: Optional[Tensor],
+    theta: Tensor,
+    penalty: Tensor,
+    *,
+    max_iter: int = 100,
+    tol_grad: float = 1e-10,
+    chunk_size: int = 8192,
+) -> tuple[Tensor, FitRecord]:
+    """Newton's method for ``softmax([features, 1] @ theta.T)`` under the (weighted) mean log-loss
+    plus ``sum(penalty * theta^2)``.
+
+    The exact Hessian of multinomial logistic regression is
+    ``mean_i (diag(q_i) - q_i q_i^T) kron (x_i x_i^T)`` plus the penalty's diagonal; it is
+    accumulated over row chunks, solved densely and the step is backtracked (Armijo), so every
+    iteration decreases the objective. A tiny ridge keeps the solve defined along the directions
+    that leave the output unchanged when there is no penalty.
+
+    Args:
+        features: (N, K) float64. labels: (N,). weights: optional (K,) per-class weights.
+        theta: (K, K + 1) initial ``[W | b]``. penalty: (K, K + 1) non-negative weights.
+
+    Returns:
+        The fitted ``theta`` and a :class:`FitRecord`.
+    """
+    n, k = features.shape
+    x = torch.cat([features, features.new_ones(n, 1)], dim=1)
+    sample_w = (torch.ones(n, dtype=x.dtype, device=x.device) if weights is None else weights[labels]) / n
+    p = k * (k + 1)
+
+    def objective(theta: Tensor) -> Tensor:
+        log_q = torch.log_softmax(x @ theta.T, dim=1)
+        return -(sample_w * log_q.gather(1, labels.unsqueeze(1)).squeeze(1)).sum() + (penalty * theta.square()).sum()
+
+    loss = objective(theta)
+    for iteration in range(1, max_iter + 1):
+        grad = 2 * penalty * theta
+        hess = torch.diag((2 * penalty).flatten())
+        for start in range(0, n, chunk_size):
+            xc, yc, wc = x[start : start + chunk_size], labels[start : start + chunk_size], sample_w[start : start + chunk_size]
+            q = torch.softmax(xc @ theta.T, dim=1)
+            residual = q.clone()
+            residual[torch.arange(q.shape[0], device=q.device), yc] -= 1
+            grad += (residual * wc.unsqueeze(1)).T @ xc
+            outer = (q.unsqueeze(2) * xc.unsqueeze(1)).reshape(-1, p)
+            hess -= (outer * wc.unsqueeze(1)).T @ outer
+            blocks = torch.einsum("nka,nb->kab", (q * wc.unsqueeze(1)).unsqueeze(2) * xc.unsqueeze(1), xc)
+            hess += torch.block_diag(*blocks)
+        grad_max = float(grad.abs().max())
+        if grad_max <= tol_grad:
+            return theta, FitRecord(iteration - 1, iteration, float(loss), grad_max, True, "gradient below tolerance")
+        ridge = 1e-12 * float(hess.diagonal().abs().max())
+        step = torch.linalg.solve(hess + ridge * torch.eye(p, dtype=hess.dtype, device=hess.device), -grad.flatten()).view(k, k + 1)
+        slope = float((grad * step).sum())
+        t = 1.0
+        while True:
+            candidate = objective(theta + t * step)
+            if candidate <= loss + 1e-4 * t * slope or t < 1e-10:
+                break
+            t /= 2
+        if t < 1e-10 or float(loss - candidate) <= 1e-16 * max(1.0, abs(float(loss))):
+            return theta, FitRecord(iteration, iteration, float(loss), grad_max, True, "no further decrease")
+        theta, loss = theta + t * step, candidate
+    warnings.warn(f"Newton did not converge in {max_iter} iterations", ConvergenceWarning, stacklevel=4)
+    return theta, FitRecord(max_iter, max_iter, float(loss), grad_max, False, f"stopped at the iteration cap ({max_iter})")

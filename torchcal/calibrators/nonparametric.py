@@ -1,0 +1,184 @@
+"""Non-parametric binary calibrators: histogram binning and isotonic regression (PAV).
+
+Both are binary maps of one probability. For K = 2 they calibrate ``P(class 1)``; for K > 2 they
+are applied one-vs-rest to every class column and the results renormalised to sum to one.
+Neither ever outputs a probability of exactly 0 or 1, so the log-loss stays finite.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from torchcal.calibrators.base import Calibrator
+from torchcal.fit import FitRecord
+
+__all__ = ["HistogramBinning", "IsotonicCalibration", "pool_adjacent_violators"]
+
+
+class _OneVsRest(Calibrator):
+    """Shared plumbing: features are probabilities; one map per calibrated column."""
+
+    @staticmethod
+    def _columns(num_classes: int) -> list[int]:
+        return [1] if num_classes == 2 else list(range(num_classes))
+
+    def _features(self, logits: Tensor) -> Tensor:
+        return torch.softmax(logits, dim=1)
+
+    def _map_column(self, column: int, p: Tensor) -> Tensor:
+        """Calibrated probabilities for the ``column``-th calibrated column's scores ``p: (N,)``."""
+        raise NotImplementedError
+
+    def _scores(self, probs: Tensor) -> Tensor:
+        columns = self._columns(probs.shape[1])
+        mapped = torch.stack([self._map_column(i, probs[:, c]) for i, c in enumerate(columns)], dim=1)
+        mapped = mapped.to(probs.dtype)
+        if probs.shape[1] == 2:
+            mapped = torch.cat([1 - mapped, mapped], dim=1)
+        return torch.log(mapped / mapped.sum(dim=1, keepdim=True))
+
+    @staticmethod
+    def _targets(labels: Tensor, columns: list[int], weights: Tensor | None) -> tuple[Tensor, Tensor]:
+        """One-vs-rest targets (N, C) and sample weights (N,)."""
+        targets = (labels.unsqueeze(1) == torch.tensor(columns, device=labels.device)).to(torch.float64)
+        sample_w = torch.ones(labels.shape[0], dtype=torch.float64, device=labels.device)
+        return targets, sample_w if weights is None else weights[labels]
+
+
+class HistogramBinning(_OneVsRest):
+    """Replace a probability by the (smoothed) frequency of the class in its bin.
+
+    Args:
+        n_bins: number of bins M.
+        strategy: ``"uniform"`` (equal width) or ``"quantile"`` (equal mass on the calibration
+            data). Bins are right-closed: ``[0, e1], (e1, e2], ..., (e_{M-1}, 1]``.
+
+    Empty-bin and zero policy: a bin's value is ``(positives + r) / (count + 1)`` where ``r`` is the
+    class's (Laplace-smoothed) base rate; an empty bin therefore gets the base rate, and no value
+    is ever exactly 0 or 1.
+    """
+
+    _buffer_names = ("edges", "values")
+
+    def __init__(self, n_bins: int = 15, strategy: str = "uniform") -> None:
+        super().__init__()
+        if n_bins < 1:
+            raise ValueError(f"n_bins must be >= 1, got {n_bins}.")
+        if strategy not in ("uniform", "quantile"):
+            raise ValueError(f"strategy must be 'uniform' or 'quantile', got {strategy!r}.")
+        self.n_bins = n_bins
+        self.strategy = strategy
+
+    def _identity(self, num_classes: int) -> dict[str, Tensor]:
+        c = len(self._columns(num_classes))
+        edges = torch.linspace(0, 1, self.n_bins + 1, dtype=torch.float64).repeat(c, 1)
+        centres = (edges[:, 1:] + edges[:, :-1]) / 2
+        return {"edges": edges, "values": centres}
+
+    def _map_column(self, column: int, p: Tensor) -> Tensor:
+        index = torch.bucketize(p.contiguous(), self.edges[column, 1:-1].to(p.dtype), right=False)
+        return self.values[column].to(p.dtype)[index]
+
+    def _fit(self, probs, labels, weights, loss, max_iter) -> FitRecord:
+        columns = self._columns(probs.shape[1])
+        targets, sample_w = self._targets(labels, columns, weights)
+        p = probs[:, columns]
+        if self.strategy == "quantile":
+            q = torch.linspace(0, 1, self.n_bins + 1, dtype=torch.float64, device=p.device)
+            edges = torch.quantile(p, q, dim=0).T.contiguous()
+            edges[:, 0], edges[:, -1] = 0.0, 1.0
+        else:
+            edges = self.edges
+        values = torch.empty(len(columns), self.n_bins, dtype=torch.float64, device=p.device)
+        total_w = sample_w.sum()
+        for i in range(len(columns)):
+            index = torch.bucketize(p[:, i].contiguous(), edges[i, 1:-1], right=False)
+            count = torch.zeros(self.n_bins, dtype=torch.float64, device=p.device).index_add_(0, index, sample_w)
+            positives = torch.zeros_like(count).index_add_(0, index, sample_w * targets[:, i])
+            base_rate = ((sample_w * targets[:, i]).sum() + 1) / (total_w + 2)
+            values[i] = (positives + base_rate) / (count + 1)
+        self.edges, self.values = edges, values
+        return FitRecord(0, 1, float("nan"), 0.0, True, "closed form")
+
+    def extra_repr(self) -> str:
+        return f"n_bins={self.n_bins}, strategy={self.strategy!r}, " + super().extra_repr()
+
+
+def pool_adjacent_violators(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Weighted isotonic (non-decreasing) regression of ``y`` on ``x`` by PAV.
+
+    Tied ``x`` are pooled first. Returns ``(boundaries, values)``: block ``j`` holds the scores
+    above ``boundaries[j]`` (``-inf`` for the first block; later boundaries lie halfway between
+    neighbouring blocks, so no training score sits on a step) and its fitted value ``values[j]``.
+    """
+    order = np.argsort(x, kind="stable")
+    x, y, w = x[order], y[order], w[order]
+    starts = np.flatnonzero(np.r_[True, x[1:] != x[:-1]])
+    unique_x = x[starts].tolist()
+    sums, weights = np.add.reduceat(w * y, starts).tolist(), np.add.reduceat(w, starts).tolist()
+    lowest: list[float] = []
+    highest: list[float] = []
+    block_sum: list[float] = []
+    block_w: list[float] = []
+    for xi, si, wi in zip(unique_x, sums, weights):
+        lowest.append(xi)
+        highest.append(xi)
+        block_sum.append(si)
+        block_w.append(wi)
+        while len(block_w) > 1 and block_sum[-2] * block_w[-1] >= block_sum[-1] * block_w[-2]:
+            lowest.pop()
+            top = highest.pop()
+            highest[-1] = top
+            last_sum, last_w = block_sum.pop(), block_w.pop()
+            block_sum[-1] += last_sum
+            block_w[-1] += last_w
+    boundaries = np.r_[-np.inf, (np.asarray(highest[:-1]) + np.asarray(lowest[1:])) / 2]
+    return boundaries, np.asarray(block_sum) / np.asarray(block_w)
+
+
+class IsotonicCalibration(_OneVsRest):
+    """Isotonic regression by pool-adjacent-violators: the best non-decreasing step map.
+
+    On its own calibration data it attains the minimum of every proper scoring rule over all maps
+    that keep the ranking of the scores (the "calp" rows of Ferrer & Ramos Table 2). Outputs are
+    clipped to ``[eps, 1 - eps]`` so unseen data never get probability 0 or 1.
+    """
+
+    _buffer_names = ("thresholds", "values")
+
+    def __init__(self, eps: float = 1e-7) -> None:
+        super().__init__()
+        if not 0 < eps < 0.5:
+            raise ValueError(f"eps must be in (0, 0.5), got {eps}.")
+        self.eps = eps
+
+    def _identity(self, num_classes: int) -> dict[str, Tensor]:
+        c = len(self._columns(num_classes))
+        return {"thresholds": torch.zeros(c, 1), "values": torch.full((c, 1), 0.5)}
+
+    def _map_column(self, column: int, p: Tensor) -> Tensor:
+        thresholds = self.thresholds[column].to(p.dtype)
+        index = (torch.searchsorted(thresholds, p.contiguous(), right=True) - 1).clamp_min(0)
+        return self.values[column].to(p.dtype)[index]
+
+    def _fit(self, probs, labels, weights, loss, max_iter) -> FitRecord:
+        columns = self._columns(probs.shape[1])
+        targets, sample_w = self._targets(labels, columns, weights)
+        p, targets, sample_w = probs[:, columns].cpu().numpy(), targets.cpu().numpy(), sample_w.cpu().numpy()
+        blocks = [pool_adjacent_violators(p[:, i], targets[:, i], sample_w) for i in range(len(columns))]
+        length = max(len(b[0]) for b in blocks)
+        thresholds = np.full((len(columns), length), np.inf)
+        values = np.empty((len(columns), length))
+        for i, (bx, bv) in enumerate(blocks):
+            thresholds[i, : len(bx)] = bx
+            values[i, : len(bv)] = bv
+            values[i, len(bv):] = bv[-1]
+        device = probs.device
+        self.thresholds = torch.from_numpy(thresholds).to(device)
+        self.values = torch.from_numpy(values).clip(self.eps, 1 - self.eps).to(device)
+        return FitRecord(0, 1, float("nan"), 0.0, True, "closed form")
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps:g}, " + super().extra_repr()

@@ -1,0 +1,209 @@
+"""Full-batch L-BFGS driver and cross-validation, shared by every calibrator.
+
+Calibration objectives are small convex problems over a large, fixed data set, so the right tool
+is full-batch L-BFGS with a strong-Wolfe line search (no learning rate to tune), run on the
+device where the logits live, with the loss accumulated in float64. :func:`minimize` runs it and
+returns a :class:`FitRecord` saying what happened; non-convergence is reported, never hidden.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from torchcal._validation import check_logits_and_labels
+
+__all__ = ["ConvergenceWarning", "FitRecord", "minimize", "fold_indices", "cross_validate"]
+
+
+class ConvergenceWarning(UserWarning):
+    """A fit stopped at its iteration cap, or at a boundary of the parameter space."""
+
+
+@dataclass(frozen=True)
+class FitRecord:
+    """What a fit did: iterations, objective evaluations, final loss and gradient, convergence."""
+
+    iterations: int
+    evaluations: int
+    loss: float
+    grad_max: float
+    converged: bool
+    message: str
+
+
+def minimize(
+    objective: Callable[[], Tensor],
+    params: Sequence[Tensor],
+    *,
+    max_iter: int = 1000,
+    tol_grad: float = 1e-7,
+    tol_change: float = 1e-12,
+    history_size: int = 10,
+    all_reduce: Optional[Callable[[Tensor], None]] = None,
+) -> FitRecord:
+    """Minimise ``objective()`` over ``params`` in place by full-batch L-BFGS (strong Wolfe).
+
+    Args:
+        objective: closure returning the scalar loss as a function of ``params``.
+        params: leaf tensors with ``requires_grad=True``; updated in place.
+        max_iter: iteration cap; reaching it is reported as non-convergence.
+        tol_grad: stop when the largest absolute gradient entry is below this.
+        tol_change: stop when the loss or the step changes by less than this.
+        history_size: L-BFGS memory. Small histories are cheap and enough for convex problems.
+        all_reduce: for data-parallel fits, a function that sums a tensor in place across
+            processes. The objective must then return this process's share of the global mean
+            (its loss sum divided by the global sample count); loss and gradients are summed so
+            every process takes identical steps.
+
+    Returns:
+        A :class:`FitRecord`; a :class:`ConvergenceWarning` is issued if the cap was hit.
+    """
+    params = list(params)
+    optimizer = torch.optim.LBFGS(
+        params,
+        lr=1.0,
+        max_iter=max_iter,
+        max_eval=2 * max_iter,
+        tolerance_grad=tol_grad,
+        tolerance_change=tol_change,
+        history_size=history_size,
+        line_search_fn="strong_wolfe",
+    )
+
+    def closure() -> Tensor:
+        optimizer.zero_grad(set_to_none=False)
+        loss = objective()
+        loss.backward()
+        if all_reduce is not None:
+            loss = loss.detach().clone()
+            all_reduce(loss)
+            for p in params:
+                all_reduce(p.grad)
+        return loss
+
+    with torch.enable_grad():
+        optimizer.step(closure)
+        loss = closure()
+    state = optimizer.state[params[0]]
+    iterations = int(state.get("n_iter", 0))
+    evaluations = int(state.get("func_evals", 0)) + 1
+    grad_max = max(float(p.grad.abs().max()) for p in params if p.numel())
+    converged = iterations < max_iter or grad_max <= tol_grad
+    if grad_max <= tol_grad:
+        message = "gradient below tolerance"
+    elif converged:
+        message = "loss or step change below tolerance"
+    else:
+        message = f"stopped at the iteration cap ({max_iter}) with gradient {grad_max:.2e}"
+        warnings.warn(f"L-BFGS did not converge: {message}", ConvergenceWarning, stacklevel=3)
+    for p in params:
+        p.grad = None
+    return FitRecord(iterations, evaluations, float(loss.detach()), grad_max, converged, message)
+
+
+def fold_indices(
+    labels: Tensor,
+    folds: int = 5,
+    seed: int = 0,
+    stratified: bool = True,
+    groups: Optional[Tensor] = None,
+) -> list[Tensor]:
+    """Split sample indices into ``folds`` disjoint test folds.
+
+    Stratified folds deal each class's shuffled samples round-robin, so every fold has nearly the
+    same class proportions. With ``groups: (N,)``, whole groups are kept together (shuffled
+    groups assigned greedily, largest first, to the smallest fold) and ``stratified`` is ignored.
+    """
+    n = labels.shape[0]
+    if folds < 2:
+        raise ValueError(f"cross-validation needs folds >= 2, got {folds}.")
+    if n < folds:
+        raise ValueError(f"cross-validation with {folds} folds needs at least {folds} samples, got N = {n}.")
+    gen = torch.Generator().manual_seed(seed)
+    assignment = torch.empty(n, dtype=torch.long)
+    labels = labels.cpu()
+    if groups is not None:
+        groups = torch.as_tensor(groups).cpu()
+        if groups.shape != (n,):
+            raise ValueError(f"groups must have shape ({n},), got {tuple(groups.shape)}.")
+        unique, inverse, counts = torch.unique(groups, return_inverse=True, return_counts=True)
+        if unique.numel() < folds:
+            raise ValueError(f"{unique.numel()} groups cannot fill {folds} folds; use fewer folds.")
+        order = torch.randperm(unique.numel(), generator=gen)
+        order = order[torch.argsort(counts[order], descending=True, stable=True)]
+        sizes = [0] * folds
+        group_fold = torch.empty(unique.numel(), dtype=torch.long)
+        for g in order.tolist():
+            f = min(range(folds), key=sizes.__getitem__)
+            group_fold[g] = f
+            sizes[f] += int(counts[g])
+        assignment = group_fold[inverse]
+    elif stratified:
+        offset = 0
+        for k in torch.unique(labels).tolist():
+            members = (labels == k).nonzero().flatten()
+            members = members[torch.randperm(members.numel(), generator=gen)]
+            assignment[members] = (torch.arange(members.numel()) + offset) % folds
+            offset += members.numel()
+        small = torch.bincount(labels)
+        small = small[small > 0].min()
+        if small < folds:
+            warnings.warn(
+                f"a class has only {int(small)} samples, fewer than the {folds} folds: some training "
+                f"folds will miss it.",
+                stacklevel=2,
+            )
+    else:
+        assignment = torch.randperm(n, generator=gen) % folds
+    return [(assignment == f).nonzero().flatten() for f in range(folds)]
+
+
+def cross_validate(
+    calibrator: torch.nn.Module,
+    logits: Tensor,
+    labels: Tensor,
+    folds: int = 5,
+    seed: int = 0,
+    stratified: bool = True,
+    groups: Optional[Tensor] = None,
+    **fit_options: Any,
+) -> Tensor:
+    """Out-of-fold calibrated log-posteriors (N, K): each fold is calibrated by a copy of
+    ``calibrator`` fitted on the other folds.
+
+    This is how Ferrer & Ramos measure calibration loss on a single evaluation set without ever
+    training the calibrator on the samples it is scored on.
+
+    Args:
+        calibrator: an unfitted (or fitted; it is copied, never modified) calibrator.
+        logits: (N, K) scores. labels: (N,) class indices.
+        folds, seed, stratified, groups: see :func:`fold_indices`.
+        **fit_options: passed to every ``fit`` (e.g. ``loss="brier"``, ``priors=...``).
+
+    Example:
+        >>> import torch, torchcal
+        >>> logits = 3 * torch.randn(200, 4)
+        >>> labels = torch.distributions.Categorical(logits=logits / 3).sample()
+        >>> torchcal.cross_validate(torchcal.TemperatureScaling(), logits, labels).shape
+        torch.Size([200, 4])
+    """
+    logits, labels = check_logits_and_labels(logits, labels)
+    out: Optional[Tensor] = None
+    for test in fold_indices(labels, folds, seed, stratified, groups):
+        test = test.to(logits.device)
+        train = torch.ones(labels.shape[0], dtype=torch.bool, device=logits.device)
+        train[test] = False
+        fold_model = copy.deepcopy(calibrator).fit(logits[train], labels[train], **fit_options)
+        with torch.no_grad():
+            calibrated = fold_model(logits[test])
+        if out is None:
+            out = calibrated.new_empty(logits.shape)
+        out[test] = calibrated
+    assert out is not None
+    return out

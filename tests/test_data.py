@@ -224,3 +224,12 @@ def test_ferrer_table4_uncalibrated_rows():
     # text facts (reference §C.2): Mismp-cal and Datap-cal disagree on 9.9 % of the decisions
     disagree = (systems["Mismp-cal"].argmax(1) != systems["Datap-cal"].argmax(1)).double().mean()
     assert float(disagree) == pytest.approx(0.099, abs=5e-4)
+
+
+def test_scores_without_labels_load_only_when_allowed(tmp_path, small):
+    np.save(tmp_path / "new.npy", small[0])
+    scores = load_scores(tmp_path / "new.npy", require_labels=False)
+    assert scores.labels is None and scores.logits.shape == (50, 3)
+    torch.save(torch.from_numpy(small[0]), tmp_path / "new.pt")
+    with pytest.raises(ValueError, match="holds scores only"):
+        load_scores(tmp_path / "new.pt")

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from torchcal._validation import as_tensor, check_logits_and_labels, check_priors
+from torchcal._validation import as_tensor, check_logits, check_logits_and_labels, check_priors
 
 __all__ = ["Scores", "load_scores", "has_split", "binary_scores_to_logits", "PROBABILITY_FLOOR", "EXAMPLE_PATH"]
 
@@ -57,13 +57,14 @@ class Scores:
 
     Attributes:
         logits: (N, K) float scores, logits in the wide sense (``softmax`` gives the posteriors).
-        labels: (N,) int64 class indices in [0, K).
+        labels: (N,) int64 class indices in [0, K); ``None`` only when loaded with
+            ``require_labels=False`` from a file without labels.
         read_as: one sentence saying how the file's scores were interpreted.
         source: where the data came from.
     """
 
     logits: Tensor
-    labels: Tensor
+    labels: Optional[Tensor]
     read_as: str
     source: str
 
@@ -121,6 +122,7 @@ def load_scores(
     input: InputKind = "auto",
     split: Literal["test", "val"] = "test",
     priors: Any = None,
+    require_labels: bool = True,
 ) -> Scores:
     """Load and validate scores and labels from ``path`` (formats in the module docstring).
 
@@ -131,6 +133,8 @@ def load_scores(
             of class 1), ``"llr"`` (one column of log-likelihood ratios) or ``"auto"``.
         split: ``"val"`` reads the ``logits_val``/``labels_val`` split of an ``.npz``.
         priors: (K,) priors used only to turn binary LLRs into posteriors.
+        require_labels: with ``False``, scores without labels load with ``labels=None``
+            (for applying a fitted calibrator).
 
     Raises:
         FileNotFoundError: no such file. ValueError: anything wrong with the content, with a
@@ -139,19 +143,25 @@ def load_scores(
     Example:
         >>> s = load_scores("scores.npz")  # doctest: +SKIP
         >>> s.logits.shape, s.read_as      # doctest: +SKIP
-        (torch.Size([10000, 10]), "logits (key 'logits')")
+        (torch.Size([10000, 10]), 'logits')
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {path}")
     try:
-        raw, labels, hint = _read(path, labels_path, split)
+        raw, labels, hint, missing = _read(path, labels_path, split)
         reason = "as requested" if input != "auto" else "as the file's key says"
         logits, read_as = _to_logits(np.asarray(raw), input if input != "auto" else hint, reason, priors)
-        logits, labels = check_logits_and_labels(logits, _as_labels(labels))
+        if labels is not None:
+            logits, labels = check_logits_and_labels(logits, _as_labels(labels))
+        elif require_labels:
+            raise ValueError(missing)
+        else:
+            logits = check_logits(logits)
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
-    return Scores(logits=logits, labels=labels, read_as=read_as, source=str(path))
+    source = str(path) if split == "test" else f"{path} ({split} split)"
+    return Scores(logits=logits, labels=labels, read_as=read_as, source=source)
 
 
 def has_split(path: str | Path, split: Literal["val"] = "val") -> bool:
@@ -165,31 +175,35 @@ def has_split(path: str | Path, split: Literal["val"] = "val") -> bool:
 
 # --- reading files -------------------------------------------------------------------------------
 
-def _read(path: Path, labels_path: str | Path | None, split: str) -> tuple[Any, Any, InputKind]:
-    """Return ``(scores, labels, kind hint)`` from any supported file."""
+_PASS_LABELS = "pass the labels file explicitly (--labels)"
+
+
+def _read(path: Path, labels_path: str | Path | None, split: str) -> tuple[Any, Any, InputKind, str]:
+    """Return ``(scores, labels or None, kind hint, what to say if labels are missing)``."""
     suffix = path.suffix.lower()
     if split != "test" and suffix != ".npz":
         raise ValueError(f"only .npz files store a '{split}' split.")
+    given = None if labels_path is None else _load_labels(labels_path)
     if suffix == ".npz":
         try:
             with np.load(path, allow_pickle=False) as f:
                 found = {k: f[k] for k in f.files}
         except (OSError, ValueError) as err:
             raise ValueError(f"not a readable .npz file ({err}).") from None
-        return _from_mapping(found, labels_path, suffix="" if split == "test" else f"_{split}")
+        return _from_mapping(found, given, suffix="" if split == "test" else f"_{split}")
     if suffix in (".pt", ".pth"):
-        return _from_torch(path, labels_path)
+        return _from_torch(path, given)
     if suffix == ".npy":
-        return _load_array(path), _load_labels(labels_path or _sibling_labels(path)), "auto"
+        sibling, looked_for = _sibling_labels(path)
+        labels = given if given is not None or sibling is None else _load_labels(sibling)
+        return _load_array(path), labels, "auto", f"no labels file found next to it (looked for {looked_for}); {_PASS_LABELS}."
     if suffix == ".csv":
         scores, labels = _read_csv(path)
-        if labels is None:
-            labels = _load_labels(_required_labels(labels_path, path))
-        return scores, labels, "auto"
+        return scores, given if labels is None else labels, "auto", f"no 'label' column; add one or {_PASS_LABELS}."
     raise ValueError(f"unsupported file type {path.suffix!r}; use .npz, .npy, .pt/.pth or .csv.")
 
 
-def _from_mapping(found: dict[str, Any], labels_path: str | Path | None, suffix: str = ""):
+def _from_mapping(found: dict[str, Any], given: Any, suffix: str = ""):
     score_keys = [k for k in _SCORE_KEYS if k + suffix in found]
     if not score_keys:
         raise ValueError(
@@ -198,27 +212,23 @@ def _from_mapping(found: dict[str, Any], labels_path: str | Path | None, suffix:
         )
     key = score_keys[0]  # "logits" wins over "probs" when both are stored
     label_keys = [k + suffix for k in _LABEL_KEYS if k + suffix in found]
-    if label_keys:
-        labels = found[label_keys[0]]
-    elif labels_path is not None:
-        labels = _load_labels(labels_path)
-    else:
-        raise ValueError(f"no labels found: expected a key 'labels{suffix}', found keys {sorted(found)}.")
+    labels = found[label_keys[0]] if label_keys else given
     kind = _SCORE_KEYS[key]
-    return found[key + suffix], labels, "auto" if kind == "logits" else kind
+    missing = f"no labels found: expected a key 'labels{suffix}', found keys {sorted(found)}."
+    return found[key + suffix], labels, "auto" if kind == "logits" else kind, missing
 
 
-def _from_torch(path: Path, labels_path: str | Path | None):
+def _from_torch(path: Path, given: Any):
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises many exception types for a bad file
         raise ValueError(f"not a readable torch file ({type(err).__name__}: {err}).") from None
     if isinstance(obj, dict):
-        return _from_mapping(obj, labels_path)
+        return _from_mapping(obj, given)
     if isinstance(obj, (tuple, list)) and len(obj) == 2:
-        return obj[0], obj[1], "auto"
+        return obj[0], obj[1], "auto", ""
     if isinstance(obj, Tensor):
-        return obj, _load_labels(_required_labels(labels_path, path)), "auto"
+        return obj, given, "auto", f"the file holds scores only; {_PASS_LABELS}."
     raise ValueError(f"expected a dict, a (scores, labels) pair or a tensor, got {type(obj).__name__}.")
 
 
@@ -246,25 +256,14 @@ def _load_labels(path: str | Path) -> Any:
     raise ValueError(f"unsupported labels file type {path.suffix!r}; use .npy, .pt, .csv or .txt.")
 
 
-def _sibling_labels(path: Path) -> Path:
-    """Find the labels file that goes with a ``.npy`` scores file, by name."""
+def _sibling_labels(path: Path) -> tuple[Optional[Path], str]:
+    """The labels file that goes with a ``.npy`` scores file, found by name, and the names tried."""
     stem = path.stem
     candidates = [path.with_name(stem.replace(word, "labels") + ".npy")
                   for word in ("logits", "scores", "probs") if word in stem]
     candidates += [path.with_name("labels.npy"), path.with_name("targets.npy")]
-    for candidate in candidates:
-        if candidate != path and candidate.is_file():
-            return candidate
-    raise ValueError(
-        f"no labels file found next to it (looked for {', '.join(c.name for c in candidates)}); "
-        f"pass the labels file explicitly (--labels)."
-    )
-
-
-def _required_labels(labels_path: str | Path | None, path: Path) -> str | Path:
-    if labels_path is None:
-        raise ValueError("the file holds scores only; pass the labels file explicitly (--labels).")
-    return labels_path
+    found = next((c for c in candidates if c != path and c.is_file()), None)
+    return found, ", ".join(c.name for c in candidates)
 
 
 def _read_csv(path: Path) -> tuple[np.ndarray, Optional[np.ndarray]]:

@@ -478,7 +478,8 @@ def save_calibrator(path: str | Path, method: str, calibrator: Calibrator, optio
 
 
 def load_calibrator(path: str | Path) -> tuple[str, Calibrator]:
-    """Rebuild a calibrator written by :func:`save_calibrator`; returns ``(method, calibrator)``."""
+    """Rebuild a calibrator written by :func:`save_calibrator`; returns ``(method, calibrator)``,
+    the calibrator frozen for inference (``eval()``, no gradients)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {path}")
@@ -490,4 +491,4 @@ def load_calibrator(path: str | Path) -> tuple[str, Calibrator]:
         raise ValueError(f"{path}: not a calibrator saved by torchcal (torchcal calibrate --save).")
     calibrator = make_calibrator(saved["method"], **saved["options"])
     calibrator.load_state_dict(saved["state_dict"])
-    return saved["method"], calibrator.eval()
+    return saved["method"], calibrator.eval().requires_grad_(False)

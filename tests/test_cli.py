@@ -1,0 +1,167 @@
+"""The torchcal command line: the must-show numbers, every bad-input path, and the production path."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from torchcal.cli import main
+from torchcal.report import load_calibrator
+
+
+@pytest.fixture
+def scores_file(tmp_path, synthetic):
+    logits, labels = synthetic(3, 600, seed=0)
+    path = tmp_path / "scores.npz"
+    np.savez(path, logits=logits.astype(np.float32), labels=labels)
+    return path
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_must_show_ferrer_ramos_table2(real, capsys, tmp_path):
+    """`torchcal evaluate cifar10_resnet20_ferrer.npz --cv 5 --method affine`: NCE 0.122 -> 0.101, RCL 17.2 %."""
+    real("cifar10_resnet20_ferrer")  # skips when the shared data are absent
+    from conftest import REAL_DATA
+
+    code, out, _ = run(capsys, "evaluate", REAL_DATA / "cifar10_resnet20_ferrer.npz", "--cv", "5", "--method", "affine",
+                       "--out", tmp_path, "--no-figures", "--quiet")
+    assert code == 0
+    assert "NCE 0.122 -> 0.101: RCL 17.2 %" in out
+    assert "5-fold stratified cross-validation" in out
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert round(saved["methods"][0]["relative_calibration_loss"], 1) == 17.2
+
+
+def test_evaluate_writes_the_report_folder(scores_file, capsys, tmp_path):
+    out_dir = tmp_path / "rep"
+    code, out, err = run(capsys, "evaluate", scores_file, "--method", "temperature,affine", "--cv", "3",
+                         "--bootstrap", "50", "--out", out_dir)
+    assert code == 0 and "1. Raw posteriors (95 % bootstrap intervals, 50 replicates)" in out
+    assert f"to {out_dir}/" in out
+    assert {p.name for p in out_dir.iterdir()} >= {"report.txt", "report.json", "report.csv", "calibrator.pt",
+                                                   "reliability_top_label.png", "bayes_risk.png"}
+    assert (out_dir / "report.txt").read_text() in out + "\n"
+
+
+def test_calibration_data_come_from_the_option_or_the_files_own_split(tmp_path, synthetic, capsys):
+    logits, labels = synthetic(3, 900, seed=1)
+    np.savez(tmp_path / "test.npz", logits=logits[:600], labels=labels[:600])
+    np.savez(tmp_path / "cal.npz", logits=logits[600:], labels=labels[600:])
+    np.savez(tmp_path / "both.npz", logits=logits[:600], labels=labels[:600],
+             logits_val=logits[600:], labels_val=labels[600:])
+    common = ["--method", "temperature", "--bootstrap", "0", "--no-figures", "--quiet", "--out", tmp_path / "o"]
+    _, out, _ = run(capsys, "evaluate", tmp_path / "test.npz", "--calibration", tmp_path / "cal.npz", *common)
+    assert f"fitted on separate calibration data ({tmp_path / 'cal.npz'}, N = 300)" in out
+    _, out, _ = run(capsys, "evaluate", tmp_path / "both.npz", *common)
+    assert "(val split), N = 300)" in out
+    _, out, _ = run(capsys, "evaluate", tmp_path / "both.npz", "--cv", "4", *common)
+    assert "4-fold stratified cross-validation" in out
+    _, out, _ = run(capsys, "evaluate", tmp_path / "test.npz", *common)
+    assert "5-fold stratified cross-validation" in out  # the default: never the test data itself
+
+
+def test_config_and_overrides(scores_file, capsys, tmp_path):
+    common = ["--no-figures", "--quiet", "--out", tmp_path / "o"]
+    _, out, _ = run(capsys, "evaluate", scores_file, "--config", "quick", "--bootstrap", "0", *common)
+    assert "3-fold stratified" in out and "affine" in out and "bootstrap" not in out
+    _, out, _ = run(capsys, "evaluate", scores_file, "--config", "abstain", "--method", "temperature",
+                    "--bootstrap", "0", *common)
+    assert "costs: 0-1 + abstain 0.1" in out and "affine" not in out
+    (tmp_path / "bad.yaml").write_text("methods: [affine]\nfolds: 3\n")
+    code, _, err = run(capsys, "evaluate", scores_file, "--config", tmp_path / "bad.yaml", *common)
+    assert code == 2 and "unknown config keys ['folds']" in err
+
+
+def test_priors_costs_and_inputs(tmp_path, capsys):
+    rs = np.random.RandomState(0)
+    llr = rs.normal(size=400) * 2
+    labels = (rs.uniform(size=400) < 1 / (1 + np.exp(-llr))).astype(int)
+    (tmp_path / "s.csv").write_text("llr,label\n" + "".join(f"{s},{y}\n" for s, y in zip(llr, labels)))
+    np.savetxt(tmp_path / "costs.csv", [[0, 1], [5, 0]], delimiter=",")
+    code, out, _ = run(capsys, "evaluate", tmp_path / "s.csv", "--input", "llr", "--config", "binary",
+                       "--priors", "0.7,0.3", "--costs", tmp_path / "costs.csv", "--bootstrap", "0",
+                       "--no-figures", "--quiet", "--out", tmp_path / "o")
+    assert code == 0
+    assert "binary log-likelihood ratios (as requested), turned into posteriors with the given priors" in out
+    assert "priors: 0.7, 0.3; costs: costs.csv" in out and "platt" in out and "isotonic" in out
+
+
+def test_calibrate_then_apply(scores_file, capsys, tmp_path):
+    head = tmp_path / "head.pt"
+    code, out, _ = run(capsys, "calibrate", scores_file, "--method", "affine", "--save", head)
+    assert code == 0 and "fitted affine on 600 samples" in out
+    new = tmp_path / "new_logits.npy"  # production data: scores without labels
+    logits = np.random.RandomState(5).normal(size=(40, 3)).astype(np.float32) * 3
+    np.save(new, logits)
+    code, out, _ = run(capsys, "apply", head, new, "--out", tmp_path / "calibrated.npz")
+    assert code == 0 and "applied affine to 40 samples" in out
+    result = np.load(tmp_path / "calibrated.npz")
+    _, calibrator = load_calibrator(head)
+    np.testing.assert_allclose(result["logits"], calibrator(torch.from_numpy(logits)).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(result["probs"].sum(1), 1, rtol=1e-6)
+    assert "labels" not in result.files
+    code, _, err = run(capsys, "apply", head, tmp_path / "calibrated.npz", "--out", tmp_path / "x.npz")
+    assert code == 0  # calibrated output holds logits + probs + no labels: readable again
+
+
+def test_demo_on_the_bundled_example(capsys, tmp_path):
+    code, out, _ = run(capsys, "demo", "--method", "temperature", "--bootstrap", "0", "--no-figures",
+                       "--out", tmp_path / "demo")
+    assert code == 0 and "ResNet-110 CIFAR-10 logits (Kängsepp, MIT)" in out
+    assert "NCE 0.156 -> 0.091" in out and (tmp_path / "demo" / "calibrator.pt").is_file()
+
+
+@pytest.mark.parametrize(
+    "make, argv, message",
+    [
+        (None, ["evaluate", "{tmp}/missing.npz"], "no such file: {tmp}/missing.npz"),
+        ({"x": np.zeros((4, 2)), "labels": [0, 1, 0, 1]}, ["evaluate", "{file}"], "no scores found: expected a key 'logits'"),
+        ({"logits": np.zeros((4, 2))}, ["evaluate", "{file}"], "no labels found"),
+        ({"logits": [[0, np.nan], [1, 2], [0, 0], [1, 1]], "labels": [0, 1, 0, 1]}, ["evaluate", "{file}"], "NaN"),
+        ({"logits": np.zeros((4, 2)), "labels": [0, 1, 7, 1]}, ["evaluate", "{file}"], r"labels must lie in [0, 2)"),
+        ({"logits": np.zeros((4, 2)), "labels": [0, 1, 1]}, ["evaluate", "{file}"], "labels has 3 entries but the scores have N = 4"),
+        ("ok", ["evaluate", "{file}", "--method", "magic"], "unknown method 'magic'"),
+        ("ok", ["evaluate", "{file}", "--method", "beta"], "method 'beta' is for K = 2 classes"),
+        ("ok", ["evaluate", "{file}", "--priors", "0.5,0.5"], "--priors needs 3 numbers"),
+        ("ok", ["evaluate", "{file}", "--costs", "abstain:x"], "abstain:ALPHA needs a number"),
+        ("ok", ["evaluate", "{file}", "--cv", "1"], "at least 2 folds"),
+        ("ok", ["evaluate", "{file}", "--config", "no-such-config"], "no config 'no-such-config'"),
+        ("ok", ["evaluate", "{file}", "--cv", "3", "--calibration", "{file}"], "not allowed with argument --cv"),
+        ("ok", ["evaluate", "{file}", "--bootstrap", "many"], "invalid int value: 'many'"),
+        ("ok", ["calibrate", "{file}", "--method", "magic", "--save", "{tmp}/h.pt"], "invalid choice: 'magic'"),
+        ("ok", ["apply", "{file}", "{file}", "--out", "{tmp}/x.npz"], "not a readable torch file"),
+        ("ok", ["evaluate"], "the following arguments are required: SCORES"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(make, argv, message, tmp_path, capsys, synthetic):
+    file = tmp_path / "scores.npz"
+    if make == "ok":
+        logits, labels = synthetic(3, 60, seed=0)
+        np.savez(file, logits=logits, labels=labels)
+    elif make is not None:
+        np.savez(file, **{k: np.asarray(v) for k, v in make.items()})
+    argv = [a.format(tmp=tmp_path, file=file) for a in argv] + ["--out" if argv[0] != "apply" else "--quiet"]
+    argv += [str(tmp_path / "o")] if argv[-1] == "--out" else []
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("torchcal: error: "), err
+    assert message.format(tmp=tmp_path) in lines[0]
+    assert "Traceback" not in err and out == ""
+
+
+def test_python_dash_m_exit_code(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "torchcal", "evaluate", str(tmp_path / "none.npz")],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"torchcal: error: no such file: {tmp_path / 'none.npz'}"

@@ -1,0 +1,310 @@
+"""The ``torchcal`` command line: evaluate posteriors, fit a calibrator once, apply it many times.
+
+    torchcal demo [--out DIR]
+    torchcal evaluate SCORES [--calibration CAL | --cv K] [--method M,M] [--priors P] [--costs C]
+                             [--bootstrap B] [--config NAME] [--out DIR]
+    torchcal calibrate CAL_SCORES --method M --save head.pt
+    torchcal apply head.pt SCORES --out calibrated.npz
+
+Bad files and bad options end with one line on stderr, ``torchcal: error: ...``, and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+import yaml
+
+from torchcal import __version__
+from torchcal.data import EXAMPLE_PATH, Scores, has_split, load_scores
+from torchcal.functional import cross_entropy, zero_one_costs
+from torchcal.report import METHODS, evaluate, load_calibrator, make_calibrator, save_calibrator
+
+__all__ = ["main", "load_config", "parse_priors", "parse_costs", "CONFIG_DIR"]
+
+#: Named configurations (``--config NAME``): the repository's ``configs/`` folder.
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIG_KEYS = {"description", "methods", "cv", "priors", "costs", "bootstrap", "seed", "options"}
+DEMO_METHODS = ["temperature", "affine", "vector", "dirichlet-odir"]
+
+
+class UsageError(ValueError):
+    """A bad option; reported in one line with exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line instead of usage + message
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+# --- option parsing --------------------------------------------------------------------------------
+
+def parse_priors(spec: Any, num_classes: int) -> Optional[torch.Tensor]:
+    """``None``/``"data"`` (class frequencies), ``"uniform"``, or K comma-separated numbers / a list."""
+    if spec is None or spec == "data":
+        return None
+    if spec == "uniform":
+        return torch.full((num_classes,), 1 / num_classes, dtype=torch.float64)
+    try:
+        values = [float(x) for x in (spec.split(",") if isinstance(spec, str) else spec)]
+    except (TypeError, ValueError):
+        raise UsageError(f"--priors must be 'uniform', 'data' or {num_classes} comma-separated numbers, got {spec!r}.") from None
+    if len(values) != num_classes:
+        raise UsageError(f"--priors needs {num_classes} numbers (one per class), got {len(values)}.")
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def parse_costs(spec: Any, num_classes: int) -> tuple[torch.Tensor, str]:
+    """A cost matrix and its name from ``"0-1"``, ``"abstain:ALPHA"`` (0-1 plus an abstain decision
+    costing ALPHA), a (K, M) nested list, or a ``.csv``/``.txt``/``.npy`` file holding the matrix."""
+    if spec is None or spec == "0-1":
+        return zero_one_costs(num_classes), "0-1"
+    if isinstance(spec, list):
+        return torch.tensor(spec, dtype=torch.float64), "custom"
+    spec = str(spec)
+    if spec.startswith("abstain:"):
+        try:
+            alpha = float(spec.split(":", 1)[1])
+        except ValueError:
+            raise UsageError(f"--costs abstain:ALPHA needs a number, got {spec!r}.") from None
+        return zero_one_costs(num_classes, abstain=alpha), f"0-1 + abstain {alpha:g}"
+    path = Path(spec)
+    if not path.is_file():
+        raise UsageError(f"--costs must be '0-1', 'abstain:ALPHA' or a cost-matrix file; no such file: {spec}.")
+    try:
+        matrix = np.load(path) if path.suffix == ".npy" else np.loadtxt(path, delimiter="," if path.suffix == ".csv" else None, ndmin=2)
+    except ValueError as err:
+        raise ValueError(f"{path}: not a readable cost matrix ({err}).") from None
+    return torch.as_tensor(matrix, dtype=torch.float64), path.name
+
+
+def load_config(name: str | Path) -> dict[str, Any]:
+    """Read a YAML configuration: a file path, or a name in :data:`CONFIG_DIR`."""
+    path = Path(name)
+    if not path.is_file():
+        path = CONFIG_DIR / f"{name}.yaml"
+    if not path.is_file():
+        available = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.is_dir() else []
+        raise UsageError(f"no config {name!r}: not a file, and not one of {', '.join(available) or 'none'}.")
+    try:
+        config = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path}: not valid YAML ({str(err).splitlines()[0]}).") from None
+    if not isinstance(config, dict) or not set(config) <= CONFIG_KEYS:
+        unknown = sorted(set(config) - CONFIG_KEYS) if isinstance(config, dict) else config
+        raise ValueError(f"{path}: unknown config keys {unknown}; allowed: {', '.join(sorted(CONFIG_KEYS))}.")
+    return config
+
+
+def _methods(spec: Any, num_classes: int) -> list[str]:
+    """Method names from ``"a,b"`` or a list; ``"all"`` is every method that fits K classes."""
+    names = spec.split(",") if isinstance(spec, str) else list(spec)
+    if names == ["all"]:
+        binary_only = {"platt", "beta"}
+        return [m for m in METHODS if num_classes == 2 or m not in binary_only]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown:
+        raise UsageError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)} or 'all'.")
+    return names
+
+
+# --- commands --------------------------------------------------------------------------------------
+
+def _load(path: str, args: argparse.Namespace, priors: Any = None, **kwargs: Any) -> Scores:
+    return load_scores(path, labels_path=getattr(args, "labels", None), input=args.input, priors=priors, **kwargs)
+
+
+def _binary_priors(spec: Any) -> Optional[torch.Tensor]:
+    """The priors that turn one column of binary LLRs into posteriors, if ``spec`` gives two."""
+    try:
+        return parse_priors(spec, 2)
+    except UsageError:
+        return None
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Config file values, overridden by the options given on the command line."""
+    config = load_config(args.config) if getattr(args, "config", None) else {}
+    given = {k: getattr(args, k) for k in ("methods", "cv", "priors", "costs", "bootstrap", "seed")
+             if getattr(args, k, None) is not None}
+    return config | given
+
+
+def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Optional[Scores], default_methods: Sequence[str]) -> int:
+    settings = _settings(args)
+    raw_priors = settings.get("priors")
+    scores = _load(scores_path, args, priors=_binary_priors(raw_priors))
+    k = scores.num_classes
+    if calibration is None and args.calibration:
+        calibration = load_scores(args.calibration, labels_path=args.calibration_labels, input=args.input,
+                                  priors=_binary_priors(raw_priors))
+    elif calibration is None and settings.get("cv") is None and has_split(scores_path):
+        calibration = load_scores(scores_path, input=args.input, split="val")  # the file's own held-out split
+    costs, costs_name = parse_costs(settings.get("costs"), k)
+    report = evaluate(
+        scores,
+        _methods(settings.get("methods", default_methods), k),
+        calibration=calibration,
+        folds=int(settings.get("cv") or 5),
+        priors=parse_priors(raw_priors, k),
+        costs=costs,
+        costs_name=costs_name,
+        bootstrap=int(settings.get("bootstrap", 1000)),
+        seed=int(settings.get("seed", 0)),
+        method_options=settings.get("options"),
+        progress=not args.quiet,
+    )
+    print(report.table())
+    written = report.save(args.out, figures=not args.no_figures, progress=not args.quiet)
+    if not args.quiet:
+        print(f"\nwrote {', '.join(p.name for p in written)} to {args.out}/")
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    return _evaluate(args, args.scores, None, ["temperature", "affine"])
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    if not args.quiet:
+        print(f"demo: ResNet-110 CIFAR-10 logits (Kängsepp, MIT), bundled at {EXAMPLE_PATH}\n"
+              f"calibrators fitted on its 5000-sample validation split, evaluated on its 10000 test samples\n")
+    calibration = load_scores(EXAMPLE_PATH, split="val")
+    args.input, args.labels, args.calibration, args.cv = "auto", None, None, None
+    return _evaluate(args, str(EXAMPLE_PATH), calibration, DEMO_METHODS)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    scores = _load(args.scores, args, priors=_binary_priors(settings.get("priors")))
+    method = args.method
+    options = (settings.get("options") or {}).get(method, {})
+    priors = parse_priors(settings.get("priors"), scores.num_classes)
+    calibrator = make_calibrator(method, **options).fit(scores.logits, scores.labels, priors=priors).requires_grad_(False)
+    save_calibrator(args.save, method, calibrator, options)
+    if not args.quiet:
+        with torch.no_grad():
+            after = cross_entropy(calibrator(scores.logits), scores.labels, priors=priors, normalize=True)
+        before = cross_entropy(scores.logits, scores.labels, priors=priors, normalize=True)
+        print(f"fitted {method} on {scores.num_samples} samples ({scores.num_classes} classes; scores read as "
+              f"{scores.read_as}); NCE on these same samples {float(before):.3f} -> {float(after):.3f} "
+              f"(optimistic: use `torchcal evaluate` for an honest estimate)")
+        print(f"saved to {args.save}")
+    return 0
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    method, calibrator = load_calibrator(args.head)
+    scores = _load(args.scores, args, require_labels=False)
+    if scores.num_classes != calibrator.num_classes:
+        raise ValueError(f"{args.scores}: {scores.num_classes} classes, but the calibrator was fitted on {calibrator.num_classes}.")
+    with torch.no_grad():
+        calibrated = calibrator(scores.logits)
+    out = {"logits": calibrated.float().numpy(), "probs": calibrated.exp().float().numpy()}
+    if scores.labels is not None:
+        out["labels"] = scores.labels.numpy()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    np.savez(args.out, **out)
+    if not args.quiet:
+        note = ""
+        if scores.labels is not None:
+            before, after = (float(cross_entropy(x, scores.labels, normalize=True)) for x in (scores.logits, calibrated))
+            note = f"; NCE {before:.3f} -> {after:.3f}"
+        print(f"applied {method} to {scores.num_samples} samples{note}; wrote calibrated log-posteriors "
+              f"('logits') and posteriors ('probs') to {args.out}")
+    return 0
+
+
+# --- the parser ------------------------------------------------------------------------------------
+
+def _input_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--labels", metavar="FILE", help="labels file, when the scores file has none")
+    p.add_argument("--input", choices=["auto", "logits", "probs", "llr"], default="auto",
+                   help="what the scores are; 'auto' reads logits unless rows are provably probabilities "
+                        "(a single binary column needs 'probs' or 'llr' unless its values prove LLRs)")
+
+
+def _evaluation_options(p: argparse.ArgumentParser, methods_default: str) -> None:
+    p.add_argument("--method", dest="methods", metavar="M[,M...]",
+                   help=f"calibration methods (default: {methods_default}); 'all' or any of: {', '.join(METHODS)}")
+    p.add_argument("--priors", help="deployment priors: 'uniform', 'data' (default) or K comma-separated numbers")
+    p.add_argument("--costs", help="cost matrix of the Bayes risk: '0-1' (default), 'abstain:ALPHA', or a K x M .csv/.txt/.npy file")
+    p.add_argument("--bootstrap", type=int, metavar="B", help="bootstrap replicates for the intervals (default 1000; 0 for none)")
+    p.add_argument("--seed", type=int, help="seed of the folds and of the bootstrap (default 0)")
+    p.add_argument("--config", metavar="NAME|FILE", help="a YAML configuration (a file, or a name in configs/); options given here win")
+    p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or notes")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="torchcal", description="Measure and fix the quality of classifier posteriors.")
+    parser.add_argument("--version", action="version", version=f"torchcal {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("evaluate", help="how good are the posteriors, and which calibration fixes them",
+                       description="Measure the posteriors in SCORES, calibrate them with each method (fitted on "
+                                   "--calibration data, the file's own validation split, or by cross-validation), "
+                                   "and save the best calibrator, a report and figures.")
+    p.add_argument("scores", metavar="SCORES", help="scores and labels: .npz, .npy, .pt/.pth or .csv")
+    _input_options(p)
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--calibration", metavar="CAL_SCORES", help="separate calibration data to fit the calibrators on")
+    where.add_argument("--cv", type=int, metavar="K", help="fit by K-fold cross-validation on SCORES (default when "
+                                                            "SCORES has no validation split: 5)")
+    p.add_argument("--calibration-labels", metavar="FILE", help="labels file for CAL_SCORES")
+    _evaluation_options(p, "temperature,affine")
+    p.add_argument("--out", default="torchcal-report", metavar="DIR", help="output folder (default: torchcal-report)")
+    p.set_defaults(run=cmd_evaluate)
+
+    p = sub.add_parser("demo", help="run evaluate on the bundled ResNet-110 CIFAR-10 example",
+                       description="The whole workflow on a real example shipped with torchcal; no network needed.")
+    _evaluation_options(p, ",".join(DEMO_METHODS))
+    p.add_argument("--out", default="torchcal-report-demo", metavar="DIR", help="output folder (default: torchcal-report-demo)")
+    p.set_defaults(run=cmd_demo)
+
+    p = sub.add_parser("calibrate", help="fit one calibrator on calibration data and save it",
+                       description="Fit METHOD on all of CAL_SCORES and save it for `torchcal apply`.")
+    p.add_argument("scores", metavar="CAL_SCORES")
+    _input_options(p)
+    p.add_argument("--method", required=True, choices=list(METHODS), metavar="M", help=f"one of: {', '.join(METHODS)}")
+    p.add_argument("--save", required=True, metavar="PATH", help="where to write the fitted calibrator (.pt)")
+    p.add_argument("--priors", help="deployment priors the fit weights the classes to")
+    p.add_argument("--config", metavar="NAME|FILE", help="YAML configuration supplying method options")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(run=cmd_calibrate)
+
+    p = sub.add_parser("apply", help="apply a saved calibrator to new scores",
+                       description="Calibrate SCORES with a calibrator saved by `torchcal calibrate` or `evaluate`.")
+    p.add_argument("head", metavar="CALIBRATOR", help="a .pt file from `torchcal calibrate --save` or evaluate's calibrator.pt")
+    p.add_argument("scores", metavar="SCORES", help="scores to calibrate; labels optional")
+    _input_options(p)
+    p.add_argument("--out", required=True, metavar="FILE", help="output .npz with calibrated 'logits' and 'probs'")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(run=cmd_apply)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line; returns the exit code (0, or 2 for bad input)."""
+    try:
+        args = build_parser().parse_args(argv)
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warning
+            return args.run(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"torchcal: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"torchcal: warning: {message}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

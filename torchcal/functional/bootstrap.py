@@ -45,7 +45,7 @@ from torchcal.functional.scoring import (
     naive_cross_entropy,
 )
 
-__all__ = ["BootstrapResult", "bootstrap", "sum_decomposition", "resample_indices"]
+__all__ = ["BootstrapResult", "bootstrap", "sum_decomposition", "sum_reduction", "resample_indices"]
 
 #: Index elements generated per chunk of replicates (bounds the memory of the fast path).
 CHUNK_ELEMENTS = 1 << 22
@@ -68,8 +68,30 @@ class BootstrapResult(NamedTuple):
 
 
 def sum_decomposition(metric_fn: Callable[..., Any]) -> Optional[Callable[..., SumDecomposition]]:
-    """The function returning the ``SumDecomposition`` of ``metric_fn``, or None if it has none."""
+    """The function returning the ``SumDecomposition`` of ``metric_fn``, or None if it has none.
+
+    ``functools.partial`` objects that fix keyword options of a known metric are understood.
+    """
+    if isinstance(metric_fn, partial) and not metric_fn.args:
+        terms = _SUM_DECOMPOSITIONS.get(metric_fn.func)
+        return None if terms is None else partial(terms, **metric_fn.keywords)
     return _SUM_DECOMPOSITIONS.get(metric_fn)
+
+
+def sum_reduction(metric_fn: Callable[..., Any], num_classes: int, **metric_kwargs: Any) -> Callable[[Tensor, Tensor], Tensor]:
+    """The reduction ``(sums (..., K), counts (..., K)) -> value`` of a sum-decomposable metric of logits.
+
+    The reduction depends on the options only, not on the data, so it is read off the
+    decomposition of one sample per class. ``ValueError`` if ``metric_fn`` is not decomposable.
+    """
+    terms = sum_decomposition(metric_fn)
+    if terms is None:
+        raise ValueError(
+            f"{getattr(metric_fn, '__name__', metric_fn)!s} is not a mean of per-sample values; use one of "
+            f"{', '.join(fn.__name__ for fn in _SUM_DECOMPOSITIONS)} (optionally through functools.partial)."
+        )
+    dummy = torch.zeros(num_classes, num_classes, dtype=torch.float64)
+    return terms(dummy, torch.arange(num_classes), **metric_kwargs).reduce
 
 
 def resample_indices(num_samples: int, num_replicates: int, seed: int) -> Iterator[Tensor]:

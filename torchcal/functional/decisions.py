@@ -17,6 +17,7 @@ Ties go to the lowest decision index (with 0-1 costs: the first maximal posterio
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
@@ -39,7 +40,10 @@ __all__ = [
     "bayes_risk",
     "error_rate",
     "balanced_error_rate",
+    "check_decisions",
+    "decision_counts",
     "expected_cost_from_class_sums",
+    "expected_cost_from_counts",
     "expected_cost_terms",
     "bayes_risk_terms",
     "error_rate_terms",
@@ -115,6 +119,34 @@ def expected_cost_from_class_sums(
     return ec / naive
 
 
+def check_decisions(decisions: Tensor, labels: Tensor, costs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Validate ``decisions: (N,)`` in [0, M), ``labels: (N,)`` in [0, K) and ``costs: (K, M)``.
+
+    Returns them on the labels' device, the costs in float64.
+    """
+    costs = as_tensor(costs, "costs")
+    costs = check_costs(costs, costs.shape[0] if costs.ndim else 0)
+    labels = as_tensor(labels, "labels")
+    labels = check_labels(labels, labels.shape[0] if labels.ndim == 1 else labels.numel(), costs.shape[0])
+    if labels.shape[0] == 0:
+        raise ValueError("labels are empty (N = 0): at least one sample is needed.")
+    decisions = check_labels(decisions, labels.shape[0], costs.shape[1], name="decisions")
+    return decisions.to(labels.device), labels, costs.to(labels.device)
+
+
+def decision_counts(decisions: Tensor, labels: Tensor, num_classes: int, num_decisions: int) -> Tensor:
+    """Class-by-decision counts ``N[i, j] = #{t : y_t = i, d_t = j}``; (K, M) float64."""
+    flat = labels * num_decisions + decisions
+    return torch.bincount(flat, minlength=num_classes * num_decisions).reshape(num_classes, num_decisions).double()
+
+
+def expected_cost_from_counts(
+    counts: Tensor, costs: Tensor, priors: Optional[Tensor] = None, normalize: bool = False
+) -> Tensor:
+    """EC (or NEC) from class-by-decision ``counts: (..., K, M)`` (see ``decision_counts``)."""
+    return expected_cost_from_class_sums((counts * costs).sum(-1), counts.sum(-1), costs, priors, normalize)
+
+
 def expected_cost_terms(
     decisions: Tensor,
     labels: Tensor,
@@ -126,21 +158,11 @@ def expected_cost_terms(
 
     The per-sample value is the cost ``costs[labels[t], decisions[t]]``.
     """
-    costs = as_tensor(costs, "costs")
-    costs = check_costs(costs, costs.shape[0] if costs.ndim else 0)
-    labels = as_tensor(labels, "labels")
-    labels = check_labels(labels, labels.shape[0] if labels.ndim == 1 else labels.numel(), costs.shape[0])
-    if labels.shape[0] == 0:
-        raise ValueError("labels are empty (N = 0): at least one sample is needed.")
-    decisions = check_labels(decisions, labels.shape[0], costs.shape[1], name="decisions")
+    decisions, labels, costs = check_decisions(decisions, labels, costs)
     if priors is not None:
         priors = check_priors(priors, costs.shape[0], device=costs.device)
-    costs = costs.to(labels.device)
-
-    def reduce(sums: Tensor, counts: Tensor) -> Tensor:
-        return expected_cost_from_class_sums(sums, counts, costs, priors, normalize)
-
-    return SumDecomposition(costs[labels, decisions.to(labels.device)], labels, costs.shape[0], reduce)
+    reduce = partial(expected_cost_from_class_sums, costs=costs, priors=priors, normalize=normalize)
+    return SumDecomposition(costs[labels, decisions], labels, costs.shape[0], reduce)
 
 
 def expected_cost(

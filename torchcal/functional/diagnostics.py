@@ -31,6 +31,7 @@ from torchcal._validation import check_logits_and_labels
 __all__ = [
     "ReliabilityBins",
     "reliability_bins",
+    "reliability_bins_from_sums",
     "expected_calibration_error",
     "signed_calibration_error",
     "entropic_calibration_difference",

@@ -14,6 +14,7 @@ always outputs the priors: the prior entropy for cross-entropy, ``sum_k P_k (1 -
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -194,10 +195,7 @@ def epsr_terms(
     if priors is not None:
         priors = check_priors(priors, num_classes, device=logits.device)
     log_probs = torch.log_softmax(logits.to(torch.float64), dim=1)
-
-    def reduce(sums: Tensor, counts: Tensor) -> Tensor:
-        return epsr_from_class_sums(sums, counts, naive, priors, normalize)
-
+    reduce = partial(epsr_from_class_sums, naive=naive, priors=priors, normalize=normalize)
     return SumDecomposition(per_sample(log_probs, labels), labels, num_classes, reduce)
 
 

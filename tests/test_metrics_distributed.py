@@ -1,0 +1,80 @@
+"""Every metric synchronised over processes (gloo on CPU) equals the single-process value.
+
+One spawn of 4 processes checks all metrics at once: over all 4 with uneven shards of several
+batches each, then over a group of 2 of them with even shards.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import torchcal
+from test_metrics_streaming import batches, case_list, costs_for, expected_cost_case, make_data
+from torchcal.functional import bayes_decisions, calibration_loss, cross_validated_calibration_loss
+from torchcal.metrics import CalibrationLoss
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+N, K = 1200, 3
+UNEVEN = [1, 150, 420, 629]  # 4 processes
+EVEN = [600, 600]  # processes 0 and 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cases(logits, labels):
+    """(name, metric factory taking torchmetrics kwargs, reference value on the full data, inputs)."""
+    cases = [(name, factory, fn(logits, labels), logits) for name, factory, fn in case_list(K)]
+    cost_factory, cost_fn = expected_cost_case(K)
+    decisions = bayes_decisions(logits, costs_for(K))
+    cases.append(("expected-cost", cost_factory, cost_fn(decisions, labels), decisions))
+    fitted = torchcal.TemperatureScaling().fit(*make_data(300, K, 2.0, seed=1))
+    with torch.no_grad():
+        raw_vs_fitted = calibration_loss(logits, fitted(logits), labels).relative
+    cases.append(("calibration-loss", lambda **kw: CalibrationLoss(fitted, K, **kw), raw_vs_fitted, logits))
+    cross_validated = cross_validated_calibration_loss(logits, labels, torchcal.TemperatureScaling(), folds=3).relative
+    cases.append(("calibration-loss-cv", lambda **kw: CalibrationLoss(torchcal.TemperatureScaling(), K, folds=3, **kw),
+                  cross_validated, logits))
+    return cases
+
+
+def _check(cases, labels, shard: slice, group, tag: str) -> None:
+    for name, factory, expected, inputs in cases:
+        metric = factory(process_group=group)
+        shard_inputs, shard_labels = inputs[shard], labels[shard]
+        for part in batches(shard_inputs.shape[0], [97]):
+            metric.update(shard_inputs[part], shard_labels[part])
+        value = metric.compute()
+        got = value.relative if name.startswith("calibration-loss") else value
+        assert abs(got.item() - expected.item()) <= 1e-10 * max(1.0, abs(expected.item())), (tag, name, got, expected)
+
+
+def _worker(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=len(UNEVEN))
+    try:
+        logits, labels = make_data(N, K, 2.0, seed=0)  # identical in every process
+        cases = _cases(logits, labels)
+        start = sum(UNEVEN[:rank])
+        _check(cases, labels, slice(start, start + UNEVEN[rank]), None, "4 uneven")
+        pair = dist.new_group([0, 1])  # every process must take part in creating it
+        if rank < 2:
+            _check(cases, labels, slice(600 * rank, 600 * (rank + 1)), pair, "2 even")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_synchronised_metrics_equal_one_process():
+    assert sum(UNEVEN) == sum(EVEN) == N
+    mp.spawn(_worker, args=(_free_port(),), nprocs=len(UNEVEN), join=True)

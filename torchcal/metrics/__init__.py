@@ -1,0 +1,8 @@
+"""torchmetrics ``Metric`` classes: streaming, mergeable versions of ``torchcal.functional``."""
+
+from torchcal.metrics.calibration_loss import CalibrationLoss
+from torchcal.metrics.decisions import BayesRisk, ExpectedCost
+from torchcal.metrics.diagnostics import ECD, CalibrationError
+from torchcal.metrics.scoring import BrierScore, CrossEntropy
+
+__all__ = ["BayesRisk", "BrierScore", "CalibrationError", "CalibrationLoss", "CrossEntropy", "ECD", "ExpectedCost"]

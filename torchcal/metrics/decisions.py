@@ -1,0 +1,99 @@
+"""Streaming expected cost of hard decisions and of Bayes decisions.
+
+State: the class-by-decision count matrix (K, M) float64, from which the expected cost is
+computed with any priors at ``compute()`` (``torchcal.functional.decisions.expected_cost_from_counts``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import Tensor
+from torchmetrics import Metric
+
+from torchcal._validation import as_tensor, check_costs, check_logits_and_labels, check_priors
+from torchcal.functional.decisions import (
+    bayes_decisions,
+    check_decisions,
+    decision_counts,
+    expected_cost_from_counts,
+)
+from torchcal.metrics._common import add_sum_state
+
+__all__ = ["ExpectedCost", "BayesRisk"]
+
+
+class _CostMetric(Metric):
+    is_differentiable = False
+    higher_is_better = False
+    full_state_update = False
+    plot_lower_bound = 0.0
+
+    def __init__(
+        self, costs: Tensor, priors: Optional[Tensor] = None, normalize: bool = False, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        costs = as_tensor(costs, "costs")
+        costs = check_costs(costs, costs.shape[0] if costs.ndim else 0)
+        self.num_classes, self.num_decisions = costs.shape
+        self.register_buffer("costs", costs, persistent=False)
+        self.register_buffer("priors", None if priors is None else check_priors(priors, self.num_classes), persistent=False)
+        self.normalize = normalize
+        add_sum_state(self, "counts", self.num_classes, self.num_decisions)
+
+    def _accumulate(self, decisions: Tensor, labels: Tensor) -> None:
+        self.counts += decision_counts(decisions, labels, self.num_classes, self.num_decisions).to(self.counts.device)
+
+    def compute(self) -> Tensor:
+        return expected_cost_from_counts(self.counts, self.costs, self.priors, self.normalize)
+
+
+class ExpectedCost(_CostMetric):
+    """Expected cost of hard decisions (NEC with ``normalize=True``), as ``functional.expected_cost``.
+
+    ``update(decisions, labels)`` takes decision indices (N,) in [0, M) and labels (N,) in [0, K).
+    ``counts`` holds the (K, M) class-by-decision confusion counts.
+
+    Args:
+        costs: (K, M) cost matrix, rows true classes, columns decisions.
+        priors: optional (K,) deployment priors; empirical class frequencies by default.
+        normalize: divide by the cost of the best naive decision.
+
+    Example:
+        >>> import torch
+        >>> metric = ExpectedCost(torch.tensor([[0, 1, .5], [1, 0, .5]]), normalize=True)
+        >>> metric.update(torch.tensor([0, 1, 0]), torch.tensor([0, 1, 0]))
+        >>> metric.update(torch.tensor([0, 2, 2]), torch.tensor([0, 1, 0]))
+        >>> float(metric.compute())
+        0.5
+    """
+
+    def update(self, decisions: Tensor, labels: Tensor) -> None:
+        decisions, labels, _ = check_decisions(decisions, labels, self.costs)
+        self._accumulate(decisions, labels)
+
+
+class BayesRisk(_CostMetric):
+    """Expected cost of the Bayes decisions of the scores, as ``functional.bayes_risk``.
+
+    ``update(logits, labels)`` takes scores (N, K) and labels (N,); the decisions minimise the
+    expected cost under ``softmax(logits)`` (ties to the lowest decision index).
+
+    Args:
+        costs: (K, M) cost matrix.
+        priors: optional (K,) deployment priors for the evaluation.
+        normalize: divide by the cost of the best naive decision.
+
+    Example:
+        >>> import torch
+        >>> from torchcal.functional import zero_one_costs
+        >>> metric = BayesRisk(zero_one_costs(2))
+        >>> probs = torch.tensor([[.8, .2], [.3, .7], [.6, .4], [.1, .9]])
+        >>> metric.update(probs.log(), torch.tensor([0, 1, 1, 1]))
+        >>> float(metric.compute())
+        0.25
+    """
+
+    def update(self, logits: Tensor, labels: Tensor) -> None:
+        logits, labels = check_logits_and_labels(logits, labels, num_classes=self.num_classes)
+        self._accumulate(bayes_decisions(logits, self.costs), labels)

@@ -1,0 +1,103 @@
+"""Streaming expected proper scoring rules: cross-entropy and the Brier score.
+
+State: per-class sums of the per-sample score and per-class counts, (K,) float64 each, so
+deployment priors and normalisation are applied exactly at ``compute()``
+(``torchcal.functional.scoring.epsr_from_class_sums``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from torch import Tensor
+from torchmetrics import Metric
+
+from torchcal._validation import check_priors
+from torchcal.functional.scoring import (
+    brier_per_sample,
+    class_sums,
+    epsr_from_class_sums,
+    epsr_terms,
+    log_loss_per_sample,
+    naive_brier_score,
+    naive_cross_entropy,
+)
+from torchcal.metrics._common import add_sum_state, check_num_classes
+
+__all__ = ["CrossEntropy", "BrierScore"]
+
+
+class _ExpectedScore(Metric):
+    is_differentiable = True
+    higher_is_better = False
+    full_state_update = False
+    plot_lower_bound = 0.0
+
+    per_sample: Callable[[Tensor, Tensor], Tensor]
+    naive: Callable[[Tensor], Tensor]
+
+    def __init__(
+        self, num_classes: int, priors: Optional[Tensor] = None, normalize: bool = False, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        self.num_classes = check_num_classes(num_classes)
+        self.register_buffer("priors", None if priors is None else check_priors(priors, num_classes), persistent=False)
+        self.normalize = normalize
+        add_sum_state(self, "class_sums", num_classes)
+        add_sum_state(self, "class_counts", num_classes)
+
+    def update(self, logits: Tensor, labels: Tensor) -> None:
+        """Accumulate ``logits: (N, K)`` and ``labels: (N,)``."""
+        terms = epsr_terms(type(self).per_sample, type(self).naive, logits, labels)
+        if terms.num_classes != self.num_classes:
+            raise ValueError(f"logits have K = {terms.num_classes} classes but the metric was built for {self.num_classes}.")
+        sums, counts = class_sums(terms.per_sample, terms.labels, self.num_classes)
+        self.class_sums += sums
+        self.class_counts += counts
+
+    def compute(self) -> Tensor:
+        return epsr_from_class_sums(self.class_sums, self.class_counts, type(self).naive, self.priors, self.normalize)
+
+
+class CrossEntropy(_ExpectedScore):
+    """Mean cross-entropy (nats) of ``softmax(logits)``, as ``torchcal.functional.cross_entropy``.
+
+    Args:
+        num_classes: K.
+        priors: optional (K,) deployment priors (class re-weighting).
+        normalize: divide by the prior entropy (NCE); empirical priors unless ``priors`` is given.
+
+    Example:
+        >>> import torch
+        >>> metric = CrossEntropy(num_classes=2)
+        >>> probs = torch.tensor([[.8, .2], [.3, .7], [.6, .4], [.1, .9]])
+        >>> metric.update(probs[:1].log(), torch.tensor([0]))
+        >>> metric.update(probs[1:].log(), torch.tensor([1, 1, 1]))
+        >>> round(float(metric.compute()), 6)
+        0.400367
+    """
+
+    per_sample = staticmethod(log_loss_per_sample)
+    naive = staticmethod(naive_cross_entropy)
+
+
+class BrierScore(_ExpectedScore):
+    """Mean Brier score summed over classes (0..2 scale), as ``torchcal.functional.brier_score``.
+
+    Args:
+        num_classes: K.
+        priors: optional (K,) deployment priors (class re-weighting).
+        normalize: divide by the naive system's Brier score (NBS).
+
+    Example:
+        >>> import torch
+        >>> metric = BrierScore(num_classes=2, normalize=True)
+        >>> probs = torch.tensor([[.8, .2], [.3, .7], [.6, .4], [.1, .9]])
+        >>> metric.update(probs.log(), torch.tensor([0, 1, 1, 1]))
+        >>> round(float(metric.compute()), 6)
+        0.666667
+    """
+
+    per_sample = staticmethod(brier_per_sample)
+    naive = staticmethod(naive_brier_score)
+    plot_upper_bound = 2.0

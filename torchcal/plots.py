@@ -133,12 +133,10 @@ def reliability_diagram(
             "class": (f"predicted probability of class {class_index}", f"frequency of class {class_index}")}
     xlabel, ylabel = what.get(kind, ("mean predicted probability", "observed frequency"))
     ax.set(xlim=(0, 1), ylim=(0, 1), xlabel=xlabel, ylabel=ylabel)
-    ax.text(0.98, 0.02 if histogram is None else 0.36, f"open markers: < {SPARSE_BIN} samples", ha="right",
-            va="bottom", transform=ax.transAxes, fontsize="x-small", color="0.45")
+    ax.plot([], [], "o", color="0.45", markerfacecolor="white", markersize=4, label=f"bin of < {SPARSE_BIN} samples")
     ax.set_title(f"reliability, {kind}" + (f" {class_index}" if kind == "class" else "") + f" ({n_bins} bins)",
                  fontsize="medium")
-    if len(systems) > 1 or next(iter(systems)):
-        ax.legend(loc="upper left", fontsize="small", frameon=False)
+    ax.legend(loc="upper left", fontsize="small", frameon=False)
     return fig, ax
 
 

@@ -99,14 +99,6 @@ def make_calibrator(method: str, **options: Any) -> Calibrator:
         raise ValueError(f"bad options for method {method!r}: {err}.") from None
 
 
-def _check_method_fits(method: str, num_classes: int) -> None:
-    supported = getattr(METHODS[method], "supported_num_classes", None) or getattr(
-        getattr(METHODS[method], "func", None), "supported_num_classes", None
-    )
-    if supported is not None and supported != num_classes:
-        raise ValueError(f"method {method!r} is for K = {supported} classes, but the scores have K = {num_classes}.")
-
-
 # --- results ---------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -350,9 +342,10 @@ def evaluate(
     num_classes = logits.shape[1]
     methods = list(dict.fromkeys(methods))
     method_options = {name: dict(opts) for name, opts in (method_options or {}).items()}
-    for method in methods:
-        make_calibrator(method, **method_options.get(method, {}))  # fail early on bad names/options
-        _check_method_fits(method, num_classes)
+    for method in methods:  # fail early on bad names, options or class counts
+        supported = make_calibrator(method, **method_options.get(method, {})).supported_num_classes
+        if supported is not None and supported != num_classes:
+            raise ValueError(f"method {method!r} is for K = {supported} classes, but the scores have K = {num_classes}.")
     if isinstance(bootstrap, bool) or not isinstance(bootstrap, int) or bootstrap < 0:
         raise ValueError(f"bootstrap must be a number of replicates >= 0, got {bootstrap!r}.")
     if calibration is None and folds < 2:

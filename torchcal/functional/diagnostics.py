@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from torchcal._validation import check_logits_and_labels
+from torchcal.functional.scoring import to_log_probs
 
 __all__ = [
     "ReliabilityBins",
@@ -73,13 +74,12 @@ def binning_scores(
 
     ``log_probs: (N, K)`` are normalised log-posteriors. C is 1, except K for ``"classwise"``.
     """
-    probs = log_probs.to(torch.float64).exp()
-    num_classes = probs.shape[1]
+    num_classes = log_probs.shape[1]
     if kind == "top-label":
-        predicted = probs.argmax(dim=1, keepdim=True)  # first maximal class on ties
-        return probs.gather(1, predicted), predicted == labels.unsqueeze(1)
+        top, predicted = log_probs.max(dim=1, keepdim=True)  # first maximal class on ties
+        return top.exp(), predicted == labels.unsqueeze(1)
     if kind == "classwise":
-        return probs, torch.nn.functional.one_hot(labels, num_classes).bool()
+        return log_probs.exp(), torch.nn.functional.one_hot(labels, num_classes).bool()
     if kind == "binary":
         if num_classes != 2:
             raise ValueError(f'kind="binary" needs K = 2 classes, got K = {num_classes}; use "classwise".')
@@ -89,7 +89,7 @@ def binning_scores(
             raise ValueError(f'kind="class" needs class_index in [0, {num_classes}), got {class_index}.')
     else:
         raise ValueError(f'kind must be "top-label", "binary", "class" or "classwise", got {kind!r}.')
-    return probs[:, class_index : class_index + 1], (labels == class_index).unsqueeze(1)
+    return log_probs[:, class_index : class_index + 1].exp(), (labels == class_index).unsqueeze(1)
 
 
 def uniform_edges(n_bins: int) -> Tensor:
@@ -198,7 +198,7 @@ def _edges(scores: Tensor, n_bins: int, strategy: Strategy) -> Tensor:
 
 def _binned(logits: Tensor, labels: Tensor, n_bins: int, strategy: Strategy, kind: Kind, class_index=None):
     logits, labels = check_logits_and_labels(logits, labels)
-    log_probs = torch.log_softmax(logits.to(torch.float64), dim=1)
+    log_probs = to_log_probs(logits)
     scores, targets = binning_scores(log_probs, labels, kind, class_index)
     edges = _edges(scores, n_bins, strategy)
     return log_probs, labels, scores, targets, edges
@@ -307,7 +307,7 @@ def signed_calibration_error(
     if kind not in ("top-label", "binary"):
         raise ValueError(f'kind must be "top-label" or "binary", got {kind!r}.')
     logits, labels = check_logits_and_labels(logits, labels)
-    scores, targets = binning_scores(torch.log_softmax(logits.to(torch.float64), dim=1), labels, kind)
+    scores, targets = binning_scores(to_log_probs(logits), labels, kind)
     return targets.to(torch.float64).mean() - scores.mean()
 
 
@@ -351,7 +351,7 @@ def entropic_calibration_difference(
     """
     if n_bins is None:
         logits, labels = check_logits_and_labels(logits, labels)
-        return ecd_per_sample(torch.log_softmax(logits.to(torch.float64), dim=1), labels).mean()
+        return ecd_per_sample(to_log_probs(logits), labels).mean()
     if kind not in ("top-label", "binary"):
         raise ValueError(f'kind must be "top-label" or "binary", got {kind!r}.')
     log_probs, labels, scores, _, edges = _binned(logits, labels, n_bins, strategy, kind)

@@ -23,6 +23,7 @@ from torch import Tensor
 from torchcal._validation import check_logits_and_labels, check_priors
 
 __all__ = [
+    "to_log_probs",
     "log_loss_per_sample",
     "brier_per_sample",
     "class_weights",
@@ -39,6 +40,11 @@ __all__ = [
     "brier_score",
     "PER_SAMPLE_SCORES",
 ]
+
+
+def to_log_probs(logits: Tensor) -> Tensor:
+    """Normalised log-posteriors ``log_softmax(logits)`` (N, K), computed in float64."""
+    return torch.log_softmax(logits, dim=1, dtype=torch.float64)
 
 
 def log_loss_per_sample(log_probs: Tensor, labels: Tensor) -> Tensor:
@@ -194,7 +200,7 @@ def epsr_terms(
     num_classes = logits.shape[1]
     if priors is not None:
         priors = check_priors(priors, num_classes, device=logits.device)
-    log_probs = torch.log_softmax(logits.to(torch.float64), dim=1)
+    log_probs = to_log_probs(logits)
     reduce = partial(epsr_from_class_sums, naive=naive, priors=priors, normalize=normalize)
     return SumDecomposition(per_sample(log_probs, labels), labels, num_classes, reduce)
 

@@ -26,6 +26,7 @@ from torchcal.functional.diagnostics import (
     reliability_bins_from_sums,
     uniform_edges,
 )
+from torchcal.functional.scoring import to_log_probs
 from torchcal.metrics._common import add_sum_state, check_num_classes
 
 __all__ = ["CalibrationError", "ECD"]
@@ -93,7 +94,7 @@ class CalibrationError(Metric):
     def update(self, logits: Tensor, labels: Tensor) -> None:
         """Accumulate ``logits: (N, K)`` and ``labels: (N,)``."""
         logits, labels = check_logits_and_labels(logits, labels, num_classes=self.num_classes)
-        scores, targets = binning_scores(torch.log_softmax(logits.to(torch.float64), dim=1), labels, self.kind)
+        scores, targets = binning_scores(to_log_probs(logits), labels, self.kind)
         if self.strategy == "uniform":
             counts, score_sums, target_sums = bin_statistics(scores, targets, self.edges)
             self.counts += counts
@@ -161,7 +162,7 @@ class ECD(Metric):
     def update(self, logits: Tensor, labels: Tensor) -> None:
         """Accumulate ``logits: (N, K)`` and ``labels: (N,)``."""
         logits, labels = check_logits_and_labels(logits, labels)
-        self.total += ecd_per_sample(torch.log_softmax(logits.to(torch.float64), dim=1), labels).sum()
+        self.total += ecd_per_sample(to_log_probs(logits), labels).sum()
         self.count += labels.shape[0]
 
     def compute(self) -> Tensor:

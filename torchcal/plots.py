@@ -37,7 +37,14 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["reliability_diagram", "classwise_reliability", "bayes_risk_sweep", "bayes_risk_curve", "bayes_risk_curves"]
+__all__ = [
+    "reliability_diagram",
+    "classwise_reliability",
+    "bayes_risk_sweep",
+    "bayes_risk_curve",
+    "bayes_risk_curves",
+    "pyplot",
+]
 
 Systems = Union[Tensor, Mapping[str, Tensor]]
 
@@ -46,8 +53,8 @@ SPARSE_BIN = 30
 
 
 
-def _pyplot():
-    """Import pyplot, choosing the Agg backend first when there is no display."""
+def pyplot():
+    """``matplotlib.pyplot``, imported on first use with the Agg backend when there is no display."""
     if "matplotlib.pyplot" not in sys.modules and sys.platform.startswith("linux") and not (
         os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")
     ):
@@ -74,7 +81,7 @@ def _colors(names: Sequence[str]) -> dict[str, Any]:
 def _figure_and_axes(ax: Optional["Axes"], figsize: tuple[float, float]) -> tuple["Figure", "Axes"]:
     if ax is not None:
         return ax.figure, ax
-    fig, ax = _pyplot().subplots(figsize=figsize, layout="constrained")
+    fig, ax = pyplot().subplots(figsize=figsize, layout="constrained")
     return fig, ax
 
 
@@ -181,7 +188,7 @@ def _grid(panels: int):
     columns = min(panels, 5)
     rows = math.ceil(panels / columns)
     size = (5.4, 4.2) if panels == 1 else (3.6 * columns, 3.3 * rows)
-    return _pyplot().subplots(rows, columns, figsize=size, layout="constrained", squeeze=False)
+    return pyplot().subplots(rows, columns, figsize=size, layout="constrained", squeeze=False)
 
 
 def _tidy_grid(axes, panels: int) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -178,9 +178,11 @@ class Report:
         return next((m for m in self.methods if m.method == self.best), None)
 
     def to_dict(self) -> dict[str, Any]:
-        """The numbers, JSON-ready (no tensors)."""
+        """The numbers, JSON-ready (no tensors); ``options`` are the methods' constructor options."""
         skip = {"calibrator", "method_options", "logits", "labels", "calibrated"}
-        return {k: v for k, v in asdict(self).items() if k not in skip} | {"options": self.method_options}
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+        data |= {"raw": asdict(self.raw), "methods": [asdict(m) for m in self.methods]}
+        return data | {"options": self.method_options}
 
     def table(self) -> str:
         """The aligned text report printed by the command line."""
@@ -225,7 +227,7 @@ class Report:
         for name, draw in tqdm(drawings.items(), desc="figures", disable=None if progress else True, leave=False):
             fig, _ = draw()
             fig.savefig(folder / name, dpi=110)
-            plots._pyplot().close(fig)
+            plots.pyplot().close(fig)
             written.append(folder / name)
         return written
 

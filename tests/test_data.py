@@ -128,7 +128,7 @@ def test_binary_one_column(tmp_path):
     with_priors = load_scores(tmp_path / "llr.npz", priors=[0.9, 0.1])
     np.testing.assert_allclose(with_priors.logits.softmax(1)[:, 1].numpy(), 1 / (1 + 9 * np.exp(-llr)))
     np.savez(tmp_path / "p.npz", logits=[0.1, 0.7, 0.9], labels=[0, 1, 1])
-    with pytest.raises(ValueError, match=r"--input probs\) or LLRs \(--input llr\)"):
+    with pytest.raises(ValueError, match=r"probabilities of class 1 \(input='probs', --input probs\) or LLRs"):
         load_scores(tmp_path / "p.npz")
     probs = load_scores(tmp_path / "p.npz", input="probs")
     np.testing.assert_allclose(probs.logits.softmax(1)[:, 1].numpy(), [0.1, 0.7, 0.9])

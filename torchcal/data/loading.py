@@ -175,7 +175,7 @@ def has_split(path: str | Path, split: Literal["val"] = "val") -> bool:
 
 # --- reading files -------------------------------------------------------------------------------
 
-_PASS_LABELS = "pass the labels file explicitly (--labels)"
+_PASS_LABELS = "pass the labels file explicitly (labels_path=..., or --labels on the command line)"
 
 
 def _read(path: Path, labels_path: str | Path | None, split: str) -> tuple[Any, Any, InputKind, str]:
@@ -325,7 +325,7 @@ def _to_logits(scores: np.ndarray, kind: InputKind, reason: str, priors: Any) ->
 
 
 def _one_column_to_logits(values: Tensor, kind: InputKind, reason: str, priors: Any) -> tuple[Tensor, str]:
-    ask = "say whether it holds probabilities of class 1 (--input probs) or LLRs (--input llr)"
+    ask = "say whether it holds probabilities of class 1 (input='probs', --input probs) or LLRs (input='llr', --input llr)"
     if kind == "logits":
         raise ValueError(f"one score column cannot be read as logits; {ask}.")
     if kind == "auto":
@@ -349,7 +349,7 @@ def _columns_to_logits(values: Tensor, kind: InputKind, reason: str) -> tuple[Te
     if kind == "auto":
         if not (_in_unit_interval(values) and bool(((row_sums - 1).abs() < 1e-4).all())):
             return values, "logits"
-        note = "probabilities (every row lies in [0, 1] and sums to 1; pass --input logits to override)"
+        note = "probabilities (every row lies in [0, 1] and sums to 1; input='logits' / --input logits overrides)"
     else:
         note = f"probabilities ({reason})"
         if not _in_unit_interval(values):

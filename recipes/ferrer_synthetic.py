@@ -20,7 +20,6 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-import torch
 from torch import Tensor
 
 from torchcal import cross_validate

@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import sys
@@ -74,7 +75,7 @@ def _systems(logits: Systems) -> dict[str, Tensor]:
 
 def _colors(names: Sequence[str]) -> dict[str, Any]:
     """"raw" in black, the others in the default colour cycle."""
-    cycle = iter(f"C{i}" for i in range(10 ** 3))
+    cycle = (f"C{i % 10}" for i in itertools.count())
     return {name: "black" if name == "raw" else next(cycle) for name in names}
 
 

@@ -5,13 +5,14 @@ automatically, give the same replicates for the same seed:
 
 - fast path, for metrics that are prior-weighted means of a per-sample value (``cross_entropy``,
   ``brier_score``, ``expected_cost``, ``bayes_risk``, ``error_rate``, ``balanced_error_rate``,
-  with any of their options): the per-sample values are computed once, and every replicate is a
-  weighted reduction of them, evaluated for a chunk of replicates at once;
+  with any of their options, also through ``functools.partial``): the per-sample values are
+  computed once, and each replicate is a reduction of them weighted by how often each sample was
+  drawn, evaluated for a chunk of replicates at once;
 - general path, for any other ``metric_fn`` or when a ``calibrator`` is given: a loop that calls
   ``metric_fn`` on each resampled data set, handing it a fresh copy of the calibrator.
 
 The resampled data contain duplicates, so a calibrator cross-validated inside a replicate may see
-copies of a test sample in its training folds; this bias is small for smooth calibrators.
+copies of a test sample in its training folds, which favours the calibrator.
 """
 
 from __future__ import annotations
@@ -71,6 +72,14 @@ def sum_decomposition(metric_fn: Callable[..., Any]) -> Optional[Callable[..., S
     """The function returning the ``SumDecomposition`` of ``metric_fn``, or None if it has none.
 
     ``functools.partial`` objects that fix keyword options of a known metric are understood.
+
+    Example:
+        >>> from torchcal.functional import bayes_risk, zero_one_costs
+        >>> terms = sum_decomposition(partial(bayes_risk, costs=zero_one_costs(2)))
+        >>> terms(torch.tensor([[2., 0.], [0., 1.]]), torch.tensor([1, 1])).per_sample
+        tensor([1., 0.], dtype=torch.float64)
+        >>> sum_decomposition(max) is None
+        True
     """
     if isinstance(metric_fn, partial) and not metric_fn.args:
         terms = _SUM_DECOMPOSITIONS.get(metric_fn.func)
@@ -83,6 +92,11 @@ def sum_reduction(metric_fn: Callable[..., Any], num_classes: int, **metric_kwar
 
     The reduction depends on the options only, not on the data, so it is read off the
     decomposition of one sample per class. ``ValueError`` if ``metric_fn`` is not decomposable.
+
+    Example:
+        >>> reduce = sum_reduction(cross_entropy, 2, priors=torch.tensor([0.5, 0.5]))
+        >>> float(reduce(torch.tensor([1.0, 3.0]), torch.tensor([1.0, 1.0])))  # per-class means 1 and 3
+        2.0
     """
     terms = sum_decomposition(metric_fn)
     if terms is None:
@@ -95,7 +109,12 @@ def sum_reduction(metric_fn: Callable[..., Any], num_classes: int, **metric_kwar
 
 
 def resample_indices(num_samples: int, num_replicates: int, seed: int) -> Iterator[Tensor]:
-    """Chunks (b, N) of bootstrap indices, drawn from a generator seeded with ``seed``."""
+    """Chunks (b, N) of bootstrap indices, drawn from a generator seeded with ``seed``.
+
+    Example:
+        >>> [chunk.shape for chunk in resample_indices(4, 3, seed=0)]
+        [torch.Size([3, 4])]
+    """
     generator = torch.Generator().manual_seed(seed)
     chunk = max(1, CHUNK_ELEMENTS // num_samples)
     for start in range(0, num_replicates, chunk):
@@ -111,7 +130,7 @@ def _replicates_by_reduction(terms: SumDecomposition, num_replicates: int, seed:
         drawn = labels[index]  # (b, N) class of each draw
         shape = (index.shape[0], terms.num_classes)
         sums = per_sample.new_zeros(shape).scatter_add_(1, drawn, per_sample[index])
-        counts = per_sample.new_zeros(shape).scatter_add_(1, drawn, torch.ones_like(sums[:, :1]).expand_as(index))
+        counts = per_sample.new_zeros(shape).scatter_add_(1, drawn, per_sample.new_ones(index.shape))
         values.append(terms.reduce(sums, counts))
     return torch.cat(values)
 

@@ -36,6 +36,11 @@ def calibration_loss_from_scores(raw: Tensor, calibrated: Tensor) -> Calibration
     """``CalibrationLossResult`` from the EPSR of the raw and of the calibrated scores.
 
     Raises ``ValueError`` when ``raw`` is not positive (the relative loss is undefined).
+
+    Example:
+        >>> import torch
+        >>> calibration_loss_from_scores(torch.tensor(0.5), torch.tensor(0.4))
+        CalibrationLossResult(absolute=tensor(0.1000), relative=tensor(20.0000))
     """
     if not bool(raw > 0):
         raise ValueError(
@@ -108,6 +113,14 @@ def cross_validated_calibration_loss(
         score, priors: as in ``calibration_loss``.
         folds: number of cross-validation folds.
         seed: seed of the fold assignment.
+
+    Example:
+        >>> import torch, torchcal
+        >>> logits = 3 * torch.randn(1000, 3)
+        >>> labels = torch.distributions.Categorical(logits=logits / 3).sample()
+        >>> result = cross_validated_calibration_loss(logits, labels, torchcal.TemperatureScaling())
+        >>> bool(result.relative > 20)  # logits 3 times over-confident
+        True
     """
     from torchcal import cross_validate  # torchcal's top level imports this module
 

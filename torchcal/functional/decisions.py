@@ -103,6 +103,11 @@ def expected_cost_from_class_sums(
     """EC (or NEC) from per-class sums of the per-sample cost and per-class counts (..., K).
 
     Raises ``ValueError`` for NEC when the best naive system costs 0 (nothing to normalise by).
+
+    Example (per-class sums 1 and 0.5 over 4 and 2 samples):
+        >>> sums, counts = torch.tensor([1.0, 0.5]), torch.tensor([4.0, 2.0])
+        >>> float(expected_cost_from_class_sums(sums, counts, zero_one_costs(2), priors=torch.tensor([.5, .5])))
+        0.25
     """
     ec = prior_weighted_mean(sums, counts, priors)
     if not normalize:
@@ -123,6 +128,14 @@ def check_decisions(decisions: Tensor, labels: Tensor, costs: Tensor) -> tuple[T
     """Validate ``decisions: (N,)`` in [0, M), ``labels: (N,)`` in [0, K) and ``costs: (K, M)``.
 
     Returns them on the labels' device, the costs in float64.
+
+    Example:
+        >>> check_decisions(torch.tensor([0, 2]), torch.tensor([1, 0]), zero_one_costs(2, abstain=0.1))[0]
+        tensor([0, 2])
+        >>> check_decisions(torch.tensor([0, 3]), torch.tensor([1, 0]), zero_one_costs(2, abstain=0.1))
+        Traceback (most recent call last):
+        ...
+        ValueError: decisions must lie in [0, 3) for K = 3 classes; found 1 out-of-range value(s), e.g. 3.
     """
     costs = as_tensor(costs, "costs")
     costs = check_costs(costs, costs.shape[0] if costs.ndim else 0)
@@ -135,7 +148,13 @@ def check_decisions(decisions: Tensor, labels: Tensor, costs: Tensor) -> tuple[T
 
 
 def decision_counts(decisions: Tensor, labels: Tensor, num_classes: int, num_decisions: int) -> Tensor:
-    """Class-by-decision counts ``N[i, j] = #{t : y_t = i, d_t = j}``; (K, M) float64."""
+    """Class-by-decision counts ``N[i, j] = #{t : y_t = i, d_t = j}``; (K, M) float64.
+
+    Example:
+        >>> decision_counts(torch.tensor([0, 2, 1]), torch.tensor([0, 0, 1]), 2, 3)
+        tensor([[1., 0., 1.],
+                [0., 1., 0.]], dtype=torch.float64)
+    """
     flat = labels * num_decisions + decisions
     return torch.bincount(flat, minlength=num_classes * num_decisions).reshape(num_classes, num_decisions).double()
 
@@ -143,7 +162,14 @@ def decision_counts(decisions: Tensor, labels: Tensor, num_classes: int, num_dec
 def expected_cost_from_counts(
     counts: Tensor, costs: Tensor, priors: Optional[Tensor] = None, normalize: bool = False
 ) -> Tensor:
-    """EC (or NEC) from class-by-decision ``counts: (..., K, M)`` (see ``decision_counts``)."""
+    """EC (or NEC) from class-by-decision ``counts: (..., K, M)`` (see ``decision_counts``).
+
+    Example (Ferrer's micro test: EC = 1/6, NEC = 1/2):
+        >>> counts = torch.tensor([[3., 0., 1.], [0., 1., 1.]], dtype=torch.float64)
+        >>> costs = torch.tensor([[0, 1, .5], [1, 0, .5]], dtype=torch.float64)
+        >>> float(expected_cost_from_counts(counts, costs, normalize=True))
+        0.5
+    """
     return expected_cost_from_class_sums((counts * costs).sum(-1), counts.sum(-1), costs, priors, normalize)
 
 
@@ -157,6 +183,11 @@ def expected_cost_terms(
     """Validate the inputs of ``expected_cost`` and return its ``SumDecomposition``.
 
     The per-sample value is the cost ``costs[labels[t], decisions[t]]``.
+
+    Example:
+        >>> terms = expected_cost_terms(torch.tensor([0, 1, 1]), torch.tensor([0, 0, 1]), zero_one_costs(2))
+        >>> terms.per_sample, round(float(terms.evaluate()), 6)
+        (tensor([0., 1., 0.], dtype=torch.float64), 0.333333)
     """
     decisions, labels, costs = check_decisions(decisions, labels, costs)
     if priors is not None:
@@ -202,7 +233,13 @@ def bayes_risk_terms(
     priors: Optional[Tensor] = None,
     normalize: bool = False,
 ) -> SumDecomposition:
-    """``expected_cost_terms`` of the Bayes decisions of ``logits``."""
+    """``expected_cost_terms`` of the Bayes decisions of ``logits``.
+
+    Example:
+        >>> terms = bayes_risk_terms(torch.tensor([[2., 0.], [0., 1.]]), torch.tensor([1, 1]), zero_one_costs(2))
+        >>> terms.per_sample
+        tensor([1., 0.], dtype=torch.float64)
+    """
     logits, labels = check_logits_and_labels(logits, labels)
     return expected_cost_terms(bayes_decisions(logits, costs), labels, costs, priors, normalize)
 
@@ -253,7 +290,12 @@ def error_rate(logits: Tensor, labels: Tensor) -> Tensor:
 
 
 def error_rate_terms(logits: Tensor, labels: Tensor) -> SumDecomposition:
-    """``SumDecomposition`` of ``error_rate``."""
+    """``SumDecomposition`` of ``error_rate``.
+
+    Example:
+        >>> error_rate_terms(torch.tensor([[2., 0.], [0., 1.]]), torch.tensor([1, 1])).per_sample
+        tensor([1., 0.], dtype=torch.float64)
+    """
     logits = check_logits(logits)
     return bayes_risk_terms(logits, labels, zero_one_costs(logits.shape[1]))
 
@@ -273,7 +315,13 @@ def balanced_error_rate(logits: Tensor, labels: Tensor) -> Tensor:
 
 
 def balanced_error_rate_terms(logits: Tensor, labels: Tensor) -> SumDecomposition:
-    """``SumDecomposition`` of ``balanced_error_rate``."""
+    """``SumDecomposition`` of ``balanced_error_rate``.
+
+    Example:
+        >>> terms = balanced_error_rate_terms(torch.tensor([[2., 0.], [0., 1.], [1., 0.]]), torch.tensor([1, 1, 0]))
+        >>> float(terms.evaluate())  # class 0: 0 errors of 1, class 1: 1 of 2
+        0.25
+    """
     logits = check_logits(logits)
     num_classes = logits.shape[1]
     uniform = torch.full((num_classes,), 1 / num_classes, dtype=torch.float64)

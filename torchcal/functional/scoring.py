@@ -43,7 +43,12 @@ __all__ = [
 
 
 def to_log_probs(logits: Tensor) -> Tensor:
-    """Normalised log-posteriors ``log_softmax(logits)`` (N, K), computed in float64."""
+    """Normalised log-posteriors ``log_softmax(logits)`` (N, K), computed in float64.
+
+    Example:
+        >>> to_log_probs(torch.tensor([[0.0, 0.0]])).exp()
+        tensor([[0.5000, 0.5000]], dtype=torch.float64)
+    """
     return torch.log_softmax(logits, dim=1, dtype=torch.float64)
 
 
@@ -108,6 +113,10 @@ def class_sums(per_sample: Tensor, labels: Tensor, num_classes: int) -> tuple[Te
     """Per-class sums of ``per_sample`` (N,) and per-class counts, both (K,) float64.
 
     These are the sufficient statistics of every prior-weighted mean: see ``prior_weighted_mean``.
+
+    Example:
+        >>> class_sums(torch.tensor([1.0, 2.0, 4.0]), torch.tensor([0, 2, 0]), 3)
+        (tensor([5., 0., 2.], dtype=torch.float64), tensor([2., 0., 1.], dtype=torch.float64))
     """
     sums = torch.zeros(num_classes, dtype=torch.float64, device=labels.device)
     sums = sums.index_add(0, labels, per_sample.to(torch.float64))
@@ -122,6 +131,11 @@ def prior_weighted_mean(sums: Tensor, counts: Tensor, priors: Optional[Tensor] =
     ``sums.sum() / counts.sum()``. Leading dimensions broadcast (e.g. bootstrap replicates).
     A class with a positive prior and no sample raises ``ValueError``; a class with prior 0
     contributes 0 even when its sum is infinite.
+
+    Example:
+        >>> sums, counts = torch.tensor([5.0, 2.0], dtype=torch.float64), torch.tensor([2.0, 1.0], dtype=torch.float64)
+        >>> float(prior_weighted_mean(sums, counts)), float(prior_weighted_mean(sums, counts, torch.tensor([.5, .5])))
+        (2.3333333333333335, 2.25)
     """
     if priors is None:
         return sums.sum(-1) / counts.sum(-1)
@@ -160,6 +174,12 @@ def epsr_from_class_sums(
     ``naive`` maps priors to the score of the naive system (``naive_cross_entropy`` or
     ``naive_brier_score``); it is used only with ``normalize=True``, with the empirical class
     frequencies ``counts / counts.sum()`` when ``priors`` is None.
+
+    Example (a system as good as the naive one has normalised cross-entropy 1):
+        >>> counts = torch.tensor([1.0, 3.0], dtype=torch.float64)
+        >>> sums = -counts * (counts / 4).log()  # every sample scored -log(prior of its class)
+        >>> float(epsr_from_class_sums(sums, counts, naive_cross_entropy, normalize=True))
+        1.0
     """
     score = prior_weighted_mean(sums, counts, priors)
     if not normalize:
@@ -195,7 +215,13 @@ def epsr_terms(
     priors: Optional[Tensor] = None,
     normalize: bool = False,
 ) -> SumDecomposition:
-    """Validate the inputs of an EPSR and return its ``SumDecomposition``."""
+    """Validate the inputs of an EPSR and return its ``SumDecomposition``.
+
+    Example:
+        >>> terms = epsr_terms(log_loss_per_sample, naive_cross_entropy, torch.zeros(2, 2), torch.tensor([0, 1]))
+        >>> terms.per_sample, float(terms.evaluate())
+        (tensor([0.6931, 0.6931], dtype=torch.float64), 0.6931471805599453)
+    """
     logits, labels = check_logits_and_labels(logits, labels)
     num_classes = logits.shape[1]
     if priors is not None:

@@ -82,8 +82,9 @@ class CalibrationError(Metric):
         if norm not in ("l1", "l2", "max") or reduction not in ("mean", "sum", "max"):
             raise ValueError(f'norm must be "l1", "l2" or "max" and reduction "mean", "sum" or "max"; got {norm!r}, {reduction!r}.')
         self.n_bins, self.strategy, self.kind, self.norm, self.reduction = n_bins, strategy, kind, norm, reduction
-        self.register_buffer("edges", uniform_edges(n_bins), persistent=False)  # validates n_bins
+        edges = uniform_edges(n_bins)  # also validates n_bins
         if strategy == "uniform":
+            self.register_buffer("edges", edges, persistent=False)
             columns = num_classes if kind == "classwise" else 1
             for name in ("counts", "score_sums", "target_sums"):
                 add_sum_state(self, name, columns, n_bins)

@@ -6,7 +6,7 @@ the evaluated data; and the relative calibration loss RCL = 100 (CE_raw - CE_aff
 The published values are printed next to ours.
 
     python recipes/ferrer_ramos_table2.py                     # all 11 systems (a few minutes)
-    python recipes/ferrer_ramos_table2.py --fast              # 2 systems, for CI
+    python recipes/ferrer_ramos_table2.py --fast              # 2 small systems, for CI
     python recipes/ferrer_ramos_table2.py --data-dir DIR      # where the *_ferrer.npz files are
 
 Our folds are not the authors' folds, so the calibrated values can differ in the last digit
@@ -40,7 +40,7 @@ PUBLISHED = {
     "fvcaus_xvector-plda_ferrer": ("FVCAUS XvPLDA", (1.966, 1.887, 0.008), (1.8, 0.2, 0.0), 99.6),
     "agnews_gpt2-0shot_ferrer": ("AGNEWS GPT2-0sh", (0.814, 0.797, 0.536), (18.4, 11.5, 3.7), 34.2),
 }
-FAST = ["cifar10_resnet20_ferrer", "sst2_gpt2-0shot_ferrer"]
+FAST = ["sst2_gpt2-0shot_ferrer", "agnews_gpt2-0shot_ferrer"]
 
 
 def reproduce(name: str, data_dir: Path, folds: int = 5, seed: int = 0) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -39,7 +40,11 @@ def test_must_show_ferrer_ramos_table2(real, capsys, tmp_path):
     assert "NCE 0.122 -> 0.101: RCL 17.2 %" in out
     assert "5-fold stratified cross-validation" in out
     saved = json.loads((tmp_path / "report.json").read_text())
-    assert round(saved["methods"][0]["relative_calibration_loss"], 1) == 17.2
+    [affine] = saved["methods"]
+    assert round(affine["relative_calibration_loss"], 1) == 17.2
+    assert saved["raw"]["nce"]["value"] == pytest.approx(0.2815 / math.log(10), abs=5e-5)  # SOURCES.md NLL / ln K
+    assert round(saved["raw"]["ece"], 1) == 3.9  # Table 2, raw ECE
+    assert affine["quality"]["ece"] == pytest.approx(0.8, abs=0.3)  # 0.8 in Table 2; our folds differ
 
 
 def test_evaluate_writes_the_report_folder(scores_file, capsys, tmp_path):

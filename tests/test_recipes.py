@@ -30,7 +30,7 @@ def _rows(out: str, names) -> dict[str, list[float]]:
 
 
 def test_ferrer_ramos_table2_fast(real, capsys):
-    real("cifar10_resnet20_ferrer")  # skips without the shared data
+    real("sst2_gpt2-0shot_ferrer")  # skips without the shared data
     recipe = load("ferrer_ramos_table2")
     assert recipe.main(["--fast"]) == 0
     published = {recipe.PUBLISHED[name][0]: recipe.PUBLISHED[name] for name in recipe.FAST}
@@ -38,7 +38,7 @@ def test_ferrer_ramos_table2_fast(real, capsys):
     assert set(rows) == set(published)
     for label, (_, ce, _, rcl) in published.items():
         assert rows[label][:3] == pytest.approx(ce, abs=2e-3) and rows[label][-1] == pytest.approx(rcl, abs=0.3)
-    assert rows["CIFAR10 ResNet-20"][:3] == [0.122, 0.101, 0.101] and rows["CIFAR10 ResNet-20"][-1] == 17.2
+    assert rows["SST2 GPT2-0sh"][:3] == [0.917, 0.858, 0.495] and rows["SST2 GPT2-0sh"][-1] == 46.0
 
 
 def test_kull_resnet110_fast(capsys):

@@ -1,0 +1,261 @@
+"""Calibration heads on networks: fitting from a loader, output kinds, state_dict, compile, export."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import torchcal
+from torchcal.heads import CalibratedModel, attach, collect_scores
+
+K = 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The models here are tiny: one intra-op thread is fastest and immune to CPU contention."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_data(n: int, num_classes: int = K, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=gen)
+    labels = (x[:, :num_classes] + 0.8 * torch.randn(n, num_classes, generator=gen)).argmax(dim=1)
+    return x, labels
+
+
+def make_net(num_classes: int = K, final: nn.Module | None = None) -> nn.Module:
+    """logits = 4 * x[:, :K] (+ small weights): informative but over-confident, with dropout."""
+    torch.manual_seed(1)
+    hidden, out = nn.Linear(6, 2 * num_classes), nn.Linear(2 * num_classes, num_classes)
+    eye = torch.eye(num_classes, 6)
+    with torch.no_grad():
+        hidden.weight.copy_(torch.cat([eye, -eye]) + 0.01 * hidden.weight)
+        hidden.bias.zero_()
+        out.weight.copy_(4 * torch.cat([torch.eye(num_classes), -torch.eye(num_classes)], dim=1))
+    layers = [hidden, nn.ReLU(), nn.Dropout(0.3), out]  # relu(x) - relu(-x) = x
+    return nn.Sequential(*layers, *([final] if final is not None else []))
+
+
+def loader(x: torch.Tensor, labels: torch.Tensor, batch_size: int = 64) -> DataLoader:
+    return DataLoader(TensorDataset(x, labels), batch_size=batch_size)
+
+
+def eval_outputs(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    net.eval()
+    with torch.no_grad():
+        out = net(x)
+    net.train()
+    return out
+
+
+PARAMETRIC = {
+    "temperature": lambda: torchcal.TemperatureScaling(),
+    "affine": lambda: torchcal.AffineCalibration(),
+    "vector": lambda: torchcal.VectorScaling(),
+    "matrix": lambda: torchcal.MatrixScaling(reg="odir", reg_lambda=0.1),
+    "dirichlet": lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=0.1),
+}
+NONPARAMETRIC = {
+    "histogram": lambda: torchcal.HistogramBinning(n_bins=10),
+    "isotonic": lambda: torchcal.IsotonicCalibration(),
+}
+BINARY = {"platt": lambda: torchcal.PlattScaling(), "beta": lambda: torchcal.BetaCalibration()}
+
+
+@pytest.fixture(scope="module")
+def val():
+    return make_data(600, seed=0)
+
+
+@pytest.fixture(scope="module")
+def fitted_heads(val):
+    """Every multiclass calibrator fitted as a head on the same network, once per test module."""
+    heads = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torchcal.ConvergenceWarning)
+        for name, make in {**PARAMETRIC, **NONPARAMETRIC}.items():
+            heads[name] = CalibratedModel(make_net(), make()).fit(loader(*val)).eval()
+    return heads
+
+
+# ------------------------------------------------------------------------------------ fitting
+@pytest.mark.parametrize("name", [*PARAMETRIC, *NONPARAMETRIC, *BINARY])
+def test_head_equals_calibrator_fitted_on_eval_outputs(name):
+    num_classes = 2 if name in BINARY else K
+    make = {**PARAMETRIC, **NONPARAMETRIC, **BINARY}[name]
+    (x_val, y_val), (x_test, _) = make_data(500, num_classes, seed=0), make_data(50, num_classes, seed=1)
+    net = make_net(num_classes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torchcal.ConvergenceWarning)
+        head = CalibratedModel(net, make()).fit(loader(x_val, y_val))
+        reference = make().fit(eval_outputs(net, x_val), y_val)
+    assert head.calibrator.is_fitted and head.model is net
+    head.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(head(x_test), reference(eval_outputs(net, x_test)), rtol=1e-5, atol=1e-5)
+
+
+def test_fit_runs_the_network_once_in_eval_mode_and_leaves_it_unchanged(val):
+    net = make_net()
+    net[2].train(False)  # a submodule in its own mode must keep it
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    calls = []
+    net.register_forward_hook(lambda module, args, out: calls.append(module.training))
+    head = attach(net, torchcal.TemperatureScaling(), loader(*val, batch_size=100))
+    assert calls == [False] * 6  # one pass over 6 batches, in eval mode (dropout off)
+    assert net.training and not net[2].training and net[0].training
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    assert all(p.requires_grad for p in net.parameters())
+    x_val, y_val = val
+    assert head.calibrator.temperature == pytest.approx(
+        torchcal.TemperatureScaling().fit(eval_outputs(net, x_val), y_val).temperature, rel=1e-9
+    )
+    assert head.calibrator.temperature > 1.5  # the network was made over-confident
+
+
+def test_output_kinds_give_the_same_calibrated_posteriors(val):
+    x_val, y_val = val
+    x = make_data(20, seed=3)[0]
+    heads = {
+        kind: attach(make_net(final=final), torchcal.TemperatureScaling(), loader(x_val, y_val), output=kind).eval()
+        for kind, final in [("logits", None), ("log_probs", nn.LogSoftmax(dim=1)), ("probs", nn.Softmax(dim=1))]
+    }
+    with torch.no_grad():
+        log_posteriors = heads["logits"](x)
+        torch.testing.assert_close(heads["log_probs"](x), log_posteriors, rtol=0, atol=1e-6)
+        probs = heads["probs"](x)
+    torch.testing.assert_close(probs, log_posteriors.exp(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(probs.sum(dim=1), torch.ones(20))
+    assert heads["probs"].calibrator.temperature == pytest.approx(heads["logits"].calibrator.temperature, rel=1e-6)
+
+
+def test_collect_scores_on_dict_batches_with_split_batch(val):
+    x_val, y_val = val
+    batches = [{"x": x_val[i : i + 100], "y": y_val[i : i + 100]} for i in range(0, 600, 100)]
+    net = make_net()
+    scores, labels = collect_scores(net, batches, split_batch=lambda b: ((b["x"],), b["y"]))
+    torch.testing.assert_close(scores, eval_outputs(net, x_val))
+    assert torch.equal(labels, y_val)
+
+
+def test_gradients_flow_through_a_fitted_head(fitted_heads):
+    head = fitted_heads["dirichlet"]
+    x = make_data(8, seed=4)[0].requires_grad_()
+    head(x)[:, 0].sum().backward()
+    assert x.grad is not None and bool(x.grad.abs().sum() > 0)
+
+
+# -------------------------------------------------------------------------------------- misuse
+def test_unfitted_head_says_to_fit_it():
+    with pytest.raises(RuntimeError, match=r"not fitted yet: call \.fit\(heldout_loader\)"):
+        CalibratedModel(make_net(), torchcal.TemperatureScaling())(torch.randn(2, 6))
+
+
+def test_misuse_errors(val):
+    net = make_net()
+    with pytest.raises(TypeError, match="torchcal calibrator"):
+        CalibratedModel(net, nn.Identity())
+    with pytest.raises(ValueError, match="output must be one of"):
+        CalibratedModel(net, torchcal.TemperatureScaling(), output="prob")
+    with pytest.raises(TypeError, match="split_batch="):
+        attach(net, torchcal.TemperatureScaling(), [{"x": val[0], "y": val[1]}])
+    with pytest.raises(ValueError, match="no batches"):
+        attach(net, torchcal.TemperatureScaling(), [])
+    with pytest.raises(ValueError, match="network outputs must lie in"):
+        attach(net, torchcal.TemperatureScaling(), loader(*val), output="probs")
+    with pytest.warns(UserWarning, match="look like probabilities"):
+        attach(make_net(final=nn.Softmax(dim=1)), torchcal.TemperatureScaling(), loader(*val))
+
+
+# ------------------------------------------------------------------- state_dict, compile, export
+@pytest.mark.parametrize("name", [*PARAMETRIC, *NONPARAMETRIC])
+def test_state_dict_round_trip_into_a_fresh_head(name, fitted_heads, tmp_path):
+    head = fitted_heads[name]
+    torch.save(head.state_dict(), tmp_path / "head.pt")
+    fresh = CalibratedModel(make_net(), {**PARAMETRIC, **NONPARAMETRIC}[name]()).eval()
+    fresh.model[0].weight.data.zero_()  # the network's weights must come from the file too
+    fresh.load_state_dict(torch.load(tmp_path / "head.pt"))
+    x = make_data(30, seed=5)[0]
+    with torch.no_grad():
+        assert torch.equal(fresh(x), head(x))
+
+
+@pytest.mark.parametrize("name", ["temperature", "dirichlet"])
+def test_compiled_head_matches_eager(name, fitted_heads):
+    head = fitted_heads[name]
+    compiled = torch.compile(head, fullgraph=True)
+    for n in (16, 37):
+        x = make_data(n, seed=n)[0]
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), head(x), rtol=1e-6, atol=1e-6)
+
+
+def _batch_dim() -> tuple[dict[int, torch.export.Dim]]:
+    return ({0: torch.export.Dim("batch")},)
+
+
+@pytest.mark.parametrize("name", [*PARAMETRIC, *NONPARAMETRIC])
+def test_torch_export_round_trip(name, fitted_heads, tmp_path):
+    head = fitted_heads[name]
+    x = make_data(16, seed=6)[0]
+    program = torch.export.export(head, (x,), dynamic_shapes=_batch_dim())
+    torch.export.save(program, tmp_path / "head.pt2")
+    loaded = torch.export.load(tmp_path / "head.pt2").module()
+    for n in (16, 5):
+        x = make_data(n, seed=n)[0]
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(x), head(x), rtol=0, atol=1e-6)
+
+
+class _Heads(nn.Module):
+    """Several heads as one module, so one ONNX conversion (seconds of fixed cost) checks them all."""
+
+    def __init__(self, heads: list[nn.Module]) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList(heads)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(head(x) for head in self.heads)
+
+
+def _onnx_session(module: nn.Module, path, x: torch.Tensor):
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxscript")
+    ort = pytest.importorskip("onnxruntime")
+    torch.onnx.export(module, (x,), path, dynamo=True, dynamic_shapes=_batch_dim(), verbose=False)
+    return ort.InferenceSession(str(path))
+
+
+def test_onnx_round_trip_of_the_parametric_heads(fitted_heads, tmp_path):
+    heads = [fitted_heads[name] for name in PARAMETRIC]
+    session = _onnx_session(_Heads(heads), tmp_path / "heads.onnx", make_data(16, seed=6)[0])
+    for n in (16, 3):
+        x = make_data(n, seed=n)[0]
+        outputs = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+        assert len(outputs) == len(heads)
+        for name, head, got in zip(PARAMETRIC, heads, outputs):
+            with torch.no_grad():
+                torch.testing.assert_close(torch.from_numpy(got), head(x), rtol=0, atol=1e-5, msg=name)
+
+
+def test_isotonic_head_does_not_convert_to_onnx(fitted_heads, tmp_path):
+    # aten.searchsorted has no ONNX function in torch 2.13; torch.export works (tested above).
+    with pytest.raises(torch.onnx.OnnxExporterError, match="searchsorted"):
+        _onnx_session(fitted_heads["isotonic"], tmp_path / "head.onnx", make_data(16, seed=6)[0])
+
+
+def test_docstring_examples():
+    import doctest
+
+    import torchcal.heads
+
+    result = doctest.testmod(torchcal.heads)
+    assert result.attempted > 0 and result.failed == 0

@@ -9,7 +9,7 @@ on the validation set (out-of-fold, by cross-validation) and on the untouched te
 The digits ship with scikit-learn (``pip install "torchcal[examples]"``); nothing is downloaded.
 
     python recipes/lightning_digits.py            # 40 epochs, a few seconds
-    python recipes/lightning_digits.py --fast     # 12 epochs, for CI
+    python recipes/lightning_digits.py --fast     # 15 epochs, for CI
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def digits_splits(seed: int = 0) -> dict[str, tuple[Tensor, Tensor]]:
 
 
 class DigitsMLP(LightningModule):
-    def __init__(self, hidden: int = 128, lr: float = 3e-3) -> None:
+    def __init__(self, hidden: int = 256, lr: float = 3e-2) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
         self.lr = lr
@@ -81,15 +81,15 @@ def table(columns: dict[str, dict[str, float]]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--fast", action="store_true", help="12 epochs instead of 40 (CI)")
+    parser.add_argument("--fast", action="store_true", help="15 epochs instead of 40 (CI)")
     parser.add_argument("--epochs", type=int, default=None)
     args = parser.parse_args(argv)
-    epochs = args.epochs or (12 if args.fast else 40)
+    epochs = args.epochs or (15 if args.fast else 40)
 
     seed_everything(0, verbose=False)
     data = digits_splits()
     loaders = {
-        split: DataLoader(TensorDataset(*data[split]), batch_size=100, shuffle=split == "train")
+        split: DataLoader(TensorDataset(*data[split]), batch_size=50, shuffle=split == "train")
         for split in data
     }
     model = DigitsMLP()

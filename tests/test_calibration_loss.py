@@ -20,6 +20,15 @@ from torchcal.functional import (
 )
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These tests run many small tensor ops: one intra-op thread avoids oversubscribed cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def np_log_softmax(z):
     z = z - z.max(axis=1, keepdims=True)
     return z - np.log(np.exp(z).sum(axis=1, keepdims=True))
@@ -107,10 +116,11 @@ def test_ferrer_table5_datap_mc1():
     assert calibration_loss(logits, calibrated, task.labels, score=brier_score).relative.item() == pytest.approx(20, abs=0.5)
 
 
-# Ferrer & Ramos (TMLR 2025) Table 2: RCL (%) with affine calibration by cross-validation.
+# Ferrer & Ramos (TMLR 2025) Table 2: RCL (%) with affine calibration by cross-validation. Our folds
+# are not the authors' scikit-learn folds, hence a tolerance of 0.1 rather than the rounding 0.05.
 @pytest.mark.parametrize("name, published", [("sst2_gpt2-0shot_ferrer", 46.0), ("agnews_gpt2-0shot_ferrer", 34.2)])
 def test_ferrer_ramos_table2_relative_calibration_loss(real, name, published):
     data = real(name)
     z, y = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
     result = cross_validated_calibration_loss(z, y, torchcal.AffineCalibration())
-    assert result.relative.item() == pytest.approx(published, abs=0.05)
+    assert result.relative.item() == pytest.approx(published, abs=0.1)

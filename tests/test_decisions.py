@@ -16,6 +16,16 @@ from torchcal.functional import (
     zero_one_costs,
 )
 
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These tests run many small tensor ops: one intra-op thread avoids oversubscribed cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # --------------------------------------------------------------------------- NumPy references
 
 

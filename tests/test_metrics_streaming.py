@@ -37,6 +37,15 @@ from torchcal.metrics import (
 )
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These tests run many small tensor ops: one intra-op thread avoids oversubscribed cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def make_data(n: int, k: int, scale: float, seed: int):
     """Logits ``scale * N(0, 1)`` (float32 unless |z| is huge) and labels drawn from
     ``softmax(logits / scale)``, so the logits are over-confident by the factor ``scale``."""
@@ -97,12 +106,12 @@ def batches(n: int, sizes):
         i += 1
 
 
-SPLITS = [[10**9], [1, 2, 3, 500, 17], [64]]
+SPLITS = [[10**9], [1, 2, 3, 500, 17], [128]]
 
 
 @pytest.mark.parametrize("k, scale", [(2, 3.0), (10, 2.0), (1000, 5.0), (4, 1e4)])
 def test_every_split_gives_the_functional_value(k, scale):
-    n = 1200
+    n = 1100
     logits, labels = make_data(n, k, scale, seed=k)
     decisions = bayes_decisions(logits, costs_for(k))
     cases = [(name, factory, fn, logits) for name, factory, fn in case_list(k)]
@@ -119,7 +128,7 @@ def test_every_split_gives_the_functional_value(k, scale):
 
 
 @settings(max_examples=20, deadline=None)
-@given(st.lists(st.integers(1, 150), min_size=1, max_size=6), st.integers(0, 10**6))
+@given(st.lists(st.integers(10, 150), min_size=1, max_size=6), st.integers(0, 10**6))
 def test_random_splits_give_the_functional_value(sizes, seed):
     logits, labels = make_data(300, 4, 2.0, seed=seed)
     for name, factory, fn in case_list(4):

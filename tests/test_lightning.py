@@ -101,7 +101,7 @@ def head_state(callback: CalibrationCallback) -> dict[str, Tensor]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A 4-epoch run with the callback, checkpoints and a CSV log, under the default inference_mode."""
+    """A real 4-epoch run with the callback, checkpoints and a CSV log."""
     root = tmp_path_factory.mktemp("run")
     model, callback = Classifier(), CalibrationCallback(torchcal.TemperatureScaling())
     checkpoints = ModelCheckpoint(dirpath=root / "ckpt", save_last=True)
@@ -209,14 +209,23 @@ def test_fast_dev_run_fits_a_head_in_one_short_epoch():
     assert "calibration/error" in trainer.callback_metrics
 
 
-def test_validate_on_request_calibrates_a_trained_model(trained):
-    """trainer.validate fits the head on the given data without training."""
+class InferenceModeProbe(CalibrationCallback):
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.inference_mode = torch.is_inference_mode_enabled()
+        super().on_validation_epoch_end(trainer, pl_module)
+
+
+def test_validate_on_request_calibrates_a_trained_model_under_inference_mode(trained):
+    """trainer.validate fits the head on the given data, without training, inside the
+    torch.inference_mode() of the default Trainer (fit's validation uses no_grad instead)."""
     _, model, _, _ = trained
-    callback = CalibrationCallback(torchcal.AffineCalibration(), metrics=("nce",))
+    callback = InferenceModeProbe(torchcal.AffineCalibration(), metrics=("nce", "rcl"))
     data = make_data(200, seed=4)
     Trainer(**TRAINER_DEFAULTS, callbacks=[callback]).validate(model, DataLoader(data, batch_size=64), verbose=False)
+    assert callback.inference_mode
     expected = torchcal.AffineCalibration().fit(raw_outputs(model, data), data.tensors[1])
     torch.testing.assert_close(callback.calibrator.beta, expected.beta, rtol=0, atol=1e-8)
+    assert not callback.calibrator.beta.is_inference()
 
 
 # ------------------------------------------------------------------------------------ misuse

@@ -20,7 +20,7 @@ with ``torch.export``.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Iterable, Literal, Optional, Sequence
+from typing import Any, Callable, Iterable, Literal, Optional, Sequence, get_args
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +31,7 @@ from torchcal.calibrators.base import Calibrator
 __all__ = ["OutputKind", "CalibratedModel", "attach", "collect_scores", "scores_from_outputs", "calibrate_output"]
 
 OutputKind = Literal["logits", "log_probs", "probs"]
-_OUTPUT_KINDS = ("logits", "log_probs", "probs")
+_OUTPUT_KINDS = get_args(OutputKind)
 
 #: ``split_batch(batch) -> (args, labels)``: the network is called as ``model(*args)``.
 SplitBatch = Callable[[Any], tuple[Sequence[Any], Tensor]]
@@ -162,6 +162,8 @@ class CalibratedModel(nn.Module):
     ``forward(x, *args, **kwargs)`` calls ``model(x, *args, **kwargs)`` and calibrates its (N, K) output.
     The state dict holds the network's weights under ``model.`` and the fitted head under
     ``calibrator.``; it loads into a fresh ``CalibratedModel(network, UnfittedCalibrator())``.
+    Change the network's precision with ``head.model.half()``: ``head.half()`` would also round
+    the head's float64 parameters (the head computes in the network's output dtype anyway).
 
     Example:
         >>> import torch

@@ -90,7 +90,7 @@ def bayes_decisions(logits: Tensor, costs: Tensor) -> Tensor:
     """
     logits = check_logits(logits)
     costs = check_costs(costs, logits.shape[1], device=logits.device)
-    return (torch.softmax(logits.to(torch.float64), dim=1) @ costs).argmin(dim=1)
+    return (torch.softmax(logits, dim=1, dtype=torch.float64) @ costs).argmin(dim=1)
 
 
 def expected_cost_from_class_sums(

@@ -118,3 +118,16 @@ def test_bayes_risk_curves_panels_and_errors(synthetic):
         bayes_risk_curve(logits, labels)
     with pytest.raises(ValueError, match=r"class_index must lie in \[0, 3\)"):
         bayes_risk_sweep(logits, labels, class_index=3)
+
+
+def test_reliability_diagram_from_binned_statistics(synthetic):
+    """Streaming metrics keep only the bins: the diagram draws ReliabilityBins as they are."""
+    logits, labels = (torch.from_numpy(x) for x in synthetic(3, 500, seed=4))
+    bins = reliability_bins(logits, labels, n_bins=8)
+    fig, ax = reliability_diagram({"streamed": bins, "raw": logits}, labels, n_bins=8)
+    curves = {line.get_label(): line for line in ax.get_lines()}
+    np.testing.assert_allclose(curves["streamed"].get_ydata(), curves["raw"].get_ydata())
+    assert "(8 bins)" in ax.get_title()
+    reliability_diagram(bins)  # no labels needed
+    with pytest.raises(ValueError, match="needs labels"):
+        reliability_diagram(logits)

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from torchcal._validation import check_logits_and_labels, check_priors
-from torchcal.functional import reliability_bins
+from torchcal.functional import ReliabilityBins, reliability_bins
 from torchcal.functional.scoring import class_frequencies
 
 if TYPE_CHECKING:
@@ -48,6 +48,7 @@ __all__ = [
 ]
 
 Systems = Union[Tensor, Mapping[str, Tensor]]
+BinnedSystems = Union[Tensor, ReliabilityBins, Mapping[str, Union[Tensor, ReliabilityBins]]]
 
 #: Reliability-diagram bins with fewer samples than this get open markers.
 SPARSE_BIN = 30
@@ -67,7 +68,7 @@ def pyplot():
     return plt
 
 
-def _systems(logits: Systems) -> dict[str, Tensor]:
+def _systems(logits: BinnedSystems) -> dict[str, Any]:
     if isinstance(logits, Mapping):
         return dict(logits)
     return {"": logits}
@@ -89,8 +90,8 @@ def _figure_and_axes(ax: Optional["Axes"], figsize: tuple[float, float]) -> tupl
 # --- reliability diagrams --------------------------------------------------------------------------
 
 def reliability_diagram(
-    logits: Systems,
-    labels: Tensor,
+    logits: BinnedSystems,
+    labels: Optional[Tensor] = None,
     *,
     kind: str = "top-label",
     class_index: Optional[int] = None,
@@ -106,10 +107,13 @@ def reliability_diagram(
     a step histogram on a log scale (right axis) shows how many samples fall in each bin.
 
     Args:
-        logits: (N, K) scores, or ``{name: (N, K) scores}`` for several systems on one plot.
-        labels: (N,) class indices.
+        logits: (N, K) scores, or ``{name: (N, K) scores}`` for several systems on one plot; or
+            already binned statistics (:class:`~torchcal.functional.ReliabilityBins`, e.g. from a
+            streaming ``torchcal.metrics.CalibrationError``), alone or as mapping values.
+        labels: (N,) class indices; not needed for binned statistics.
         kind: ``"top-label"`` (confidence vs accuracy), ``"binary"`` (class 1 of K = 2) or
-            ``"class"`` (``q_j`` vs ``[y == j]`` for ``class_index`` j).
+            ``"class"`` (``q_j`` vs ``[y == j]`` for ``class_index`` j). For binned statistics
+            they only name the axes.
         n_bins, strategy: binning, as :func:`torchcal.functional.reliability_bins`.
         ax: draw into these axes instead of a new figure.
         show_histogram: draw the bin counts.
@@ -124,7 +128,12 @@ def reliability_diagram(
     histogram = ax.twinx() if show_histogram else None
     largest = 1.0
     for name, scores in systems.items():
-        bins = reliability_bins(scores, labels, n_bins=n_bins, strategy=strategy, kind=kind, class_index=class_index)
+        if isinstance(scores, ReliabilityBins):
+            bins = scores
+        elif labels is None:
+            raise ValueError("reliability_diagram needs labels with scores (or ReliabilityBins instead of scores).")
+        else:
+            bins = reliability_bins(scores, labels, n_bins=n_bins, strategy=strategy, kind=kind, class_index=class_index)
         full, sparse = bins.counts > 0, bins.counts < SPARSE_BIN
         x, y = bins.mean_score.numpy(), bins.frequency.numpy()
         ax.plot(x[full], y[full], linewidth=1.5, color=colors[name], label=name or None)
@@ -142,7 +151,7 @@ def reliability_diagram(
     xlabel, ylabel = what.get(kind, ("mean predicted probability", "observed frequency"))
     ax.set(xlim=(0, 1), ylim=(0, 1), xlabel=xlabel, ylabel=ylabel)
     ax.plot([], [], "o", color="0.45", markerfacecolor="white", markersize=4, label=f"bin of < {SPARSE_BIN} samples")
-    ax.set_title(f"reliability, {kind}" + (f" {class_index}" if kind == "class" else "") + f" ({n_bins} bins)",
+    ax.set_title(f"reliability, {kind}" + (f" {class_index}" if kind == "class" else "") + f" ({len(bins.counts)} bins)",
                  fontsize="medium")
     ax.legend(loc="upper left", fontsize="small", frameon=False)
     return fig, ax

@@ -1,34 +1,34 @@
 """Benchmark: streaming cross-entropy + Brier + ECE over N x 100 logits in batches of 10,000.
 
 Usage:
-    python benchmarks/bench_metrics.py                 # N = 1,000,000, 1 thread, median of 3
+    python benchmarks/bench_metrics.py                 # N = 1,000,000, 1 thread, median of 5
     python benchmarks/bench_metrics.py --n 100000      # a quick run
 
-Each row runs in its own Python process, which first generates the same seeded data (excluded
-from the timings), then times the row ``--repeat`` times and reports the median. "Peak memory" is
-the growth of the process's peak resident set size (``resource.getrusage``) while the row runs,
-on top of the data already in memory. Rows whose package is not installed (or fails to import)
-are skipped with a note. The data: latent logits z ~ 3 N(0, 1), labels y ~ Categorical(softmax(z))
-(so z is calibrated), observed logits 2.5 (z @ A) + b, over-confident and class-mixed, float32.
+The seeded data are generated once (not timed): latent logits z ~ 3 N(0, 1), labels
+y ~ Categorical(softmax(z)) (so z is calibrated), observed logits 2.5 (z @ A) + b, over-confident
+and class-mixed, float32. Every row runs once as a warm-up, during which its peak memory is
+measured: the peak resident set size above the level before the row, sampled every millisecond
+from /proc/self/statm (Linux). The timed repetitions then go round-robin over the rows, so that
+load from other processes affects all rows alike; the median is reported. Rows whose package is
+not installed, or fails to import, are skipped with a note.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import resource
+import os
 import statistics
-import subprocess
-import sys
+import threading
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 NUM_CLASSES, N_BINS = 100, 15
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def make_batches(n: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def make_batches(n: int, batch: int) -> Batches:
     g = torch.Generator().manual_seed(1234)
     mixing = torch.eye(NUM_CLASSES) + 0.05 * torch.randn(NUM_CLASSES, NUM_CLASSES, generator=g)
     bias = 0.5 * torch.randn(NUM_CLASSES, generator=g)
@@ -41,10 +41,10 @@ def make_batches(n: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return batches
 
 
-# --------------------------------------------------------------------------- rows
+# --------------------------------------------------------------------------- rows: data -> run() -> result text
 
 
-def row_log_softmax(batches) -> Callable[[], str]:
+def row_log_softmax(batches: Batches) -> Callable[[], str]:
     def run() -> str:
         for z, _ in batches:
             torch.log_softmax(z, dim=1)
@@ -53,7 +53,7 @@ def row_log_softmax(batches) -> Callable[[], str]:
     return run
 
 
-def row_torchcal(batches) -> Callable[[], str]:
+def row_torchcal(batches: Batches) -> Callable[[], str]:
     from torchcal.metrics import BrierScore, CalibrationError, CrossEntropy
 
     def run() -> str:
@@ -67,7 +67,7 @@ def row_torchcal(batches) -> Callable[[], str]:
     return run
 
 
-def row_torchcal_ece(batches) -> Callable[[], str]:
+def row_torchcal_ece(batches: Batches) -> Callable[[], str]:
     from torchcal.metrics import CalibrationError
 
     def run() -> str:
@@ -79,7 +79,7 @@ def row_torchcal_ece(batches) -> Callable[[], str]:
     return run
 
 
-def row_torchmetrics(batches) -> Callable[[], str]:
+def row_torchmetrics(batches: Batches) -> Callable[[], str]:
     from torchmetrics.classification import MulticlassCalibrationError
 
     def run() -> str:
@@ -91,10 +91,10 @@ def row_torchmetrics(batches) -> Callable[[], str]:
     return run
 
 
-def row_netcal(batches) -> Callable[[], str]:
+def row_netcal(batches: Batches) -> Callable[[], str]:
     from netcal.metrics import ECE
 
-    probs = torch.cat([torch.softmax(z, 1) for z, _ in batches]).numpy()
+    probs = torch.cat([torch.softmax(z, 1) for z, _ in batches]).numpy()  # prepared outside the timing
     labels = torch.cat([y for _, y in batches]).numpy()
 
     def run() -> str:
@@ -103,33 +103,51 @@ def row_netcal(batches) -> Callable[[], str]:
     return run
 
 
+BASELINE = "log_softmax pass (float32, no metric)"
+REFERENCE = "torchmetrics MulticlassCalibrationError (ECE only)"
 ROWS = {
-    "log_softmax pass (float32, no metric)": row_log_softmax,
+    BASELINE: row_log_softmax,
     "torchcal CrossEntropy + BrierScore + CalibrationError": row_torchcal,
     "torchcal CalibrationError (ECE only)": row_torchcal_ece,
-    "torchmetrics MulticlassCalibrationError (ECE only)": row_torchmetrics,
+    REFERENCE: row_torchmetrics,
     "netcal ECE(15).measure (one call on the full softmax array)": row_netcal,
 }
-SKIPPED_NOTES = {  # alternatives from the reference benchmark that are not rows here
-    "torch_uncertainty BrierScore + CategoricalNLL": "torch_uncertainty",
+NOT_ROWS = {  # alternatives of the reference benchmark without a row here: module to report on
+    "torch_uncertainty BrierScore + CategoricalNLL": "torch_uncertainty.metrics",
     "probmetrics brier + logloss + ece-15": "probmetrics.metrics",
 }
 
 
-def run_row(name: str, n: int, batch: int, repeat: int) -> dict:
-    batches = make_batches(n, batch)
+# --------------------------------------------------------------------------- measuring
+
+
+def _rss_bytes() -> Optional[int]:
     try:
-        run = ROWS[name](batches)
-    except ImportError as error:
-        return {"skipped": f"not installed ({error})"}
-    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    times, result = [], ""
-    for _ in range(repeat):
-        start = time.perf_counter()
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return None
+
+
+def peak_memory_mib(run: Callable[[], str]) -> tuple[str, Optional[float]]:
+    """Run once; return its result and the peak RSS growth in MiB (None without /proc)."""
+    base = _rss_bytes()
+    if base is None:
+        return run(), None
+    peak, stop = [base], threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(0.001):
+            peak[0] = max(peak[0], _rss_bytes() or 0)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
         result = run()
-        times.append(time.perf_counter() - start)
-    peak_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"seconds": statistics.median(times), "peak_mib": (peak_after - peak_before) / 1024, "result": result}
+    finally:
+        stop.set()
+        thread.join()
+    return result, (max(peak[0], _rss_bytes() or 0) - base) / 2**20
 
 
 def import_note(module: str) -> str:
@@ -137,47 +155,50 @@ def import_note(module: str) -> str:
         __import__(module)
     except Exception as error:  # a broken optional dependency is a skip, not a crash
         return f"skipped: import failed ({type(error).__name__}: {error})"
-    return "installed, not benchmarked here"
+    return "installed, but no row for it here"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=1_000_000, help="number of samples (default 1,000,000)")
     parser.add_argument("--batch", type=int, default=10_000, help="batch size (default 10,000)")
-    parser.add_argument("--repeat", type=int, default=3, help="repetitions per row; the median is reported")
+    parser.add_argument("--repeat", type=int, default=5, help="timed repetitions per row; the median is reported")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: run one row, print JSON
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if args.row:
-        print(json.dumps(run_row(args.row, args.n, args.batch, args.repeat)))
-        return
 
-    print(f"torch {torch.__version__}, {args.threads} thread(s), N = {args.n:,} x {NUM_CLASSES}, "
-          f"batches of {args.batch:,}, median of {args.repeat}")
-    results = {}
-    for name in ROWS:
-        command = [sys.executable, __file__, "--row", name, "--n", str(args.n), "--batch", str(args.batch),
-                   "--repeat", str(args.repeat), "--threads", str(args.threads)]
-        output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-        results[name] = json.loads(output.strip().splitlines()[-1])
+    start = time.perf_counter()
+    batches = make_batches(args.n, args.batch)
+    print(f"torch {torch.__version__}, {args.threads} thread(s), N = {args.n:,} x {NUM_CLASSES} in batches of "
+          f"{args.batch:,} (generated in {time.perf_counter() - start:.1f} s), median of {args.repeat}")
 
-    baseline = results["log_softmax pass (float32, no metric)"].get("seconds")
-    reference = results["torchmetrics MulticlassCalibrationError (ECE only)"].get("seconds")
-    header = f"| {'row':<60} | time (s) | samples/s | peak MiB | x log_softmax | x torchmetrics | values |"
-    print(header)
-    print("|" + "|".join("-" * (len(cell) + 0) for cell in header.split("|")[1:-1]) + "|")
-    for name, r in results.items():
-        if "skipped" in r:
-            print(f"| {name:<60} | {r['skipped']} |")
+    runs, notes, results, memory = {}, [], {}, {}
+    for name, make in ROWS.items():
+        try:
+            runs[name] = make(batches)
+        except ImportError as error:
+            notes.append(f"{name}: skipped: not installed ({error})")
             continue
-        t = r["seconds"]
-        ratio_base = f"{t / baseline:.2f}" if baseline else "-"
-        ratio_ref = f"{t / reference:.2f}" if reference else "-"
-        print(f"| {name:<60} | {t:8.3f} | {args.n / t:9.3g} | {r['peak_mib']:8.1f} | {ratio_base:>13} | "
-              f"{ratio_ref:>14} | {r['result']} |")
-    for name, module in SKIPPED_NOTES.items():
-        print(f"note: {name}: {import_note(module)}")
+        results[name], memory[name] = peak_memory_mib(runs[name])  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.repeat):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+
+    median = {name: statistics.median(t) for name, t in times.items()}
+    print(f"| {'row':<60} | time (s) | samples/s | peak MiB | x log_softmax | x torchmetrics | values |")
+    print(f"|{'-' * 62}|---------:|----------:|---------:|--------------:|---------------:|--------|")
+    for name, t in median.items():
+        ratio = lambda ref: f"{t / median[ref]:.2f}" if ref in median else "-"  # noqa: E731
+        mib = "n/a" if memory[name] is None else f"{memory[name]:.1f}"
+        print(f"| {name:<60} | {t:8.3f} | {args.n / t:9.3g} | {mib:>8} | {ratio(BASELINE):>13} | "
+              f"{ratio(REFERENCE):>14} | {results[name]} |")
+    for name, module in NOT_ROWS.items():
+        notes.append(f"{name}: {import_note(module)}")
+    for note in notes:
+        print(f"note: {note}")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,15 @@ pytest.importorskip("matplotlib")
 
 
 @pytest.fixture(autouse=True)
+def _one_thread():
+    """Many small fits: one intra-op thread avoids oversubscribing the cores of shared machines."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
 def _close_figures():
     yield
     import matplotlib.pyplot as plt

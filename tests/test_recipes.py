@@ -8,8 +8,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Many small fits: one intra-op thread avoids oversubscribing the cores of shared machines."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def load(name: str):

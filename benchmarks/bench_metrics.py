@@ -6,18 +6,24 @@ Usage:
 
 The seeded data are generated once (not timed): latent logits z ~ 3 N(0, 1), labels
 y ~ Categorical(softmax(z)) (so z is calibrated), observed logits 2.5 (z @ A) + b, over-confident
-and class-mixed, float32. Every row runs once as a warm-up, during which its peak memory is
-measured: the peak resident set size above the level before the row, sampled every millisecond
-from /proc/self/statm (Linux). The timed repetitions then go round-robin over the rows, so that
-load from other processes affects all rows alike; the median is reported. Rows whose package is
-not installed, or fails to import, are skipped with a note.
+and class-mixed, float32. Every row runs once as a warm-up, then the timed repetitions go
+round-robin over the rows, so that load from other processes affects all rows alike; the median
+is reported. Rows whose package is not installed, or fails to import, are skipped with a note.
+
+Peak memory is measured in a separate process, with glibc told to return every allocation above
+64 KiB to the system when it is freed (``MALLOC_MMAP_THRESHOLD_``), so that the resident set size
+follows live memory: each row runs once while /proc/self/statm is sampled every millisecond, and
+the peak above the level before the row is reported (Linux; "n/a" elsewhere).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from typing import Callable, Optional
@@ -158,41 +164,60 @@ def import_note(module: str) -> str:
     return "installed, but no row for it here"
 
 
+def measure_memory(args: argparse.Namespace) -> dict[str, Optional[float]]:
+    """Peak MiB of each row, from a child process whose allocator returns freed memory at once."""
+    command = [sys.executable, __file__, "--memory-only", "--n", str(args.n), "--batch", str(args.batch),
+               "--threads", str(args.threads)]
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    output = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def available_rows(batches: Batches, notes: list[str]) -> dict[str, Callable[[], str]]:
+    runs = {}
+    for name, make in ROWS.items():
+        try:
+            runs[name] = make(batches)
+        except ImportError as error:
+            notes.append(f"{name}: skipped: not installed ({error})")
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=1_000_000, help="number of samples (default 1,000,000)")
     parser.add_argument("--batch", type=int, default=10_000, help="batch size (default 10,000)")
     parser.add_argument("--repeat", type=int, default=5, help="timed repetitions per row; the median is reported")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)  # the child of measure_memory
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     start = time.perf_counter()
     batches = make_batches(args.n, args.batch)
+    notes: list[str] = []
+    runs = available_rows(batches, notes)
+    if args.memory_only:
+        print(json.dumps({name: peak_memory_mib(run)[1] for name, run in runs.items()}))
+        return
     print(f"torch {torch.__version__}, {args.threads} thread(s), N = {args.n:,} x {NUM_CLASSES} in batches of "
           f"{args.batch:,} (generated in {time.perf_counter() - start:.1f} s), median of {args.repeat}")
 
-    runs, notes, results, memory = {}, [], {}, {}
-    for name, make in ROWS.items():
-        try:
-            runs[name] = make(batches)
-        except ImportError as error:
-            notes.append(f"{name}: skipped: not installed ({error})")
-            continue
-        results[name], memory[name] = peak_memory_mib(runs[name])  # warm-up
+    results = {name: run() for name, run in runs.items()}  # warm-up
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.repeat):
         for name, run in runs.items():
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)
+    memory = measure_memory(args)
 
     median = {name: statistics.median(t) for name, t in times.items()}
     print(f"| {'row':<60} | time (s) | samples/s | peak MiB | x log_softmax | x torchmetrics | values |")
     print(f"|{'-' * 62}|---------:|----------:|---------:|--------------:|---------------:|--------|")
     for name, t in median.items():
         ratio = lambda ref: f"{t / median[ref]:.2f}" if ref in median else "-"  # noqa: E731
-        mib = "n/a" if memory[name] is None else f"{memory[name]:.1f}"
+        mib = "n/a" if memory.get(name) is None else f"{memory[name]:.1f}"
         print(f"| {name:<60} | {t:8.3f} | {args.n / t:9.3g} | {mib:>8} | {ratio(BASELINE):>13} | "
               f"{ratio(REFERENCE):>14} | {results[name]} |")
     for name, module in NOT_ROWS.items():

@@ -70,7 +70,7 @@ def _worker(rank: int, port: int) -> None:
         _check(cases, labels, slice(start, start + UNEVEN[rank]), None, "4 uneven")
         pair = dist.new_group([0, 1])  # every process must take part in creating it
         if rank < 2:
-            _check(cases, labels, slice(600 * rank, 600 * (rank + 1)), pair, "2 even")
+            _check(cases, labels, slice(sum(EVEN[:rank]), sum(EVEN[: rank + 1])), pair, "2 even")
     finally:
         dist.destroy_process_group()
 

@@ -285,14 +285,17 @@ def test_metrics_and_functional_modules_import_the_plots_lazily():
             assert not any(n.startswith(("torchcal.plots", "matplotlib")) for n in names), (path.name, names)
 
 
-@pytest.mark.xfail(
-    raises=(TypeError, ValueError), strict=False,
-    reason="torchcal.plots.reliability_diagram takes (logits, labels); it does not accept ReliabilityBins yet",
-)
 def test_calibration_error_plot_draws_the_accumulated_bins():
     pytest.importorskip("matplotlib")
+    from torchcal.plots import pyplot
+
     logits, labels = make_data(500, 3, 2.0, seed=6)
-    metric = CalibrationError(3, n_bins=10)
+    metric = CalibrationError(3, n_bins=10, kind="classwise")
     metric.update(logits, labels)
-    fig, ax = metric.plot()
-    assert fig is not None and ax is not None
+    fig, ax = metric.plot(class_index=2)
+    bins = metric.reliability_bins(class_index=2)
+    drawn = [line for line in ax.get_lines() if len(line.get_xdata()) == int((bins.counts > 0).sum())]
+    assert drawn, "no curve with one point per non-empty bin"
+    assert sorted(drawn[0].get_xdata()) == pytest.approx(sorted(bins.mean_score[bins.counts > 0].tolist()))
+    assert "class 2" in ax.get_xlabel()
+    pyplot().close(fig)

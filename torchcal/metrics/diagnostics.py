@@ -130,10 +130,17 @@ class CalibrationError(Metric):
         return reliability_bins_from_sums(edges, *(x[column] for x in statistics))
 
     def plot(self, ax: Any = None, class_index: Optional[int] = None) -> Any:
-        """Reliability diagram of the accumulated bins, drawn by ``torchcal.plots.reliability_diagram``."""
+        """Reliability diagram of the accumulated bins by ``torchcal.plots.reliability_diagram``.
+
+        Returns ``(fig, ax)``; ``class_index`` picks the class for ``kind="classwise"``.
+        """
         from torchcal.plots import reliability_diagram  # matplotlib only when plotting
 
-        return reliability_diagram(self.reliability_bins(class_index), ax=ax)
+        kind = "class" if self.kind == "classwise" else self.kind
+        return reliability_diagram(
+            self.reliability_bins(class_index), kind=kind, class_index=class_index, n_bins=self.n_bins,
+            strategy=self.strategy, ax=ax,
+        )
 
 
 class ECD(Metric):

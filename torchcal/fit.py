@@ -17,8 +17,9 @@ import torch
 from torch import Tensor
 
 from torchcal._validation import check_logits_and_labels
+from torchcal.distributed import ProcessGroup, all_reduce_
 
-__all__ = ["ConvergenceWarning", "FitRecord", "minimize", "fold_indices", "cross_validate"]
+__all__ = ["ConvergenceWarning", "FitRecord", "minimize", "newton", "fold_indices", "cross_validate"]
 
 
 class ConvergenceWarning(UserWarning):
@@ -45,7 +46,7 @@ def minimize(
     tol_grad: float = 1e-7,
     tol_change: float = 1e-12,
     history_size: int = 10,
-    all_reduce: Optional[Callable[[Tensor], None]] = None,
+    process_group: Optional[ProcessGroup] = None,
 ) -> FitRecord:
     """Minimise ``objective()`` over ``params`` in place by full-batch L-BFGS (strong Wolfe).
 
@@ -56,10 +57,10 @@ def minimize(
         tol_grad: stop when the largest absolute gradient entry is below this.
         tol_change: stop when the loss or the step changes by less than this.
         history_size: L-BFGS memory. Small histories are cheap and enough for convex problems.
-        all_reduce: for data-parallel fits, a function that sums a tensor in place across
-            processes. The objective must then return this process's share of the global mean
-            (its loss sum divided by the global sample count); loss and gradients are summed so
-            every process takes identical steps.
+        process_group: for data-parallel fits (see :mod:`torchcal.distributed`). The objective
+            must then return this process's share of the global mean (its loss sum divided by the
+            global sample count); loss and gradients are summed over the group, so every process
+            takes identical steps.
 
     Returns:
         A :class:`FitRecord`; a :class:`ConvergenceWarning` is issued if the cap was hit.
@@ -80,11 +81,10 @@ def minimize(
         optimizer.zero_grad(set_to_none=False)
         loss = objective()
         loss.backward()
-        if all_reduce is not None:
-            loss = loss.detach().clone()
-            all_reduce(loss)
+        if process_group is not None:
+            loss = all_reduce_(loss.detach().clone(), process_group)
             for p in params:
-                all_reduce(p.grad)
+                all_reduce_(p.grad, process_group)
         return loss
 
     with torch.enable_grad():
@@ -105,6 +105,79 @@ def minimize(
     for p in params:
         p.grad = None
     return FitRecord(iterations, evaluations, float(loss.detach()), grad_max, converged, message)
+
+
+def newton(
+    derivatives: Callable[[Tensor], tuple[Tensor, Tensor, Tensor]],
+    objective: Callable[[Tensor], Tensor],
+    theta: Tensor,
+    *,
+    max_iter: int = 100,
+    tol_grad: float = 1e-10,
+    process_group: Optional[ProcessGroup] = None,
+) -> tuple[Tensor, FitRecord]:
+    """Minimise a smooth convex function of ``theta: (P,)`` by Newton's method with backtracking.
+
+    For the small calibration models (up to about a thousand parameters) the exact Hessian is
+    cheap next to a pass over the data, and Newton converges in a handful of passes where L-BFGS
+    needs hundreds on these badly scaled problems.
+
+    Args:
+        derivatives: ``theta -> (loss, grad (P,), hess (P, P))``.
+        objective: ``theta -> loss``, used by the line search when a full step is rejected.
+        theta: (P,) starting point, float64.
+        tol_grad: converged when the largest absolute gradient entry is below this.
+        process_group: for data-parallel fits the callables return this process's share of the
+            global mean; the shares are summed over the group, so every process takes the same
+            steps (see :mod:`torchcal.distributed`).
+
+    Returns:
+        The minimiser and a :class:`FitRecord`. Flat directions of the Hessian (e.g. a constant
+        added to every class's bias) are resolved by a tiny ridge and leave the loss unchanged.
+    """
+
+    def reduced_derivatives(theta: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        loss, grad, hess = derivatives(theta)
+        if process_group is None:
+            return loss, grad, hess
+        p = grad.numel()
+        flat = all_reduce_(torch.cat([loss.reshape(1), grad, hess.reshape(-1)]), process_group)
+        return flat[0], flat[1 : p + 1], flat[p + 1 :].view(p, p)
+
+    def reduced_objective(theta: Tensor) -> Tensor:
+        return all_reduce_(objective(theta).reshape(1), process_group)[0]
+
+    loss, grad, hess = reduced_derivatives(theta)
+    evaluations = 1
+    eye = torch.eye(theta.numel(), dtype=theta.dtype, device=theta.device)
+    for iteration in range(max_iter):
+        grad_max, loss_value = torch.stack([grad.abs().max(), loss]).tolist()
+        if grad_max <= tol_grad:
+            return theta, FitRecord(iteration, evaluations, loss_value, grad_max, True, "gradient below tolerance")
+        ridge = 1e-12 * hess.diagonal().abs().max()
+        step = torch.linalg.solve(hess + ridge * eye, -grad)
+        slope = float(grad @ step)
+        # Near the optimum the decrease falls below the loss's rounding error: allow for it.
+        slack = 1e-14 * max(1.0, abs(loss_value))
+        t, trial = 1.0, theta + step
+        new_loss, new_grad, new_hess = reduced_derivatives(trial)
+        evaluations += 1
+        while not float(new_loss) <= loss_value + 1e-4 * t * slope + slack and t > 1e-10:
+            t /= 2
+            trial = theta + t * step
+            new_loss = reduced_objective(trial)
+            evaluations += 1
+        if t <= 1e-10:
+            return theta, FitRecord(iteration, evaluations, loss_value, grad_max, True, "no further decrease")
+        if t < 1.0:
+            new_loss, new_grad, new_hess = reduced_derivatives(trial)
+            evaluations += 1
+        if float(new_loss) >= loss_value and float(new_grad.abs().max()) >= grad_max:
+            return theta, FitRecord(iteration, evaluations, loss_value, grad_max, True, "no further decrease")
+        theta, loss, grad, hess = trial, new_loss, new_grad, new_hess
+    grad_max = float(grad.abs().max())
+    warnings.warn(f"Newton did not converge in {max_iter} iterations", ConvergenceWarning, stacklevel=4)
+    return theta, FitRecord(max_iter, evaluations, float(loss), grad_max, False, f"stopped at the iteration cap ({max_iter})")
 
 
 def fold_indices(

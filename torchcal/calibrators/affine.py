@@ -8,7 +8,10 @@ import math
 import torch
 from torch import Tensor
 
+from torchcal.calibrators._linear import AffineDesign, VectorDesign, fit_linear_newton
 from torchcal.calibrators.base import Calibrator
+from torchcal.calibrators.temperature import fit_inverse_temperature, inverse_temperature_start
+from torchcal.fit import FitRecord
 
 __all__ = ["AffineCalibration", "PlattScaling", "VectorScaling"]
 
@@ -19,7 +22,11 @@ class AffineCalibration(Calibrator):
     The calibration Ferrer & Ramos recommend as the default: a multiclass logistic regression on
     the log-posteriors with one shared scale, so it fixes over/under-confidence and prior shifts
     with K + 1 parameters. ``alpha`` is stored as ``log_alpha``. With ``bias=False`` it is
-    temperature scaling (``T = 1/alpha``) fitted by the generic optimiser.
+    temperature scaling (``T = 1/alpha``).
+
+    The log-loss fit is Newton's method on ``(alpha, beta)`` with the exact (K+1) x (K+1) Hessian
+    (:mod:`torchcal.calibrators._linear`); L-BFGS crawls here because the shared scale and the K
+    biases have very different curvatures. Other losses use the generic L-BFGS driver.
 
     Example:
         >>> import torch
@@ -52,6 +59,27 @@ class AffineCalibration(Calibrator):
         scores = torch.exp(self.log_alpha.to(features.dtype)) * features
         return scores + self.beta.to(features.dtype) if self.bias else scores
 
+    def _fit(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
+        if loss != "log":
+            return super()._fit(features, labels, weights, loss, max_iter, process_group)
+        if not self.bias:
+            alpha, record = fit_inverse_temperature(features, labels, weights, max_iter=max_iter, process_group=process_group)
+            with torch.no_grad():
+                self.log_alpha.fill_(math.log(alpha) if alpha > 0 else -math.inf)
+            return record
+        start = torch.cat([self.log_alpha.detach().exp().reshape(1), self.beta.detach()])
+        if self._at_identity():
+            start[0] = inverse_temperature_start(features.float(), labels, weights, process_group)
+        theta, record = fit_linear_newton(
+            AffineDesign(), features, labels, weights, start, max_iter=min(max_iter, 100), process_group=process_group
+        )
+        if not theta[0] > 0:  # the unconstrained optimum flips the scores: keep alpha > 0 via L-BFGS on log(alpha)
+            return super()._fit(features, labels, weights, loss, max_iter, process_group)
+        with torch.no_grad():
+            self.log_alpha.copy_(theta[0].log())
+            self.beta.copy_(theta[1:] - theta[1:].mean())  # softmax ignores a common shift: fix it
+        return record
+
     def extra_repr(self) -> str:
         return f"bias={self.bias}, " + super().extra_repr()
 
@@ -82,7 +110,8 @@ class VectorScaling(Calibrator):
     """``softmax(w * logits + b)`` with per-class scales ``w: (K,)`` and biases ``b: (K,)``.
 
     Guo et al.'s vector scaling, applied to the raw logits (not to log-posteriors: the two differ
-    because the row normaliser is scaled by different ``w_k``).
+    because the row normaliser is scaled by different ``w_k``). The log-loss fit is Newton's
+    method with the exact 2K x 2K Hessian; other losses use the generic L-BFGS driver.
     """
 
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
@@ -90,3 +119,18 @@ class VectorScaling(Calibrator):
 
     def _scores(self, features: Tensor) -> Tensor:
         return features * self.weight.to(features.dtype) + self.bias.to(features.dtype)
+
+    def _fit(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
+        if loss != "log":
+            return super()._fit(features, labels, weights, loss, max_iter, process_group)
+        k = features.shape[1]
+        start = torch.cat([self.weight.detach(), self.bias.detach()])
+        if self._at_identity():
+            start[:k] = inverse_temperature_start(features.float(), labels, weights, process_group)
+        theta, record = fit_linear_newton(
+            VectorDesign(), features, labels, weights, start, max_iter=min(max_iter, 100), process_group=process_group
+        )
+        with torch.no_grad():
+            self.weight.copy_(theta[:k])
+            self.bias.copy_(theta[k:] - theta[k:].mean())  # softmax ignores a common shift: fix it
+        return record

@@ -14,7 +14,11 @@ any unnormalised log-posteriors, so ``log(probs)`` works too — to calibrated l
 Parametric subclasses define the identity-map parameters (:meth:`_identity`), an optional feature
 map applied once to the data (:meth:`_features`), the unnormalised calibrated scores
 (:meth:`_scores`) and an optional penalty (:meth:`_penalty`); the base class fits them by
-:func:`torchcal.fit.minimize`.
+:func:`torchcal.fit.minimize`. Subclasses with a faster dedicated solver override :meth:`_fit`.
+
+Data-parallel fits (``fit(..., process_group=...)``): every process passes its own shard; class
+counts, losses, gradients and Hessians are summed over the group (:mod:`torchcal.distributed`),
+so every process ends with the parameters of one fit on the union of the shards.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from torchcal._validation import check_logits, check_logits_and_labels, compute_dtype
+from torchcal._validation import check_logits, check_logits_and_labels, check_priors, compute_dtype
+from torchcal.distributed import ProcessGroup, all_reduce_, world_size
 from torchcal.fit import FitRecord, minimize
-from torchcal.functional.scoring import PER_SAMPLE_SCORES, class_weights, weighted_mean
+from torchcal.functional.scoring import PER_SAMPLE_SCORES
 
 __all__ = ["Calibrator"]
 
@@ -39,6 +44,11 @@ class Calibrator(nn.Module):
     supported_num_classes: Optional[int] = None
     #: fitted tensors stored as buffers (not optimised) rather than parameters.
     _buffer_names: tuple[str, ...] = ()
+    #: whether the fit sees a float64 copy of the data (``False``: the caller's tensor itself, in
+    #: its own precision or float32 for half precision, for solvers that accumulate in float64).
+    _fit_in_float64: bool = True
+    #: whether the fit is a sum over samples, and so can run data-parallel.
+    _supports_process_group: bool = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -76,6 +86,7 @@ class Calibrator(nn.Module):
         priors: Optional[Tensor] = None,
         max_iter: int = 1000,
         warm_start: bool = False,
+        process_group: Optional[ProcessGroup] = None,
     ) -> "Calibrator":
         """Fit on held-out ``logits: (N, K)`` and ``labels: (N,)``; returns ``self``.
 
@@ -86,6 +97,10 @@ class Calibrator(nn.Module):
                 ``priors[y] / frequency[y]`` (Ferrer & Ramos App. A).
             max_iter: iteration cap of the optimiser.
             warm_start: start from the current parameters instead of the identity map.
+            process_group: fit data-parallel over a ``torch.distributed`` group (e.g.
+                ``torch.distributed.group.WORLD``): every process calls ``fit`` with its own shard
+                of the calibration data, and all end with the parameters of one fit on the union
+                of the shards. Only sums over samples travel, never the logits.
         """
         logits, labels = check_logits_and_labels(logits, labels)
         num_classes = logits.shape[1]
@@ -96,7 +111,10 @@ class Calibrator(nn.Module):
             )
         if loss not in PER_SAMPLE_SCORES:
             raise ValueError(f"loss must be one of {sorted(PER_SAMPLE_SCORES)}, got {loss!r}.")
-        missing = torch.bincount(labels, minlength=num_classes) == 0
+        if process_group is not None and not self._supports_process_group:
+            raise NotImplementedError(f"{type(self).__name__} needs all the data in one process; fit it without process_group.")
+        counts = all_reduce_(torch.bincount(labels, minlength=num_classes), process_group)
+        missing = counts == 0
         if bool(missing.any()):
             warnings.warn(
                 f"classes {missing.nonzero().flatten().tolist()} have no sample in the calibration "
@@ -106,14 +124,18 @@ class Calibrator(nn.Module):
         # Fitting needs autograd even under Lightning's inference_mode; the clone makes the
         # data ordinary tensors and guarantees the caller's tensors are never touched.
         with torch.inference_mode(False), torch.enable_grad():
-            logits = logits.detach().to(torch.float64, copy=True)
+            if self._fit_in_float64:
+                logits = logits.detach().to(torch.float64, copy=True)
+            else:
+                logits = logits.detach().to(compute_dtype(logits.dtype))
             labels = labels.detach().clone()
             if not (warm_start and self.num_classes == num_classes):
                 self._materialize(num_classes, logits.device)
             self.to(device=logits.device, dtype=torch.float64)
-            weights = class_weights(labels, num_classes, priors)
+            weights = None if priors is None else _class_weights(counts, priors)
             self.num_classes = num_classes
-            self.fit_record_ = self._fit(self._features(logits), labels, weights, loss, max_iter)
+            features = self._features(logits)
+            self.fit_record_ = self._fit(features, labels, weights, loss, max_iter, process_group=process_group)
         return self
 
     def forward(self, logits: Tensor) -> Tensor:
@@ -128,17 +150,33 @@ class Calibrator(nn.Module):
 
     # ------------------------------------------------------------------------ machinery
     def _fit(
-        self, features: Tensor, labels: Tensor, weights: Optional[Tensor], loss: str, max_iter: int
+        self,
+        features: Tensor,
+        labels: Tensor,
+        weights: Optional[Tensor],
+        loss: str,
+        max_iter: int,
+        process_group: Optional[ProcessGroup] = None,
     ) -> FitRecord:
-        """Generic fit: minimise the (weighted) mean score plus penalty by L-BFGS."""
+        """Generic fit: minimise the (weighted) mean score plus penalty by L-BFGS.
+
+        ``features: (N, K)``, ``labels: (N,)``, ``weights``: optional (K,) per-class weights.
+        """
         per_sample = PER_SAMPLE_SCORES[loss]
         params = [p for p in self.parameters() if p.requires_grad]
+        sample_w = sample_weights(labels, weights, process_group)
+        penalty_share = 1.0 / world_size(process_group)
 
         def objective() -> Tensor:
-            log_probs = torch.log_softmax(self._scores(features), dim=1)
-            return weighted_mean(per_sample(log_probs, labels), labels, weights) + self._penalty()
+            scores = per_sample(torch.log_softmax(self._scores(features), dim=1), labels).to(torch.float64)
+            data = torch.where(sample_w > 0, sample_w * scores, torch.zeros_like(scores)).sum()
+            return data + penalty_share * self._penalty()
 
-        return minimize(objective, params, max_iter=max_iter)
+        return minimize(objective, params, max_iter=max_iter, process_group=process_group)
+
+    def _at_identity(self) -> bool:
+        """Whether the fitted tensors hold the identity map (a fit that is not warm-started)."""
+        return all(torch.equal(getattr(self, name).cpu(), value.to(torch.float64)) for name, value in self._identity(self.num_classes).items())
 
     def _materialize(self, num_classes: int, device: Optional[torch.device] = None) -> None:
         """(Re)create the fitted tensors at the identity map for ``num_classes`` classes."""
@@ -185,3 +223,29 @@ class Calibrator(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_classes={self.num_classes}" if self.is_fitted else "not fitted"
+
+
+def sample_weights(labels: Tensor, weights: Optional[Tensor], process_group: Optional[ProcessGroup] = None) -> Tensor:
+    """Per-sample weights (N,) float64 whose weighted sum of per-sample scores is the (weighted)
+    mean over all samples of the group: ``weights[labels] / N_total`` (``1 / N_total`` without
+    class weights)."""
+    n_total = all_reduce_(torch.tensor(float(labels.shape[0]), dtype=torch.float64, device=labels.device), process_group)
+    if weights is None:
+        return torch.full(labels.shape, 1.0, dtype=torch.float64, device=labels.device) / n_total
+    return weights[labels] / n_total
+
+
+def _class_weights(counts: Tensor, priors: Tensor) -> Tensor:
+    """Per-class weights ``priors[k] / frequency[k]`` (K,) from class ``counts`` (K,).
+
+    A class with a positive prior but no sample cannot be re-weighted and raises ``ValueError``.
+    """
+    priors = check_priors(priors, counts.shape[0], device=counts.device)
+    freq = counts.to(torch.float64) / counts.sum()
+    missing = (freq == 0) & (priors > 0)
+    if bool(missing.any()):
+        raise ValueError(
+            f"classes {missing.nonzero().flatten().tolist()} have a positive prior but no sample in "
+            f"the data, so they cannot be re-weighted; give them prior 0 or add samples."
+        )
+    return torch.where(freq > 0, priors / freq.clamp_min(1e-300), torch.zeros_like(priors))

@@ -33,17 +33,17 @@ class BetaCalibration(Calibrator):
         log_odds = self.a.to(dtype) * features[:, 1] - self.b.to(dtype) * features[:, 0] + self.c.to(dtype)
         return torch.stack([torch.zeros_like(log_odds), log_odds], dim=1)
 
-    def _fit(self, features, labels, weights, loss, max_iter) -> FitRecord:
+    def _fit(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
         for p in (self.a, self.b):
             p.requires_grad_(True)
-        record = super()._fit(features, labels, weights, loss, max_iter)
+        record = super()._fit(features, labels, weights, loss, max_iter, process_group)
         for name in ("a", "b"):
             param = getattr(self, name)
             if param.item() < 0:
                 with torch.no_grad():
                     param.zero_()
                 param.requires_grad_(False)
-                record = super()._fit(features, labels, weights, loss, max_iter)
+                record = super()._fit(features, labels, weights, loss, max_iter, process_group)
         for p in (self.a, self.b):
             p.requires_grad_(True)
         return record

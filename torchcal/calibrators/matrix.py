@@ -10,11 +10,14 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from torchcal.calibrators._linear import FullDesign, fit_linear_newton
 from torchcal.calibrators.base import Calibrator
-from torchcal.fit import ConvergenceWarning, FitRecord, fold_indices
+from torchcal.calibrators.temperature import inverse_temperature_start
+from torchcal.distributed import all_reduce_
+from torchcal.fit import FitRecord, fold_indices
 from torchcal.functional.scoring import PER_SAMPLE_SCORES, weighted_mean
 
-__all__ = ["MatrixScaling", "DirichletCalibration", "DEFAULT_REG_GRID", "fit_multinomial_newton"]
+__all__ = ["MatrixScaling", "DirichletCalibration", "DEFAULT_REG_GRID"]
 
 #: Up to this many parameters K (K + 1), the log-loss fit uses Newton's method with the exact
 #: Hessian (a few dense solves) instead of L-BFGS, which crawls on these ill-conditioned problems.
@@ -94,7 +97,7 @@ class MatrixScaling(Calibrator):
         weights = self._penalty_weights(self.weight.shape[0]).to(self.weight.device)
         return (weights[:, :-1] * self.weight.square()).sum() + (weights[:, -1] * self.bias.square()).sum()
 
-    def _fit(self, features, labels, weights, loss, max_iter) -> FitRecord:
+    def _fit(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
         k = features.shape[1]
         if self.reg is None and features.shape[0] < k * (k + 1):
             warnings.warn(
@@ -102,30 +105,37 @@ class MatrixScaling(Calibrator):
                 f"will over-fit; use reg='odir'.",
                 stacklevel=3,
             )
+        if self._at_identity():
+            with torch.no_grad():
+                self.weight.mul_(inverse_temperature_start(features, labels, weights, process_group))
         if self.reg is not None and self.reg_lambda is None:
-            self.cv_losses_ = self._cross_validate_grid(features, labels, weights, loss, max_iter)
+            self.cv_losses_ = self._cross_validate_grid(features, labels, weights, loss, max_iter, process_group)
             best = min(range(len(self.reg_grid)), key=self.cv_losses_.__getitem__)
             self.reg_lambda_, self.reg_mu_ = self.reg_grid[best]
         elif self.reg is not None:
             self.reg_lambda_ = self.reg_lambda
             self.reg_mu_ = self.reg_lambda if self.reg_mu is None else self.reg_mu
-        return self._fit_fixed_penalty(features, labels, weights, loss, max_iter)
+        return self._fit_fixed_penalty(features, labels, weights, loss, max_iter, process_group)
 
-    def _fit_fixed_penalty(self, features, labels, weights, loss, max_iter) -> FitRecord:
+    def _fit_fixed_penalty(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
         k = features.shape[1]
         if loss != "log" or k * (k + 1) > NEWTON_MAX_PARAMETERS:
-            return Calibrator._fit(self, features, labels, weights, loss, max_iter)
-        theta = torch.cat([self.weight.detach(), self.bias.detach().unsqueeze(1)], dim=1)
-        penalty = self._penalty_weights(k).to(features.device)
-        theta, record = fit_multinomial_newton(features, labels, weights, theta, penalty, max_iter=min(max_iter, 100))
+            return Calibrator._fit(self, features, labels, weights, loss, max_iter, process_group)
+        start = torch.cat([self.weight.detach(), self.bias.detach().unsqueeze(1)], dim=1).flatten()
+        penalty = self._penalty_weights(k).to(features.device).flatten()
+        theta, record = fit_linear_newton(
+            FullDesign(), features, labels, weights, start, penalty, max_iter=min(max_iter, 100), process_group=process_group
+        )
+        theta = theta.view(k, k + 1)
         with torch.no_grad():
             self.weight.copy_(theta[:, :k])
             self.bias.copy_(theta[:, k])
         return record
 
-    def _cross_validate_grid(self, features, labels, weights, loss, max_iter) -> list[float]:
+    def _cross_validate_grid(self, features, labels, weights, loss, max_iter, process_group=None) -> list[float]:
         """Out-of-fold loss of every grid point. Within a fold, the grid runs from the strongest
-        to the weakest penalty, each fit warm-started from the previous one."""
+        to the weakest penalty, each fit warm-started from the previous one. In a data-parallel
+        fit every process splits its own shard into folds and the fold losses are summed."""
         order = sorted(range(len(self.reg_grid)), key=lambda i: -self.reg_grid[i][0])
         totals = [0.0] * len(self.reg_grid)
         per_sample = PER_SAMPLE_SCORES[loss]
@@ -138,13 +148,14 @@ class MatrixScaling(Calibrator):
             model._materialize(features.shape[1], features.device)
             for i in order:
                 model.reg_lambda_, model.reg_mu_ = self.reg_grid[i]
-                model._fit_fixed_penalty(features[train], labels[train], weights, loss, max_iter)
+                model._fit_fixed_penalty(features[train], labels[train], weights, loss, max_iter, process_group)
                 with torch.no_grad():
                     log_probs = torch.log_softmax(model._scores(features[test]), dim=1)
                     totals[i] += float(
                         weighted_mean(per_sample(log_probs, labels[test]), labels[test], weights)
                     ) * test.numel()
-        return [t / labels.shape[0] for t in totals]
+        totals = all_reduce_(torch.tensor(totals + [labels.shape[0]], dtype=torch.float64, device=labels.device), process_group)
+        return (totals[:-1] / totals[-1]).tolist()
 
     def get_extra_state(self):
         return {**super().get_extra_state(), "reg_lambda_": self.reg_lambda_, "reg_mu_": self.reg_mu_}
@@ -168,72 +179,3 @@ class DirichletCalibration(MatrixScaling):
 
     def _features(self, logits: Tensor) -> Tensor:
         return torch.log_softmax(logits, dim=1)
-
-
-def fit_multinomial_newton(
-    features: Tensor,
-    labels: Tensor,
-    weights: Optional[Tensor],
-    theta: Tensor,
-    penalty: Tensor,
-    *,
-    max_iter: int = 100,
-    tol_grad: float = 1e-10,
-    chunk_size: int = 8192,
-) -> tuple[Tensor, FitRecord]:
-    """Newton's method for ``softmax([features, 1] @ theta.T)`` under the (weighted) mean log-loss
-    plus ``sum(penalty * theta^2)``.
-
-    The exact Hessian of multinomial logistic regression is
-    ``mean_i (diag(q_i) - q_i q_i^T) kron (x_i x_i^T)`` plus the penalty's diagonal; it is
-    accumulated over row chunks, solved densely and the step is backtracked (Armijo), so every
-    iteration decreases the objective. A tiny ridge keeps the solve defined along the directions
-    that leave the output unchanged when there is no penalty.
-
-    Args:
-        features: (N, K) float64. labels: (N,). weights: optional (K,) per-class weights.
-        theta: (K, K + 1) initial ``[W | b]``. penalty: (K, K + 1) non-negative weights.
-
-    Returns:
-        The fitted ``theta`` and a :class:`FitRecord`.
-    """
-    n, k = features.shape
-    x = torch.cat([features, features.new_ones(n, 1)], dim=1)
-    sample_w = (torch.ones(n, dtype=x.dtype, device=x.device) if weights is None else weights[labels]) / n
-    p = k * (k + 1)
-
-    def objective(theta: Tensor) -> Tensor:
-        log_q = torch.log_softmax(x @ theta.T, dim=1)
-        return -(sample_w * log_q.gather(1, labels.unsqueeze(1)).squeeze(1)).sum() + (penalty * theta.square()).sum()
-
-    loss = objective(theta)
-    for iteration in range(1, max_iter + 1):
-        grad = 2 * penalty * theta
-        hess = torch.diag((2 * penalty).flatten())
-        for start in range(0, n, chunk_size):
-            xc, yc, wc = x[start : start + chunk_size], labels[start : start + chunk_size], sample_w[start : start + chunk_size]
-            q = torch.softmax(xc @ theta.T, dim=1)
-            residual = q.clone()
-            residual[torch.arange(q.shape[0], device=q.device), yc] -= 1
-            grad += (residual * wc.unsqueeze(1)).T @ xc
-            outer = (q.unsqueeze(2) * xc.unsqueeze(1)).reshape(-1, p)
-            hess -= (outer * wc.unsqueeze(1)).T @ outer
-            blocks = torch.einsum("nka,nb->kab", (q * wc.unsqueeze(1)).unsqueeze(2) * xc.unsqueeze(1), xc)
-            hess += torch.block_diag(*blocks)
-        grad_max = float(grad.abs().max())
-        if grad_max <= tol_grad:
-            return theta, FitRecord(iteration - 1, iteration, float(loss), grad_max, True, "gradient below tolerance")
-        ridge = 1e-12 * float(hess.diagonal().abs().max())
-        step = torch.linalg.solve(hess + ridge * torch.eye(p, dtype=hess.dtype, device=hess.device), -grad.flatten()).view(k, k + 1)
-        slope = float((grad * step).sum())
-        t = 1.0
-        while True:
-            candidate = objective(theta + t * step)
-            if candidate <= loss + 1e-4 * t * slope or t < 1e-10:
-                break
-            t /= 2
-        if t < 1e-10 or float(loss - candidate) <= 1e-16 * max(1.0, abs(float(loss))):
-            return theta, FitRecord(iteration, iteration, float(loss), grad_max, True, "no further decrease")
-        theta, loss = theta + t * step, candidate
-    warnings.warn(f"Newton did not converge in {max_iter} iterations", ConvergenceWarning, stacklevel=4)
-    return theta, FitRecord(max_iter, max_iter, float(loss), grad_max, False, f"stopped at the iteration cap ({max_iter})")

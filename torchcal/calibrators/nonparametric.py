@@ -20,6 +20,8 @@ __all__ = ["HistogramBinning", "IsotonicCalibration", "pool_adjacent_violators"]
 class _OneVsRest(Calibrator):
     """Shared plumbing: features are probabilities; one map per calibrated column."""
 
+    _supports_process_group = False  # quantile bins and PAV need all the scores in one place
+
     @staticmethod
     def _columns(num_classes: int) -> list[int]:
         return [1] if num_classes == 2 else list(range(num_classes))
@@ -81,7 +83,7 @@ class HistogramBinning(_OneVsRest):
         index = torch.bucketize(p.contiguous(), self.edges[column, 1:-1].to(p.dtype), right=False)
         return self.values[column].to(p.dtype)[index]
 
-    def _fit(self, probs, labels, weights, loss, max_iter) -> FitRecord:
+    def _fit(self, probs, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
         columns = self._columns(probs.shape[1])
         targets, sample_w = self._targets(labels, columns, weights)
         p = probs[:, columns]
@@ -163,7 +165,7 @@ class IsotonicCalibration(_OneVsRest):
         index = (torch.searchsorted(thresholds, p.contiguous(), right=True) - 1).clamp_min(0)
         return self.values[column].to(p.dtype)[index]
 
-    def _fit(self, probs, labels, weights, loss, max_iter) -> FitRecord:
+    def _fit(self, probs, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
         columns = self._columns(probs.shape[1])
         targets, sample_w = self._targets(labels, columns, weights)
         p, targets, sample_w = probs[:, columns].cpu().numpy(), targets.cpu().numpy(), sample_w.cpu().numpy()

@@ -1,0 +1,95 @@
+"""Data-parallel fits: two gloo processes on CPU, each with its own shard of the calibration data,
+end with the parameters of one process fitted on the union."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import torchcal
+
+# Each model exercises one solver: 1-D Newton, structured Newton (with class weights from global
+# counts, and with a penalty that must be counted once), and the generic L-BFGS driver.
+MODELS = {
+    "temperature": (lambda: torchcal.TemperatureScaling(), {}),
+    "affine-priors": (lambda: torchcal.AffineCalibration(), {"priors": torch.tensor([0.1, 0.2, 0.3, 0.2, 0.2])}),
+    "vector": (lambda: torchcal.VectorScaling(), {}),
+    "dirichlet-odir": (lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=0.3), {}),
+    "affine-brier-lbfgs": (lambda: torchcal.AffineCalibration(), {"loss": "brier"}),
+}
+SPLIT = 1100  # uneven shards: rank 0 holds 1100 samples, rank 1 the other 700
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(11)
+    latent = 2 * torch.randn(1800, 5, generator=gen)
+    labels = torch.multinomial(torch.softmax(latent, 1), 1, generator=gen).squeeze(1)
+    logits = 3 * latent + torch.tensor([0.5, -0.2, 0.0, 0.3, -0.6])
+    return logits, labels
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        logits, labels = _data()
+        shard = slice(0, SPLIT) if rank == 0 else slice(SPLIT, None)
+        fitted = {}
+        for name, (make, options) in MODELS.items():
+            cal = make().fit(logits[shard], labels[shard], process_group=dist.group.WORLD, **options)
+            fitted[name] = {"state": cal.state_dict(), "loss": cal.fit_record_.loss}
+        torch.save(fitted, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_process_fits(tmp_path_factory):
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    out = tmp_path_factory.mktemp("ddp")
+    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def _canonical(state: dict) -> dict:
+    """Tensors of a state_dict; class biases are only defined up to a common constant (softmax
+    ignores it), so they are compared centred."""
+    return {
+        key: value - value.mean() if key in ("beta", "bias") else value
+        for key, value in state.items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_two_processes_match_one_process_on_the_union(two_process_fits, name):
+    make, options = MODELS[name]
+    logits, labels = _data()
+    single = make().fit(logits, labels, **options)
+    expected = _canonical(single.state_dict())
+    for fitted in two_process_fits:
+        assert fitted[name]["loss"] == pytest.approx(single.fit_record_.loss, rel=1e-9)
+        for key, value in _canonical(fitted[name]["state"]).items():
+            torch.testing.assert_close(value, expected[key], rtol=1e-6, atol=1e-7)
+    # every rank holds bitwise the same parameters
+    for key, value in two_process_fits[0][name]["state"].items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, two_process_fits[1][name]["state"][key])
+
+
+def test_calibrators_that_need_all_the_data_refuse_a_process_group():
+    logits, labels = _data()
+    with pytest.raises(NotImplementedError, match="all the data"):
+        torchcal.IsotonicCalibration().fit(logits, labels, process_group=object())

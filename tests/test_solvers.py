@@ -1,0 +1,107 @@
+"""Dedicated solvers (1-D Newton for temperature scaling, structured Newton for affine and vector
+scaling) reach the optimum of the generic L-BFGS fit of the same objective."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchcal
+from torchcal.calibrators import _linear, temperature
+
+PRIORS = torch.tensor([0.05, 0.15, 0.1, 0.2, 0.1, 0.1, 0.05, 0.05, 0.1, 0.1], dtype=torch.float64)
+
+
+def _data(n: int = 30_000, k: int = 10, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    latent = 2 * torch.randn(n, k, generator=gen)
+    labels = torch.multinomial(torch.softmax(latent, 1), 1, generator=gen).squeeze(1)
+    scale = torch.linspace(2.0, 4.0, k)
+    return latent * scale + torch.linspace(-1.0, 1.0, k), labels
+
+
+def _class_weights(labels: torch.Tensor, priors: torch.Tensor | None) -> torch.Tensor | None:
+    if priors is None:
+        return None
+    return priors / (torch.bincount(labels, minlength=priors.numel()).double() / labels.numel())
+
+
+def _generic_fit(make, logits, labels, priors):
+    """The base class's L-BFGS fit of the same objective, from the identity map."""
+    model = make()
+    model.num_classes = logits.shape[1]
+    model._materialize(logits.shape[1])
+    features = model._features(logits.double())
+    record = torchcal.Calibrator._fit(model, features, labels, _class_weights(labels, priors), "log", 5000)
+    return model, record
+
+
+@pytest.mark.parametrize("priors", [None, PRIORS], ids=["plain", "priors"])
+@pytest.mark.parametrize(
+    "make",
+    [torchcal.TemperatureScaling, torchcal.AffineCalibration, lambda: torchcal.AffineCalibration(bias=False), torchcal.VectorScaling],
+    ids=["temperature", "affine", "affine-no-bias", "vector"],
+)
+def test_dedicated_solver_reaches_the_generic_optimum(make, priors):
+    logits, labels = _data()
+    dedicated = make().fit(logits.double(), labels, priors=priors)
+    generic, record = _generic_fit(make, logits, labels, priors)
+    assert dedicated.fit_record_.converged
+    assert dedicated.fit_record_.loss == pytest.approx(record.loss, rel=1e-9)
+    assert dedicated.fit_record_.loss <= record.loss + 1e-12  # never worse than L-BFGS
+    for name, value in generic.state_dict().items():
+        if isinstance(value, torch.Tensor) and name != "beta" and name != "bias":
+            torch.testing.assert_close(getattr(dedicated, name), value, rtol=1e-4, atol=1e-5)  # L-BFGS stops at gradient 1e-7
+
+
+def test_float32_passes_reach_the_float64_temperature():
+    logits, labels = _data()
+    single = torchcal.TemperatureScaling().fit(logits.float(), labels)
+    double = torchcal.TemperatureScaling().fit(logits.double(), labels)
+    assert single.temperature == pytest.approx(double.temperature, rel=1e-6)
+    assert torchcal.TemperatureScaling().fit(logits.half(), labels).temperature == pytest.approx(
+        double.temperature, rel=1e-2  # half-precision logits are themselves rounded
+    )
+
+
+def test_affine_without_bias_is_temperature_scaling():
+    logits, labels = _data(n=5000)
+    affine = torchcal.AffineCalibration(bias=False).fit(logits, labels)
+    ts = torchcal.TemperatureScaling().fit(logits, labels)
+    assert 1 / affine.alpha == pytest.approx(ts.temperature, rel=1e-6)
+
+
+@pytest.mark.parametrize("make", [torchcal.TemperatureScaling, torchcal.AffineCalibration, torchcal.VectorScaling])
+def test_chunked_passes_give_the_same_fit(monkeypatch, make):
+    logits, labels = _data(n=3001)
+    whole = make().fit(logits.double(), labels)
+    monkeypatch.setattr(temperature, "_CHUNK_ELEMENTS", 1000)
+    monkeypatch.setattr(_linear, "_CHUNK_ELEMENTS", 1000)
+    chunked = make().fit(logits.double(), labels)
+    assert chunked.fit_record_.loss == pytest.approx(whole.fit_record_.loss, rel=1e-12)
+    for name, value in whole.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            other = chunked.state_dict()[name]
+            if name in ("beta", "bias"):  # class biases are defined up to a common constant
+                value, other = value - value.mean(), other - other.mean()
+            torch.testing.assert_close(other, value, rtol=1e-9, atol=1e-9)
+
+
+def test_warm_start_keeps_the_given_starting_point():
+    logits, labels = _data(n=5000)
+    cal = torchcal.VectorScaling().fit(logits, labels)
+    again = cal.fit(logits, labels, warm_start=True)
+    assert again.fit_record_.iterations <= 1  # already at the optimum
+
+
+def test_newton_on_a_quadratic_takes_one_step():
+    target = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64)
+    a = torch.tensor([[3.0, 1.0, 0.0], [1.0, 2.0, 0.5], [0.0, 0.5, 1.0]], dtype=torch.float64)
+
+    def derivatives(theta):
+        d = theta - target
+        return 0.5 * d @ a @ d, a @ d, a
+
+    theta, record = torchcal.fit.newton(derivatives, lambda t: derivatives(t)[0], torch.zeros(3, dtype=torch.float64))
+    torch.testing.assert_close(theta, target)
+    assert record.converged and record.iterations == 1

@@ -1,0 +1,188 @@
+"""Newton fits of the calibration maps that are linear in their parameters.
+
+Affine calibration, vector scaling and matrix scaling (and Dirichlet calibration, on log-posterior
+features) compute the scores of sample ``i`` as ``s_i = J_i @ theta`` for a per-sample Jacobian
+``J_i: (K, P)`` built from its features ``x_i``: they are multinomial logistic regressions with a
+structured design. Under the (weighted) mean log-loss,
+
+- gradient: ``sum_i w_i J_i^T (q_i - e_{y_i})``
+- Hessian: ``sum_i w_i J_i^T (diag(q_i) - q_i q_i^T) J_i``
+
+with ``q_i = softmax(s_i)``. A design only has to say how to form the scores, the products
+``J_i^T v_i`` and the weighted Gram term ``sum_i J_i^T diag(v_i) J_i``; the rank-one part is one
+matrix product. The structured Hessian costs a few passes over the data, so Newton converges in
+under ten iterations where L-BFGS needs hundreds on these badly scaled problems (a shared scale
+next to K biases, per-class scales of very different curvature).
+
+Everything is accumulated in float64: a float32 Hessian halves the matrix-product cost but its
+rounding swamps the small eigenvalues of weakly regularised full maps, and the steps go astray.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from torchcal.calibrators.base import sample_weights
+from torchcal.distributed import ProcessGroup, world_size
+from torchcal.fit import FitRecord, newton
+
+__all__ = ["LinearDesign", "AffineDesign", "VectorDesign", "FullDesign", "fit_linear_newton"]
+
+# Rows per chunk are chosen so that the (rows, P) products stay around this many elements.
+_CHUNK_ELEMENTS = 1 << 21
+
+
+class LinearDesign:
+    """How a linear calibration map acts: ``theta: (P,)`` and features ``x: (n, K)``."""
+
+    def num_parameters(self, num_classes: int) -> int:
+        raise NotImplementedError
+
+    def scores(self, x: Tensor, theta: Tensor) -> Tensor:
+        """``J_i @ theta`` for every row: (n, K)."""
+        raise NotImplementedError
+
+    def project(self, v: Tensor, x: Tensor) -> Tensor:
+        """``J_i^T v_i`` for every row of ``v: (n, K)``: (n, P)."""
+        raise NotImplementedError
+
+    def project_sum(self, v: Tensor, x: Tensor) -> Tensor:
+        """``sum_i J_i^T v_i``: (P,), without forming ``project(v, x)``."""
+        raise NotImplementedError
+
+    def gram(self, v: Tensor, x: Tensor) -> Tensor:
+        """``sum_i J_i^T diag(v_i) J_i``: (P, P)."""
+        raise NotImplementedError
+
+
+class AffineDesign(LinearDesign):
+    """``s = a * x + b``: ``theta = [a, b_1 .. b_K]``."""
+
+    def num_parameters(self, num_classes: int) -> int:
+        return num_classes + 1
+
+    def scores(self, x: Tensor, theta: Tensor) -> Tensor:
+        return torch.addcmul(theta[1:], x, theta[:1])
+
+    def project(self, v: Tensor, x: Tensor) -> Tensor:
+        return torch.cat([torch.linalg.vecdot(v, x).unsqueeze(1), v], dim=1)
+
+    def project_sum(self, v: Tensor, x: Tensor) -> Tensor:
+        return torch.cat([torch.dot(v.flatten(), x.flatten()).reshape(1), v.sum(0)])
+
+    def gram(self, v: Tensor, x: Tensor) -> Tensor:
+        vx = v * x
+        corner, edge = torch.dot(vx.flatten(), x.flatten()).reshape(1, 1), vx.sum(0).unsqueeze(1)
+        return torch.cat([torch.cat([corner, edge.T], dim=1), torch.cat([edge, torch.diag(v.sum(0))], dim=1)])
+
+
+class VectorDesign(LinearDesign):
+    """``s = w * x + b``: ``theta = [w_1 .. w_K, b_1 .. b_K]``."""
+
+    def num_parameters(self, num_classes: int) -> int:
+        return 2 * num_classes
+
+    def scores(self, x: Tensor, theta: Tensor) -> Tensor:
+        k = x.shape[1]
+        return torch.addcmul(theta[k:], x, theta[:k])
+
+    def project(self, v: Tensor, x: Tensor) -> Tensor:
+        return torch.cat([v * x, v], dim=1)
+
+    def project_sum(self, v: Tensor, x: Tensor) -> Tensor:
+        return torch.cat([(v * x).sum(0), v.sum(0)])
+
+    def gram(self, v: Tensor, x: Tensor) -> Tensor:
+        vx = v * x
+        d_ww, d_wb, d_bb = torch.diag((vx * x).sum(0)), torch.diag(vx.sum(0)), torch.diag(v.sum(0))
+        return torch.cat([torch.cat([d_ww, d_wb], dim=1), torch.cat([d_wb, d_bb], dim=1)])
+
+
+class FullDesign(LinearDesign):
+    """``s = W @ x + b``: ``theta = [W | b]`` of shape (K, K + 1), flattened row-major."""
+
+    def num_parameters(self, num_classes: int) -> int:
+        return num_classes * (num_classes + 1)
+
+    @staticmethod
+    def _augmented(x: Tensor) -> Tensor:
+        return torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
+
+    def scores(self, x: Tensor, theta: Tensor) -> Tensor:
+        k = x.shape[1]
+        w = theta.view(k, k + 1)
+        return torch.addmm(w[:, k], x, w[:, :k].T)
+
+    def project(self, v: Tensor, x: Tensor) -> Tensor:
+        return (v.unsqueeze(2) * self._augmented(x).unsqueeze(1)).flatten(1)
+
+    def project_sum(self, v: Tensor, x: Tensor) -> Tensor:
+        return (v.T @ self._augmented(x)).flatten()
+
+    def gram(self, v: Tensor, x: Tensor) -> Tensor:
+        xa = self._augmented(x)
+        return torch.block_diag(*torch.einsum("nk,na,nb->kab", v, xa, xa))
+
+
+def fit_linear_newton(
+    design: LinearDesign,
+    features: Tensor,
+    labels: Tensor,
+    weights: Optional[Tensor],
+    theta: Tensor,
+    penalty: Optional[Tensor] = None,
+    *,
+    max_iter: int = 100,
+    tol_grad: float = 1e-10,
+    process_group: Optional[ProcessGroup] = None,
+) -> tuple[Tensor, FitRecord]:
+    """Newton's method for ``softmax(design.scores(features, theta))`` under the (weighted) mean
+    log-loss plus ``sum(penalty * theta^2)``.
+
+    Args:
+        design: the map's structure. features: (N, K) float64. labels: (N,).
+        weights: optional (K,) per-class weights. theta: (P,) starting point.
+        penalty: optional (P,) non-negative weights of the quadratic penalty.
+        process_group: data-parallel fit over a ``torch.distributed`` group.
+
+    Returns:
+        The fitted ``theta`` (P,) and a :class:`FitRecord`.
+    """
+    n, k = features.shape
+    sample_w = sample_weights(labels, weights, process_group)
+    # Each process adds this share of the penalty, so the group's sum counts it once.
+    penalty = torch.zeros_like(theta) if penalty is None else penalty / world_size(process_group)
+    rows = max(1, _CHUNK_ELEMENTS // max(theta.numel(), k))
+    chunks = [slice(start, start + rows) for start in range(0, n, rows)]
+    # The gradient is sum_i w_i J_i^T (q_i - e_{y_i}); the label part does not depend on theta.
+    label_part = sum(
+        design.project_sum(sample_w[c].unsqueeze(1) * F.one_hot(labels[c], k).to(features.dtype), features[c]) for c in chunks
+    )
+
+    def derivatives(theta: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        loss = (penalty * theta.square()).sum()
+        grad = 2 * penalty * theta - label_part
+        hess = torch.diag(2 * penalty)
+        for c in chunks:
+            x, w = features[c], sample_w[c]
+            log_q = torch.log_softmax(design.scores(x, theta), dim=1)
+            loss -= w @ log_q.gather(1, labels[c].unsqueeze(1)).squeeze(1)
+            q = log_q.exp_()
+            wq = w.unsqueeze(1) * q
+            grad += design.project_sum(wq, x)
+            projected = design.project(q, x)
+            hess += design.gram(wq, x) - projected.T @ (w.unsqueeze(1) * projected)
+        return loss, grad, (hess + hess.T) / 2
+
+    def objective(theta: Tensor) -> Tensor:
+        loss = (penalty * theta.square()).sum()
+        for c in chunks:
+            log_q = torch.log_softmax(design.scores(features[c], theta), dim=1)
+            loss -= sample_w[c] @ log_q.gather(1, labels[c].unsqueeze(1)).squeeze(1)
+        return loss
+
+    return newton(derivatives, objective, theta, max_iter=max_iter, tol_grad=tol_grad, process_group=process_group)

@@ -1,0 +1,44 @@
+"""All-reduce plumbing for data-parallel fits on ``torch.distributed``.
+
+Every calibrator objective is a mean over samples, so a fit on data sharded across processes
+only needs sums: each process reduces its shard to a few numbers (loss, gradient, Hessian, class
+counts), and :func:`all_reduce_` adds them up in place. All processes then hold the same totals,
+take the same optimiser steps and end with the same parameters as one process fitted on the
+union of the shards; the logits themselves never travel.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["ProcessGroup", "all_reduce_", "world_size"]
+
+try:  # torch builds without distributed support still import torchcal
+    from torch.distributed import ProcessGroup
+except ImportError:  # pragma: no cover
+    ProcessGroup = object  # type: ignore[assignment,misc]
+
+
+def all_reduce_(tensor: Tensor, group: Optional[ProcessGroup], op: Literal["sum", "max"] = "sum") -> Tensor:
+    """Sum (or max) ``tensor`` in place over the processes of ``group``; a no-op for ``None``.
+
+    Returns ``tensor`` so calls can be chained.
+    """
+    if group is None:
+        return tensor
+    if not torch.distributed.is_initialized():
+        raise RuntimeError(
+            "a process_group was given but torch.distributed is not initialised: call "
+            "torch.distributed.init_process_group first (Lightning and torchrun do this for you)."
+        )
+    reduce_op = torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX
+    torch.distributed.all_reduce(tensor, op=reduce_op, group=group)
+    return tensor
+
+
+def world_size(group: Optional[ProcessGroup]) -> int:
+    """Number of processes in ``group`` (1 for ``None``)."""
+    return 1 if group is None else torch.distributed.get_world_size(group)

@@ -18,12 +18,14 @@ from torchcal.calibrators import (
     VectorScaling,
 )
 from torchcal.fit import ConvergenceWarning, FitRecord, cross_validate
+from torchcal.heads import CalibratedModel, attach
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AffineCalibration",
     "BetaCalibration",
+    "CalibratedModel",
     "Calibrator",
     "ConvergenceWarning",
     "DirichletCalibration",
@@ -34,6 +36,7 @@ __all__ = [
     "PlattScaling",
     "TemperatureScaling",
     "VectorScaling",
+    "attach",
     "cross_validate",
     "functional",
 ]

@@ -47,3 +47,13 @@ def synthetic():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The suite runs many small tensor ops on shared 2-core machines, where two intra-op threads
+    oversubscribe the cores and run several times slower than one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -27,14 +27,6 @@ from torchcal.functional.bootstrap import resample_indices, sum_decomposition
 bootstrap_module = sys.modules["torchcal.functional.bootstrap"]  # the package attribute is the function
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tests run many small tensor ops: one intra-op thread avoids oversubscribed cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture
 def data():

@@ -20,14 +20,6 @@ from torchcal.functional import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tests run many small tensor ops: one intra-op thread avoids oversubscribed cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def np_log_softmax(z):
     z = z - z.max(axis=1, keepdims=True)

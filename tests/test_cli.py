@@ -15,14 +15,6 @@ from torchcal.cli import main
 from torchcal.report import load_calibrator
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Many small fits: one intra-op thread avoids oversubscribing the cores of shared machines."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture
 def scores_file(tmp_path, synthetic):

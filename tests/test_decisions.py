@@ -17,14 +17,6 @@ from torchcal.functional import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tests run many small tensor ops: one intra-op thread avoids oversubscribed cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 # --------------------------------------------------------------------------- NumPy references
 

@@ -21,14 +21,6 @@ from torchcal.functional import (
 from torchcal.functional.diagnostics import ecd_per_sample, quantile_edges
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tests run many small tensor ops: one intra-op thread avoids oversubscribed cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 # --------------------------------------------------------------------------- the survey's toy problem
 
 # Silva Filho et al., Table 3: (s1, s2, s3) and the class (1-based), 10 samples per class.

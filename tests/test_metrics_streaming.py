@@ -37,14 +37,6 @@ from torchcal.metrics import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tests run many small tensor ops: one intra-op thread avoids oversubscribed cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def make_data(n: int, k: int, scale: float, seed: int):
     """Logits ``scale * N(0, 1)`` (float32 unless |z| is huge) and labels drawn from

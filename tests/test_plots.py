@@ -22,14 +22,6 @@ from torchcal.plots import (
 pytest.importorskip("matplotlib")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Many small fits: one intra-op thread avoids oversubscribing the cores of shared machines."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(autouse=True)
 def _close_figures():

@@ -13,14 +13,6 @@ import torch
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Many small fits: one intra-op thread avoids oversubscribing the cores of shared machines."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def load(name: str):
     spec = importlib.util.spec_from_file_location(name, RECIPES / f"{name}.py")

@@ -15,14 +15,6 @@ from torchcal.functional import bayes_risk, brier_score, cross_entropy, zero_one
 from torchcal.report import METHODS, evaluate, load_calibrator, make_calibrator, save_calibrator
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Many small fits: one intra-op thread avoids oversubscribing the cores of shared machines."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture
 def small(synthetic):

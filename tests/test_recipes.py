@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 

@@ -236,7 +236,7 @@ def _onnx_session(module: nn.Module, path, x: torch.Tensor):
 
 def test_onnx_round_trip_of_the_parametric_heads(fitted_heads, tmp_path):
     heads = [fitted_heads[name] for name in PARAMETRIC]
-    session = _onnx_session(_Heads(heads), tmp_path / "heads.onnx", make_data(16, seed=6)[0])
+    session = _onnx_session(_Heads(heads).eval(), tmp_path / "heads.onnx", make_data(16, seed=6)[0])
     for n in (16, 3):
         x = make_data(n, seed=n)[0]
         outputs = session.run(None, {session.get_inputs()[0].name: x.numpy()})

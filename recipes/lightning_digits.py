@@ -32,13 +32,13 @@ METRICS = ("nce", "nbs", "ece", "rcl")
 
 def digits_splits(seed: int = 0) -> dict[str, tuple[Tensor, Tensor]]:
     """The 1797 digits (8x8 images as 64 features in [0, 1], 10 classes), split stratified into
-    train (1000), validation (400) and test (397)."""
+    train (600), validation (500) and test (697)."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
     x, y = load_digits(return_X_y=True)
-    x_train, x_rest, y_train, y_rest = train_test_split(x, y, train_size=1000, stratify=y, random_state=seed)
-    x_val, x_test, y_val, y_test = train_test_split(x_rest, y_rest, train_size=400, stratify=y_rest, random_state=seed)
+    x_train, x_rest, y_train, y_rest = train_test_split(x, y, train_size=600, stratify=y, random_state=seed)
+    x_val, x_test, y_val, y_test = train_test_split(x_rest, y_rest, train_size=500, stratify=y_rest, random_state=seed)
     as_tensors = lambda x, y: (torch.tensor(x / 16, dtype=torch.float32), torch.tensor(y))  # noqa: E731
     return {"train": as_tensors(x_train, y_train), "val": as_tensors(x_val, y_val), "test": as_tensors(x_test, y_test)}
 

@@ -1,5 +1,7 @@
 """Benchmark: streaming cross-entropy + Brier + ECE over N x 100 logits in batches of 10,000.
 
+The fused ``PosteriorQuality`` rows compute all three (and the error rate) in one pass per batch.
+
 Usage:
     python benchmarks/bench_metrics.py                 # N = 1,000,000, 1 thread, median of 5
     python benchmarks/bench_metrics.py --n 100000      # a quick run
@@ -73,6 +75,22 @@ def row_torchcal(batches: Batches) -> Callable[[], str]:
     return run
 
 
+def row_torchcal_fused(precision: str, validate_args: bool = True) -> Callable[[Batches], Callable[[], str]]:
+    def make(batches: Batches) -> Callable[[], str]:
+        from torchcal.metrics import PosteriorQuality
+
+        def run() -> str:
+            metric = PosteriorQuality(NUM_CLASSES, N_BINS, precision=precision, validate_args=validate_args)
+            for z, y in batches:
+                metric.update(z, y)
+            r = {name: value.item() for name, value in metric.compute().items()}
+            return f"NLL {r['cross_entropy']:.5f}  Brier {r['brier']:.5f}  ECE {r['ece']:.5f}"
+
+        return run
+
+    return make
+
+
 def row_torchcal_ece(batches: Batches) -> Callable[[], str]:
     from torchcal.metrics import CalibrationError
 
@@ -114,6 +132,9 @@ REFERENCE = "torchmetrics MulticlassCalibrationError (ECE only)"
 ROWS = {
     BASELINE: row_log_softmax,
     "torchcal CrossEntropy + BrierScore + CalibrationError": row_torchcal,
+    "torchcal PosteriorQuality (fused, float64)": row_torchcal_fused("float64"),
+    "torchcal PosteriorQuality (fused, float32)": row_torchcal_fused("float32"),
+    "torchcal PosteriorQuality (fused, float32, no checks)": row_torchcal_fused("float32", False),
     "torchcal CalibrationError (ECE only)": row_torchcal_ece,
     REFERENCE: row_torchmetrics,
     "netcal ECE(15).measure (one call on the full softmax array)": row_netcal,

@@ -3,6 +3,7 @@
 from torchcal.metrics.calibration_loss import CalibrationLoss
 from torchcal.metrics.decisions import BayesRisk, ExpectedCost
 from torchcal.metrics.diagnostics import ECD, CalibrationError
+from torchcal.metrics.fused import PosteriorQuality
 from torchcal.metrics.scoring import BrierScore, CrossEntropy
 
-__all__ = ["BayesRisk", "BrierScore", "CalibrationError", "CalibrationLoss", "CrossEntropy", "ECD", "ExpectedCost"]
+__all__ = ["BayesRisk", "BrierScore", "CalibrationError", "CalibrationLoss", "CrossEntropy", "ECD", "ExpectedCost", "PosteriorQuality"]

@@ -20,8 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import torchcal
 from torchcal.functional import brier_score, cross_entropy, expected_calibration_error
-from torchcal.heads import CalibratedModel
-from torchcal.lightning import CalibrationCallback, calibration_metrics
+from torchcal.lightning import CalibrationCallback
 from torchcal.metrics import CalibrationError, CrossEntropy
 
 K = 3

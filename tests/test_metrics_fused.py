@@ -137,6 +137,14 @@ def test_validation_messages(logits, labels, message):
         PosteriorQuality(2).update(logits, labels)
 
 
+def test_huge_finite_logits_pass_validation():
+    """A batch whose sum overflows is still finite: the full check runs and lets it through."""
+    logits = torch.tensor([[3e38, 0.0], [3e38, 3e38]])
+    metric = PosteriorQuality(2)
+    metric.update(logits, torch.tensor([0, 1]))
+    torch.testing.assert_close(metric.compute()["cross_entropy"], F.cross_entropy(logits, torch.tensor([0, 1])))
+
+
 def test_validate_args_false_skips_checks():
     metric = PosteriorQuality(2, validate_args=False)
     metric.update(torch.tensor([[0.0, float("nan")]]), torch.tensor([0]))  # no check, no error

@@ -131,7 +131,7 @@ class PosteriorQuality(Metric):
         log_total = total.log()
         true_logit = z.gather(1, labels.unsqueeze(1)).squeeze(1)
         log_q_true = true_logit - top.squeeze(1) - log_total
-        brier = torch.linalg.vector_norm(e, dim=1).square() * (-2 * log_total).exp() - 2 * log_q_true.exp() + 1
+        brier = (torch.linalg.vector_norm(e, dim=1) / total).square() - 2 * log_q_true.exp() + 1
         confidence = (-log_total).exp()
 
         correct = true_logit == top.squeeze(1)

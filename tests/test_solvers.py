@@ -31,6 +31,8 @@ def _generic_fit(make, logits, labels, priors):
     model = make()
     model.num_classes = logits.shape[1]
     model._materialize(logits.shape[1])
+    if getattr(model, "reg", None) is not None:
+        model.reg_lambda_, model.reg_mu_ = model.reg_lambda, model.reg_lambda
     features = model._features(logits.double())
     record = torchcal.Calibrator._fit(model, features, labels, _class_weights(labels, priors), "log", 5000)
     return model, record
@@ -52,6 +54,20 @@ def test_dedicated_solver_reaches_the_generic_optimum(make, priors):
     for name, value in generic.state_dict().items():
         if isinstance(value, torch.Tensor) and name != "beta" and name != "bias":
             torch.testing.assert_close(getattr(dedicated, name), value, rtol=1e-4, atol=1e-5)  # L-BFGS stops at gradient 1e-7
+
+
+@pytest.mark.parametrize("make", [lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=1.0), torchcal.MatrixScaling])
+def test_preconditioned_lbfgs_reaches_the_generic_optimum(make):
+    # K = 36: 1332 parameters, past the Newton limit, so the preconditioned L-BFGS path runs
+    gen = torch.Generator().manual_seed(3)
+    latent = torch.randn(4000, 36, generator=gen, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(2 * latent, 1), 1, generator=gen).squeeze(1)
+    logits = 3 * latent + torch.linspace(-1, 1, 36, dtype=torch.float64)
+    preconditioned = make().fit(logits, labels, max_iter=3000)
+    generic, record = _generic_fit(make, logits, labels, None)
+    assert preconditioned.fit_record_.converged
+    assert preconditioned.fit_record_.loss == pytest.approx(record.loss, rel=1e-8)
+    assert preconditioned.fit_record_.loss <= record.loss + 1e-10
 
 
 def test_float32_passes_reach_the_float64_temperature():

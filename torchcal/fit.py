@@ -120,7 +120,9 @@ def newton(
 
     For the small calibration models (up to about a thousand parameters) the exact Hessian is
     cheap next to a pass over the data, and Newton converges in a handful of passes where L-BFGS
-    needs hundreds on these badly scaled problems.
+    needs hundreds on these badly scaled problems. Everything stays on the parameters' device;
+    each iteration reads three numbers back to the host (one synchronisation), plus one per
+    backtracking step, which only happens far from the optimum.
 
     Args:
         derivatives: ``theta -> (loss, grad (P,), hess (P, P))``.
@@ -149,35 +151,36 @@ def newton(
 
     loss, grad, hess = reduced_derivatives(theta)
     evaluations = 1
+    grad_max, loss_value = torch.stack([grad.abs().max(), loss]).tolist()
     eye = torch.eye(theta.numel(), dtype=theta.dtype, device=theta.device)
     for iteration in range(max_iter):
-        grad_max, loss_value = torch.stack([grad.abs().max(), loss]).tolist()
         if grad_max <= tol_grad:
             return theta, FitRecord(iteration, evaluations, loss_value, grad_max, True, "gradient below tolerance")
         ridge = 1e-12 * hess.diagonal().abs().max()
         step = torch.linalg.solve(hess + ridge * eye, -grad)
-        slope = float(grad @ step)
+        new_loss, new_grad, new_hess = reduced_derivatives(theta + step)
+        evaluations += 1
+        # one host sync per iteration: the trial's loss and gradient, and the step's slope
+        trial_loss, trial_grad_max, slope = torch.stack([new_loss, new_grad.abs().max(), grad @ step]).tolist()
         # Near the optimum the decrease falls below the loss's rounding error: allow for it.
         slack = 1e-14 * max(1.0, abs(loss_value))
-        t, trial = 1.0, theta + step
-        new_loss, new_grad, new_hess = reduced_derivatives(trial)
-        evaluations += 1
-        while not float(new_loss) <= loss_value + 1e-4 * t * slope + slack and t > 1e-10:
+        t = 1.0
+        while not trial_loss <= loss_value + 1e-4 * t * slope + slack and t > 1e-10:
             t /= 2
-            trial = theta + t * step
-            new_loss = reduced_objective(trial)
+            trial_loss = float(reduced_objective(theta + t * step))
             evaluations += 1
         if t <= 1e-10:
             return theta, FitRecord(iteration, evaluations, loss_value, grad_max, True, "no further decrease")
         if t < 1.0:
-            new_loss, new_grad, new_hess = reduced_derivatives(trial)
+            new_loss, new_grad, new_hess = reduced_derivatives(theta + t * step)
             evaluations += 1
-        if float(new_loss) >= loss_value and float(new_grad.abs().max()) >= grad_max:
+            trial_loss, trial_grad_max = torch.stack([new_loss, new_grad.abs().max()]).tolist()
+        if trial_loss >= loss_value and trial_grad_max >= grad_max:
             return theta, FitRecord(iteration, evaluations, loss_value, grad_max, True, "no further decrease")
-        theta, loss, grad, hess = trial, new_loss, new_grad, new_hess
-    grad_max = float(grad.abs().max())
+        theta, grad, hess = theta + t * step, new_grad, new_hess
+        loss_value, grad_max = trial_loss, trial_grad_max
     warnings.warn(f"Newton did not converge in {max_iter} iterations", ConvergenceWarning, stacklevel=4)
-    return theta, FitRecord(max_iter, evaluations, float(loss), grad_max, False, f"stopped at the iteration cap ({max_iter})")
+    return theta, FitRecord(max_iter, evaluations, loss_value, grad_max, False, f"stopped at the iteration cap ({max_iter})")
 
 
 def fold_indices(

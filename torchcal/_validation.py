@@ -77,8 +77,8 @@ def check_logits(logits: Any, name: str = "logits", num_classes: int | None = No
         )
     if num_classes is not None and k != num_classes:
         raise ValueError(
-            f"{name} has K = {k} classes but {num_classes} were expected "
-            f"(the calibrator was fitted on {num_classes} classes)."
+            f"{name} has K = {k} classes but {num_classes} were expected (the number of classes "
+            f"the calibrator was fitted on, or the metric was built for)."
         )
     if not bool(torch.isfinite(logits).all()):
         raise ValueError(
@@ -91,13 +91,15 @@ def check_logits(logits: Any, name: str = "logits", num_classes: int | None = No
 def check_labels(labels: Any, num_samples: int, num_classes: int, name: str = "labels") -> Tensor:
     """Validate class indices: an integer (N,) tensor with values in [0, K)."""
     labels = as_tensor(labels, name)
-    if labels.dtype == torch.bool:
-        labels = labels.long()
     if torch.is_floating_point(labels) or torch.is_complex(labels):
         raise ValueError(
             f"{name} must be an integer tensor of class indices, got dtype {labels.dtype}. "
             f"If they are whole numbers stored as floats, pass {name}.long()."
         )
+    if labels.dtype != torch.int64:
+        # bool, uint8, int8, int16, int32: gather/index_add need int64 indices, and uint8 or bool
+        # tensors used as indices would be read as masks.
+        labels = labels.long()
     if labels.ndim != 1:
         raise ValueError(
             f"{name} must have shape (N,), got shape {tuple(labels.shape)}"

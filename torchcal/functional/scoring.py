@@ -187,7 +187,13 @@ def epsr_from_class_sums(
     reference = counts / counts.sum(-1, keepdim=True) if priors is None else check_priors(
         priors, sums.shape[-1], device=sums.device
     )
-    return score / naive(reference)
+    naive_score = naive(reference)
+    if bool((naive_score <= 0).any()):
+        raise ValueError(
+            "the naive system (always output the priors) has a score of 0 when all the prior mass is "
+            "on one class, so the normalised score is undefined; use normalize=False."
+        )
+    return score / naive_score
 
 
 class SumDecomposition(NamedTuple):

@@ -1,0 +1,511 @@
+"""Bad input: every public entry point stops with a clear error (type and a message naming the
+problem), or warns and does something documented. Nothing returns a plausible wrong number.
+
+The first block is a matrix: each kind of bad scores or labels is fed to every entry point that
+takes ``(logits, labels)``: the functional metrics, the streaming metrics, the calibrators'
+``fit`` and ``forward``, cross-validation, the bootstrap and the calibration loss.
+"""
+
+from __future__ import annotations
+
+import warnings
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+
+import torchcal
+import torchcal.functional as F
+from torchcal import metrics
+from torchcal.data import load_scores
+from torchcal._validation import check_costs, check_labels, check_logits, check_priors, check_probs
+
+K = 3
+N = 12
+
+
+def good_data():
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.arange(N) % K  # every class present
+    logits = 2 * torch.randn(N, K, generator=gen) + 2 * torch.eye(K)[labels]
+    return logits, labels
+
+
+def _fitted_temperature():
+    logits, labels = good_data()
+    return torchcal.TemperatureScaling().fit(logits, labels)
+
+
+def _metric_update(make):
+    def call(logits, labels):
+        make().update(logits, labels)
+
+    return call
+
+
+# Every entry point that takes (logits, labels). Each is called once per bad input below.
+ENTRY_POINTS = {
+    "cross_entropy": F.cross_entropy,
+    "cross_entropy(priors)": lambda z, y: F.cross_entropy(z, y, priors=torch.full((K,), 1 / K)),
+    "brier_score": F.brier_score,
+    "error_rate": F.error_rate,
+    "balanced_error_rate": F.balanced_error_rate,
+    "bayes_risk": lambda z, y: F.bayes_risk(z, y, F.zero_one_costs(K)),
+    "expected_calibration_error": F.expected_calibration_error,
+    "ece(quantile, classwise)": lambda z, y: F.expected_calibration_error(z, y, strategy="quantile", kind="classwise"),
+    "reliability_bins": F.reliability_bins,
+    "signed_calibration_error": F.signed_calibration_error,
+    "entropic_calibration_difference": F.entropic_calibration_difference,
+    "ecd(binned)": lambda z, y: F.entropic_calibration_difference(z, y, n_bins=5),
+    "calibration_loss": lambda z, y: F.calibration_loss(z, z / 2 if torch.is_tensor(z) and z.is_floating_point() else z, y),
+    "bootstrap(fast path)": lambda z, y: F.bootstrap(F.cross_entropy, z, y, num_replicates=5),
+    "bootstrap(general path)": lambda z, y: F.bootstrap(F.expected_calibration_error, z, y, num_replicates=5),
+    "cross_validate": lambda z, y: torchcal.cross_validate(torchcal.TemperatureScaling(), z, y, folds=2),
+    "cross_validated_calibration_loss": lambda z, y: F.cross_validated_calibration_loss(z, y, torchcal.TemperatureScaling(), folds=2),
+    "CrossEntropy.update": _metric_update(lambda: metrics.CrossEntropy(num_classes=K)),
+    "BrierScore.update": _metric_update(lambda: metrics.BrierScore(num_classes=K)),
+    "BayesRisk.update": _metric_update(lambda: metrics.BayesRisk(F.zero_one_costs(K))),
+    "CalibrationError.update": _metric_update(lambda: metrics.CalibrationError(num_classes=K)),
+    "CalibrationError(quantile).update": _metric_update(lambda: metrics.CalibrationError(num_classes=K, strategy="quantile")),
+    "ECD.update": _metric_update(lambda: metrics.ECD()),
+    "CalibrationLoss(fitted).update": _metric_update(lambda: metrics.CalibrationLoss(_fitted_temperature(), num_classes=K)),
+    "CalibrationLoss(unfitted).update": _metric_update(lambda: metrics.CalibrationLoss(torchcal.TemperatureScaling(), num_classes=K)),
+    "TemperatureScaling.fit": lambda z, y: torchcal.TemperatureScaling().fit(z, y),
+    "TemperatureScaling.fit(brier)": lambda z, y: torchcal.TemperatureScaling().fit(z, y, loss="brier"),
+    "AffineCalibration.fit": lambda z, y: torchcal.AffineCalibration().fit(z, y),
+    "VectorScaling.fit": lambda z, y: torchcal.VectorScaling().fit(z, y),
+    "DirichletCalibration.fit": lambda z, y: torchcal.DirichletCalibration(reg="odir", reg_lambda=1.0).fit(z, y),
+    "HistogramBinning.fit": lambda z, y: torchcal.HistogramBinning().fit(z, y),
+    "IsotonicCalibration.fit": lambda z, y: torchcal.IsotonicCalibration().fit(z, y),
+}
+
+# Only the scores: the fitted calibrator's forward.
+FORWARD_ENTRY_POINTS = {
+    "TemperatureScaling.forward": lambda z, y: _fitted_temperature()(z),
+    "bayes_decisions": lambda z, y: F.bayes_decisions(z, F.zero_one_costs(K)),
+}
+
+
+def _nan_logits():
+    z, _ = good_data()
+    z[4, 1] = float("nan")
+    return z
+
+
+def _inf_logits(value):
+    z, _ = good_data()
+    z[7, 0] = value
+    return z
+
+
+# (name, make logits, make labels, error type, message pattern). Labels-only problems do not
+# apply to FORWARD_ENTRY_POINTS.
+BAD_SCORES = [
+    ("NaN logits", _nan_logits, None, ValueError, r"1 NaN and 0 infinite values \(first in row 4\)"),
+    ("+inf logits", lambda: _inf_logits(float("inf")), None, ValueError, r"0 NaN and 1 infinite values \(first in row 7\)"),
+    ("-inf logits (log of a zero probability)", lambda: _inf_logits(float("-inf")), None, ValueError, r"infinite values.*log\(0\)"),
+    ("integer logits", lambda: torch.ones(N, K, dtype=torch.long), None, ValueError, "must be a floating-point tensor"),
+    ("1-D logits", lambda: torch.randn(N), None, ValueError, r"shape \(N, K\), got shape \(12,\).*binary_scores_to_logits"),
+    ("3-D logits", lambda: torch.randn(N, K, 1), None, ValueError, r"shape \(N, K\), got shape \(12, 3, 1\)"),
+    ("one column (K = 1)", lambda: torch.randn(N, 1), lambda: torch.zeros(N, dtype=torch.long), ValueError, "K >= 2 class columns, got K = 1"),
+    ("empty input (N = 0)", lambda: torch.randn(0, K), lambda: torch.zeros(0, dtype=torch.long), ValueError, r"empty \(N = 0\)"),
+    ("a Python string", lambda: "logits.npy", None, TypeError, "must be a torch.Tensor or a NumPy array, got str"),
+]
+BAD_LABELS = [
+    ("label = K", lambda: torch.tensor([0, 1, 2, 3] * 3), ValueError, r"must lie in \[0, 3\).*3 out-of-range value\(s\), e.g. 3"),
+    ("negative label", lambda: torch.tensor([0, 1, 2, -1] * 3), ValueError, r"must lie in \[0, 3\).*e.g. -1"),
+    ("whole-number float labels", lambda: (torch.arange(N) % K).float(), ValueError, r"integer tensor of class indices.*\.long\(\)"),
+    ("fractional labels", lambda: torch.full((N,), 0.5), ValueError, "integer tensor of class indices"),
+    ("one-hot labels (2-D)", lambda: torch.eye(K)[torch.arange(N) % K].long(), ValueError, r"labels must have shape \(N,\)"),
+    ("column labels (N, 1)", lambda: (torch.arange(N) % K).reshape(N, 1), ValueError, r"shape \(N,\).*reshape\(-1\)"),
+    ("more labels than rows", lambda: torch.arange(N + 1) % K, ValueError, "labels has 13 entries but the scores have N = 12 rows"),
+    ("fewer labels than rows", lambda: torch.arange(N - 1) % K, ValueError, "labels has 11 entries but the scores have N = 12 rows"),
+]
+
+# The bootstrap checks that it can resample before anything else: its own message names N.
+_BOOTSTRAP_N = r"same number N of rows to resample"
+
+
+def _cases():
+    for name, make_logits, make_labels, error, pattern in BAD_SCORES:
+        for entry, fn in {**ENTRY_POINTS, **FORWARD_ENTRY_POINTS}.items():
+            yield pytest.param(fn, make_logits, make_labels, error, pattern, id=f"{name}-{entry}")
+    for name, make_labels, error, pattern in BAD_LABELS:
+        for entry, fn in ENTRY_POINTS.items():
+            expected = _BOOTSTRAP_N if entry.startswith("bootstrap") and "entries" in pattern else pattern
+            yield pytest.param(fn, lambda: good_data()[0], make_labels, error, expected, id=f"{name}-{entry}")
+
+
+@pytest.mark.parametrize("fn, make_logits, make_labels, error, pattern", list(_cases()))
+def test_every_entry_point_rejects_bad_scores_and_labels(fn, make_logits, make_labels, error, pattern):
+    logits = make_logits()
+    labels = good_data()[1] if make_labels is None else make_labels()
+    if isinstance(logits, torch.Tensor) and logits.ndim == 2 and make_labels is None:
+        labels = labels[: logits.shape[0]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. a missing class: the error must still come
+        with pytest.raises(error, match=pattern):
+            fn(logits, labels)
+
+
+def test_numpy_input_is_validated_like_tensors():
+    logits, labels = good_data()
+    bad = logits.numpy().copy()
+    bad[2, 2] = np.nan
+    with pytest.raises(ValueError, match="1 NaN"):
+        F.cross_entropy(bad, labels.numpy())
+    with pytest.raises(ValueError, match="integer tensor of class indices"):
+        F.cross_entropy(logits.numpy(), labels.numpy().astype(np.float32))
+
+
+# --------------------------------------------------------------------------- labels of any integer dtype
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.bool])
+def test_labels_of_any_integer_dtype_give_the_int64_answer(dtype):
+    """Labels stored compactly (uint8 from an image data set, int16, int32 from NumPy on Windows)
+    used to crash deep inside gather/index_add, and uint8 decisions were read as a boolean mask by
+    ``expected_cost``, which then returned 0.0 instead of the true cost."""
+    gen = torch.Generator().manual_seed(3)
+    k = 2 if dtype == torch.bool else 4
+    labels = torch.arange(40) % k
+    logits = torch.randn(40, k, generator=gen) + torch.eye(k)[labels]
+    compact = labels.to(dtype)
+    for fn in (F.cross_entropy, F.brier_score, F.error_rate, F.balanced_error_rate,
+               F.expected_calibration_error, F.signed_calibration_error, F.entropic_calibration_difference):
+        assert fn(logits, compact).item() == fn(logits, labels).item(), fn.__name__
+    costs = F.zero_one_costs(k)
+    assert F.bayes_risk(logits, compact, costs).item() == F.bayes_risk(logits, labels, costs).item()
+    decisions = (labels + 1) % k  # every decision wrong: expected cost 1
+    assert F.expected_cost(decisions.to(dtype), compact, costs).item() == 1.0
+    metric = metrics.CrossEntropy(num_classes=k)
+    metric.update(logits, compact)
+    assert metric.compute().item() == F.cross_entropy(logits, labels).item()
+    a = torchcal.AffineCalibration().fit(logits, compact)
+    b = torchcal.AffineCalibration().fit(logits, labels)
+    assert torch.equal(a(logits), b(logits))
+
+
+def test_uint8_decisions_with_as_many_samples_as_decisions():
+    # N == M made the uint8 decisions a valid boolean mask over the cost columns: a wrong answer
+    # (0.0) instead of an error.
+    costs = F.zero_one_costs(3)
+    labels = torch.tensor([0, 1, 2])
+    decisions = torch.tensor([1, 1, 1], dtype=torch.uint8)
+    assert F.expected_cost(decisions, labels, costs).item() == pytest.approx(2 / 3)
+    metric = metrics.ExpectedCost(costs)
+    metric.update(decisions, labels)
+    assert metric.compute().item() == pytest.approx(2 / 3)
+
+
+# --------------------------------------------------------------------------- K mismatch
+def test_calibrator_applied_to_another_number_of_classes():
+    logits, labels = good_data()
+    for cal in (torchcal.TemperatureScaling(), torchcal.AffineCalibration(), torchcal.IsotonicCalibration()):
+        cal.fit(logits, labels)
+        with pytest.raises(ValueError, match="K = 4 classes but 3 were expected"):
+            cal(torch.randn(5, 4))
+        with pytest.raises(ValueError, match="K = 2 classes but 3 were expected"):
+            cal(torch.randn(5, 2))
+
+
+def test_state_dict_of_another_number_of_classes_replaces_the_shapes():
+    logits, labels = good_data()
+    cal = torchcal.VectorScaling().fit(logits, labels)
+    other = torchcal.VectorScaling().fit(torch.randn(20, 5), torch.arange(20) % 5)
+    other.load_state_dict(cal.state_dict())  # K follows the loaded state
+    assert other.num_classes == K and torch.equal(other(logits), cal(logits))
+    with pytest.raises(ValueError, match="K = 5 classes but 3 were expected"):
+        other(torch.randn(4, 5))
+
+
+def test_metric_updated_with_another_number_of_classes():
+    logits, labels = good_data()
+    wider = torch.randn(N, K + 1)
+    for metric in (metrics.CrossEntropy(num_classes=K), metrics.BrierScore(num_classes=K)):
+        metric.update(logits, labels)
+        with pytest.raises(ValueError, match="K = 4 classes but the metric was built for 3"):
+            metric.update(wider, labels)
+    for metric in (
+        metrics.BayesRisk(F.zero_one_costs(K)),
+        metrics.CalibrationError(num_classes=K),
+        metrics.CalibrationLoss(_fitted_temperature(), num_classes=K),
+    ):
+        metric.update(logits, labels)
+        with pytest.raises(ValueError, match="K = 4 classes but 3 were expected.*metric was built for"):
+            metric.update(wider, labels)
+
+
+def test_metric_constructor_arguments():
+    with pytest.raises(ValueError, match="num_classes must be an integer >= 2, got 1"):
+        metrics.CrossEntropy(num_classes=1)
+    with pytest.raises(ValueError, match="num_classes must be an integer >= 2, got 2.0"):
+        metrics.CalibrationError(num_classes=2.0)
+    with pytest.raises(ValueError, match="n_bins must be a positive integer, got 0"):
+        metrics.CalibrationError(num_classes=2, n_bins=0)
+    with pytest.raises(ValueError, match='kind="binary" needs K = 2'):
+        metrics.CalibrationError(num_classes=3, kind="binary")
+
+
+def test_calibrator_for_two_classes_given_three():
+    logits, labels = good_data()
+    for make in (torchcal.PlattScaling, torchcal.BetaCalibration):
+        with pytest.raises(ValueError, match="is for K = 2 classes, got K = 3"):
+            make().fit(logits, labels)
+
+
+def test_unfitted_calibrator():
+    with pytest.raises(RuntimeError, match="not fitted yet"):
+        torchcal.AffineCalibration()(torch.randn(4, 3))
+
+
+# --------------------------------------------------------------------------- a class missing from the calibration data
+@pytest.mark.parametrize(
+    "make",
+    [torchcal.AffineCalibration, torchcal.VectorScaling, partial(torchcal.DirichletCalibration, reg="odir", reg_lambda=1.0)],
+    ids=["affine", "vector", "dirichlet-odir"],
+)
+def test_missing_class_warns_and_is_pushed_down(make):
+    """Documented behaviour: a warning naming the class, finite normalised output, and the absent
+    class's posterior lowered below the raw one (the fit cannot learn anything else about it)."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(300, 4, generator=gen)
+    labels = torch.argmax(logits[:, :3] + torch.randn(300, 3, generator=gen), dim=1)  # never class 3
+    with pytest.warns(UserWarning, match=r"classes \[3\] have no sample in the calibration data"):
+        cal = make().fit(logits, labels)
+    out = cal(logits)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out.logsumexp(dim=1), torch.zeros(300), atol=1e-5)
+    raw = torch.softmax(logits, dim=1)[:, 3]
+    assert (out.exp()[:, 3] < raw).all()
+
+
+def test_missing_class_with_a_positive_prior_is_an_error():
+    logits, _ = good_data()
+    labels = torch.arange(N) % 2  # class 2 absent
+    priors = torch.tensor([0.3, 0.3, 0.4])
+    with pytest.raises(ValueError, match=r"classes \[2\] have a positive prior but no sample"):
+        F.cross_entropy(logits, labels, priors=priors)
+    with pytest.raises(ValueError, match=r"classes \[2\] have a positive prior but no sample"):
+        F.bayes_risk(logits, labels, F.zero_one_costs(K), priors=priors)
+    with pytest.raises(ValueError, match=r"classes \[2\] have a positive prior but no sample"):
+        with pytest.warns(UserWarning, match="no sample"):
+            torchcal.AffineCalibration().fit(logits, labels, priors=priors)
+    metric = metrics.CrossEntropy(num_classes=K, priors=priors)
+    metric.update(logits, labels)
+    with pytest.raises(ValueError, match=r"classes \[2\] have a positive prior but no sample"):
+        metric.compute()
+    # With prior 0 the class is simply left out.
+    assert torch.isfinite(F.cross_entropy(logits, labels, priors=torch.tensor([0.5, 0.5, 0.0])))
+
+
+# --------------------------------------------------------------------------- normalising by a naive system that is perfect
+@pytest.mark.parametrize("fn", [F.cross_entropy, F.brier_score], ids=["NCE", "NBS"])
+def test_normalised_score_of_a_single_class_is_an_error(fn):
+    """With one class (empirical priors) or a one-hot prior, the naive system is perfect and the
+    normalised score is undefined: it used to come back as -inf (NCE) or inf (NBS)."""
+    logits, _ = good_data()
+    labels = torch.zeros(N, dtype=torch.long)
+    with pytest.raises(ValueError, match="naive system.*score of 0.*normalised score is undefined"):
+        fn(logits, labels, normalize=True)
+    with pytest.raises(ValueError, match="naive system.*score of 0.*normalised score is undefined"):
+        fn(logits, labels, priors=torch.tensor([1.0, 0.0, 0.0]), normalize=True)
+    metric = (metrics.CrossEntropy if fn is F.cross_entropy else metrics.BrierScore)(num_classes=K, normalize=True)
+    metric.update(logits, labels)
+    with pytest.raises(ValueError, match="normalised score is undefined"):
+        metric.compute()
+    with pytest.raises(ValueError, match="normalised score is undefined"):
+        F.bootstrap(fn, logits, labels, num_replicates=5, normalize=True)
+    assert torch.isfinite(fn(logits, labels))  # the plain score is fine
+
+
+def test_normalised_expected_cost_of_a_free_naive_decision_is_an_error():
+    logits, _ = good_data()
+    labels = torch.zeros(N, dtype=torch.long)
+    with pytest.raises(ValueError, match="best naive decision has zero expected cost"):
+        F.bayes_risk(logits, labels, F.zero_one_costs(K), normalize=True)
+
+
+# --------------------------------------------------------------------------- probabilities
+@pytest.mark.parametrize(
+    "probs, pattern",
+    [
+        (torch.tensor([[0.5, 0.4], [0.5, 0.5]]), r"rows of probs must sum to one \(within 0.0001\); row 0 sums to 0.9"),
+        (torch.tensor([[0.7, 0.7], [0.5, 0.5]]), "row 0 sums to 1.4"),
+        (torch.tensor([[1.5, -0.5], [0.5, 0.5]]), r"must lie in \[0, 1\].*Did you pass logits"),
+        (torch.tensor([[0.5, 0.5], [0.5, 0.498]], dtype=torch.float16), r"within 0.001.*row 1"),
+        (torch.tensor([[0.5, float("nan")]]), "1 NaN"),
+        (torch.tensor([0.2, 0.8]), r"shape \(N, K\)"),
+    ],
+)
+def test_probabilities_that_are_not_probabilities(probs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        check_probs(probs)
+
+
+def test_probabilities_within_tolerance_pass():
+    probs = torch.tensor([[0.5, 0.50005], [0.25, 0.75]])
+    assert check_probs(probs) is probs
+
+
+def test_probability_file_whose_rows_do_not_sum_to_one(tmp_path):
+    path = tmp_path / "scores.npz"
+    np.savez(path, probs=np.array([[0.5, 0.4], [0.2, 0.8]]), labels=np.array([0, 1]))
+    with pytest.raises(ValueError, match="rows of probabilities must sum to one; row 0 sums to 0.9"):
+        load_scores(path)
+
+
+# --------------------------------------------------------------------------- priors
+BAD_PRIORS = [
+    (torch.tensor([0.5, 0.3, 0.1]), "priors must sum to one, got sum 0.9"),
+    (torch.tensor([0.6, 0.6, -0.2]), "priors must be finite and non-negative"),
+    (torch.tensor([0.5, float("nan"), 0.5]), "priors must be finite and non-negative"),
+    (torch.tensor([0.5, 0.5]), r"priors must have shape \(3,\) for K = 3 classes, got \(2,\)"),
+    (torch.full((1, 3), 1 / 3), r"priors must have shape \(3,\)"),
+    (torch.tensor([1, 2, 1]) / 4 * 100, "priors must sum to one, got sum 100; divide them by their sum"),
+]
+PRIOR_ENTRY_POINTS = {
+    "cross_entropy": lambda p: F.cross_entropy(*good_data(), priors=p),
+    "brier_score": lambda p: F.brier_score(*good_data(), priors=p),
+    "bayes_risk": lambda p: F.bayes_risk(*good_data(), F.zero_one_costs(K), priors=p),
+    "expected_cost": lambda p: F.expected_cost(good_data()[1], good_data()[1], F.zero_one_costs(K), priors=p),
+    "calibration_loss": lambda p: F.calibration_loss(good_data()[0], good_data()[0] / 2, good_data()[1], priors=p),
+    "CrossEntropy()": lambda p: metrics.CrossEntropy(num_classes=K, priors=p),
+    "BayesRisk()": lambda p: metrics.BayesRisk(F.zero_one_costs(K), priors=p),
+    "CalibrationLoss()": lambda p: metrics.CalibrationLoss(torchcal.TemperatureScaling(), num_classes=K, priors=p),
+    "AffineCalibration.fit": lambda p: torchcal.AffineCalibration().fit(*good_data(), priors=p),
+    "TemperatureScaling.fit": lambda p: torchcal.TemperatureScaling().fit(*good_data(), priors=p),
+}
+
+
+@pytest.mark.parametrize("entry", PRIOR_ENTRY_POINTS)
+@pytest.mark.parametrize("priors, pattern", BAD_PRIORS)
+def test_bad_priors(entry, priors, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        PRIOR_ENTRY_POINTS[entry](priors)
+
+
+# --------------------------------------------------------------------------- costs
+BAD_COSTS = [
+    (torch.tensor([[0.0, 1.0, -0.1], [1.0, 0.0, 0.5], [1.0, 1.0, 0.0]]), "costs must be non-negative; subtract each row's minimum"),
+    (torch.tensor([[0.0, 1.0], [1.0, 0.0], [1.0, float("inf")]]), "costs must be finite"),
+    (torch.tensor([[0.0, float("nan")], [1.0, 0.0], [1.0, 1.0]]), "costs must be finite"),
+    (F.zero_one_costs(2), r"costs must have shape \(K, M\) = \(3, M\).*got \(2, 2\)"),
+    (F.zero_one_costs(4), r"costs must have shape \(K, M\) = \(3, M\).*got \(4, 4\)"),
+    (torch.ones(3), r"costs must have shape \(K, M\) = \(3, M\).*got \(3,\)"),
+    (torch.ones(3, 0), r"got \(3, 0\)"),
+    (torch.ones(3, 3, 1), r"got \(3, 3, 1\)"),
+]
+COST_ENTRY_POINTS = {
+    "bayes_decisions": lambda c: F.bayes_decisions(good_data()[0], c),
+    "bayes_risk": lambda c: F.bayes_risk(*good_data(), c),
+    "expected_cost": lambda c: F.expected_cost(torch.zeros(N, dtype=torch.long), good_data()[1], c),
+    "BayesRisk().update": lambda c: metrics.BayesRisk(c).update(*good_data()),
+}
+
+
+def _cost_cases():
+    for costs, pattern in BAD_COSTS:
+        for entry in COST_ENTRY_POINTS:
+            # Without scores K is read off the cost matrix: see test_cost_matrix_for_another_k.
+            if not ("= \\(3, M\\)" in pattern and entry in ("expected_cost", "BayesRisk().update")):
+                yield pytest.param(entry, costs, pattern, id=f"{entry}-{tuple(costs.shape)}-{pattern[:20]}")
+
+
+@pytest.mark.parametrize("entry, costs, pattern", list(_cost_cases()))
+def test_bad_costs(entry, costs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        COST_ENTRY_POINTS[entry](costs)
+
+
+def test_cost_matrix_for_another_k():
+    """Where K is read off the cost matrix, a matrix for another K shows up as labels or scores
+    that do not fit it."""
+    logits, labels = good_data()
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 2\) for K = 2 classes"):
+        F.expected_cost(torch.zeros(N, dtype=torch.long), labels, F.zero_one_costs(2))
+    for k in (2, 4):
+        with pytest.raises(ValueError, match=f"logits has K = 3 classes but {k} were expected.*metric was built for"):
+            metrics.BayesRisk(F.zero_one_costs(k)).update(logits, labels)
+
+
+def test_decisions_outside_the_cost_matrix():
+    labels = good_data()[1]
+    with pytest.raises(ValueError, match=r"decisions must lie in \[0, 3\)"):
+        F.expected_cost(torch.full((N,), 3), labels, F.zero_one_costs(K))
+    with pytest.raises(ValueError, match="decisions must be an integer"):
+        F.expected_cost(torch.zeros(N), labels, F.zero_one_costs(K))
+    with pytest.raises(ValueError, match="abstain must be a non-negative cost"):
+        F.zero_one_costs(3, abstain=-0.5)
+    with pytest.raises(ValueError, match="num_classes must be at least 2"):
+        F.zero_one_costs(1)
+
+
+# --------------------------------------------------------------------------- cross-validation folds
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda z, y: torchcal.cross_validate(torchcal.AffineCalibration(), z, y, folds=5),
+        lambda z, y: F.cross_validated_calibration_loss(z, y, torchcal.AffineCalibration(), folds=5),
+        lambda z, y: torchcal.DirichletCalibration(reg="odir", cv_folds=5).fit(z, y),
+        lambda z, y: torchcal.MatrixScaling(reg="l2", cv_folds=5).fit(z, y),
+    ],
+    ids=["cross_validate", "cross_validated_calibration_loss", "dirichlet-cv", "matrix-cv"],
+)
+def test_fewer_samples_than_folds(call):
+    logits, labels = good_data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match="with 5 folds needs at least 5 samples, got N = 4"):
+            call(logits[:4], labels[:4])
+
+
+def test_fewer_samples_than_folds_in_the_streaming_calibration_loss():
+    logits, labels = good_data()
+    metric = metrics.CalibrationLoss(torchcal.TemperatureScaling(), num_classes=K, folds=5)
+    metric.update(logits[:2], labels[:2])
+    metric.update(logits[2:4], labels[2:4])
+    with pytest.raises(ValueError, match="with 5 folds needs at least 5 samples, got N = 4"):
+        metric.compute()
+
+
+def test_fold_counts_and_groups():
+    logits, labels = good_data()
+    with pytest.raises(ValueError, match="needs folds >= 2, got 1"):
+        torchcal.cross_validate(torchcal.AffineCalibration(), logits, labels, folds=1)
+    with pytest.raises(ValueError, match="2 groups cannot fill 3 folds"):
+        torchcal.cross_validate(torchcal.AffineCalibration(), logits, labels, folds=3, groups=torch.arange(N) % 2)
+    with pytest.raises(ValueError, match=r"groups must have shape \(12,\)"):
+        torchcal.cross_validate(torchcal.AffineCalibration(), logits, labels, folds=3, groups=torch.arange(5))
+    with pytest.warns(UserWarning, match="a class has only 2 samples, fewer than the 3 folds"):
+        torchcal.fit.fold_indices(torch.tensor([0, 0, 1, 1, 1, 1, 1]), folds=3)
+
+
+# --------------------------------------------------------------------------- options
+@pytest.mark.parametrize(
+    "call, error, pattern",
+    [
+        (lambda: F.bootstrap(F.cross_entropy, *good_data(), num_replicates=0), ValueError, "num_replicates must be a positive integer"),
+        (lambda: F.bootstrap(F.cross_entropy, *good_data(), confidence=1.0), ValueError, "confidence must lie strictly between 0 and 1"),
+        (lambda: F.expected_calibration_error(*good_data(), n_bins=True), ValueError, "n_bins must be a positive integer, got True"),
+        (lambda: F.entropic_calibration_difference(*good_data(), n_bins=0), ValueError, "n_bins must be a positive integer"),
+        (lambda: torchcal.AffineCalibration().fit(*good_data(), loss="hinge"), ValueError, r"loss must be one of \['brier', 'log'\]"),
+        (lambda: torchcal.HistogramBinning(n_bins=0), ValueError, "n_bins must be >= 1"),
+        (lambda: torchcal.IsotonicCalibration(eps=0.7), ValueError, r"eps must be in \(0, 0.5\)"),
+        (lambda: torchcal.MatrixScaling(reg="odir", reg_lambda=-1.0), ValueError, "reg_lambda must be >= 0"),
+        (lambda: F.calibration_loss(torch.tensor([[0.0, -1e4]]), torch.zeros(1, 2), torch.tensor([0])), ValueError, "needs a positive raw score"),
+        (lambda: check_logits(torch.zeros(2, 3), num_classes=4), ValueError, "K = 3 classes but 4 were expected"),
+    ],
+)
+def test_bad_options(call, error, pattern):
+    with pytest.raises(error, match=pattern):
+        call()
+
+
+def test_validators_never_modify_their_input():
+    logits, labels = good_data()
+    before = logits.clone(), labels.clone()
+    check_logits(logits)
+    check_labels(labels, N, K)
+    check_priors(torch.full((K,), 1 / K), K)
+    check_costs(F.zero_one_costs(K), K)
+    assert torch.equal(logits, before[0]) and torch.equal(labels, before[1])

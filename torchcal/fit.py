@@ -107,6 +107,14 @@ def minimize(
     return FitRecord(iterations, evaluations, float(loss.detach()), grad_max, converged, message)
 
 
+def _stalled(iteration: int, evaluations: int, loss: float, grad_max: float) -> FitRecord:
+    """The record of a Newton search that can no longer decrease the loss. Near the optimum that
+    is round-off (converged); with a large gradient it is a failure, reported so that callers fall
+    back to L-BFGS."""
+    converged = grad_max <= 1e-6
+    return FitRecord(iteration, evaluations, loss, grad_max, converged, "no further decrease" if converged else "line search failed")
+
+
 def newton(
     derivatives: Callable[[Tensor], tuple[Tensor, Tensor, Tensor]],
     objective: Callable[[Tensor], Tensor],
@@ -157,7 +165,10 @@ def newton(
         if grad_max <= tol_grad:
             return theta, FitRecord(iteration, evaluations, loss_value, grad_max, True, "gradient below tolerance")
         ridge = 1e-12 * hess.diagonal().abs().max()
-        step = torch.linalg.solve(hess + ridge * eye, -grad)
+        try:
+            step = torch.linalg.solve(hess + ridge * eye, -grad)
+        except torch.linalg.LinAlgError:  # no curvature at all (e.g. saturated scores): steepest descent
+            step = -grad
         new_loss, new_grad, new_hess = reduced_derivatives(theta + step)
         evaluations += 1
         # one host sync per iteration: the trial's loss and gradient, and the step's slope
@@ -170,13 +181,13 @@ def newton(
             trial_loss = float(reduced_objective(theta + t * step))
             evaluations += 1
         if t <= 1e-10:
-            return theta, FitRecord(iteration, evaluations, loss_value, grad_max, True, "no further decrease")
+            return theta, _stalled(iteration, evaluations, loss_value, grad_max)
         if t < 1.0:
             new_loss, new_grad, new_hess = reduced_derivatives(theta + t * step)
             evaluations += 1
             trial_loss, trial_grad_max = torch.stack([new_loss, new_grad.abs().max()]).tolist()
         if trial_loss >= loss_value and trial_grad_max >= grad_max:
-            return theta, FitRecord(iteration, evaluations, loss_value, grad_max, True, "no further decrease")
+            return theta, _stalled(iteration, evaluations, loss_value, grad_max)
         theta, grad, hess = theta + t * step, new_grad, new_hess
         loss_value, grad_max = trial_loss, trial_grad_max
     warnings.warn(f"Newton did not converge in {max_iter} iterations", ConvergenceWarning, stacklevel=4)

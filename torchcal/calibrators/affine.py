@@ -73,7 +73,8 @@ class AffineCalibration(Calibrator):
         theta, record = fit_linear_newton(
             AffineDesign(), features, labels, weights, start, max_iter=min(max_iter, 100), process_group=process_group
         )
-        if not theta[0] > 0:  # the unconstrained optimum flips the scores: keep alpha > 0 via L-BFGS on log(alpha)
+        if not (theta[0] > 0 and record.converged):
+            # The unconstrained optimum flips the scores, or Newton stalled: L-BFGS on log(alpha).
             return super()._fit(features, labels, weights, loss, max_iter, process_group)
         with torch.no_grad():
             self.log_alpha.copy_(theta[0].log())
@@ -130,6 +131,8 @@ class VectorScaling(Calibrator):
         theta, record = fit_linear_newton(
             VectorDesign(), features, labels, weights, start, max_iter=min(max_iter, 100), process_group=process_group
         )
+        if not record.converged:  # Newton stalled (degenerate curvature): the L-BFGS driver
+            return super()._fit(features, labels, weights, loss, max_iter, process_group)
         with torch.no_grad():
             self.weight.copy_(theta[:k])
             self.bias.copy_(theta[k:] - theta[k:].mean())  # softmax ignores a common shift: fix it

@@ -131,6 +131,8 @@ class MatrixScaling(Calibrator):
         theta, record = fit_linear_newton(
             FullDesign(), features, labels, weights, start, penalty, max_iter=min(max_iter, 100), process_group=process_group
         )
+        if not record.converged:  # Newton stalled (degenerate curvature): the L-BFGS driver
+            return Calibrator._fit(self, features, labels, weights, loss, max_iter, process_group)
         theta = theta.view(k, k + 1)
         with torch.no_grad():
             self.weight.copy_(theta[:, :k])

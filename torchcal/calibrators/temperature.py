@@ -91,7 +91,7 @@ def fit_inverse_temperature(
 
     Returns:
         ``(beta, record)``. ``beta == 0`` (``T = inf``) when the scores are not positively
-        related to the labels; ``beta`` at its upper limit (a row spread of 1e4 nats) when the
+        related to the labels; ``beta`` at its upper limit (1e4 nats across a median row) when the
         loss keeps falling up to it, i.e. the data are (all but) perfectly separable, every
         true-class logit the strict row maximum. Both cases warn.
     """
@@ -120,12 +120,17 @@ def fit_inverse_temperature(
         loss, grad, hess = all_reduce_(totals, process_group).tolist()
         return loss, grad, hess
 
-    # At beta = 0 the posteriors are uniform: the derivative needs no exponentials.
-    at_zero = torch.stack([sample_w.sum() * math.log(k), sample_w @ (logits.mean(1) - z_true).to(torch.float64)])
-    spread = (z_max - z_min).max().to(torch.float64)
-    loss, grad = all_reduce_(at_zero, process_group).tolist()
+    # At beta = 0 the posteriors are uniform: the derivative needs no exponentials. It is taken in
+    # float64 so that a constant classifier gives exactly 0 rather than float32 round-off.
+    exact = logits.to(torch.float64)
+    at_zero = torch.stack([
+        sample_w.sum() * math.log(k),
+        sample_w @ (exact.mean(1) - exact.gather(1, labels.unsqueeze(1)).squeeze(1)),
+        (sample_w * (z_max - z_min).to(torch.float64)).sum(),
+    ])
+    loss, grad, total_spread = all_reduce_(at_zero, process_group).tolist()
     evaluations = 1
-    if grad >= 0:
+    if grad >= 0 or total_spread == 0:
         warnings.warn(
             "the scores are not positively related to the labels, so the best temperature is "
             "infinite (uniform posteriors); check that logits and labels belong together.",
@@ -133,7 +138,11 @@ def fit_inverse_temperature(
             stacklevel=4,
         )
         return 0.0, FitRecord(0, evaluations, loss, abs(grad), True, "optimum at T = inf (beta = 0)")
-    beta_max = _MAX_SCALED_SPREAD / max(float(all_reduce_(spread, process_group, op="max")), 1e-300)
+    # The cap scales with a typical row's spread, not the largest: one saturated row must not stop
+    # the search short of an optimum that the other rows place at a low temperature.
+    spreads = (z_max - z_min)[z_max > z_min].to(torch.float64)
+    typical_spread = spreads.median() if spreads.numel() else spreads.new_zeros(())
+    beta_max = _MAX_SCALED_SPREAD / max(float(all_reduce_(typical_spread, process_group, op="max")), 1e-300)
 
     lo, hi, beta = 0.0, math.inf, min(1.0, beta_max)
     for iteration in range(1, max_iter + 1):

@@ -1,0 +1,112 @@
+"""Regression tests for solver bugs found by the property-based and degenerate-data tests:
+a saturated row capping the temperature (P1), a constant classifier sent to T -> 0 by float32
+round-off (P2), a stalled Newton search reported as converged (P3), and a singular Hessian
+raising out of ``fit`` (P4)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import torchcal
+from torchcal.functional import cross_entropy
+
+
+def _loss(cal, logits, labels):
+    with torch.no_grad():
+        return float(cross_entropy(cal(logits.double()), labels))
+
+
+# --------------------------------------------------------------------------- P1
+def test_one_saturated_row_does_not_cap_the_temperature_above_the_identity():
+    """fit_inverse_temperature caps beta at 1e4 / (largest row spread). One saturated row with a
+    spread of 2e4 nats caps beta at 0.5, i.e. T >= 2, even though the other 199 rows want T < 1:
+    the fit ends with a loss far above the identity map's (0.60 -> 0.78 here) and warns, wrongly,
+    that the data are "perfectly separable". The cap is only right for separable data; for other
+    data the optimum is finite and the bracket finds it (fix: apply beta_max only when every
+    true-class logit is the strict row maximum, as before, and start at beta = 1)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(200, 3, generator=gen, dtype=torch.float64)
+    labels = torch.distributions.Categorical(logits=3 * logits).sample()
+    logits[0] = torch.tensor([1e4, -1e4, 0.0])
+    labels[0] = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ts = torchcal.TemperatureScaling().fit(logits, labels)
+    identity = float(cross_entropy(logits, labels))
+    assert _loss(ts, logits, labels) <= identity
+    assert ts.temperature < 1  # over-confident by about 3 everywhere but one row
+
+
+# --------------------------------------------------------------------------- P2
+def test_constant_classifier_gives_an_infinite_temperature():
+    """A constant classifier (every logit the same) carries no information: T = inf, with the
+    "not positively related" warning (it does so for exact zeros). For other constants the
+    derivative at beta = 0 is computed as ``mean(logits) - z_true`` in float32, whose round-off
+    is a tiny negative number, and the Newton/doubling search then runs beta up to ~1e38: T =
+    2.9e-39, reported as converged, and NaN outputs for K = 10 (fix: compute the derivative at 0
+    in float64 and treat |grad| below round-off, or zero curvature, as no information)."""
+    failures = []
+    for dtype in (torch.float32, torch.float16):
+        for value in (-2.302585, 0.1, 1 / 3):
+            for k in (10, 100):
+                logits = torch.full((50, k), value, dtype=dtype)
+                labels = torch.arange(50) % k
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    ts = torchcal.TemperatureScaling().fit(logits, labels)
+                if not (torch.isfinite(ts(logits)).all() and (ts.temperature == math.inf or ts.temperature > 1e3)):
+                    failures.append((dtype, value, k, ts.temperature))
+    assert not failures
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_affine_on_a_constant_classifier_is_finite(dtype):
+    """The constant classifier again, now through AffineCalibration: it starts from the (broken,
+    see above) temperature, alpha = 3.4e38, which overflows in float32: every output is NaN."""
+    logits = torch.zeros(2, 10, dtype=dtype)
+    labels = torch.tensor([5, 7])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cal = torchcal.AffineCalibration().fit(logits, labels)
+    assert torch.isfinite(cal(logits)).all()
+
+
+# --------------------------------------------------------------------------- P3
+def test_a_fit_that_reports_convergence_has_a_small_gradient():
+    """fit.newton returns ``converged=True, "no further decrease"`` whenever its line search
+    fails (t <= 1e-10), whatever the gradient: here the gradient is 0.4, the loss stays at log 10
+    although the biases could bring it towards log 2, and nothing warns (fix: a failed line
+    search with a gradient above tolerance is non-convergence: ConvergenceWarning and
+    ``converged=False``, or a fallback to the L-BFGS driver)."""
+    logits = torch.zeros(2, 10, dtype=torch.float64)
+    labels = torch.tensor([5, 7])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cal = torchcal.AffineCalibration().fit(logits, labels)
+    record = cal.fit_record_
+    converged_warning = any(issubclass(w.category, torchcal.ConvergenceWarning) for w in caught)
+    assert (record.converged and record.grad_max < 1e-6) or (not record.converged and converged_warning), record
+
+
+# --------------------------------------------------------------------------- P4
+@pytest.mark.parametrize("make", [torchcal.AffineCalibration, torchcal.VectorScaling])
+def test_saturated_logits_do_not_crash_the_newton_fits(make):
+    """Saturated scores (one class at +1e4, the rest below -5e3) give a Hessian that is exactly
+    zero: ``ridge = 1e-12 * max|diag|`` is then 0 and ``torch.linalg.solve`` raises the internal
+    ``_LinAlgError: ... input matrix is singular`` out of ``fit`` (fix: a positive ridge floor, or
+    a gradient step / the L-BFGS driver when the solve fails)."""
+    n = 2
+    gen = torch.Generator().manual_seed(0)
+    logits = -1e4 * (0.5 + 0.5 * torch.rand(n, 10, generator=gen, dtype=torch.float64))
+    top = torch.randint(0, 10, (n,), generator=gen)
+    logits[torch.arange(n), top] = 1e4
+    labels = torch.randint(0, 10, (n,), generator=gen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cal = make().fit(logits, labels)
+    assert torch.isfinite(cal(logits)).all()
+    assert _loss(cal, logits, labels) <= float(cross_entropy(logits, labels))

@@ -23,8 +23,11 @@ __all__ = ["MatrixScaling", "DirichletCalibration", "DEFAULT_REG_GRID"]
 #: Hessian (a few dense solves) instead of L-BFGS, which crawls on these ill-conditioned problems.
 NEWTON_MAX_PARAMETERS = 1200
 
-#: Rows used to form the preconditioner of the L-BFGS path.
+#: Rows used to form the preconditioner of the L-BFGS path, and the largest preconditioner
+#: (K (K+1)^2 entries; 1 GiB in float64, K of about 500) before it falls back to plain L-BFGS.
 _PRECONDITIONER_ROWS = 8192
+_PRECONDITIONER_MAX_ENTRIES = 1 << 27
+_CHUNK_ELEMENTS = 1 << 22
 
 #: Regularisation strengths tried by cross-validation when none is given (mu = lambda). Wide on
 #: purpose: on the ResNet-110 CIFAR-10 logits the best ODIR lambda is about 10.
@@ -124,6 +127,8 @@ class MatrixScaling(Calibrator):
         k = features.shape[1]
         if loss != "log":
             return Calibrator._fit(self, features, labels, weights, loss, max_iter, process_group)
+        if k * (k + 1) ** 2 > _PRECONDITIONER_MAX_ENTRIES:
+            return Calibrator._fit(self, features, labels, weights, loss, max_iter, process_group)
         if k * (k + 1) > NEWTON_MAX_PARAMETERS:
             return self._fit_preconditioned_lbfgs(features, labels, weights, max_iter, process_group)
         start = torch.cat([self.weight.detach(), self.bias.detach().unsqueeze(1)], dim=1).flatten()
@@ -162,8 +167,14 @@ class MatrixScaling(Calibrator):
         sub, sub_w = augmented[rows], sample_w[rows] * (sample_w.sum() / sample_w[rows].sum())
         q = torch.softmax(sub @ theta.T, dim=1)
         curvature = sub_w.unsqueeze(1) * q * (1 - q)  # (n_sub, K)
-        blocks = all_reduce_(torch.einsum("nk,na,nb->kab", curvature, sub, sub), process_group)
-        del q, curvature
+        del q
+        step = max(1, _CHUNK_ELEMENTS // (k * (k + 1)))  # the einsum holds (rows, K, K+1)
+        blocks = sum(
+            torch.einsum("nk,na,nb->kab", curvature[i : i + step], sub[i : i + step], sub[i : i + step])
+            for i in range(0, sub.shape[0], step)
+        )
+        blocks = all_reduce_(blocks, process_group)
+        del curvature
         penalty = self._penalty_weights(k).to(features.device)
         blocks += torch.diag_embed(2 * penalty)  # P_k: (K, K+1, K+1)
         jitter = 1e-12 * blocks.diagonal(dim1=1, dim2=2).mean(1).view(k, 1, 1) * torch.eye(k + 1, dtype=features.dtype, device=features.device)

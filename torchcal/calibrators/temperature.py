@@ -122,10 +122,9 @@ def fit_inverse_temperature(
 
     # At beta = 0 the posteriors are uniform: the derivative needs no exponentials. It is taken in
     # float64 so that a constant classifier gives exactly 0 rather than float32 round-off.
-    exact = logits.to(torch.float64)
     at_zero = torch.stack([
         sample_w.sum() * math.log(k),
-        sample_w @ (exact.mean(1) - exact.gather(1, labels.unsqueeze(1)).squeeze(1)),
+        sample_w @ (logits.mean(1, dtype=torch.float64) - z_true.to(torch.float64)),
         (sample_w * (z_max - z_min).to(torch.float64)).sum(),
     ])
     loss, grad, total_spread = all_reduce_(at_zero, process_group).tolist()

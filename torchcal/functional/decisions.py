@@ -90,7 +90,11 @@ def bayes_decisions(logits: Tensor, costs: Tensor) -> Tensor:
     """
     logits = check_logits(logits)
     costs = check_costs(costs, logits.shape[1], device=logits.device)
-    return (torch.softmax(logits, dim=1, dtype=torch.float64) @ costs).argmin(dim=1)
+    risk = torch.softmax(logits, dim=1, dtype=torch.float64) @ costs
+    # The round-off of the product can split exact ties (tied low-precision logits) either way:
+    # decisions within it of the minimum are tied, and the lowest index among them is taken.
+    slack = logits.shape[1] * torch.finfo(torch.float64).eps * risk.abs().amax(dim=1, keepdim=True)
+    return (risk <= risk.amin(dim=1, keepdim=True) + slack).to(torch.uint8).argmax(dim=1)
 
 
 def expected_cost_from_class_sums(

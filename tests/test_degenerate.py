@@ -1,0 +1,231 @@
+"""Degenerate fits and data: perfectly separable data, a constant classifier, a binary task given
+as one column, a single sample per class, one sample in all, and the iteration cap. Each has a
+defined result or a clear error, never a hang; an optimiser that stops at its cap says so with a
+ConvergenceWarning and in the fitted module's ``fit_record_``.
+
+(tests/test_calibrators.py already covers separable and anti-informative data for temperature
+scaling, and a single class present, for every calibrator.)
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from functools import partial
+
+import pytest
+import torch
+
+import torchcal
+import torchcal.functional as F
+from torchcal.data import binary_scores_to_logits
+
+#: No fit of a few hundred samples may take longer than this, even on a loaded CI machine.
+NO_HANG_SECONDS = 60.0
+
+MULTICLASS = {
+    "temperature": torchcal.TemperatureScaling,
+    "affine": torchcal.AffineCalibration,
+    "affine-no-bias": partial(torchcal.AffineCalibration, bias=False),
+    "vector": torchcal.VectorScaling,
+    "matrix": torchcal.MatrixScaling,
+    "matrix-odir": partial(torchcal.MatrixScaling, reg="odir", reg_lambda=0.1),
+    "dirichlet": torchcal.DirichletCalibration,
+    "dirichlet-l2": partial(torchcal.DirichletCalibration, reg="l2", reg_lambda=0.1),
+    "histogram": torchcal.HistogramBinning,
+    "isotonic": torchcal.IsotonicCalibration,
+}
+BINARY = {"platt": torchcal.PlattScaling, "beta": torchcal.BetaCalibration}
+ORDER_PRESERVING = ("temperature", "affine", "affine-no-bias", "platt")
+
+
+def timed_fit(make, logits, labels, **options):
+    """Fit, recording the warnings; fails if the fit takes longer than NO_HANG_SECONDS."""
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cal = make().fit(logits, labels, **options)
+    assert time.perf_counter() - start < NO_HANG_SECONDS
+    return cal, [w for w in caught]
+
+
+def ce(logits, labels):
+    with torch.no_grad():
+        return float(F.cross_entropy(logits, labels))
+
+
+# --------------------------------------------------------------------------- perfectly separable
+def separable(k=3, per_class=40, margin=3.0):
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.arange(k).repeat(per_class)
+    logits = torch.randn(k * per_class, k, generator=gen, dtype=torch.float64).clamp(-1, 1)
+    logits[torch.arange(labels.shape[0]), labels] += margin  # the true class always wins by >= 1
+    return logits, labels
+
+
+@pytest.mark.parametrize("name", sorted(MULTICLASS) + sorted(BINARY))
+def test_perfectly_separable_data(name):
+    """Defined result: the fit drives the loss towards its infimum 0 (finite parameters, finite
+    outputs that keep every sample's class the most probable), and reports what happened."""
+    make = {**MULTICLASS, **BINARY}[name]
+    logits, labels = separable(k=2 if name in BINARY else 3)
+    cal, caught = timed_fit(make, logits, labels)
+    with torch.no_grad():
+        out = cal(logits)
+    assert torch.isfinite(out).all()
+    if name not in ("histogram", "isotonic"):  # their step maps have +-inf outer edges by design
+        assert all(torch.isfinite(t).all() for t in cal.state_dict().values() if torch.is_tensor(t))
+    assert cal.fit_record_ is not None
+    if name != "histogram":  # a bin can hold samples of two classes
+        assert torch.equal(out.argmax(dim=1), labels)
+    if name in ("histogram", "isotonic", "matrix-odir", "dirichlet-l2"):  # smoothed, clipped or regularised
+        assert ce(out, labels) < ce(logits, labels)
+    else:
+        assert ce(out, labels) < 1e-3 * ce(logits, labels)
+    if name == "temperature":
+        assert not cal.fit_record_.converged
+        assert any(issubclass(w.category, torchcal.ConvergenceWarning) and "separable" in str(w.message) for w in caught)
+
+
+# --------------------------------------------------------------------------- a constant classifier
+@pytest.mark.parametrize("name", sorted(MULTICLASS))
+def test_constant_classifier(name):
+    """Every sample gets the same scores: the best any calibrator can do is output the class
+    frequencies, and those with free biases do, exactly. Temperature scaling can only sharpen or
+    flatten the one score vector: it stops where the expected score under the output equals the
+    mean score of the true classes (its first-order condition)."""
+    labels = torch.tensor([0] * 30 + [1] * 60 + [2] * 10)
+    logits = torch.tensor([[2.0, 0.5, -1.0]], dtype=torch.float64).expand(100, 3).contiguous()
+    cal, caught = timed_fit(MULTICLASS[name], logits, labels)
+    with torch.no_grad():
+        probs = cal(logits).exp()
+    assert torch.isfinite(probs).all()
+    assert torch.allclose(probs, probs[:1].expand_as(probs))  # still constant
+    frequencies = torch.tensor([0.3, 0.6, 0.1], dtype=torch.float64)
+    if name in ("affine", "vector", "matrix", "dirichlet"):
+        torch.testing.assert_close(probs[0], frequencies, atol=1e-6, rtol=0)
+    elif name in ("temperature", "affine-no-bias"):
+        features = logits[0] if name == "temperature" else logits[0].log_softmax(dim=0)
+        assert (probs[0] @ features).item() == pytest.approx((frequencies @ features).item(), abs=1e-8)
+        assert cal.fit_record_.converged
+    else:  # regularised maps, histogram and isotonic move towards the frequencies
+        assert ce(cal(logits).detach(), labels) < ce(logits, labels)
+
+
+def test_all_scores_equal_and_zero():
+    """Exactly equal scores (e.g. a network that outputs zeros): uniform posteriors, T = inf."""
+    logits, labels = torch.zeros(12, 4, dtype=torch.float64), torch.arange(12) % 4
+    with pytest.warns(torchcal.ConvergenceWarning, match="not positively related"):
+        ts = torchcal.TemperatureScaling().fit(logits, labels)
+    assert ts.temperature == float("inf")
+    torch.testing.assert_close(ts(logits).exp(), torch.full((12, 4), 0.25, dtype=torch.float64))
+    assert F.expected_calibration_error(logits, labels).item() == pytest.approx(0.0, abs=1e-15)  # 25 % right at 0.25
+    assert F.error_rate(logits, labels).item() == pytest.approx(0.75)  # ties go to class 0
+
+
+# --------------------------------------------------------------------------- K = 2 given as one column
+def test_binary_task_given_as_one_column():
+    gen = torch.Generator().manual_seed(2)
+    p = torch.rand(200, generator=gen, dtype=torch.float64) * 0.98 + 0.01
+    labels = torch.bernoulli(p**2, generator=gen).long()
+    for column in (p, p.unsqueeze(1)):
+        for call in (
+            lambda: torchcal.PlattScaling().fit(column, labels),
+            lambda: F.cross_entropy(column, labels),
+            lambda: F.expected_calibration_error(column, labels, kind="binary"),
+        ):
+            with pytest.raises(ValueError, match="binary_scores_to_logits"):
+                call()
+    logits = binary_scores_to_logits(p)
+    assert torch.allclose(logits.softmax(dim=1)[:, 1], p)
+    platt = torchcal.PlattScaling().fit(logits, labels)
+    assert ce(platt(logits).detach(), labels) < ce(logits, labels)
+    llr = binary_scores_to_logits(torch.logit(p), kind="llr")
+    assert torch.allclose(llr.softmax(dim=1), logits.softmax(dim=1))
+    with pytest.raises(ValueError, match="probabilities must lie in \\[0, 1\\].*LLRs"):
+        binary_scores_to_logits(torch.logit(p))
+
+
+# --------------------------------------------------------------------------- one sample per class
+@pytest.mark.parametrize("name", sorted(MULTICLASS))
+def test_single_sample_per_class(name):
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 4, generator=gen, dtype=torch.float64)
+    labels = torch.arange(4)
+    cal, caught = timed_fit(MULTICLASS[name], logits, labels)
+    with torch.no_grad():
+        out = cal(torch.cat([logits, 50 * torch.randn(20, 4, generator=gen, dtype=torch.float64)]))
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out.logsumexp(dim=1), torch.zeros(24, dtype=torch.float64), atol=1e-9)
+    if name in ("matrix", "dirichlet"):
+        assert any("over-fit" in str(w.message) for w in caught)  # 4 samples, 20 parameters
+
+
+def test_single_sample_per_class_in_cross_validation():
+    logits = torch.randn(3, 3, dtype=torch.float64)
+    labels = torch.arange(3)
+    with pytest.warns(UserWarning, match="a class has only 1 samples, fewer than the 3 folds"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torchcal.ConvergenceWarning)
+            warnings.filterwarnings("ignore", "classes .* have no sample")  # each training fold misses one
+            out = torchcal.cross_validate(torchcal.TemperatureScaling(), logits, labels, folds=3)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("name", sorted(MULTICLASS))
+def test_one_sample(name):
+    logits, labels = torch.tensor([[0.3, -1.0, 2.0]], dtype=torch.float64), torch.tensor([1])
+    cal, caught = timed_fit(MULTICLASS[name], logits, labels)
+    assert torch.isfinite(cal(logits)).all()
+    assert any("have no sample in the calibration data" in str(w.message) for w in caught)
+
+
+def test_metrics_of_one_sample_and_more_bins_than_samples():
+    logits, labels = torch.tensor([[0.0, 1.0]], dtype=torch.float64), torch.tensor([1])
+    confidence = torch.sigmoid(torch.tensor(1.0, dtype=torch.float64)).item()
+    for strategy in ("uniform", "quantile"):
+        assert F.expected_calibration_error(logits, labels, 1000, strategy).item() == pytest.approx(1 - confidence)
+    assert F.signed_calibration_error(logits, labels).item() == pytest.approx(1 - confidence)
+    with pytest.raises(ValueError, match="normalised score is undefined"):
+        F.cross_entropy(logits, labels, normalize=True)
+    # Quantile bins of identical scores: all in one bin, the others empty (not NaN).
+    tied = torch.zeros(10, 3, dtype=torch.float64)
+    bins = F.reliability_bins(tied, torch.arange(10) % 3, n_bins=4, strategy="quantile")
+    assert bins.counts.sum().item() == 10 and torch.isfinite(bins.mean_score).all()
+
+
+# --------------------------------------------------------------------------- the iteration cap
+def hard_problem(k=4, n=400):
+    gen = torch.Generator().manual_seed(4)
+    latent = torch.randn(n, k, generator=gen, dtype=torch.float64)
+    labels = torch.distributions.Categorical(logits=latent).sample()
+    return 5 * latent + torch.linspace(-2, 2, k, dtype=torch.float64), labels
+
+
+@pytest.mark.parametrize(
+    "name, make, options",
+    [
+        ("temperature (Newton on 1/T)", torchcal.TemperatureScaling, {}),
+        ("temperature (L-BFGS, Brier)", torchcal.TemperatureScaling, {"loss": "brier"}),
+        ("affine (Newton)", torchcal.AffineCalibration, {}),
+        ("vector (Newton)", torchcal.VectorScaling, {}),
+        ("dirichlet (Newton)", torchcal.DirichletCalibration, {}),
+        ("matrix (L-BFGS, Brier)", torchcal.MatrixScaling, {"loss": "brier"}),
+        ("beta (L-BFGS)", torchcal.BetaCalibration, {}),
+    ],
+)
+def test_iteration_cap_is_reported(name, make, options):
+    logits, labels = hard_problem()
+    if make is torchcal.BetaCalibration:
+        logits, labels = logits[:, :2], (labels > 1).long()
+    with pytest.warns(torchcal.ConvergenceWarning, match="did not converge"):
+        cal = make().fit(logits, labels, max_iter=1, **options)
+    record = cal.fit_record_
+    assert not record.converged
+    assert record.iterations <= 1
+    assert "iteration cap" in record.message
+    assert torch.isfinite(cal(logits)).all()
+    # Given room, the same fit converges and says so.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchcal.ConvergenceWarning)
+        assert make().fit(logits, labels, **options).fit_record_.converged

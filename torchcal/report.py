@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
@@ -479,7 +480,9 @@ def load_calibrator(path: str | Path) -> tuple[str, Calibrator]:
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {path}")
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about the pickle protocol of a bad file
+            warnings.simplefilter("ignore")
+            saved = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises many exception types for a bad file
         raise ValueError(f"{path}: not a readable torch file ({type(err).__name__}).") from None
     if not isinstance(saved, dict) or saved.get("format") != _FORMAT:

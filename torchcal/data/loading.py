@@ -24,6 +24,9 @@ are LLRs, and otherwise the caller must choose. :attr:`Scores.read_as` records w
 from __future__ import annotations
 
 import csv
+import math
+import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -160,6 +163,8 @@ def load_scores(
             logits = check_logits(logits)
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
+    except MemoryError as err:  # a format whose size cannot be checked before reading
+        raise ValueError(f"{path}: too large to load into memory ({err}).") from None
     source = str(path) if split == "test" else f"{path} ({split} split)"
     return Scores(logits=logits, labels=labels, read_as=read_as, source=source)
 
@@ -187,9 +192,14 @@ def _read(path: Path, labels_path: str | Path | None, split: str) -> tuple[Any, 
     if suffix == ".npz":
         try:
             with np.load(path, allow_pickle=False) as f:
+                for member in f.zip.namelist():
+                    with f.zip.open(member) as stream:
+                        _check_size(stream, f"the array {member!r}")
                 found = {k: f[k] for k in f.files}
-        except (OSError, ValueError) as err:
-            raise ValueError(f"not a readable .npz file ({err}).") from None
+        except _TooLarge:
+            raise
+        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
+            raise ValueError(f"not a readable .npz file ({str(err) or type(err).__name__}).") from None
         return _from_mapping(found, given, suffix="" if split == "test" else f"_{split}")
     if suffix in (".pt", ".pth"):
         return _from_torch(path, given)
@@ -218,11 +228,18 @@ def _from_mapping(found: dict[str, Any], given: Any, suffix: str = ""):
     return found[key + suffix], labels, "auto" if kind == "logits" else kind, missing
 
 
-def _from_torch(path: Path, given: Any):
+def _torch_load(path: Path) -> Any:
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about the pickle protocol of a bad file
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises many exception types for a bad file
-        raise ValueError(f"not a readable torch file ({type(err).__name__}: {err}).") from None
+        first_line = (str(err).strip().splitlines() or [""])[0]  # some span many lines
+        raise ValueError(f"not a readable torch file ({type(err).__name__}: {first_line}).") from None
+
+
+def _from_torch(path: Path, given: Any):
+    obj = _torch_load(path)
     if isinstance(obj, dict):
         return _from_mapping(obj, given)
     if isinstance(obj, (tuple, list)) and len(obj) == 2:
@@ -233,10 +250,64 @@ def _from_torch(path: Path, given: Any):
 
 
 def _load_array(path: Path) -> np.ndarray:
+    with path.open("rb") as stream:
+        _check_size(stream, "the array")
     try:
         return np.load(path, allow_pickle=False)
     except (OSError, ValueError) as err:
         raise ValueError(f"not a readable .npy file ({err}).") from None
+
+
+#: Scores are loaded only if the array, plus two float64 working copies of it, fits in the
+#: memory available; larger files are refused before they are read.
+WORKING_COPIES = 2
+
+
+def _available_memory() -> Optional[int]:
+    """Bytes of memory available to new allocations (Linux ``MemAvailable``), None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _size(num_bytes: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if num_bytes < 1024 or unit == "TiB":
+            return f"{num_bytes:.3g} {unit}"
+        num_bytes /= 1024
+    raise AssertionError  # unreachable
+
+
+class _TooLarge(ValueError):
+    """An array that would not fit in memory."""
+
+
+def _check_size(stream: Any, what: str) -> None:
+    """Refuse an ``.npy`` array too large for the memory, from its header alone.
+
+    Leaves ``stream`` wherever the header ends; a stream that is not an ``.npy`` header, or whose
+    header cannot be read, is left to the loader to report.
+    """
+    readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+    try:
+        shape, _, dtype = readers[np.lib.format.read_magic(stream)](stream)
+    except (KeyError, ValueError, OSError, EOFError):
+        return
+    count = math.prod(shape)
+    stored = count * dtype.itemsize
+    needed = stored + WORKING_COPIES * 8 * count
+    available = _available_memory()
+    if available is not None and needed > available:
+        raise _TooLarge(
+            f"{what} of shape {shape} ({_size(stored)} of {dtype}) is too large: evaluating it needs about "
+            f"{_size(needed)} of memory and {_size(available)} is available. Evaluate a subset, or stream "
+            f"it through the torchcal.metrics classes in batches."
+        )
 
 
 def _load_labels(path: str | Path) -> Any:
@@ -244,10 +315,11 @@ def _load_labels(path: str | Path) -> Any:
     if not path.is_file():
         raise FileNotFoundError(f"no such labels file: {path}")
     suffix = path.suffix.lower()
-    if suffix == ".npy":
-        return _load_array(path)
-    if suffix in (".pt", ".pth"):
-        return torch.load(path, map_location="cpu", weights_only=True)
+    if suffix in (".npy", ".pt", ".pth"):
+        try:
+            return _load_array(path) if suffix == ".npy" else _torch_load(path)
+        except ValueError as err:
+            raise ValueError(f"labels file {path}: {err}") from None
     if suffix in (".csv", ".txt"):
         try:
             return np.loadtxt(path, delimiter="," if suffix == ".csv" else None, ndmin=1)
@@ -274,7 +346,15 @@ def _read_csv(path: Path) -> tuple[np.ndarray, Optional[np.ndarray]]:
     header = [name.strip() for name in rows[0]]
     if all(_is_number(cell) for cell in header):
         raise ValueError("a CSV file needs a header row naming its columns, with one column 'label'.")
+    if not any(rows[1:]):
+        raise ValueError("the CSV file has a header but no rows of scores.")
     label_cols = [i for i, name in enumerate(header) if name.lower() in _CSV_LABEL_COLUMNS]
+    short = next((i for i, row in enumerate(rows[1:], start=2) if row and len(row) != len(header)), None)
+    if short is not None:  # before parsing: a ragged table fails there with a misleading message
+        raise ValueError(
+            f"every CSV row must have {len(header)} cells, like the header; line {short} has "
+            f"{len(rows[short - 1])} (is the file truncated?)."
+        )
     try:
         table = np.array([[float(cell) for cell in row] for row in rows[1:] if row], dtype=np.float64)
     except ValueError as err:

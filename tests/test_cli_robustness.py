@@ -1,0 +1,244 @@
+"""The command line on corrupted or truncated files, wrong keys and huge files: every case ends
+with exit code 2 and one line ``torchcal: error: ...`` that names the file and the problem; never
+a traceback, never an attempt to load more than the memory holds.
+
+(tests/test_cli.py covers the basic bad options and a few bad files; these are the broken ones.)
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from torchcal.cli import main
+
+N, K = 60, 3
+
+
+def good_arrays():
+    rs = np.random.RandomState(0)
+    labels = rs.randint(K, size=N)
+    logits = rs.standard_normal((N, K)).astype(np.float32)
+    logits[np.arange(N), labels] += 2
+    return logits, labels
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(capsys, argv, *fragments):
+    code, out, err = run(capsys, *argv)
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("torchcal: error: "), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+def npz_bytes(**arrays) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def npy_bytes(array) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def pt_bytes(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def huge_npy_header(shape, descr="<f4") -> bytes:
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, {"descr": descr, "fortran_order": False, "shape": shape})
+    return buffer.getvalue()
+
+
+LOGITS, LABELS = good_arrays()
+GOOD_NPZ = npz_bytes(logits=LOGITS, labels=LABELS)
+GOOD_PT = pt_bytes({"logits": torch.from_numpy(LOGITS), "labels": torch.from_numpy(LABELS)})
+GOOD_CSV = "c0,c1,c2,label\n" + "\n".join(",".join(f"{v:.6f}" for v in row) + f",{y}" for row, y in zip(LOGITS, LABELS)) + "\n"
+
+
+class Evil:
+    """Unpickling this runs code: a weights_only load must refuse it."""
+
+    def __reduce__(self):
+        return (print, ("pwned",))
+
+
+# (file name, content, fragments the one-line message must contain)
+CORRUPT_SCORES = [
+    ("truncated.npz", GOOD_NPZ[: len(GOOD_NPZ) // 2], ["truncated.npz", "not a readable .npz file"]),
+    ("garbage.npz", b"\x00\x01garbage" * 50, ["garbage.npz", "not a readable .npz file"]),
+    ("empty.npz", b"", ["empty.npz", "not a readable .npz file"]),
+    ("truncated.npy", npy_bytes(LOGITS)[:-40], ["truncated.npy", "not a readable .npy file"]),
+    ("garbage.npy", b"not numpy at all", ["garbage.npy", "not a readable .npy file"]),
+    ("object.npy", npy_bytes(np.array([{"a": 1}, None], dtype=object)), ["object.npy", "not a readable .npy file"]),
+    ("truncated.pt", GOOD_PT[: len(GOOD_PT) // 2], ["truncated.pt", "not a readable torch file"]),
+    ("garbage.pt", b"\x80\x04garbage", ["garbage.pt", "not a readable torch file"]),
+    ("pickled-code.pt", pickle.dumps(Evil()), ["pickled-code.pt", "not a readable torch file"]),
+    ("truncated.csv", GOOD_CSV[: GOOD_CSV.index(",", len(GOOD_CSV) // 2)].encode(), ["truncated.csv", "every CSV row must have 4 cells"]),
+    ("cut-mid-cell.csv", GOOD_CSV[: GOOD_CSV.index(",", len(GOOD_CSV) // 2) + 1].encode(), ["cut-mid-cell.csv", "every CSV cell after the header must be a number"]),
+    ("binary.csv", b"c0,c1,label\n\xff\xfe\x00\x81,1,0\n", ["binary.csv"]),
+    ("header-only.csv", b"c0,c1,c2,label\n", ["header-only.csv", "has a header but no rows of scores"]),
+    ("text-cells.csv", b"c0,c1,label\n0.1,abc,1\n", ["text-cells.csv", "must be a number"]),
+    ("unsupported.h5", b"\x89HDF\r\n\x1a\n", ["unsupported file type '.h5'"]),
+]
+
+
+@pytest.mark.parametrize("name, content, fragments", CORRUPT_SCORES, ids=[c[0] for c in CORRUPT_SCORES])
+@pytest.mark.parametrize("command", ["evaluate", "calibrate", "apply"])
+def test_corrupted_or_truncated_scores_file(name, content, fragments, command, tmp_path, capsys):
+    path = tmp_path / name
+    path.write_bytes(content)
+    if command == "evaluate":
+        argv = ["evaluate", path, "--out", tmp_path / "report", "--quiet"]
+    elif command == "calibrate":
+        argv = ["calibrate", path, "--method", "temperature", "--save", tmp_path / "head.pt", "--quiet"]
+    else:
+        good = tmp_path / "good.npz"
+        good.write_bytes(GOOD_NPZ)
+        assert run(capsys, "calibrate", good, "--method", "temperature", "--save", tmp_path / "head.pt", "--quiet")[0] == 0
+        argv = ["apply", tmp_path / "head.pt", path, "--out", tmp_path / "out.npz", "--quiet"]
+    assert_one_line_error(capsys, argv, *fragments)
+    assert not (tmp_path / "out.npz").exists() and not (tmp_path / "report").exists()
+
+
+# --------------------------------------------------------------------------- wrong keys and contents
+WRONG_CONTENT = [
+    ("typo-key.npz", npz_bytes(logit=LOGITS, labels=LABELS), ["no scores found: expected a key 'logits'", "found keys ['labels', 'logit']"]),
+    ("label-key.npz", npz_bytes(logits=LOGITS, label=LABELS), ["no labels found: expected a key 'labels'", "'label'"]),
+    ("wrong-keys.pt", pt_bytes({"scores": torch.from_numpy(LOGITS), "y": torch.from_numpy(LABELS)}), ["no scores found"]),
+    ("list.pt", pt_bytes([1, 2, 3]), ["expected a dict, a (scores, labels) pair or a tensor, got list"]),
+    ("strings.npz", npz_bytes(logits=np.array([["a", "b"], ["c", "d"]]), labels=np.array([0, 1])), ["scores must be a non-empty (N, K) or (N,) array of numbers"]),
+    ("three-d.npz", npz_bytes(logits=np.zeros((4, 2, 2)), labels=np.arange(4) % 2), ["shape (4, 2, 2)"]),
+    ("empty-logits.npz", npz_bytes(logits=np.zeros((0, 3)), labels=np.zeros(0, dtype=int)), ["non-empty"]),
+    ("inf.npz", npz_bytes(logits=np.where(np.arange(N * K).reshape(N, K) == 5, np.inf, LOGITS), labels=LABELS), ["1 NaN or infinite values"]),
+    ("float-labels.npz", npz_bytes(logits=LOGITS, labels=LABELS + 0.5), ["labels must be whole numbers"]),
+    ("nan-labels.npz", npz_bytes(logits=LOGITS, labels=np.where(np.arange(N) == 3, np.nan, LABELS)), ["labels contain NaN"]),
+    ("onehot-labels.npz", npz_bytes(logits=LOGITS, labels=np.eye(K)[LABELS]), [r"labels must have shape (N,)"]),
+    ("short-labels.npz", npz_bytes(logits=LOGITS, labels=LABELS[:-1]), ["labels has 59 entries but the scores have N = 60"]),
+    ("bad-probs.npz", npz_bytes(probs=np.full((N, K), 0.5), labels=LABELS), ["rows of probabilities must sum to one; row 0 sums to 1.5"]),
+    ("negative-probs.npz", npz_bytes(probs=np.tile([1.5, -0.5, 0.0], (N, 1)), labels=LABELS), ["must lie in [0, 1]"]),
+]
+
+
+@pytest.mark.parametrize("name, content, fragments", WRONG_CONTENT, ids=[c[0] for c in WRONG_CONTENT])
+def test_wrong_keys_and_contents(name, content, fragments, tmp_path, capsys):
+    path = tmp_path / name
+    path.write_bytes(content)
+    assert_one_line_error(capsys, ["evaluate", path, "--out", tmp_path / "report", "--quiet"], name, *fragments)
+
+
+def test_broken_labels_file(tmp_path, capsys):
+    scores = tmp_path / "scores.npy"
+    np.save(scores, LOGITS)
+    truncated = tmp_path / "labels.npy"
+    truncated.write_bytes(npy_bytes(LABELS)[:-17])
+    assert_one_line_error(capsys, ["evaluate", scores, "--out", tmp_path / "o", "--quiet"], "scores.npy: labels file", "labels.npy: not a readable .npy file")
+    garbage = tmp_path / "labels.pt"
+    garbage.write_bytes(b"garbage")
+    assert_one_line_error(capsys, ["evaluate", scores, "--labels", garbage, "--out", tmp_path / "o"], "labels file", "labels.pt: not a readable torch file")
+    text = tmp_path / "y.txt"
+    text.write_text("0\n1\nfoo\n")
+    assert_one_line_error(capsys, ["evaluate", scores, "--labels", text, "--out", tmp_path / "o"], "y.txt", "labels must be one number per line")
+    assert_one_line_error(capsys, ["evaluate", scores, "--labels", tmp_path / "none.npy", "--out", tmp_path / "o"], "no such labels file")
+
+
+def test_broken_calibrator_file(tmp_path, capsys):
+    good = tmp_path / "scores.npz"
+    good.write_bytes(GOOD_NPZ)
+    head = tmp_path / "head.pt"
+    assert run(capsys, "calibrate", good, "--method", "affine", "--save", head, "--quiet")[0] == 0
+    content = head.read_bytes()
+    cases = [
+        (content[: len(content) // 2], ["truncated.pt", "not a readable torch file"]),
+        (pt_bytes({"weight": torch.ones(3)}), ["not a calibrator saved by torchcal"]),
+        (pt_bytes(torch.ones(3)), ["not a calibrator saved by torchcal"]),
+        (pickle.dumps(Evil()), ["not a readable torch file"]),
+    ]
+    for content_, fragments in cases:
+        broken = tmp_path / "truncated.pt"
+        broken.write_bytes(content_)
+        assert_one_line_error(capsys, ["apply", broken, good, "--out", tmp_path / "out.npz"], *fragments)
+    wider = tmp_path / "wider.npz"
+    wider.write_bytes(npz_bytes(logits=np.zeros((5, K + 1)), labels=np.arange(5) % (K + 1)))
+    assert_one_line_error(capsys, ["apply", head, wider, "--out", tmp_path / "out.npz"], "4 classes, but the calibrator was fitted on 3")
+    assert not (tmp_path / "out.npz").exists()
+
+
+def test_broken_config_and_cost_files(tmp_path, capsys):
+    good = tmp_path / "scores.npz"
+    good.write_bytes(GOOD_NPZ)
+    config = tmp_path / "bad.yaml"
+    config.write_text("methods: [temperature\n  cv: 3")
+    assert_one_line_error(capsys, ["evaluate", good, "--config", config, "--out", tmp_path / "o"], "bad.yaml", "not valid YAML")
+    config.write_text(yaml.safe_dump({"methods": ["temperature"], "folds": 3}))
+    assert_one_line_error(capsys, ["evaluate", good, "--config", config, "--out", tmp_path / "o"], "unknown config keys ['folds']")
+    costs = tmp_path / "costs.csv"
+    for content, fragment in [
+        ("0,1\n1,0\n", "costs must have shape (K, M) = (3, M)"),
+        ("0,1,1\n1,0,-1\n1,1,0\n", "costs must be non-negative"),
+        ("0,1,x\n1,0,1\n1,1,0\n", "not a readable cost matrix"),
+    ]:
+        costs.write_text(content)
+        assert_one_line_error(capsys, ["evaluate", good, "--costs", costs, "--bootstrap", "0", "--out", tmp_path / "o", "--quiet"], fragment)
+
+
+# --------------------------------------------------------------------------- huge files
+@pytest.mark.parametrize("suffix", [".npy", ".npz"])
+def test_huge_file_is_refused_before_it_is_read(suffix, tmp_path, capsys):
+    """A scores array larger than the memory (here 10^12 x 10 float32, 37 TiB by its header) is
+    refused with one line saying how large it is, instead of a MemoryError traceback (or, for
+    arrays that just fit, a run that the out-of-memory killer ends without a word)."""
+    header = huge_npy_header((10**12, 10))
+    path = tmp_path / f"huge{suffix}"
+    if suffix == ".npy":
+        path.write_bytes(header)
+    else:
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("logits.npy", header)
+            z.writestr("labels.npy", npy_bytes(np.zeros(3, dtype=np.int64)))
+    labels = tmp_path / "labels.npy"
+    np.save(labels, np.zeros(3, dtype=np.int64))
+    line = assert_one_line_error(capsys, ["evaluate", path, "--labels", labels, "--out", tmp_path / "o", "--quiet"], f"huge{suffix}")
+    assert "too large" in line and "TiB" in line
+
+
+def test_file_larger_than_the_available_memory_is_refused_without_reading_it(tmp_path, capsys, monkeypatch):
+    """A complete file (sparse on disk) whose array and working copies exceed the memory available."""
+    import torchcal.data.loading as loading
+
+    path = tmp_path / "scores.npy"
+    with path.open("wb") as f:
+        f.write(huge_npy_header((2 * 10**6, 10)))  # 76.3 MiB of float32
+        f.truncate(f.tell() + 8 * 10**7)
+    np.save(tmp_path / "labels.npy", np.zeros(2 * 10**6, dtype=np.int64))
+    monkeypatch.setattr(loading, "_available_memory", lambda: 256 * 2**20)  # as if 256 MiB were free
+    line = assert_one_line_error(capsys, ["evaluate", path, "--out", tmp_path / "o", "--quiet"], "scores.npy", "too large")
+    assert "76.3 MiB of float32" in line and "256 MiB is available" in line
+
+
+def test_a_file_that_fits_still_loads(tmp_path, capsys):
+    path = tmp_path / "scores.npz"
+    path.write_bytes(GOOD_NPZ)
+    code, out, err = run(capsys, "evaluate", path, "--bootstrap", "0", "--no-figures", "--out", tmp_path / "o", "--quiet")
+    assert code == 0, err

@@ -237,6 +237,17 @@ def test_file_larger_than_the_available_memory_is_refused_without_reading_it(tmp
     assert "76.3 MiB of float32" in line and "256 MiB is available" in line
 
 
+def test_csv_file_larger_than_the_available_memory_is_refused_before_it_is_parsed(tmp_path, capsys, monkeypatch):
+    """Parsing a CSV file builds a Python object per cell, about ten times the text."""
+    import torchcal.data.loading as loading
+
+    path = tmp_path / "scores.csv"
+    path.write_text(GOOD_CSV)
+    monkeypatch.setattr(loading, "_available_memory", lambda: 5 * len(GOOD_CSV))
+    line = assert_one_line_error(capsys, ["evaluate", path, "--out", tmp_path / "o", "--quiet"], "scores.csv", "too large")
+    assert "numpy.save" in line
+
+
 def test_a_file_that_fits_still_loads(tmp_path, capsys):
     path = tmp_path / "scores.npz"
     path.write_bytes(GOOD_NPZ)

@@ -338,7 +338,18 @@ def _sibling_labels(path: Path) -> tuple[Optional[Path], str]:
     return found, ", ".join(c.name for c in candidates)
 
 
+#: Reading a CSV file builds Python objects for every cell: about this many bytes per byte of text.
+CSV_EXPANSION = 10
+
+
 def _read_csv(path: Path) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    size, available = path.stat().st_size, _available_memory()
+    if available is not None and CSV_EXPANSION * size > available:
+        raise _TooLarge(
+            f"the CSV file ({_size(size)}) is too large: reading it needs about {_size(CSV_EXPANSION * size)} "
+            f"of memory and {_size(available)} is available. Save the scores with numpy.save (.npy, read "
+            f"without that overhead), or evaluate a subset."
+        )
     with path.open(newline="") as f:
         rows = list(csv.reader(f))
     if not rows:

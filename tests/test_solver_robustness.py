@@ -1,7 +1,7 @@
 """Regression tests for solver bugs found by the property-based and degenerate-data tests:
 a saturated row capping the temperature (P1), a constant classifier sent to T -> 0 by float32
 round-off (P2), a stalled Newton search reported as converged (P3), and a singular Hessian
-raising out of ``fit`` (P4)."""
+raising out of ``fit`` (P4), and an L-BFGS fit ending on NaN reported as converged (P5)."""
 
 from __future__ import annotations
 
@@ -110,3 +110,26 @@ def test_saturated_logits_do_not_crash_the_newton_fits(make):
         cal = make().fit(logits, labels)
     assert torch.isfinite(cal(logits)).all()
     assert _loss(cal, logits, labels) <= float(cross_entropy(logits, labels))
+
+
+# --------------------------------------------------------------------------- P5
+@pytest.mark.parametrize("make, scale", [(torchcal.DirichletCalibration, 1e150), (torchcal.VectorScaling, 1e300)])
+def test_a_nan_fit_is_never_reported_as_converged(make, scale):
+    """Beyond the 1e4 range of the issue, but silent: with logits of astronomical magnitude the
+    L-BFGS fit of fit.minimize ends with loss = grad = NaN and ``converged=True`` ("loss or step
+    change below tolerance", since ``iterations < max_iter``), no warning, and NaN outputs (fix:
+    a non-finite loss or gradient is never convergence; warn, or raise a clear error)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):  # the state of the generator picks the failing draw, as in the report
+        logits = torch.randn(60, 4, generator=gen, dtype=torch.float64) * 1e30
+    logits = torch.randn(60, 4, generator=gen, dtype=torch.float64) * scale
+    labels = torch.arange(60) % 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            cal = make().fit(logits, labels)
+        except ValueError:
+            return  # a clear error is fine
+    record = cal.fit_record_
+    assert math.isfinite(record.loss) or not record.converged, record
+    assert torch.isfinite(cal(logits)).all() or not record.converged

@@ -9,6 +9,7 @@ returns a :class:`FitRecord` saying what happened; non-convergence is reported, 
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -94,8 +95,12 @@ def minimize(
     iterations = int(state.get("n_iter", 0))
     evaluations = int(state.get("func_evals", 0)) + 1
     grad_max = max(float(p.grad.abs().max()) for p in params if p.numel())
-    converged = iterations < max_iter or grad_max <= tol_grad
-    if grad_max <= tol_grad:
+    finite = math.isfinite(float(loss)) and math.isfinite(grad_max)
+    converged = finite and (iterations < max_iter or grad_max <= tol_grad)
+    if not finite:
+        message = "the loss or its gradient is not finite: the scores are too large for this fit"
+        warnings.warn(f"L-BFGS failed: {message}", ConvergenceWarning, stacklevel=3)
+    elif grad_max <= tol_grad:
         message = "gradient below tolerance"
     elif converged:
         message = "loss or step change below tolerance"

@@ -133,3 +133,25 @@ def test_a_nan_fit_is_never_reported_as_converged(make, scale):
     record = cal.fit_record_
     assert math.isfinite(record.loss) or not record.converged, record
     assert torch.isfinite(cal(logits)).all() or not record.converged
+
+
+@pytest.mark.parametrize("make", [torchcal.VectorScaling, torchcal.MatrixScaling, torchcal.DirichletCalibration])
+def test_a_failed_fit_keeps_finite_parameters(make):
+    """Beyond the 1e4 range of the issue, but silent: with logits of astronomical magnitude
+    (1e200) the fit falls back to L-BFGS (fit.minimize), which ends with loss = grad = NaN after
+    2002 evaluations and reports ``converged=True`` ("loss or step change below tolerance", as
+    ``iterations < max_iter``): no warning, and every output is NaN. Fix: a non-finite loss or
+    gradient is never convergence: ConvergenceWarning and ``converged=False`` (or a clear error),
+    and keep the last finite parameters."""
+    gen = torch.Generator().manual_seed(0)
+    logits = 1e200 * torch.randn(60, 4, generator=gen, dtype=torch.float64)
+    labels = torch.arange(60) % 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            cal = make().fit(logits, labels)
+        except ValueError:
+            return  # a clear error is an acceptable answer
+    record = cal.fit_record_
+    assert math.isfinite(record.loss) or not record.converged, record
+    assert torch.isfinite(cal(logits)).all()

@@ -78,6 +78,8 @@ def minimize(
         line_search_fn="strong_wolfe",
     )
 
+    start = [p.detach().clone() for p in params]
+
     def closure() -> Tensor:
         optimizer.zero_grad(set_to_none=False)
         loss = objective()
@@ -98,8 +100,11 @@ def minimize(
     finite = math.isfinite(float(loss)) and math.isfinite(grad_max)
     converged = finite and (iterations < max_iter or grad_max <= tol_grad)
     if not finite:
-        message = "the loss or its gradient is not finite: the scores are too large for this fit"
+        message = "the loss or its gradient is not finite: the scores are too large for this fit; kept the starting parameters"
         warnings.warn(f"L-BFGS failed: {message}", ConvergenceWarning, stacklevel=3)
+        with torch.no_grad():
+            for p, p0 in zip(params, start):
+                p.copy_(p0)
     elif grad_max <= tol_grad:
         message = "gradient below tolerance"
     elif converged:

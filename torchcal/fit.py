@@ -97,7 +97,7 @@ def minimize(
     iterations = int(state.get("n_iter", 0))
     evaluations = int(state.get("func_evals", 0)) + 1
     grad_max = max(float(p.grad.abs().max()) for p in params if p.numel())
-    finite = math.isfinite(float(loss)) and math.isfinite(grad_max)
+    finite = math.isfinite(float(loss.detach())) and math.isfinite(grad_max)
     converged = finite and (iterations < max_iter or grad_max <= tol_grad)
     if not finite:
         message = "the loss or its gradient is not finite: the scores are too large for this fit; kept the starting parameters"

@@ -78,6 +78,17 @@ def class_frequencies(labels: Tensor, num_classes: int) -> Tensor:
     return counts / counts.sum()
 
 
+def _check_classes_present(counts: Tensor, priors: Tensor) -> None:
+    """Raise unless every class with a positive prior has samples; ``counts: (..., K)``."""
+    missing = (counts == 0) & (priors > 0)
+    if bool(missing.any()):
+        classes = missing.reshape(-1, priors.shape[-1]).any(0).nonzero().flatten().tolist()
+        raise ValueError(
+            f"classes {classes} have a positive prior but no sample in the data, so they cannot be "
+            f"re-weighted; give them prior 0 or add samples."
+        )
+
+
 def class_weights(labels: Tensor, num_classes: int, priors: Optional[Tensor] = None) -> Optional[Tensor]:
     """Per-class weights ``P[k] / P_data[k]`` (K,) that re-weight the data to ``priors``.
 
@@ -88,12 +99,7 @@ def class_weights(labels: Tensor, num_classes: int, priors: Optional[Tensor] = N
         return None
     priors = check_priors(priors, num_classes, device=labels.device)
     freq = class_frequencies(labels, num_classes)
-    missing = (freq == 0) & (priors > 0)
-    if bool(missing.any()):
-        raise ValueError(
-            f"classes {missing.nonzero().flatten().tolist()} have a positive prior but no sample in "
-            f"the data, so they cannot be re-weighted; give them prior 0 or add samples."
-        )
+    _check_classes_present(freq, priors)
     return torch.where(freq > 0, priors / freq.clamp_min(1e-300), torch.zeros_like(priors))
 
 
@@ -141,13 +147,7 @@ def prior_weighted_mean(sums: Tensor, counts: Tensor, priors: Optional[Tensor] =
         return sums.sum(-1) / counts.sum(-1)
     num_classes = sums.shape[-1]
     priors = check_priors(priors, num_classes, device=sums.device)
-    missing = (counts == 0) & (priors > 0)
-    if bool(missing.any()):
-        classes = missing.reshape(-1, num_classes).any(0).nonzero().flatten().tolist()
-        raise ValueError(
-            f"classes {classes} have a positive prior but no sample in the data, so they cannot be "
-            f"re-weighted; give them prior 0 or add samples."
-        )
+    _check_classes_present(counts, priors)
     terms = priors * sums / counts.clamp_min(1)
     return torch.where(priors > 0, terms, torch.zeros_like(terms)).sum(-1)
 

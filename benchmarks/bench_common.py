@@ -66,11 +66,15 @@ class Problem:
 
     def evaluate(self, theta: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
         """Objective and the largest absolute gradient entry at ``theta``."""
-        k = logits.shape[1]
+        n, k = logits.shape
         theta = theta.detach().double().flatten().clone().requires_grad_(True)
-        x = self.features(logits.double())
-        loss = torch.nn.functional.cross_entropy(self.scores(x, theta), labels) + self.penalty(theta, k)
-        (grad,) = torch.autograd.grad(loss, theta)
+        loss = self.penalty(theta, k)
+        grad = torch.autograd.grad(loss, theta)[0] if loss.requires_grad else torch.zeros_like(theta)
+        for start in range(0, n, 10_000):  # chunks keep float64 copies small at 1,000,000 x 1,000
+            x = self.features(logits[start : start + 10_000].double())
+            part = torch.nn.functional.cross_entropy(self.scores(x, theta), labels[start : start + 10_000], reduction="sum") / n
+            grad = grad + torch.autograd.grad(part, theta)[0]
+            loss = loss + part.detach()
         return float(loss.detach()), float(grad.abs().max())
 
 

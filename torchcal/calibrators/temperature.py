@@ -122,9 +122,11 @@ def fit_inverse_temperature(
 
     # At beta = 0 the posteriors are uniform: the derivative needs no exponentials. It is taken in
     # float64 so that a constant classifier gives exactly 0 rather than float32 round-off.
+    # (chunk by chunk: mean(dtype=float64) would make a float64 copy of all the logits)
+    row_means = torch.cat([logits[start : start + rows].to(torch.float64).mean(1) for start in range(0, n, rows)])
     at_zero = torch.stack([
         sample_w.sum() * math.log(k),
-        sample_w @ (logits.mean(1, dtype=torch.float64) - z_true.to(torch.float64)),
+        sample_w @ (row_means - z_true.to(torch.float64)),
         (sample_w * (z_max - z_min).to(torch.float64)).sum(),
     ])
     loss, grad, total_spread = all_reduce_(at_zero, process_group).tolist()

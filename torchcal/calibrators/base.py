@@ -29,10 +29,10 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from torchcal._validation import check_logits, check_logits_and_labels, check_priors, compute_dtype
+from torchcal._validation import check_logits, check_logits_and_labels, compute_dtype
 from torchcal.distributed import ProcessGroup, all_reduce_, world_size
 from torchcal.fit import FitRecord, minimize
-from torchcal.functional.scoring import PER_SAMPLE_SCORES
+from torchcal.functional.scoring import PER_SAMPLE_SCORES, class_weights_from_counts
 
 __all__ = ["Calibrator"]
 
@@ -132,7 +132,7 @@ class Calibrator(nn.Module):
             if not (warm_start and self.num_classes == num_classes):
                 self._materialize(num_classes, logits.device)
             self.to(device=logits.device, dtype=torch.float64)
-            weights = None if priors is None else _class_weights(counts, priors)
+            weights = None if priors is None else class_weights_from_counts(counts, priors)
             self.num_classes = num_classes
             features = self._features(logits)
             self.fit_record_ = self._fit(features, labels, weights, loss, max_iter, process_group=process_group)
@@ -233,19 +233,3 @@ def sample_weights(labels: Tensor, weights: Optional[Tensor], process_group: Opt
     if weights is None:
         return torch.full(labels.shape, 1.0, dtype=torch.float64, device=labels.device) / n_total
     return weights[labels] / n_total
-
-
-def _class_weights(counts: Tensor, priors: Tensor) -> Tensor:
-    """Per-class weights ``priors[k] / frequency[k]`` (K,) from class ``counts`` (K,).
-
-    A class with a positive prior but no sample cannot be re-weighted and raises ``ValueError``.
-    """
-    priors = check_priors(priors, counts.shape[0], device=counts.device)
-    freq = counts.to(torch.float64) / counts.sum()
-    missing = (freq == 0) & (priors > 0)
-    if bool(missing.any()):
-        raise ValueError(
-            f"classes {missing.nonzero().flatten().tolist()} have a positive prior but no sample in "
-            f"the data, so they cannot be re-weighted; give them prior 0 or add samples."
-        )
-    return torch.where(freq > 0, priors / freq.clamp_min(1e-300), torch.zeros_like(priors))

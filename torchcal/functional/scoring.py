@@ -27,6 +27,7 @@ __all__ = [
     "log_loss_per_sample",
     "brier_per_sample",
     "class_weights",
+    "class_weights_from_counts",
     "weighted_mean",
     "class_sums",
     "prior_weighted_mean",
@@ -97,8 +98,13 @@ def class_weights(labels: Tensor, num_classes: int, priors: Optional[Tensor] = N
     """
     if priors is None:
         return None
-    priors = check_priors(priors, num_classes, device=labels.device)
-    freq = class_frequencies(labels, num_classes)
+    return class_weights_from_counts(torch.bincount(labels, minlength=num_classes), priors)
+
+
+def class_weights_from_counts(counts: Tensor, priors: Tensor) -> Tensor:
+    """``class_weights`` from per-class sample ``counts: (K,)`` (e.g. summed across processes)."""
+    priors = check_priors(priors, counts.shape[0], device=counts.device)
+    freq = counts.to(torch.float64) / counts.sum()
     _check_classes_present(freq, priors)
     return torch.where(freq > 0, priors / freq.clamp_min(1e-300), torch.zeros_like(priors))
 

@@ -18,9 +18,11 @@ __all__ = ["TemperatureScaling", "fit_inverse_temperature", "inverse_temperature
 # Past this many nats of logit spread per row the softmax is one-hot in float64: larger inverse
 # temperatures cannot change the loss, so the search stops there (perfectly separable data).
 _MAX_SCALED_SPREAD = 1e4
-# Rows per chunk are chosen so that a chunk (about 128k elements) stays in the CPU cache while the
-# exponentials and the three row sums are formed from it.
+# Elements per chunk of rows. On the CPU a chunk (about 128k elements) stays in cache while the
+# exponentials and the three row sums are formed from it; on a GPU every chunk costs a dozen kernel
+# launches, so chunks are as large as the temporaries allow (64 MiB in float32).
 _CHUNK_ELEMENTS = 1 << 17
+_DEVICE_CHUNK_ELEMENTS = 1 << 24
 
 
 class TemperatureScaling(Calibrator):
@@ -102,7 +104,7 @@ def fit_inverse_temperature(
     z_min, z_max = torch.aminmax(logits, dim=1)
     z_true = logits.gather(1, labels.unsqueeze(1)).squeeze(1)
     z_true_centred = z_true - z_max
-    rows = max(1, _CHUNK_ELEMENTS // k)
+    rows = max(1, (_CHUNK_ELEMENTS if logits.device.type == "cpu" else _DEVICE_CHUNK_ELEMENTS) // k)
 
     def moments(beta: float) -> tuple[float, float, float]:
         """Loss, first and second derivative at ``beta``: one pass over the logits."""

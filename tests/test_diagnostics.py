@@ -18,7 +18,7 @@ from torchcal.functional import (
     reliability_bins,
     signed_calibration_error,
 )
-from torchcal.functional.diagnostics import ecd_per_sample, quantile_edges
+from torchcal.functional.diagnostics import bin_indices, ecd_per_sample, quantile_edges, uniform_bin_indices, uniform_edges
 
 
 # --------------------------------------------------------------------------- the survey's toy problem
@@ -383,3 +383,17 @@ def test_ferrer_ramos_table2_raw(real, name):
     nce, ece = FERRER_TABLE2[name]
     assert cross_entropy(z, y, normalize=True).item() == pytest.approx(nce, abs=5e-4)
     assert 100 * expected_calibration_error(z, y).item() == pytest.approx(ece, abs=0.05)
+
+
+@pytest.mark.parametrize("n_bins", [1, 2, 10, 15, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_uniform_bin_indices_equal_the_binary_search(n_bins, dtype):
+    edges = uniform_edges(n_bins)
+    near_edges = torch.cat([edges, edges * (1 + 1e-12), torch.nextafter(edges * (1 + 1e-12), torch.tensor(2.0, dtype=torch.float64))])
+    scores = torch.cat([
+        torch.rand(20_000, dtype=torch.float64, generator=torch.Generator().manual_seed(n_bins)),
+        near_edges,
+        torch.nextafter(near_edges, torch.tensor(-1.0, dtype=torch.float64)),
+        torch.tensor([0.0, 1.0, float("nan")], dtype=torch.float64),
+    ]).clamp(0, 1).to(dtype).unsqueeze(1)
+    assert torch.equal(uniform_bin_indices(scores, n_bins), bin_indices(scores, edges))

@@ -117,7 +117,7 @@ def test_reset_and_empty_normalisation():
     result = metric.compute()
     assert torch.isnan(result["nce"]) and torch.isnan(result["nbs"])
     metric.reset()
-    assert float(metric.class_counts.sum()) == 0
+    assert float(metric.class_sums.sum()) == 0
 
 
 @pytest.mark.parametrize(

@@ -160,7 +160,9 @@ def decision_counts(decisions: Tensor, labels: Tensor, num_classes: int, num_dec
                 [0., 1., 0.]], dtype=torch.float64)
     """
     flat = labels * num_decisions + decisions
-    return torch.bincount(flat, minlength=num_classes * num_decisions).reshape(num_classes, num_decisions).double()
+    # index_add_ rather than bincount, which reads the largest index back to the host on a GPU
+    counts = torch.zeros(num_classes * num_decisions, dtype=torch.float64, device=flat.device)
+    return counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.float64)).reshape(num_classes, num_decisions)
 
 
 def expected_cost_from_counts(

@@ -41,6 +41,7 @@ __all__ = [
     "uniform_edges",
     "quantile_edges",
     "bin_indices",
+    "uniform_bin_indices",
     "bin_statistics",
     "calibration_error_from_bins",
 ]
@@ -149,10 +150,38 @@ def bin_indices(scores: Tensor, edges: Tensor) -> Tensor:
     return torch.searchsorted(interior.contiguous(), scores.T.contiguous(), right=False).T
 
 
-def bin_statistics(scores: Tensor, targets: Tensor, edges: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def uniform_bin_indices(scores: Tensor, n_bins: int) -> Tensor:
+    """``bin_indices(scores, uniform_edges(n_bins))``, by arithmetic instead of a binary search.
+
+    The candidate ``ceil(M s / (1 + EDGE_TOLERANCE)) - 1`` can be one off within round-off of an
+    edge, so it is checked against the edges themselves: the result is exactly that of
+    ``bin_indices``, about ten times faster on the CPU (the streaming metrics' hot loop). Other
+    devices use the binary search.
+
+    Example:
+        >>> uniform_bin_indices(torch.tensor([[0.0], [0.25], [0.2500001], [1.0]], dtype=torch.float64), 4)
+        tensor([[0],
+                [0],
+                [1],
+                [3]])
+    """
+    interior = torch.arange(1, n_bins, dtype=torch.float64, device=scores.device) / n_bins * (1 + EDGE_TOLERANCE)
+    if scores.device.type != "cpu":  # there the search is one cheap kernel, the arithmetic a dozen
+        return torch.bucketize(scores.contiguous(), interior, right=False)
+    infinity = interior.new_full((1,), float("inf"))
+    bounds = torch.cat([-infinity, interior, infinity])  # bin m is (bounds[m], bounds[m + 1]]
+    candidate = (scores * (n_bins / (1 + EDGE_TOLERANCE))).ceil_().sub_(1)
+    index = candidate.nan_to_num_(nan=n_bins - 1).clamp_(0, n_bins - 1).long()  # NaN last, as bucketize
+    index += scores > bounds[index + 1]
+    index -= (scores <= bounds[index]).long()
+    return index
+
+
+def bin_statistics(scores: Tensor, targets: Tensor, edges: Tensor | int) -> tuple[Tensor, Tensor, Tensor]:
     """Per-bin ``counts``, ``score_sums`` and ``target_sums`` of each column, each (C, M) float64.
 
-    ``scores: (N, C)`` in [0, 1], ``targets: (N, C)`` bool, ``edges: (M + 1,)`` or (C, M + 1).
+    ``scores: (N, C)`` in [0, 1], ``targets: (N, C)`` bool, ``edges: (M + 1,)`` or (C, M + 1),
+    or the number M of equal-width bins (``uniform_edges(M)``, located by ``uniform_bin_indices``).
 
     Example:
         >>> scores = torch.tensor([[0.2], [0.4], [0.9]], dtype=torch.float64)
@@ -160,14 +189,17 @@ def bin_statistics(scores: Tensor, targets: Tensor, edges: Tensor) -> tuple[Tens
         >>> counts, score_sums, target_sums
         (tensor([[2., 1.]], dtype=torch.float64), tensor([[0.6000, 0.9000]], dtype=torch.float64), tensor([[1., 1.]], dtype=torch.float64))
     """
-    num_columns, n_bins = scores.shape[1], edges.shape[-1] - 1
-    offsets = n_bins * torch.arange(num_columns, device=scores.device)
-    flat = (bin_indices(scores, edges) + offsets).flatten()
-    size = num_columns * n_bins
-    counts = torch.bincount(flat, minlength=size).to(torch.float64)
-    score_sums = torch.bincount(flat, weights=scores.to(torch.float64).flatten(), minlength=size)
-    target_sums = torch.bincount(flat[targets.flatten()], minlength=size).to(torch.float64)
-    return tuple(x.reshape(num_columns, n_bins) for x in (counts, score_sums, target_sums))
+    if isinstance(edges, int):
+        n_bins, index = edges, uniform_bin_indices(scores, edges)
+    else:
+        n_bins, index = edges.shape[-1] - 1, bin_indices(scores, edges)
+    num_columns = scores.shape[1]
+    flat = (index + n_bins * torch.arange(num_columns, device=scores.device)).flatten()
+    # index_add_ rather than bincount, which reads the largest index back to the host on a GPU
+    sums = torch.zeros(3, num_columns * n_bins, dtype=torch.float64, device=scores.device)
+    for row, values in zip(sums, (torch.ones_like(flat, dtype=torch.float64), scores.flatten(), targets.flatten())):
+        row.index_add_(0, flat, values.to(torch.float64))
+    return tuple(x.reshape(num_columns, n_bins) for x in sums)
 
 
 def calibration_error_from_bins(

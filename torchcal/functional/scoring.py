@@ -130,10 +130,11 @@ def class_sums(per_sample: Tensor, labels: Tensor, num_classes: int) -> tuple[Te
         >>> class_sums(torch.tensor([1.0, 2.0, 4.0]), torch.tensor([0, 2, 0]), 3)
         (tensor([5., 0., 2.], dtype=torch.float64), tensor([2., 0., 1.], dtype=torch.float64))
     """
-    sums = torch.zeros(num_classes, dtype=torch.float64, device=labels.device)
-    sums = sums.index_add(0, labels, per_sample.to(torch.float64))
-    counts = torch.bincount(labels, minlength=num_classes).to(torch.float64)
-    return sums, counts
+    # index_add_ rather than bincount, which reads the largest label back to the host on a GPU
+    sums = torch.zeros(2, num_classes, dtype=torch.float64, device=labels.device)
+    sums[0].index_add_(0, labels, per_sample.to(torch.float64))
+    sums[1].index_add_(0, labels, torch.ones_like(labels, dtype=torch.float64))
+    return sums[0], sums[1]
 
 
 def prior_weighted_mean(sums: Tensor, counts: Tensor, priors: Optional[Tensor] = None) -> Tensor:

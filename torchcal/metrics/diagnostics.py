@@ -97,7 +97,7 @@ class CalibrationError(Metric):
         logits, labels = check_logits_and_labels(logits, labels, num_classes=self.num_classes)
         scores, targets = binning_scores(to_log_probs(logits), labels, self.kind)
         if self.strategy == "uniform":
-            counts, score_sums, target_sums = bin_statistics(scores, targets, self.edges)
+            counts, score_sums, target_sums = bin_statistics(scores, targets, self.n_bins)
             self.counts += counts
             self.score_sums += score_sums
             self.target_sums += target_sums

@@ -5,7 +5,7 @@ Each batch costs a single softmax-sized pass: with ``m = max_k z_k`` and ``e = e
 
 - ``log q_y = z_y - m - log S`` (cross-entropy),
 - ``sum_k q_k^2 = |e|^2 / S^2`` (Brier ``sum_k q_k^2 - 2 q_y + 1``, as ``brier_per_sample``),
-- the confidence ``max_k q_k = exp(-log S)`` (``e`` is 1 at the maximum), correct iff the first
+- the confidence ``max_k q_k = 1 / S`` (``e`` is 1 at the maximum), correct iff the first
   maximal class is ``y``.
 
 This is ``log_softmax`` and ``exp`` done once, without materialising ``log_probs`` or a second
@@ -16,16 +16,16 @@ memory is O(K + M) whatever N is, and priors apply exactly at ``compute()``.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from torchcal._validation import check_labels, check_logits_and_labels, check_priors
-from torchcal.functional.diagnostics import bin_statistics, calibration_error_from_bins, uniform_edges
+from torchcal._validation import check_logits_and_labels, check_priors
+from torchcal.functional.diagnostics import calibration_error_from_bins, uniform_bin_indices, uniform_edges
 from torchcal.functional.scoring import (
-    class_sums,
     epsr_from_class_sums,
     naive_brier_score,
     naive_cross_entropy,
@@ -37,7 +37,6 @@ __all__ = ["PosteriorQuality"]
 
 Precision = Literal["float64", "float32"]
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
-_CLASS_STATES = ("class_log_loss", "class_brier", "class_errors")
 
 
 class PosteriorQuality(Metric):
@@ -98,26 +97,33 @@ class PosteriorQuality(Metric):
         if precision not in _DTYPES:
             raise ValueError(f'precision must be "float64" or "float32", got {precision!r}.')
         self.precision, self.validate_args, self.n_bins = precision, validate_args, n_bins
-        self.register_buffer("edges", uniform_edges(n_bins), persistent=False)  # validates n_bins
+        uniform_edges(n_bins)  # validates n_bins
         self.register_buffer("priors", None if priors is None else check_priors(priors, num_classes), persistent=False)
-        for name in (*_CLASS_STATES, "class_counts"):
-            add_sum_state(self, name, num_classes)
-        for name in ("bin_counts", "bin_confidence", "bin_correct"):
-            add_sum_state(self, name, n_bins)
+        # Rows: log-loss, Brier and error sums and the count of each class / count, confidence sum
+        # and correct count of each bin. One tensor each, so an update is two index_add_ calls.
+        add_sum_state(self, "class_sums", 4, num_classes)
+        add_sum_state(self, "bin_sums", 3, n_bins)
 
     def _validated(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-        # A whole-tensor sum is ~10x cheaper than isfinite().all() and finite when every entry is
-        # (a finite sum that overflows only sends us to the full check); anything unusual goes to
-        # the full validator, which raises the precise message.
+        # The common case costs one read-back of three numbers: the whole-tensor sum (~10x cheaper
+        # than isfinite().all(), and finite when every entry is; a finite sum that overflows only
+        # sends us to the full check) and the labels' range. Anything unusual goes to the full
+        # validator, which raises the precise message.
         if (
             isinstance(logits, Tensor)
             and logits.is_floating_point()
             and logits.ndim == 2
             and logits.shape[0] > 0
             and logits.shape[1] == self.num_classes
-            and bool(torch.isfinite(logits.sum()))
+            and isinstance(labels, Tensor)
+            and labels.dtype == torch.int64
+            and labels.shape == logits.shape[:1]
+            and labels.device == logits.device
         ):
-            return logits, check_labels(labels, logits.shape[0], self.num_classes).to(logits.device)
+            low, high = torch.aminmax(labels)
+            total, low, high = torch.stack([logits.sum().double(), low.double(), high.double()]).tolist()
+            if math.isfinite(total) and 0 <= low and high < self.num_classes:
+                return logits, labels
         return check_logits_and_labels(logits, labels, num_classes=self.num_classes)
 
     def update(self, logits: Tensor, labels: Tensor) -> None:
@@ -129,46 +135,47 @@ class PosteriorQuality(Metric):
         e = (z - top).exp_()  # (N, K), 1 at the maxima
         total = e.sum(dim=1)
         log_total = total.log()
+        top = top.squeeze(1)
         true_logit = z.gather(1, labels.unsqueeze(1)).squeeze(1)
-        log_q_true = true_logit - top.squeeze(1) - log_total
-        brier = (torch.linalg.vector_norm(e, dim=1) / total).square() - 2 * log_q_true.exp() + 1
-        confidence = (-log_total).exp()
+        log_q_true = true_logit - top - log_total
+        brier = (torch.linalg.vector_norm(e, dim=1) / total).square_() - 2 * log_q_true.exp() + 1
+        correct = _first_maximum_is_label(z, labels, true_logit == top, total)
 
-        correct = true_logit == top.squeeze(1)
-        # A tie at the maximum puts two 1s in e, so S >= 2: only those rows (confidence <= 1/2)
-        # can have a first maximal class other than y, and only they pay for an argmax.
-        ambiguous = correct & (total >= 2)
-        if bool(ambiguous.any()):
-            rows = ambiguous.nonzero().squeeze(1)
-            correct[rows] = z[rows].argmax(dim=1) == labels[rows]
-
-        counts = None
-        for name, per_sample in zip(_CLASS_STATES, (-log_q_true, brier, (~correct).to(z.dtype))):
-            sums, counts = class_sums(per_sample, labels, self.num_classes)
-            getattr(self, name).add_(sums)
-        self.class_counts += counts
-        bin_counts, bin_confidence, bin_correct = bin_statistics(
-            confidence.to(torch.float64).unsqueeze(1), correct.unsqueeze(1), self.edges
-        )
-        self.bin_counts += bin_counts[0]
-        self.bin_confidence += bin_confidence[0]
-        self.bin_correct += bin_correct[0]
+        confidence = total.reciprocal()  # max_k q_k = e_max / S = 1 / S
+        bins = uniform_bin_indices(confidence.unsqueeze(1), self.n_bins).squeeze(1)
+        per_class = torch.stack([-log_q_true, brier, ~correct, torch.ones_like(brier)])
+        self.class_sums.index_add_(1, labels, per_class.to(torch.float64))
+        per_bin = torch.stack([torch.ones_like(confidence), confidence, correct])
+        self.bin_sums.index_add_(1, bins, per_bin.to(torch.float64))
 
     def compute(self) -> dict[str, Tensor]:
-        counts = self.class_counts
+        log_loss, brier, errors, counts = self.class_sums
         reference = counts / counts.sum() if self.priors is None else self.priors
         result = {}
         for name, state, naive in (
-            ("cross_entropy", self.class_log_loss, naive_cross_entropy),
-            ("brier", self.class_brier, naive_brier_score),
+            ("cross_entropy", log_loss, naive_cross_entropy),
+            ("brier", brier, naive_brier_score),
         ):
             score = epsr_from_class_sums(state, counts, naive, self.priors)
             naive_score = naive(reference)
             normalized = score / naive_score if bool(naive_score > 0) else torch.full_like(score, float("nan"))
             result[name] = score
             result["nce" if name == "cross_entropy" else "nbs"] = normalized
-        result["error_rate"] = prior_weighted_mean(self.class_errors, counts, self.priors)
-        result["ece"] = calibration_error_from_bins(
-            self.bin_counts.unsqueeze(0), self.bin_confidence.unsqueeze(0), self.bin_correct.unsqueeze(0)
-        )
+        result["error_rate"] = prior_weighted_mean(errors, counts, self.priors)
+        result["ece"] = calibration_error_from_bins(*self.bin_sums.unsqueeze(1))
         return result
+
+
+def _first_maximum_is_label(z: Tensor, labels: Tensor, label_is_maximal: Tensor, total: Tensor) -> Tensor:
+    """Whether the first maximal class of each row of ``z: (N, K)`` is its label, given whether the
+    label's score is maximal and the row sums ``total`` of ``exp(z - max)``."""
+    if z.device.type != "cpu":  # there an argmax is as cheap as the max, and needs no host sync
+        return z.argmax(dim=1) == labels
+    # On the CPU argmax costs five passes over z. A tie at the maximum puts two 1s in exp(z - max),
+    # so the total is >= 2: only those rows can have a first maximal class other than the label.
+    correct = label_is_maximal.clone()
+    ambiguous = correct & (total >= 2)
+    if bool(ambiguous.any()):
+        rows = ambiguous.nonzero().squeeze(1)
+        correct[rows] = z[rows].argmax(dim=1) == labels[rows]
+    return correct

@@ -1,0 +1,141 @@
+"""The CUDA code paths: fits and metrics on the GPU agree with the CPU, stay on the device, and
+synchronise with the host only where the algorithm needs a decision (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import torchcal
+from torchcal.data import EXAMPLE_PATH, load_scores
+from torchcal.metrics import BrierScore, CalibrationError, CrossEntropy, PosteriorQuality
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def resnet110():
+    """The bundled ResNet-110 CIFAR-10 logits: validation split to fit, test split to score."""
+    return load_scores(EXAMPLE_PATH, split="val"), load_scores(EXAMPLE_PATH)
+
+
+def binary(scores):
+    keep = scores.labels < 2
+    return scores.logits[keep][:, :2], scores.labels[keep]
+
+
+CALIBRATORS = {
+    "temperature": (torchcal.TemperatureScaling, False),
+    "affine": (torchcal.AffineCalibration, False),
+    "vector": (torchcal.VectorScaling, False),
+    "matrix": (torchcal.MatrixScaling, False),
+    "dirichlet-odir": (lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=10.0), False),
+    "dirichlet-odir-cv": (lambda: torchcal.DirichletCalibration(reg="odir", reg_grid=(0.1, 10.0), cv_folds=3), False),
+    "platt": (torchcal.PlattScaling, True),
+    "beta": (torchcal.BetaCalibration, True),
+    "histogram": (torchcal.HistogramBinning, False),
+    "isotonic": (torchcal.IsotonicCalibration, False),
+}
+
+
+@pytest.mark.parametrize("name", CALIBRATORS)
+def test_fit_on_cuda_equals_fit_on_cpu(name, resnet110):
+    make, is_binary = CALIBRATORS[name]
+    val, test = resnet110
+    (x, y), (x_test, y_test) = (binary(val), binary(test)) if is_binary else ((val.logits, val.labels), (test.logits, test.labels))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torchcal.ConvergenceWarning)
+        on_cpu = make().fit(x, y)
+        on_cuda = make().fit(x.to(CUDA), y.to(CUDA))
+    for tensor in on_cuda.state_dict().values():
+        if isinstance(tensor, torch.Tensor):
+            assert tensor.device.type == "cuda"
+    out = on_cuda(x_test.to(CUDA))
+    assert out.device.type == "cuda"
+    records = f"CPU {on_cpu.fit_record_}, CUDA {on_cuda.fit_record_}"
+    if name in ("histogram", "isotonic"):
+        # Step maps of softmax outputs, which differ between devices in the last bits: a sample
+        # can cross a step, so the maps agree as scores rather than sample by sample.
+        nll = [torch.nn.functional.nll_loss(m(x_test.to(d)).cpu(), y_test).item() for m, d in ((on_cpu, "cpu"), (on_cuda, CUDA))]
+        assert nll[0] == pytest.approx(nll[1], rel=1e-3), records
+        return
+    assert on_cuda.fit_record_.loss == pytest.approx(on_cpu.fit_record_.loss, rel=1e-7), records  # TS passes in float32
+    if name != "matrix":
+        # (These logits sum to about 0 in every row, up to noise: an unregularised full map has a
+        # direction in which the loss is flat to 1e-15, so its round-off differs between devices.)
+        torch.testing.assert_close(out.cpu(), on_cpu(x_test), rtol=1e-5, atol=1e-6, msg=lambda m: f"{m}\n{records}")
+
+
+@pytest.mark.parametrize("precision", ["float32", "float64"])
+def test_metrics_on_cuda_equal_metrics_on_cpu(precision, resnet110):
+    _, test = resnet110
+    made = {}
+    for device in ("cpu", "cuda"):
+        metrics = [PosteriorQuality(10, precision=precision), CrossEntropy(10), BrierScore(10), CalibrationError(10)]
+        for metric in metrics:
+            metric.to(device)
+            for start in range(0, 10_000, 3_000):
+                metric.update(test.logits[start : start + 3_000].to(device), test.labels[start : start + 3_000].to(device))
+        made[device] = metrics
+    fused_cpu, *rest_cpu = (m.compute() for m in made["cpu"])
+    fused_cuda, *rest_cuda = (m.compute() for m in made["cuda"])
+    for key in fused_cpu:
+        torch.testing.assert_close(fused_cuda[key].cpu(), fused_cpu[key], rtol=1e-6, atol=1e-9)
+    for a, b in zip(rest_cuda, rest_cpu):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-12, atol=1e-12)
+
+
+def test_uniform_bins_on_cuda_equal_bins_on_cpu():
+    from torchcal.functional.diagnostics import uniform_bin_indices
+
+    scores = torch.cat([torch.rand(10_000, dtype=torch.float64), torch.arange(16, dtype=torch.float64) / 15]).unsqueeze(1)
+    assert torch.equal(uniform_bin_indices(scores.to(CUDA), 15).cpu(), uniform_bin_indices(scores, 15))
+
+
+def test_first_maximum_with_ties_on_cuda():
+    logits = torch.tensor([[1.0, 1.0, 0.0], [0.0, 2.0, 2.0], [3.0, 0.0, 3.0]], device=CUDA)
+    labels = torch.tensor([1, 1, 2], device=CUDA)
+    metric = PosteriorQuality(3).to(CUDA)
+    metric.update(logits, labels)
+    assert float(metric.compute()["error_rate"]) == pytest.approx(2 / 3)
+
+
+def count_syncs(run) -> int:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def test_host_synchronisations_are_per_iteration_not_per_chunk():
+    generator = torch.Generator(device=CUDA).manual_seed(0)
+    logits = 3 * torch.randn(200_000, 100, device=CUDA, generator=generator)
+    labels = torch.distributions.Categorical(logits=logits / 3).sample()
+    torchcal.TemperatureScaling().fit(logits, labels)  # warm-up
+    holder = {}
+    syncs = count_syncs(lambda: holder.setdefault("model", torchcal.TemperatureScaling().fit(logits, labels)))
+    # one read-back per Newton pass, plus a few for the set-up (start, bracket, validation)
+    assert syncs <= holder["model"].fit_record_.evaluations + 12
+
+    metric = PosteriorQuality(100, validate_args=False).to(CUDA)
+    metric.update(logits[:1000], labels[:1000])
+    assert count_syncs(lambda: [metric.update(logits[i : i + 1000], labels[i : i + 1000]) for i in range(0, 20_000, 1000)]) == 0
+
+
+def test_calibrated_model_on_cuda(resnet110):
+    val, test = resnet110
+    head = torchcal.TemperatureScaling().fit(val.logits.to(CUDA), val.labels.to(CUDA))
+    network = torch.nn.Linear(10, 10).to(CUDA)
+    with torch.no_grad():
+        network.weight.copy_(torch.eye(10))
+        network.bias.zero_()
+    model = torchcal.CalibratedModel(network, head).eval()
+    out = model(test.logits[:100].to(CUDA))
+    torch.testing.assert_close(out, head(test.logits[:100].to(CUDA)))

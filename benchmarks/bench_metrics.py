@@ -5,6 +5,7 @@ The fused ``PosteriorQuality`` rows compute all three (and the error rate) in on
 Usage:
     python benchmarks/bench_metrics.py                 # N = 1,000,000, 1 thread, median of 5
     python benchmarks/bench_metrics.py --n 100000      # a quick run
+    python benchmarks/bench_metrics.py --bootstrap     # 1,000 bootstrap replicates over 10,000 x 100 instead
 
 The seeded data are generated once (not timed): latent logits z ~ 3 N(0, 1), labels
 y ~ Categorical(softmax(z)) (so z is calibrated), observed logits 2.5 (z @ A) + b, over-confident
@@ -145,6 +146,49 @@ NOT_ROWS = {  # alternatives of the reference benchmark without a row here: modu
 }
 
 
+def bootstrap_table(repeat: int) -> None:
+    """1,000 percentile-bootstrap replicates over 10,000 x 100: torchcal's ``bootstrap`` (the fast
+    weighted path for the scoring rules, resample-and-recompute for the ECE) against torchmetrics'
+    ``BootStrapper`` (which keeps 1,000 copies of the metric and updates each with a resample)."""
+    from torchcal.functional import bootstrap, brier_score, cross_entropy, expected_calibration_error
+
+    (z, y), = make_batches(10_000, 10_000)
+    def interval(metric_fn: Callable) -> Callable[[], str]:
+        def run() -> str:
+            r = bootstrap(metric_fn, z, y, 1000)
+            return f"{float(r.estimate):.4f} [{float(r.lower):.4f}, {float(r.upper):.4f}]"
+
+        return run
+
+    rows: dict[str, Callable[[], str]] = {
+        "torchcal bootstrap(cross_entropy)": interval(cross_entropy),
+        "torchcal bootstrap(brier_score)": interval(brier_score),
+        "torchcal bootstrap(expected_calibration_error)": interval(expected_calibration_error),
+    }
+    try:
+        from torchmetrics.classification import MulticlassCalibrationError
+        from torchmetrics.wrappers import BootStrapper
+
+        def torchmetrics_bootstrap() -> str:
+            metric = BootStrapper(MulticlassCalibrationError(NUM_CLASSES, n_bins=N_BINS), num_bootstraps=1000, quantile=torch.tensor([0.025, 0.975]))
+            metric.update(z, y)
+            r = metric.compute()
+            return f"mean {float(r['mean']):.4f} [{float(r['quantile'][0]):.4f}, {float(r['quantile'][1]):.4f}]"
+
+        rows["torchmetrics BootStrapper(MulticlassCalibrationError)"] = torchmetrics_bootstrap
+    except ImportError as error:
+        print(f"note: torchmetrics BootStrapper skipped ({error})")
+    print(f"| {'1,000 replicates over 10,000 x 100':<55} | median s | result |\n|{'-' * 57}|---------:|--------|")
+    for name, run in rows.items():
+        result = run()
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        print(f"| {name:<55} | {statistics.median(times):8.2f} | {result[:90]} |")
+
+
 # --------------------------------------------------------------------------- measuring
 
 
@@ -210,9 +254,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=10_000, help="batch size (default 10,000)")
     parser.add_argument("--repeat", type=int, default=5, help="timed repetitions per row; the median is reported")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--bootstrap", action="store_true", help="time 1,000 bootstrap replicates over 10,000 x 100 instead")
     parser.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)  # the child of measure_memory
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.bootstrap:
+        return bootstrap_table(args.repeat)
 
     start = time.perf_counter()
     batches = make_batches(args.n, args.batch)

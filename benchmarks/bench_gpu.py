@@ -8,6 +8,7 @@ by the recipe of ``bench_common.make_data``: latent ``z ~ 3 N(0, 1)``, labels dr
 - ``temperature``: temperature scaling on 1,000,000 x 1,000 (4 GB): torchcal's Newton solver, the
   floor of ten log-softmax passes, torchcal's generic L-BFGS and the gpleiss settings, each with
   the reached objective (float64) and the bytes the solver must read (one pass per evaluation).
+- ``fits``: the 50,000 x 100 affine, vector, matrix and Dirichlet-ODIR fits of ``bench_fit.py``.
 - ``dirichlet``: Dirichlet-ODIR (lambda = mu = 1e-3, the normalised ODIR of ``bench_fit.py``) on
   100,000 x 1,000: 1,001,000 parameters.
 - ``metrics``: cross-entropy + Brier + ECE streamed over 1,000,000 x 1,000 in batches of 10,000
@@ -156,6 +157,23 @@ def section_temperature(args, ceiling: float) -> None:
     torch.cuda.empty_cache()
 
 
+def section_fits(args) -> None:
+    """The 50,000 x 100 fits of ``bench_fit.py``, on the GPU."""
+    logits, labels = make_data(int(50_000 * args.scale), 100)
+    rows = []
+    for name, make, problem, theta in (
+        ("AffineCalibration", torchcal.AffineCalibration, PROBLEMS["affine"], lambda m: torch.cat([m.log_alpha.exp().view(1), m.beta])),
+        ("VectorScaling", torchcal.VectorScaling, PROBLEMS["vector"], lambda m: torch.cat([m.weight, m.bias])),
+        ("MatrixScaling", torchcal.MatrixScaling, PROBLEMS["matrix"], lambda m: torch.cat([m.weight, m.bias.unsqueeze(1)], 1)),
+        ("DirichletCalibration(odir, 1e-3)", lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=1e-3),
+         dirichlet_odir(1e-3, 1e-3), lambda m: torch.cat([m.weight, m.bias.unsqueeze(1)], 1)),
+    ):
+        seconds, model = timed(lambda: make().fit(logits, labels), args.repeat)
+        loss, grad = problem.evaluate(theta(model).detach(), logits, labels)
+        rows.append([name, f"{seconds:.3f}", f"{model.fit_record_.evaluations}", f"{loss:.10f}", f"{grad:.1e}"])
+    table(f"fits, {logits.shape[0]:,} x 100 float32 on the GPU", ["calibrator", "median s", "evaluations", "objective", "max |grad|"], rows)
+
+
 def section_dirichlet(args) -> None:
     import torchcal.calibrators.matrix as matrix_module
 
@@ -288,7 +306,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of the default sizes")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--sections", nargs="+", default=["copy", "temperature", "metrics", "syncs", "dirichlet"])
+    parser.add_argument("--sections", nargs="+", default=["copy", "temperature", "metrics", "syncs", "fits", "dirichlet"])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_gpu.py needs a CUDA device.")
@@ -301,6 +319,8 @@ def main() -> None:
             section_temperature(args, ceiling)
         elif name == "dirichlet":
             section_dirichlet(args)
+        elif name == "fits":
+            section_fits(args)
         elif name == "metrics":
             section_metrics(args, ceiling)
         elif name == "syncs":

@@ -12,12 +12,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import torchcal
-from torchcal.calibrators import matrix
+from torchcal.calibrators import matrix, temperature
 
 # Each model exercises one solver: 1-D Newton, structured Newton (with class weights from global
 # counts, and with a penalty that must be counted once), and the generic L-BFGS driver.
 MODELS = {
     "temperature": (lambda: torchcal.TemperatureScaling(), {}),
+    "temperature-subsample-start": (lambda: torchcal.TemperatureScaling(), {}),
     "affine-priors": (lambda: torchcal.AffineCalibration(), {"priors": torch.tensor([0.1, 0.2, 0.3, 0.2, 0.2])}),
     "vector": (lambda: torchcal.VectorScaling(), {}),
     "dirichlet-odir": (lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=0.3), {}),
@@ -28,13 +29,18 @@ MODELS = {
 
 def _fit(name: str, logits, labels, **extra):
     make, options = MODELS[name]
-    if name == "matrix-preconditioned-lbfgs":  # the path of maps too large for Newton, at K = 5
-        matrix.NEWTON_MAX_PARAMETERS, limit = 0, matrix.NEWTON_MAX_PARAMETERS
+    # the path of maps too large for Newton, at K = 5; the start from a subsample, at N K = 9,000
+    patch = {"matrix-preconditioned-lbfgs": (matrix, "NEWTON_MAX_PARAMETERS", 0),
+             "temperature-subsample-start": (temperature, "_SUBSAMPLE_ELEMENTS", 1000)}.get(name)
+    if patch:
+        module, attribute, value = patch
+        saved = getattr(module, attribute)
+        setattr(module, attribute, value)
     try:
         return make().fit(logits, labels, **options, **extra)
     finally:
-        if name == "matrix-preconditioned-lbfgs":
-            matrix.NEWTON_MAX_PARAMETERS = limit
+        if patch:
+            setattr(module, attribute, saved)
 SPLIT = 1100  # uneven shards: rank 0 holds 1100 samples, rank 1 the other 700
 
 

@@ -103,6 +103,15 @@ def test_chunked_passes_give_the_same_fit(monkeypatch, make):
             torch.testing.assert_close(other, value, rtol=1e-9, atol=1e-9)
 
 
+def test_temperature_start_from_a_subsample_reaches_the_same_optimum(monkeypatch):
+    logits, labels = _data(n=20_000)
+    full = torchcal.TemperatureScaling().fit(logits.double(), labels)
+    monkeypatch.setattr(temperature, "_SUBSAMPLE_ELEMENTS", 5_000)  # a 1-in-40 subsample
+    started = torchcal.TemperatureScaling().fit(logits.double(), labels)
+    assert started.temperature == pytest.approx(full.temperature, rel=1e-9)
+    assert started.fit_record_.evaluations < full.fit_record_.evaluations
+
+
 def test_warm_start_keeps_the_given_starting_point():
     logits, labels = _data(n=5000)
     cal = torchcal.VectorScaling().fit(logits, labels)

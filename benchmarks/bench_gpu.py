@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_common import PROBLEMS, dirichlet_odir  # noqa: E402
+from bench_temperature import gpleiss  # noqa: E402
 
 import torchcal  # noqa: E402
 from torchcal.metrics import PosteriorQuality  # noqa: E402
@@ -94,20 +95,6 @@ def section_copy(args) -> float:
     del x, y
     torch.cuda.empty_cache()
     return bandwidth
-
-
-def gpleiss(logits, labels):
-    temperature = torch.nn.Parameter(torch.ones(1, device=logits.device) * 1.5)
-    optimizer = torch.optim.LBFGS([temperature], lr=0.01, max_iter=200)
-
-    def closure():
-        optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(logits / temperature, labels)
-        loss.backward()
-        return loss
-
-    optimizer.step(closure)
-    return 1 / temperature.detach().double()
 
 
 def section_temperature(args, ceiling: float) -> None:

@@ -51,7 +51,7 @@ def torchcal_generic_lbfgs(logits, labels):
 def gpleiss(logits, labels):
     """gpleiss/temperature_scaling's settings (its file hard-codes .cuda()): T0 = 1.5,
     LBFGS(lr=0.01, max_iter=200), no line search."""
-    temperature = torch.nn.Parameter(torch.ones(1) * 1.5)
+    temperature = torch.nn.Parameter(torch.ones(1, device=logits.device) * 1.5)
     optimizer = torch.optim.LBFGS([temperature], lr=0.01, max_iter=200)
 
     def closure():

@@ -9,8 +9,8 @@ Each batch costs a single softmax-sized pass: with ``m = max_k z_k`` and ``e = e
   maximal class is ``y``.
 
 This is ``log_softmax`` and ``exp`` done once, without materialising ``log_probs`` or a second
-(N, K) temporary. State: per-class sums of log-loss, Brier and errors and per-class counts (K,), and
-per-bin counts, confidence sums and correct sums (M,): all float64, summed across processes, so
+(N, K) temporary. State: per-class sums of log-loss, Brier and errors and per-class counts (4, K),
+and per-bin counts, confidence sums and correct sums (3, M): float64, summed across processes, so
 memory is O(K + M) whatever N is, and priors apply exactly at ``compute()``.
 """
 

@@ -49,10 +49,11 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="session")
 def _one_thread():
     """The suite runs many small tensor ops on shared 2-core machines, where two intra-op threads
-    oversubscribe the cores and run several times slower than one."""
+    oversubscribe the cores and run several times slower than one. Session-scoped, so that it is
+    also in force while module-scoped fixtures (fitted models, trained networks) are built."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -15,15 +15,6 @@ from torchcal.heads import CalibratedModel, attach, collect_scores
 K = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The models here are tiny: one intra-op thread is fastest and immune to CPU contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make_data(n: int, num_classes: int = K, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 6, generator=gen)

@@ -29,15 +29,6 @@ TRAINER_DEFAULTS = dict(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The models here are tiny: one intra-op thread is fastest and immune to CPU contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make_data(n: int, seed: int) -> TensorDataset:
     """Three noisy, overlapping classes in 8 dimensions: a network that fits them grows over-confident."""
     gen = torch.Generator().manual_seed(seed)

@@ -27,14 +27,6 @@ REPO = Path(__file__).resolve().parents[1]
 K = 4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def stream(n_updates=UPDATES, seed=0):
     """Small batches of 1 to 3 rows: logits (float32), labels, and the batch boundaries."""
     gen = torch.Generator().manual_seed(seed)

@@ -49,15 +49,6 @@ STRUCTURES = ["gaussian", "saturated", "ties", "uniform"]
 EDGE = 1e-12  # the relative bin-edge tolerance documented in torchcal.functional.diagnostics
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Many small tensor ops: one intra-op thread avoids oversubscribing the two CI cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @dataclass
 class Problem:
     logits: torch.Tensor  # (N, K) in the drawn dtype

@@ -87,6 +87,19 @@ def test_ties_go_to_the_first_maximal_class():
     torch.testing.assert_close(metric.compute()["ece"], F.expected_calibration_error(logits, labels), rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("precision", ["float64", "float32"])
+def test_ties_on_integer_logits_many_classes(precision):
+    """Integer logits tie often, with the label anywhere among the maximal classes; rows whose
+    norm of exp(z - max) passes the tie filter without a tie go through the same fix-up."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randint(0, 4, (3000, 50), generator=g).float()
+    logits[:500] = 3 - torch.rand(500, 50, generator=g) * 1e-3  # untied but near-tied rows
+    labels = torch.randint(0, 50, (3000,), generator=g)
+    result = _streamed(PosteriorQuality(50, precision=precision), logits, labels, batch=700)
+    assert float(result["error_rate"]) == float(F.error_rate(logits, labels))
+    torch.testing.assert_close(result["ece"], F.expected_calibration_error(logits, labels), rtol=1e-6, atol=1e-12)
+
+
 def test_float32_precision():
     """Float32 per-sample terms with float64 sums: ~1e-6 relative; ECE bins equal the float64 ones
     except for confidences within float32 round-off of a bin edge (none in these data)."""

@@ -21,6 +21,7 @@ and are left out of the maximum. Bin sums are accumulated in float64.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal, Optional
 
 import torch
@@ -165,16 +166,25 @@ def uniform_bin_indices(scores: Tensor, n_bins: int) -> Tensor:
                 [1],
                 [3]])
     """
-    interior = torch.arange(1, n_bins, dtype=torch.float64, device=scores.device) / n_bins * (1 + EDGE_TOLERANCE)
     if scores.device.type != "cpu":  # there the search is one cheap kernel, the arithmetic a dozen
+        interior = uniform_edges(n_bins).to(scores.device)[1:-1] * (1 + EDGE_TOLERANCE)
         return torch.bucketize(scores.contiguous(), interior, right=False)
-    infinity = interior.new_full((1,), float("inf"))
-    bounds = torch.cat([-infinity, interior, infinity])  # bin m is (bounds[m], bounds[m + 1]]
-    candidate = (scores * (n_bins / (1 + EDGE_TOLERANCE))).ceil_().sub_(1)
+    lower, upper = _uniform_bin_bounds(n_bins)
+    flat = scores.reshape(-1)
+    candidate = (flat * (n_bins / (1 + EDGE_TOLERANCE))).ceil_().sub_(1)
     index = candidate.nan_to_num_(nan=n_bins - 1).clamp_(0, n_bins - 1).long()  # NaN last, as bucketize
-    index += scores > bounds[index + 1]
-    index -= (scores <= bounds[index]).long()
-    return index
+    step = (flat > upper.index_select(0, index)).long()
+    step -= (flat <= lower.index_select(0, index)).long()
+    return index.add_(step).view(scores.shape)
+
+
+@lru_cache(maxsize=16)
+def _uniform_bin_bounds(n_bins: int) -> tuple[Tensor, Tensor]:
+    """Lower and upper bounds (M,) of ``uniform_bin_indices``' bins, as ``bin_indices`` draws them:
+    bin m is ``(lower[m], upper[m]]``. Cached: building them costs as much as using them."""
+    interior = uniform_edges(n_bins)[1:-1] * (1 + EDGE_TOLERANCE)
+    infinity = interior.new_full((1,), float("inf"))
+    return torch.cat([-infinity, interior]), torch.cat([interior, infinity])
 
 
 def bin_statistics(scores: Tensor, targets: Tensor, edges: Tensor | int) -> tuple[Tensor, Tensor, Tensor]:

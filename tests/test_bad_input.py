@@ -105,6 +105,7 @@ BAD_SCORES = [
     ("NaN logits", _nan_logits, None, ValueError, r"1 NaN and 0 infinite values \(first in row 4\)"),
     ("+inf logits", lambda: _inf_logits(float("inf")), None, ValueError, r"0 NaN and 1 infinite values \(first in row 7\)"),
     ("-inf logits (log of a zero probability)", lambda: _inf_logits(float("-inf")), None, ValueError, r"infinite values.*log\(0\)"),
+    ("+inf and -inf logits", lambda: _inf_logits(float("-inf")).index_fill_(0, torch.tensor([9]), float("inf")), None, ValueError, r"0 NaN and 4 infinite values \(first in row 7\)"),
     ("integer logits", lambda: torch.ones(N, K, dtype=torch.long), None, ValueError, "must be a floating-point tensor"),
     ("1-D logits", lambda: torch.randn(N), None, ValueError, r"shape \(N, K\), got shape \(12,\).*binary_scores_to_logits"),
     ("3-D logits", lambda: torch.randn(N, K, 1), None, ValueError, r"shape \(N, K\), got shape \(12, 3, 1\)"),
@@ -147,6 +148,20 @@ def test_every_entry_point_rejects_bad_scores_and_labels(fn, make_logits, make_l
         warnings.simplefilter("ignore")  # e.g. a missing class: the error must still come
         with pytest.raises(error, match=pattern):
             fn(logits, labels)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_finite_scores_whose_sum_overflows_pass(dtype):
+    """The cheap finiteness test is the sum; when it overflows, the entry-wise check decides."""
+    from torchcal._validation import check_logits, check_logits_and_labels
+
+    big = torch.finfo(dtype).max
+    logits = torch.tensor([[big, big], [big, 0.0], [-big, -big]], dtype=dtype)
+    assert check_logits(logits) is logits
+    check_logits_and_labels(logits, torch.tensor([0, 1, 1]))
+    logits[2, 1] = float("nan")
+    with pytest.raises(ValueError, match="1 NaN"):
+        check_logits(logits)
 
 
 def test_numpy_input_is_validated_like_tensors():

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from torchcal._fast_exp import scaled_exp
 from torchcal.calibrators.base import Calibrator, sample_weights
 from torchcal.distributed import ProcessGroup, all_reduce_
 from torchcal.fit import ConvergenceWarning, FitRecord
@@ -117,7 +118,7 @@ def fit_inverse_temperature(
         for start in range(0, n, rows):
             c = slice(start, start + rows)
             centred = logits[c] - z_max[c].unsqueeze(1)  # <= 0: the exponentials cannot overflow
-            e = torch.exp(centred * beta)
+            e = scaled_exp(centred, beta)
             s0 = e.sum(1)
             s1 = torch.linalg.vecdot(e, centred)
             s2 = torch.linalg.vecdot(e.mul_(centred), centred)

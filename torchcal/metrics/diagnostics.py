@@ -28,6 +28,7 @@ from torchcal.functional.diagnostics import (
 )
 from torchcal.functional.scoring import to_log_probs
 from torchcal.metrics._common import add_sum_state, check_num_classes
+from torchcal.metrics._softmax_rows import softmax_rows
 
 __all__ = ["CalibrationError", "ECD"]
 
@@ -95,7 +96,11 @@ class CalibrationError(Metric):
     def update(self, logits: Tensor, labels: Tensor) -> None:
         """Accumulate ``logits: (N, K)`` and ``labels: (N,)``."""
         logits, labels = check_logits_and_labels(logits, labels, num_classes=self.num_classes)
-        scores, targets = binning_scores(to_log_probs(logits), labels, self.kind)
+        if self.kind == "top-label":  # binning_scores' result, from one exponential per entry
+            rows = softmax_rows(logits, labels, torch.float64)
+            scores, targets = rows.confidence.unsqueeze(1), rows.correct.unsqueeze(1)
+        else:
+            scores, targets = binning_scores(to_log_probs(logits), labels, self.kind)
         if self.strategy == "uniform":
             counts, score_sums, target_sums = bin_statistics(scores, targets, self.n_bins)
             self.counts += counts

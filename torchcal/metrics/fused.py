@@ -1,14 +1,7 @@
 """One streaming metric for cross-entropy, Brier score, top-label ECE and error rate in one pass.
 
-Each batch costs a single softmax-sized pass: with ``m = max_k z_k`` and ``e = exp(z - m)``
-(N, K), ``S = sum_k e_k``, every quantity is a reduction of ``z`` and ``e``:
-
-- ``log q_y = z_y - m - log S`` (cross-entropy),
-- ``sum_k q_k^2 = |e|^2 / S^2`` (Brier ``sum_k q_k^2 - 2 q_y + 1``, as ``brier_per_sample``),
-- the confidence ``max_k q_k = 1 / S`` (``e`` is 1 at the maximum), correct iff the first
-  maximal class is ``y``.
-
-This is ``log_softmax`` and ``exp`` done once, without materialising ``log_probs`` or a second
+Each batch costs a single softmax-sized pass: every quantity is a reduction of the logits ``z`` and
+of ``e = exp(z - max_k z_k)`` (``_softmax_rows``), without materialising ``log_probs`` or a second
 (N, K) temporary. State: per-class sums of log-loss, Brier and correct decisions and per-class
 counts (4, K), and per-bin correct sums, counts and confidence sums (3, M): float64, summed across
 processes, so memory is O(K + M) whatever N is, and priors apply exactly at ``compute()``.
@@ -32,13 +25,12 @@ from torchcal.functional.scoring import (
     prior_weighted_mean,
 )
 from torchcal.metrics._common import add_sum_state, check_num_classes
+from torchcal.metrics._softmax_rows import softmax_rows
 
 __all__ = ["PosteriorQuality"]
 
 Precision = Literal["float64", "float32"]
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
-_LOG2_E = 1 / math.log(2)
-_TIED_ROW_NORM = math.sqrt(2) * (1 - 1e-5)  # |exp(z - max)| of a row tied at the maximum is >= sqrt(2)
 
 
 class PosteriorQuality(Metric):
@@ -132,22 +124,12 @@ class PosteriorQuality(Metric):
         """Accumulate ``logits: (N, K)`` and ``labels: (N,)``."""
         if self.validate_args:
             logits, labels = self._validated(logits, labels)
-        z = logits.to(_DTYPES[self.precision])
-        top = z.amax(dim=1, keepdim=True)
-        # exp(z - top) as 2^((z - top) log2 e): exp2 is twice as fast as exp on the CPU, and the
-        # extra rounding (|z - top| ulp relative, like that of z - top itself) is lost in the sums.
-        e = (z - top).mul_(_LOG2_E).exp2_()  # (N, K), 1 at the maxima
-        row_terms = torch.stack([
-            top.squeeze(1), e.sum(dim=1), torch.linalg.vector_norm(e, dim=1), z.gather(1, labels.unsqueeze(1)).squeeze(1)
-        ]).to(torch.float64)  # the rest is O(N) work: float64 costs nothing more
-        top, total, norm, true_logit = row_terms
-        log_loss = (top - true_logit).add_(total.log())  # -log q_y; top - z_y first, exact when they are close
-        confidence = total.reciprocal()  # max_k q_k = e_max / S = 1 / S
-        brier = (norm * confidence).square_().add_(1).sub_(log_loss.neg().exp_(), alpha=2)
-        correct = _first_maximum_is_label(z, labels, true_logit == top, norm)
+        rows = softmax_rows(logits, labels, _DTYPES[self.precision])
+        log_loss, confidence = rows.log_loss, rows.confidence
+        brier = (rows.norm * confidence).square_().add_(1).sub_(log_loss.neg().exp_(), alpha=2)
         # Rows 0-3 are the class sums (log-loss, Brier, correct, count), rows 2-4 the bin sums
         # (correct, count, confidence): one stack, two index_add_ calls.
-        terms = torch.stack([log_loss, brier, correct.to(torch.float64), torch.ones_like(total), confidence])
+        terms = torch.stack([log_loss, brier, rows.correct.to(torch.float64), torch.ones_like(confidence), confidence])
         self.class_sums.index_add_(1, labels, terms[:4])
         self.bin_sums.index_add_(1, uniform_bin_indices(confidence, self.n_bins), terms[2:])
 
@@ -169,18 +151,3 @@ class PosteriorQuality(Metric):
         result["ece"] = calibration_error_from_bins(bin_counts, bin_confidence, bin_correct)
         return result
 
-
-def _first_maximum_is_label(z: Tensor, labels: Tensor, label_is_maximal: Tensor, norm: Tensor) -> Tensor:
-    """Whether the first maximal class of each row of ``z: (N, K)`` is its label, given whether the
-    label's score is maximal and the row norms ``norm`` of ``exp(z - max)``."""
-    if z.device.type != "cpu":  # there an argmax is as cheap as the max, and needs no host sync
-        return z.argmax(dim=1) == labels
-    # On the CPU argmax costs five passes over z. A tie at the maximum puts two exact 1s in
-    # exp(z - max), so |e|^2 >= 2 (a sum of non-negative terms rounds upwards of its parts): only
-    # those rows can have a first maximal class other than the label. Untied rows rarely get there.
-    correct = label_is_maximal.clone()
-    ambiguous = correct & (norm >= _TIED_ROW_NORM)
-    if bool(ambiguous.any()):
-        rows = ambiguous.nonzero().squeeze(1)
-        correct[rows] = z[rows].argmax(dim=1) == labels[rows]
-    return correct

@@ -147,9 +147,10 @@ NOT_ROWS = {  # alternatives of the reference benchmark without a row here: modu
 
 
 def bootstrap_table(repeat: int) -> None:
-    """1,000 percentile-bootstrap replicates over 10,000 x 100: torchcal's ``bootstrap`` (the fast
-    weighted path for the scoring rules, resample-and-recompute for the ECE) against torchmetrics'
-    ``BootStrapper`` (which keeps 1,000 copies of the metric and updates each with a resample)."""
+    """1,000 percentile-bootstrap replicates over 10,000 x 100: torchcal's ``bootstrap`` (its fast
+    path: per-sample values and bins computed once, per-class or per-bin sums per replicate)
+    against torchmetrics' ``BootStrapper`` (which keeps 1,000 copies of the metric and updates
+    each with a resample)."""
     from torchcal.functional import bootstrap, brier_score, cross_entropy, expected_calibration_error
 
     (z, y), = make_batches(10_000, 10_000)

@@ -4,10 +4,11 @@ Each replicate draws N samples with replacement and recomputes the metric. Two p
 automatically, give the same replicates for the same seed:
 
 - fast path, for metrics that are prior-weighted means of a per-sample value (``cross_entropy``,
-  ``brier_score``, ``expected_cost``, ``bayes_risk``, ``error_rate``, ``balanced_error_rate``,
-  with any of their options, also through ``functools.partial``): the per-sample values are
-  computed once, and each replicate is a reduction of them weighted by how often each sample was
-  drawn, evaluated for a chunk of replicates at once;
+  ``brier_score``, ``expected_cost``, ``bayes_risk``, ``error_rate``, ``balanced_error_rate``)
+  and for ``expected_calibration_error`` with equal-width bins, with any of their options, also
+  through ``functools.partial``: the per-sample values (and bins) are computed once, and each
+  replicate is a reduction of their per-class (per-bin) sums over the samples it drew, evaluated
+  for a chunk of replicates at once;
 - general path, for any other ``metric_fn`` or when a ``calibrator`` is given: a loop that calls
   ``metric_fn`` on each resampled data set, handing it a fresh copy of the calibrator.
 
@@ -35,6 +36,7 @@ from torchcal.functional.decisions import (
     expected_cost,
     expected_cost_terms,
 )
+from torchcal.functional.diagnostics import BinDecomposition, calibration_error_terms, expected_calibration_error
 from torchcal.functional.scoring import (
     SumDecomposition,
     brier_per_sample,
@@ -87,6 +89,20 @@ def sum_decomposition(metric_fn: Callable[..., Any]) -> Optional[Callable[..., S
     return _SUM_DECOMPOSITIONS.get(metric_fn)
 
 
+def _decomposition(
+    metric_fn: Callable[..., Any], metric_kwargs: dict[str, Any]
+) -> Optional[Callable[..., SumDecomposition | BinDecomposition]]:
+    """The function returning the decomposition of ``metric_fn`` called with ``metric_kwargs``, or
+    None when the bootstrap must recompute it on every resample."""
+    terms = sum_decomposition(metric_fn)
+    if terms is not None:
+        return terms
+    fn, keywords = (metric_fn.func, metric_fn.keywords) if isinstance(metric_fn, partial) and not metric_fn.args else (metric_fn, {})
+    if fn is expected_calibration_error and {**keywords, **metric_kwargs}.get("strategy", "uniform") == "uniform":
+        return partial(calibration_error_terms, **keywords)
+    return None
+
+
 def sum_reduction(metric_fn: Callable[..., Any], num_classes: int, **metric_kwargs: Any) -> Callable[[Tensor, Tensor], Tensor]:
     """The reduction ``(sums (..., K), counts (..., K)) -> value`` of a sum-decomposable metric of logits.
 
@@ -122,17 +138,35 @@ def resample_indices(num_samples: int, num_replicates: int, seed: int) -> Iterat
         yield torch.randint(num_samples, (size, num_samples), generator=generator)
 
 
-def _replicates_by_reduction(terms: SumDecomposition, num_replicates: int, seed: int) -> Tensor:
-    per_sample, labels = terms.per_sample.to(torch.float64), terms.labels
-    values = []
-    for index in resample_indices(labels.shape[0], num_replicates, seed):
-        index = index.to(labels.device)
-        drawn = labels[index]  # (b, N) class of each draw
-        shape = (index.shape[0], terms.num_classes)
-        sums = per_sample.new_zeros(shape).scatter_add_(1, drawn, per_sample[index])
-        counts = per_sample.new_zeros(shape).scatter_add_(1, drawn, per_sample.new_ones(index.shape))
-        values.append(terms.reduce(sums, counts))
-    return torch.cat(values)
+def _sums_per_replicate(keys: Tensor, values: list[Tensor], num_keys: int, index: Tensor) -> Tensor:
+    """Per-key sums (V, b, num_keys) float64 of each of ``values`` over the draws ``index: (b, N)``
+    of b replicates; ``keys`` and ``values`` are (N,) or (N, C), a key per sample and column."""
+    sums = torch.zeros(len(values), index.shape[0], num_keys, dtype=torch.float64, device=keys.device)
+    rows = max(1, CHUNK_ELEMENTS // keys.numel())  # replicates whose draws fit the memory bound
+    for start in range(0, index.shape[0], rows):
+        part = index[start : start + rows]
+        drawn = keys[part].reshape(part.shape[0], -1)
+        for total, value in zip(sums[:, start : start + rows], values):
+            total.scatter_add_(1, drawn, value[part].reshape(part.shape[0], -1).to(torch.float64))
+    return sums
+
+
+def _replicates(terms: SumDecomposition | BinDecomposition, num_replicates: int, seed: int) -> Tensor:
+    """The metric on each of ``num_replicates`` resamples, from the sums of their decompositions."""
+    if isinstance(terms, SumDecomposition):
+        keys, num_keys = terms.labels, terms.num_classes
+        values = [terms.per_sample, torch.ones_like(terms.per_sample)]
+    else:
+        keys, num_keys = terms.keys, terms.shape[0] * terms.shape[1]
+        values = [torch.ones_like(terms.scores), terms.scores, terms.targets]
+    replicates = []
+    for index in resample_indices(keys.shape[0], num_replicates, seed):
+        sums = _sums_per_replicate(keys, values, num_keys, index.to(keys.device))
+        if isinstance(terms, SumDecomposition):
+            replicates.append(terms.reduce(*sums))
+        else:
+            replicates.append(terms.reduce(*sums.reshape(3, index.shape[0], *terms.shape)))
+    return torch.cat(replicates)
 
 
 def _as_float64(value: Any) -> Tensor:
@@ -187,11 +221,11 @@ def bootstrap(
             f"{tuple(logits.shape)} and {tuple(labels.shape)}."
         )
 
-    terms = sum_decomposition(metric_fn) if calibrator is None else None
+    terms = _decomposition(metric_fn, metric_kwargs) if calibrator is None else None
     if terms is not None:
         decomposition = terms(logits, labels, **metric_kwargs)
         estimate = decomposition.evaluate()
-        replicates = _replicates_by_reduction(decomposition, num_replicates, seed)
+        replicates = _replicates(decomposition, num_replicates, seed)
     else:
 
         def call(x: Tensor, y: Tensor) -> Tensor:

@@ -21,8 +21,8 @@ and are left out of the maximum. Bin sums are accumulated in float64.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Literal, Optional
+from functools import lru_cache, partial
+from typing import Callable, Literal, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -45,6 +45,8 @@ __all__ = [
     "uniform_bin_indices",
     "bin_statistics",
     "calibration_error_from_bins",
+    "BinDecomposition",
+    "calibration_error_terms",
 ]
 
 Kind = Literal["top-label", "binary", "class", "classwise"]
@@ -204,12 +206,73 @@ def bin_statistics(scores: Tensor, targets: Tensor, edges: Tensor | int) -> tupl
     else:
         n_bins, index = edges.shape[-1] - 1, bin_indices(scores, edges)
     num_columns = scores.shape[1]
-    flat = (index + n_bins * torch.arange(num_columns, device=scores.device)).flatten()
+    sums = _sums_by_key(_bin_keys(index, n_bins), scores, targets, num_columns * n_bins)
+    return tuple(x.reshape(num_columns, n_bins) for x in sums)
+
+
+def _bin_keys(index: Tensor, n_bins: int) -> Tensor:
+    """``column * M + bin`` for bin indices (N, C): one key per (column, bin)."""
+    return index + n_bins * torch.arange(index.shape[1], device=index.device)
+
+
+def _sums_by_key(keys: Tensor, scores: Tensor, targets: Tensor, num_keys: int) -> Tensor:
+    """Counts and sums of ``scores`` and ``targets`` (N, C) per key in [0, num_keys): (3, num_keys) float64."""
+    flat = keys.flatten()
     # index_add_ rather than bincount, which reads the largest index back to the host on a GPU
-    sums = torch.zeros(3, num_columns * n_bins, dtype=torch.float64, device=scores.device)
+    sums = torch.zeros(3, num_keys, dtype=torch.float64, device=keys.device)
     for row, values in zip(sums, (torch.ones_like(flat, dtype=torch.float64), scores.flatten(), targets.flatten())):
         row.index_add_(0, flat, values.to(torch.float64))
-    return tuple(x.reshape(num_columns, n_bins) for x in sums)
+    return sums
+
+
+class BinDecomposition(NamedTuple):
+    """A binned calibration error written as ``reduce(counts, score_sums, target_sums)`` of the
+    per-bin sums, where each sample adds 1, its score and its target to the bin ``keys`` names.
+
+    With equal-width bins a sample's bin does not depend on the others, so the bootstrap sums the
+    keys of each resample directly (equal-mass edges move with the sample and cannot do this).
+    """
+
+    keys: Tensor  # (N, C) int64: column * M + bin
+    scores: Tensor  # (N, C) float64
+    targets: Tensor  # (N, C) bool
+    shape: tuple[int, int]  # (C, M)
+    reduce: Callable[[Tensor, Tensor, Tensor], Tensor]  # three (..., C, M) sums -> (...)
+
+    def evaluate(self) -> Tensor:
+        sums = _sums_by_key(self.keys, self.scores, self.targets, self.shape[0] * self.shape[1])
+        return self.reduce(*sums.reshape(3, *self.shape))
+
+
+def calibration_error_terms(
+    logits: Tensor,
+    labels: Tensor,
+    n_bins: int = 15,
+    strategy: Literal["uniform"] = "uniform",
+    kind: Literal["top-label", "binary", "classwise"] = "top-label",
+    norm: Norm = "l1",
+    reduction: Reduction = "mean",
+) -> BinDecomposition:
+    """Validate the inputs of ``expected_calibration_error`` with equal-width bins and return its
+    ``BinDecomposition``. ``strategy`` must be ``"uniform"``: equal-mass bins have none.
+
+    Example:
+        >>> probs = torch.tensor([[.9, .1], [.8, .2], [.4, .6], [.3, .7]], dtype=torch.float64)
+        >>> terms = calibration_error_terms(probs.log(), torch.tensor([0, 1, 1, 0]), n_bins=10)
+        >>> terms.keys.flatten().tolist(), round(float(terms.evaluate()), 6)
+        ([8, 7, 5, 6], 0.5)
+    """
+    if strategy != "uniform":
+        raise ValueError(f'equal-mass edges depend on the whole sample, so only strategy="uniform" has a BinDecomposition, got {strategy!r}.')
+    _check_calibration_error_kind(kind)
+    _, _, scores, targets, edges = _binned(logits, labels, n_bins, "uniform", kind)
+    return BinDecomposition(
+        _bin_keys(bin_indices(scores, edges), n_bins),
+        scores,
+        targets,
+        (scores.shape[1], n_bins),
+        partial(calibration_error_from_bins, norm=norm, reduction=reduction),
+    )
 
 
 def calibration_error_from_bins(
@@ -247,6 +310,11 @@ def calibration_error_from_bins(
     if reduction == "max":
         return per_column.amax(-1)
     raise ValueError(f'reduction must be "mean", "sum" or "max", got {reduction!r}.')
+
+
+def _check_calibration_error_kind(kind: str) -> None:
+    if kind not in ("top-label", "binary", "classwise"):
+        raise ValueError(f'kind must be "top-label", "binary" or "classwise", got {kind!r}.')
 
 
 def _check_n_bins(n_bins: int) -> None:
@@ -352,8 +420,7 @@ def expected_calibration_error(
         >>> round(float(expected_calibration_error(probs.log(), labels, n_bins=10, norm="max")), 6)
         0.8
     """
-    if kind not in ("top-label", "binary", "classwise"):
-        raise ValueError(f'kind must be "top-label", "binary" or "classwise", got {kind!r}.')
+    _check_calibration_error_kind(kind)
     _, _, scores, targets, edges = _binned(logits, labels, n_bins, strategy, kind)
     return calibration_error_from_bins(*bin_statistics(scores, targets, edges), norm=norm, reduction=reduction)
 

@@ -103,6 +103,39 @@ def test_first_maximum_with_ties_on_cuda():
     assert float(metric.compute()["error_rate"]) == pytest.approx(2 / 3)
 
 
+def test_ties_on_integer_logits_on_cuda_equal_cpu():
+    g = torch.Generator().manual_seed(7)
+    logits, labels = torch.randint(0, 4, (3000, 50), generator=g).float(), torch.randint(0, 50, (3000,), generator=g)
+    for make in (lambda: PosteriorQuality(50, precision="float32"), lambda: CalibrationError(50)):
+        on_cpu, on_cuda = make(), make().to(CUDA)
+        on_cpu.update(logits, labels)
+        on_cuda.update(logits.to(CUDA), labels.to(CUDA))
+        expected, got = on_cpu.compute(), on_cuda.compute()
+        for key in expected if isinstance(expected, dict) else [None]:
+            pick = (lambda r: r[key]) if key else (lambda r: r)
+            torch.testing.assert_close(pick(got).cpu(), pick(expected), rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_scaled_exp_on_cuda(dtype):
+    from torchcal._fast_exp import scaled_exp
+
+    x = -80 * torch.rand(10_000, dtype=dtype, device=CUDA)
+    for scale in (1.0, 0.5):
+        torch.testing.assert_close(scaled_exp(x, scale), torch.exp(scale * x))
+        torch.testing.assert_close(scaled_exp(x.clone(), scale, inplace=True), torch.exp(scale * x))
+
+
+def test_bootstrap_of_the_calibration_error_on_cuda_equals_cpu(resnet110):
+    from torchcal.functional import bootstrap, expected_calibration_error
+
+    _, test = resnet110
+    on_cpu = bootstrap(expected_calibration_error, test.logits, test.labels, 200, kind="classwise")
+    on_cuda = bootstrap(expected_calibration_error, test.logits.to(CUDA), test.labels.to(CUDA), 200, kind="classwise")
+    assert on_cuda.replicates.device.type == "cuda"
+    torch.testing.assert_close(on_cuda.replicates.cpu(), on_cpu.replicates, rtol=1e-9, atol=1e-12)
+
+
 def count_syncs(run) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -168,10 +168,9 @@ def uniform_bin_indices(scores: Tensor, n_bins: int) -> Tensor:
                 [1],
                 [3]])
     """
+    lower, upper = _uniform_bin_bounds(n_bins, scores.device)
     if scores.device.type != "cpu":  # there the search is one cheap kernel, the arithmetic a dozen
-        interior = uniform_edges(n_bins).to(scores.device)[1:-1] * (1 + EDGE_TOLERANCE)
-        return torch.bucketize(scores.contiguous(), interior, right=False)
-    lower, upper = _uniform_bin_bounds(n_bins)
+        return torch.bucketize(scores.contiguous(), upper[:-1], right=False)
     flat = scores.reshape(-1)
     candidate = (flat * (n_bins / (1 + EDGE_TOLERANCE))).ceil_().sub_(1)
     index = candidate.nan_to_num_(nan=n_bins - 1).clamp_(0, n_bins - 1).long()  # NaN last, as bucketize
@@ -181,10 +180,10 @@ def uniform_bin_indices(scores: Tensor, n_bins: int) -> Tensor:
 
 
 @lru_cache(maxsize=16)
-def _uniform_bin_bounds(n_bins: int) -> tuple[Tensor, Tensor]:
+def _uniform_bin_bounds(n_bins: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """Lower and upper bounds (M,) of ``uniform_bin_indices``' bins, as ``bin_indices`` draws them:
     bin m is ``(lower[m], upper[m]]``. Cached: building them costs as much as using them."""
-    interior = uniform_edges(n_bins)[1:-1] * (1 + EDGE_TOLERANCE)
+    interior = (uniform_edges(n_bins)[1:-1] * (1 + EDGE_TOLERANCE)).to(device)
     infinity = interior.new_full((1,), float("inf"))
     return torch.cat([-infinity, interior]), torch.cat([interior, infinity])
 

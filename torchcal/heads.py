@@ -12,9 +12,8 @@ The network's output kind is declared with ``output``:
 
 So the head returns the same kind of output as the network and is a drop-in replacement for it.
 It saves and loads with ``state_dict``, compiles with ``torch.compile`` and exports with
-``torch.export`` and ``torch.onnx.export(..., dynamo=True)``. Exception: ``IsotonicCalibration``
-does not convert to ONNX in torch 2.13 (``aten.searchsorted`` has no ONNX function); it exports
-with ``torch.export``.
+``torch.export`` and ``torch.onnx.export(..., dynamo=True)`` (every calibrator, the step maps of
+histogram binning and isotonic regression included).
 """
 
 from __future__ import annotations

@@ -162,7 +162,8 @@ class IsotonicCalibration(_OneVsRest):
 
     def _map_column(self, column: int, p: Tensor) -> Tensor:
         thresholds = self.thresholds[column].to(p.dtype)
-        index = (torch.searchsorted(thresholds, p.contiguous(), right=True) - 1).clamp_min(0)
+        # bucketize(right=True) is searchsorted(right=True), which has no ONNX function
+        index = (torch.bucketize(p.contiguous(), thresholds, right=True) - 1).clamp_min(0)
         return self.values[column].to(p.dtype)[index]
 
     def _fit(self, probs, labels, weights, loss, max_iter, process_group=None) -> FitRecord:

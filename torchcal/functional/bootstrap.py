@@ -97,7 +97,10 @@ def _decomposition(
     terms = sum_decomposition(metric_fn)
     if terms is not None:
         return terms
-    fn, keywords = (metric_fn.func, metric_fn.keywords) if isinstance(metric_fn, partial) and not metric_fn.args else (metric_fn, {})
+    if isinstance(metric_fn, partial) and not metric_fn.args:
+        fn, keywords = metric_fn.func, metric_fn.keywords
+    else:
+        fn, keywords = metric_fn, {}
     if fn is expected_calibration_error and {**keywords, **metric_kwargs}.get("strategy", "uniform") == "uniform":
         return partial(calibration_error_terms, **keywords)
     return None

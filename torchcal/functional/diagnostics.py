@@ -215,7 +215,7 @@ def _bin_keys(index: Tensor, n_bins: int) -> Tensor:
 
 
 def _sums_by_key(keys: Tensor, scores: Tensor, targets: Tensor, num_keys: int) -> Tensor:
-    """Counts and sums of ``scores`` and ``targets`` (N, C) per key in [0, num_keys): (3, num_keys) float64."""
+    """Counts and sums of ``scores`` and ``targets`` (N, C) per key in [0, num_keys): (3, num_keys)."""
     flat = keys.flatten()
     # index_add_ rather than bincount, which reads the largest index back to the host on a GPU
     sums = torch.zeros(3, num_keys, dtype=torch.float64, device=keys.device)
@@ -262,7 +262,10 @@ def calibration_error_terms(
         ([8, 7, 5, 6], 0.5)
     """
     if strategy != "uniform":
-        raise ValueError(f'equal-mass edges depend on the whole sample, so only strategy="uniform" has a BinDecomposition, got {strategy!r}.')
+        raise ValueError(
+            f'only strategy="uniform" has a BinDecomposition (equal-mass edges depend on the whole '
+            f"sample), got {strategy!r}."
+        )
     _check_calibration_error_kind(kind)
     _, _, scores, targets, edges = _binned(logits, labels, n_bins, "uniform", kind)
     return BinDecomposition(

@@ -23,11 +23,16 @@ def test_scaled_exp_matches_exp(dtype, scale):
     assert got[0] == 1.0
 
 
-def test_scaled_exp_in_place():
+@pytest.mark.parametrize("scale", [1.0, 2.0])
+def test_scaled_exp_into_out(scale):
+    expected = torch.exp(scale * torch.tensor([0.0, -1.0, -2.0]))
     x = torch.tensor([0.0, -1.0, -2.0])
-    out = scaled_exp(x, 2.0, inplace=True)
-    assert out.data_ptr() == x.data_ptr()
-    torch.testing.assert_close(x, torch.exp(torch.tensor([0.0, -2.0, -4.0])))
+    assert scaled_exp(x, scale, out=x) is x  # in place
+    torch.testing.assert_close(x, expected)
+    x, out = torch.tensor([0.0, -1.0, -2.0]), torch.empty(3)
+    assert scaled_exp(x, scale, out=out) is out
+    torch.testing.assert_close(out, expected)
+    assert x.tolist() == [0.0, -1.0, -2.0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
+import torch
 from torch import Tensor
 
 LOG2_E = 1 / math.log(2)
 
 
-def scaled_exp(x: Tensor, scale: float = 1.0, inplace: bool = False) -> Tensor:
-    """``exp(scale * x)``; with ``inplace=True`` it overwrites ``x``.
+def scaled_exp(x: Tensor, scale: float = 1.0, out: Optional[Tensor] = None) -> Tensor:
+    """``exp(scale * x)``, written to ``out`` (which may be ``x`` itself) if given.
 
     On the CPU it is ``2 ** (x * scale log2(e))``. The product's rounding perturbs the result by
     about ``|scale x|`` ulp, relatively: as much as the rounding of ``x`` itself does, and nothing
@@ -20,8 +22,5 @@ def scaled_exp(x: Tensor, scale: float = 1.0, inplace: bool = False) -> Tensor:
     on_cpu = x.device.type == "cpu"
     factor = scale * LOG2_E if on_cpu else scale
     if factor != 1:
-        x = x.mul_(factor) if inplace else x * factor
-        inplace = True  # x is now a temporary of ours
-    if on_cpu:
-        return x.exp2_() if inplace else x.exp2()
-    return x.exp_() if inplace else x.exp()
+        x = out = torch.mul(x, factor, out=out)
+    return torch.exp2(x, out=out) if on_cpu else torch.exp(x, out=out)

@@ -112,16 +112,21 @@ def fit_inverse_temperature(
     z_true_centred = z_true - z_max
     rows = max(1, (_CHUNK_ELEMENTS if logits.device.type == "cpu" else _DEVICE_CHUNK_ELEMENTS) // k)
 
+    # Two chunk-sized work buffers for every pass: fresh chunk-sized temporaries, freed between
+    # small long-lived allocations, fragment the CPU heap until it holds about the data's size.
+    buffers = logits.new_empty(2, min(rows, n), k)
+
     def moments(beta: float) -> tuple[float, float, float]:
         """Loss, first and second derivative at ``beta``: one pass over the logits."""
         totals = torch.zeros(3, dtype=torch.float64, device=logits.device)
         for start in range(0, n, rows):
             c = slice(start, start + rows)
-            centred = logits[c] - z_max[c].unsqueeze(1)  # <= 0: the exponentials cannot overflow
-            e = scaled_exp(centred, beta)
+            centred, e = buffers[:, : min(rows, n - start)]
+            torch.sub(logits[c], z_max[c].unsqueeze(1), out=centred)  # <= 0: exp cannot overflow
+            scaled_exp(centred, beta, out=e)
             s0 = e.sum(1)
-            s1 = torch.linalg.vecdot(e, centred)
-            s2 = torch.linalg.vecdot(e.mul_(centred), centred)
+            s1 = e.mul_(centred).sum(1)
+            s2 = e.mul_(centred).sum(1)
             mean = s1 / s0
             per_row = torch.stack([s0.log() - beta * z_true_centred[c], mean - z_true_centred[c], s2 / s0 - mean.square()])
             totals += per_row.to(torch.float64) @ sample_w[c]
@@ -131,7 +136,10 @@ def fit_inverse_temperature(
     # At beta = 0 the posteriors are uniform: the derivative needs no exponentials. It is taken in
     # float64 so that a constant classifier gives exactly 0 rather than float32 round-off.
     # (chunk by chunk: mean(dtype=float64) would make a float64 copy of all the logits)
-    row_means = torch.cat([logits[start : start + rows].to(torch.float64).mean(1) for start in range(0, n, rows)])
+    wide = buffers.new_empty(buffers.shape[1:], dtype=torch.float64)
+    row_means = torch.cat([
+        wide[: min(rows, n - start)].copy_(logits[start : start + rows]).mean(1) for start in range(0, n, rows)
+    ])
     at_zero = torch.stack([
         sample_w.sum() * math.log(k),
         sample_w @ (row_means - z_true.to(torch.float64)),

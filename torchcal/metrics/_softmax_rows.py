@@ -46,7 +46,8 @@ def softmax_rows(logits: Tensor, labels: Tensor, dtype: torch.dtype) -> SoftmaxR
     """The row statistics of ``logits: (N, K)`` (exponentials in ``dtype``) and ``labels: (N,)``."""
     z = logits.to(dtype)
     top = z.amax(dim=1, keepdim=True)
-    e = scaled_exp(z - top, inplace=True)  # (N, K), 1 at the maxima
+    e = z - top
+    scaled_exp(e, out=e)  # (N, K), 1 at the maxima
     rows = torch.stack([
         top.squeeze(1), e.sum(dim=1), torch.linalg.vector_norm(e, dim=1), z.gather(1, labels.unsqueeze(1)).squeeze(1)
     ]).to(torch.float64)  # what follows is O(N) work: float64 costs nothing more

@@ -41,6 +41,7 @@ from bench_common import PROBLEMS, dirichlet_odir  # noqa: E402
 from bench_temperature import gpleiss  # noqa: E402
 
 import torchcal  # noqa: E402
+from torchcal._sync_count import count_host_syncs  # noqa: E402
 from torchcal.metrics import PosteriorQuality  # noqa: E402
 
 DEVICE = torch.device("cuda")
@@ -257,17 +258,6 @@ def metrics_table(logits: torch.Tensor, labels: torch.Tensor, batch: int, args, 
           ["row", "median ms", "x torchmetrics speed", "GB/s (logits read once)", "x ceiling", "peak MiB above data", "values"], rows)
 
 
-def count_syncs(run: Callable[[], object]) -> int:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
-
-
 def section_syncs(args) -> None:
     logits, labels = make_data(20_000, 100)
     rows = []
@@ -278,13 +268,13 @@ def section_syncs(args) -> None:
     ):
         make().fit(logits, labels)  # warm-up
         holder = {}
-        syncs = count_syncs(lambda: holder.setdefault("m", make().fit(logits, labels)))
+        syncs = count_host_syncs(lambda: holder.setdefault("m", make().fit(logits, labels)))
         r = holder["m"].fit_record_
         rows.append([f"{name}.fit", str(syncs), f"{r.iterations} it. / {r.evaluations} ev.", f"{syncs / max(r.evaluations, 1):.1f}"])
     for validate in (True, False):
         metric = PosteriorQuality(100, 15, precision="float32", validate_args=validate).to(DEVICE)
         metric.update(logits[:10_000], labels[:10_000])
-        syncs = count_syncs(lambda: [metric.update(logits[i : i + 1000], labels[i : i + 1000]) for i in range(0, 10_000, 1000)])
+        syncs = count_host_syncs(lambda: [metric.update(logits[i : i + 1000], labels[i : i + 1000]) for i in range(0, 10_000, 1000)])
         rows.append([f"PosteriorQuality.update (validate_args={validate})", str(syncs), "10 updates", f"{syncs / 10:.1f}"])
     table("host synchronisations", ["what", "syncs", "work", "per evaluation / update"], rows)
 

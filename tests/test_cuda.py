@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import torchcal
+from torchcal._sync_count import count_host_syncs
 from torchcal.data import EXAMPLE_PATH, load_scores
 from torchcal.metrics import BrierScore, CalibrationError, CrossEntropy, PosteriorQuality
 
@@ -137,17 +138,6 @@ def test_bootstrap_of_the_calibration_error_on_cuda_equals_cpu(resnet110):
     torch.testing.assert_close(on_cuda.replicates.cpu(), on_cpu.replicates, rtol=1e-9, atol=1e-12)
 
 
-def count_syncs(run) -> int:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
-
-
 def test_host_synchronisations_are_per_iteration_not_per_chunk(monkeypatch):
     from torchcal.calibrators import temperature
 
@@ -155,17 +145,17 @@ def test_host_synchronisations_are_per_iteration_not_per_chunk(monkeypatch):
     logits = 3 * torch.randn(200_000, 100, device=CUDA, generator=generator)
     labels = torch.distributions.Categorical(logits=logits / 3).sample()
     torchcal.TemperatureScaling().fit(logits, labels)  # warm-up
-    syncs = count_syncs(lambda: torchcal.TemperatureScaling().fit(logits, labels))
+    syncs = count_host_syncs(lambda: torchcal.TemperatureScaling().fit(logits, labels))
     # a read-back per Newton step (of the subsample fit and of the full one) and a few for the
     # set-up, however many chunks a pass takes
     assert syncs <= 50
     monkeypatch.setattr(temperature, "_DEVICE_CHUNK_ELEMENTS", 1 << 16)  # 300 chunks per pass
-    chunked = count_syncs(lambda: torchcal.TemperatureScaling().fit(logits, labels))
+    chunked = count_host_syncs(lambda: torchcal.TemperatureScaling().fit(logits, labels))
     assert abs(chunked - syncs) <= 2  # a Newton step more or less, as the sums round differently
 
     metric = PosteriorQuality(100, validate_args=False).to(CUDA)
     metric.update(logits[:1000], labels[:1000])
-    assert count_syncs(lambda: [metric.update(logits[i : i + 1000], labels[i : i + 1000]) for i in range(0, 20_000, 1000)]) == 0
+    assert count_host_syncs(lambda: [metric.update(logits[i : i + 1000], labels[i : i + 1000]) for i in range(0, 20_000, 1000)]) == 0
 
 
 def test_calibrated_model_on_cuda(resnet110):

@@ -19,6 +19,7 @@ copies of a test sample in its training folds, which favours the calibrator.
 from __future__ import annotations
 
 import copy
+import math
 from functools import partial
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
@@ -156,19 +157,16 @@ def _sums_per_replicate(keys: Tensor, values: list[Tensor], num_keys: int, index
 
 def _replicates(terms: SumDecomposition | BinDecomposition, num_replicates: int, seed: int) -> Tensor:
     """The metric on each of ``num_replicates`` resamples, from the sums of their decompositions."""
-    if isinstance(terms, SumDecomposition):
-        keys, num_keys = terms.labels, terms.num_classes
+    if isinstance(terms, SumDecomposition):  # reduce(sums, counts), each (b, K)
+        keys, shape = terms.labels, (terms.num_classes,)
         values = [terms.per_sample, torch.ones_like(terms.per_sample)]
-    else:
-        keys, num_keys = terms.keys, terms.shape[0] * terms.shape[1]
+    else:  # reduce(counts, score_sums, target_sums), each (b, C, M)
+        keys, shape = terms.keys, terms.shape
         values = [torch.ones_like(terms.scores), terms.scores, terms.targets]
     replicates = []
     for index in resample_indices(keys.shape[0], num_replicates, seed):
-        sums = _sums_per_replicate(keys, values, num_keys, index.to(keys.device))
-        if isinstance(terms, SumDecomposition):
-            replicates.append(terms.reduce(*sums))
-        else:
-            replicates.append(terms.reduce(*sums.reshape(3, index.shape[0], *terms.shape)))
+        sums = _sums_per_replicate(keys, values, math.prod(shape), index.to(keys.device))
+        replicates.append(terms.reduce(*sums.reshape(len(values), index.shape[0], *shape)))
     return torch.cat(replicates)
 
 

@@ -1,0 +1,21 @@
+"""Counting the host synchronisations a piece of CUDA code makes (for the tests and benchmarks)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+
+
+def count_host_syncs(run: Callable[[], object]) -> int:
+    """Run ``run()`` and return how many times it made the host wait for the current CUDA device,
+    as ``torch.cuda.set_sync_debug_mode("warn")`` reports them."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)

@@ -26,9 +26,9 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 
@@ -130,7 +130,7 @@ class Row:
     needs: tuple[str, ...] = ()  # importable modules; the row is skipped without them
     note: str = ""
     #: estimated peak memory in bytes for (n, k); rows over --max-memory-gb are skipped
-    memory: Optional[Callable[[int, int], float]] = None
+    memory: Callable[[int, int], float] | None = None
     #: left out of --smoke runs (start-up or compilation alone takes tens of seconds)
     slow: bool = False
 
@@ -167,7 +167,7 @@ def run_row_in_this_process(row: Row, problem: Problem, n: int, k: int, repeat: 
     }
 
 
-def _missing(row: Row) -> Optional[str]:
+def _missing(row: Row) -> str | None:
     import importlib.util
 
     for module in row.needs:
@@ -244,7 +244,7 @@ def main(description: str, rows: dict[str, list[Row]], problems: dict[str, Probl
         print_table(name, results)
 
 
-def print_table(problem: str, results: list[tuple[Row, Optional[dict], str]]) -> None:
+def print_table(problem: str, results: list[tuple[Row, dict | None, str]]) -> None:
     measured = [r for _, r, _ in results if r is not None]
     if not measured:
         return
@@ -267,7 +267,7 @@ def print_table(problem: str, results: list[tuple[Row, Optional[dict], str]]) ->
         )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_torch_uncertainty():
     """torch_uncertainty's scalers without its package ``__init__``, which imports torchvision
     (whose PyPI wheel cannot load next to a CPU-only torch); the scaler code itself is unchanged."""
@@ -314,7 +314,7 @@ def scipy_lbfgs(problem: Problem, theta0, logits: torch.Tensor, labels: torch.Te
     gradient tolerance as torchcal's L-BFGS (largest absolute entry 1e-7)."""
     import numpy as np
     from scipy.optimize import minimize
-    from scipy.special import log_softmax, softmax
+    from scipy.special import log_softmax
 
     z = logits.double().numpy()
     y = labels.numpy()

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import PROBLEMS, Row, dirichlet_odir, identity_theta, main, scipy_lbfgs, torch_uncertainty_fit  # noqa: E402
+from bench_common import PROBLEMS, Row, dirichlet_odir, identity_theta, main, scipy_lbfgs, torch_uncertainty_fit
 
 # --reg is read before argparse runs in the children too, so every process sees the same penalty.
 REG = float(sys.argv[sys.argv.index("--reg") + 1]) if "--reg" in sys.argv else 1e-3
@@ -154,7 +154,7 @@ def scipy(problem):
 
 
 # dirichletcal precomputes N (K+1)^2 outer products, and jax holds several copies of them
-DIRICHLETCAL_MEMORY = lambda n, k: 5 * 8 * n * (k + 1) ** 2  # noqa: E731
+DIRICHLETCAL_MEMORY = lambda n, k: 5 * 8 * n * (k + 1) ** 2
 
 
 def _extract_affine(model):

@@ -30,19 +30,19 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_common import PROBLEMS, dirichlet_odir  # noqa: E402
-from bench_temperature import gpleiss  # noqa: E402
+from bench_common import PROBLEMS, dirichlet_odir
+from bench_temperature import gpleiss
 
-import torchcal  # noqa: E402
-from torchcal._sync_count import count_host_syncs  # noqa: E402
-from torchcal.metrics import PosteriorQuality  # noqa: E402
+import torchcal
+from torchcal._sync_count import count_host_syncs
+from torchcal.metrics import PosteriorQuality
 
 DEVICE = torch.device("cuda")
 GB = 1e9

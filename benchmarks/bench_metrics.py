@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -193,7 +193,7 @@ def bootstrap_table(repeat: int) -> None:
 # --------------------------------------------------------------------------- measuring
 
 
-def _rss_bytes() -> Optional[int]:
+def _rss_bytes() -> int | None:
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -201,7 +201,7 @@ def _rss_bytes() -> Optional[int]:
         return None
 
 
-def peak_memory_mib(run: Callable[[], str]) -> tuple[str, Optional[float]]:
+def peak_memory_mib(run: Callable[[], str]) -> tuple[str, float | None]:
     """Run once; return its result and the peak RSS growth in MiB (None without /proc)."""
     base = _rss_bytes()
     if base is None:
@@ -230,7 +230,7 @@ def import_note(module: str) -> str:
     return "installed, but no row for it here"
 
 
-def measure_memory(args: argparse.Namespace) -> dict[str, Optional[float]]:
+def measure_memory(args: argparse.Namespace) -> dict[str, float | None]:
     """Peak MiB of each row, from a child process whose allocator returns freed memory at once."""
     command = [sys.executable, __file__, "--memory-only", "--n", str(args.n), "--batch", str(args.batch),
                "--threads", str(args.threads)]
@@ -285,7 +285,7 @@ def main() -> None:
     print(f"| {'row':<60} | time (s) | samples/s | peak MiB | x log_softmax | x torchmetrics | values |")
     print(f"|{'-' * 62}|---------:|----------:|---------:|--------------:|---------------:|--------|")
     for name, t in median.items():
-        ratio = lambda ref: f"{t / median[ref]:.2f}" if ref in median else "-"  # noqa: E731
+        ratio = lambda ref: f"{t / median[ref]:.2f}" if ref in median else "-"
         mib = "n/a" if memory.get(name) is None else f"{memory[name]:.1f}"
         print(f"| {name:<60} | {t:8.3f} | {args.n / t:9.3g} | {mib:>8} | {ratio(BASELINE):>13} | "
               f"{ratio(REFERENCE):>14} | {results[name]} |")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import PROBLEMS, Row, identity_theta, main, scipy_lbfgs, torch_uncertainty_fit  # noqa: E402
+from bench_common import PROBLEMS, Row, identity_theta, main, scipy_lbfgs, torch_uncertainty_fit
 
 PROBLEM = PROBLEMS["temperature"]
 

@@ -16,8 +16,8 @@ import argparse
 import csv
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from torchcal.cli import main as torchcal_main
 
@@ -39,7 +39,7 @@ def summary_row(path: Path, report: dict) -> dict[str, str]:
             "rcl_percent": f"{best['relative_calibration_loss']:.1f}"}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--out", type=Path, default=Path("torchcal-report-folder"))
@@ -62,7 +62,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"no readable scores files in {args.folder}")
         return 1
     widths = {k: max(len(k), *(len(r[k]) for r in rows)) for k in rows[0]}
-    for row in [{k: k for k in rows[0]}] + rows:
+    for row in [{k: k for k in rows[0]}, *rows]:
         print("  ".join(row[k].ljust(widths[k]) for k in row))
     with (args.out / "summary.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))

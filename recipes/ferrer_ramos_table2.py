@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from torchcal.data import load_scores
 from torchcal.report import evaluate
@@ -59,7 +59,7 @@ def _row(label: str, ce: Sequence[float], ece: Sequence[float], rcl: float) -> s
             f"{' -> '.join(f'{v:.1f}' for v in ece):<19}  {rcl:5.1f}")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--fast", action="store_true", help=f"only {', '.join(FAST)}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from torch import Tensor
 
@@ -98,7 +98,7 @@ def _print(title: str, columns: Sequence[str], ours: dict, decimals: dict[str, i
     return worst
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-samples", type=int, default=100_000)
     parser.add_argument("--seed", type=int, default=0, help="data seed (the published tables use 0) and fold seed")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -70,7 +70,7 @@ def reproduce(methods: Sequence[str], folds: int = 5, seed: int = 0) -> dict[str
     return results
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fast", action="store_true", help=f"only {', '.join(FAST)}")
     parser.add_argument("--seed", type=int, default=0, help="seed of the validation folds")

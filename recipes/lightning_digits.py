@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +39,7 @@ def digits_splits(seed: int = 0) -> dict[str, tuple[Tensor, Tensor]]:
     x, y = load_digits(return_X_y=True)
     x_train, x_rest, y_train, y_rest = train_test_split(x, y, train_size=600, stratify=y, random_state=seed)
     x_val, x_test, y_val, y_test = train_test_split(x_rest, y_rest, train_size=500, stratify=y_rest, random_state=seed)
-    as_tensors = lambda x, y: (torch.tensor(x / 16, dtype=torch.float32), torch.tensor(y))  # noqa: E731
+    as_tensors = lambda x, y: (torch.tensor(x / 16, dtype=torch.float32), torch.tensor(y))
     return {"train": as_tensors(x_train, y_train), "val": as_tensors(x_val, y_val), "test": as_tensors(x_test, y_test)}
 
 
@@ -79,7 +79,7 @@ def table(columns: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fast", action="store_true", help="15 epochs instead of 40 (CI)")
     parser.add_argument("--epochs", type=int, default=None)

@@ -18,8 +18,8 @@ import torch
 import torchcal
 import torchcal.functional as F
 from torchcal import metrics
-from torchcal.data import load_scores
 from torchcal._validation import check_costs, check_labels, check_logits, check_priors, check_probs
+from torchcal.data import load_scores
 
 K = 3
 N = 12

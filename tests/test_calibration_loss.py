@@ -20,7 +20,6 @@ from torchcal.functional import (
 )
 
 
-
 def np_log_softmax(z):
     z = z - z.max(axis=1, keepdims=True)
     return z - np.log(np.exp(z).sum(axis=1, keepdims=True))

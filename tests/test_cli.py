@@ -15,7 +15,6 @@ from torchcal.cli import main
 from torchcal.report import load_calibrator
 
 
-
 @pytest.fixture
 def scores_file(tmp_path, synthetic):
     logits, labels = synthetic(3, 600, seed=0)

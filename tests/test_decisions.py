@@ -16,8 +16,6 @@ from torchcal.functional import (
     zero_one_costs,
 )
 
-
-
 # --------------------------------------------------------------------------- NumPy references
 
 

@@ -18,8 +18,13 @@ from torchcal.functional import (
     reliability_bins,
     signed_calibration_error,
 )
-from torchcal.functional.diagnostics import bin_indices, ecd_per_sample, quantile_edges, uniform_bin_indices, uniform_edges
-
+from torchcal.functional.diagnostics import (
+    bin_indices,
+    ecd_per_sample,
+    quantile_edges,
+    uniform_bin_indices,
+    uniform_edges,
+)
 
 # --------------------------------------------------------------------------- the survey's toy problem
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_metrics_streaming import batches, case_list, costs_for, expected_cost_case, make_data
 
 import torchcal
-from test_metrics_streaming import batches, case_list, costs_for, expected_cost_case, make_data
 from torchcal.functional import bayes_decisions, calibration_loss, cross_validated_calibration_loss
 from torchcal.metrics import CalibrationLoss
 

@@ -37,7 +37,6 @@ from torchcal.metrics import (
 )
 
 
-
 def make_data(n: int, k: int, scale: float, seed: int):
     """Logits ``scale * N(0, 1)`` (float32 unless |z| is huge) and labels drawn from
     ``softmax(logits / scale)``, so the logits are over-confident by the factor ``scale``."""

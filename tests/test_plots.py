@@ -55,7 +55,7 @@ def test_reliability_diagram_draws_the_bins(synthetic, tmp_path):
     full = bins.counts > 0
     np.testing.assert_allclose(curves["raw"].get_xdata(), bins.mean_score[full].numpy())  # markers at bin means
     np.testing.assert_allclose(curves["raw"].get_ydata(), bins.frequency[full].numpy())
-    histogram = [a for a in fig.axes if a is not ax][0]
+    histogram = next(a for a in fig.axes if a is not ax)
     assert histogram.get_yscale() == "log" and len(histogram.patches) == 2  # one count histogram per system
     fig.savefig(tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

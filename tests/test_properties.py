@@ -17,11 +17,11 @@ K = 1000. Every test is derandomised: CI runs the same examples every time.
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import pytest
@@ -105,7 +105,7 @@ def np_log_softmax(z: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
 
 
-def np_prior_weighted(per_sample: np.ndarray, y: np.ndarray, k: int, priors: Optional[np.ndarray]) -> float:
+def np_prior_weighted(per_sample: np.ndarray, y: np.ndarray, k: int, priors: np.ndarray | None) -> float:
     """The plain mean, or sum_c P_c * (mean over class c) (Ferrer & Ramos App. A)."""
     if priors is None:
         return float(per_sample.mean())
@@ -200,7 +200,7 @@ def close(got, expected, rtol=1e-9, atol=1e-12):
     assert abs(got - expected) <= atol + rtol * abs(expected), (got, expected)
 
 
-def priors_strategy(rs: np.random.RandomState, k: int, y: np.ndarray, mode: str) -> Optional[np.ndarray]:
+def priors_strategy(rs: np.random.RandomState, k: int, y: np.ndarray, mode: str) -> np.ndarray | None:
     if mode == "none":
         return None
     if mode == "all":  # positive on every class, present or not
@@ -544,7 +544,7 @@ def test_shuffling_and_splitting_the_samples_changes_nothing(problem, seed, cuts
         "ece-quantile-l2": metrics.CalibrationError(k, 6, "quantile", norm="l2"),
         "bayes-risk": metrics.BayesRisk(costs, priors=priors, normalize=normalize),
     }
-    for start, stop in zip(bounds[:-1], bounds[1:]):
+    for start, stop in itertools.pairwise(bounds):
         if stop > start:
             for metric in streaming.values():
                 metric.update(logits[start:stop], labels[start:stop])

@@ -15,7 +15,6 @@ from torchcal.functional import bayes_risk, brier_score, cross_entropy, zero_one
 from torchcal.report import METHODS, evaluate, load_calibrator, make_calibrator, save_calibrator
 
 
-
 @pytest.fixture
 def small(synthetic):
     logits, labels = synthetic(4, 800, seed=0)

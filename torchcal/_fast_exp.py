@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -11,7 +10,7 @@ from torch import Tensor
 LOG2_E = 1 / math.log(2)
 
 
-def scaled_exp(x: Tensor, scale: float = 1.0, out: Optional[Tensor] = None) -> Tensor:
+def scaled_exp(x: Tensor, scale: float = 1.0, out: Tensor | None = None) -> Tensor:
     """``exp(scale * x)``, written to ``out`` (which may be ``x`` itself) if given.
 
     On the CPU it is ``2 ** (x * scale log2(e))``. The product's rounding perturbs the result by

@@ -15,12 +15,12 @@ from torch import Tensor
 
 __all__ = [
     "as_tensor",
-    "check_logits",
-    "check_labels",
-    "check_logits_and_labels",
-    "check_probs",
-    "check_priors",
     "check_costs",
+    "check_labels",
+    "check_logits",
+    "check_logits_and_labels",
+    "check_priors",
+    "check_probs",
     "compute_dtype",
 ]
 
@@ -59,7 +59,7 @@ def _all_finite(x: Tensor) -> bool:
 def _all_in_range(labels: Tensor, num_classes: int) -> bool:
     """Whether every label lies in [0, K): one read-back of the minimum and maximum."""
     low, high = torch.stack(torch.aminmax(labels)).tolist()
-    return 0 <= low and high < num_classes
+    return low >= 0 and high < num_classes
 
 
 def check_logits(logits: Any, name: str = "logits", num_classes: int | None = None) -> Tensor:

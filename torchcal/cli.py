@@ -14,8 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ from torchcal.data import EXAMPLE_PATH, Scores, has_split, load_scores
 from torchcal.functional import cross_entropy, zero_one_costs
 from torchcal.report import METHODS, evaluate, load_calibrator, make_calibrator, save_calibrator
 
-__all__ = ["main", "load_config", "parse_priors", "parse_costs", "CONFIG_DIR"]
+__all__ = ["CONFIG_DIR", "load_config", "main", "parse_costs", "parse_priors"]
 
 #: Named configurations (``--config NAME``): the repository's ``configs/`` folder.
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -45,7 +46,7 @@ class _Parser(argparse.ArgumentParser):
 
 # --- option parsing --------------------------------------------------------------------------------
 
-def parse_priors(spec: Any, num_classes: int) -> Optional[torch.Tensor]:
+def parse_priors(spec: Any, num_classes: int) -> torch.Tensor | None:
     """``None``/``"data"`` (class frequencies), ``"uniform"``, or K comma-separated numbers / a list."""
     if spec is None or spec == "data":
         return None
@@ -120,7 +121,7 @@ def _load(path: str, args: argparse.Namespace, priors: Any = None, **kwargs: Any
     return load_scores(path, labels_path=getattr(args, "labels", None), input=args.input, priors=priors, **kwargs)
 
 
-def _binary_priors(spec: Any) -> Optional[torch.Tensor]:
+def _binary_priors(spec: Any) -> torch.Tensor | None:
     """The priors that turn one column of binary LLRs into posteriors, if ``spec`` gives two."""
     try:
         return parse_priors(spec, 2)
@@ -136,7 +137,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     return config | given
 
 
-def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Optional[Scores], default_methods: Sequence[str]) -> int:
+def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | None, default_methods: Sequence[str]) -> int:
     settings = _settings(args)
     raw_priors = settings.get("priors")
     scores = _load(scores_path, args, priors=_binary_priors(raw_priors))
@@ -290,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0, or 2 for bad input)."""
     try:
         args = build_parser().parse_args(argv)

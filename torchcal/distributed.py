@@ -9,7 +9,7 @@ union of the shards; the logits themselves never travel.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -22,7 +22,7 @@ except ImportError:  # pragma: no cover
     ProcessGroup = object  # type: ignore[assignment,misc]
 
 
-def all_reduce_(tensor: Tensor, group: Optional[ProcessGroup], op: Literal["sum", "max"] = "sum") -> Tensor:
+def all_reduce_(tensor: Tensor, group: ProcessGroup | None, op: Literal["sum", "max"] = "sum") -> Tensor:
     """Sum (or max) ``tensor`` in place over the processes of ``group``; a no-op for ``None``.
 
     Returns ``tensor`` so calls can be chained.
@@ -39,6 +39,6 @@ def all_reduce_(tensor: Tensor, group: Optional[ProcessGroup], op: Literal["sum"
     return tensor
 
 
-def world_size(group: Optional[ProcessGroup]) -> int:
+def world_size(group: ProcessGroup | None) -> int:
     """Number of processes in ``group`` (1 for ``None``)."""
     return 1 if group is None else torch.distributed.get_world_size(group)

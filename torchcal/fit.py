@@ -11,8 +11,9 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -20,7 +21,7 @@ from torch import Tensor
 from torchcal._validation import check_logits_and_labels
 from torchcal.distributed import ProcessGroup, all_reduce_
 
-__all__ = ["ConvergenceWarning", "FitRecord", "minimize", "newton", "fold_indices", "cross_validate"]
+__all__ = ["ConvergenceWarning", "FitRecord", "cross_validate", "fold_indices", "minimize", "newton"]
 
 
 class ConvergenceWarning(UserWarning):
@@ -47,7 +48,7 @@ def minimize(
     tol_grad: float = 1e-7,
     tol_change: float = 1e-12,
     history_size: int = 10,
-    process_group: Optional[ProcessGroup] = None,
+    process_group: ProcessGroup | None = None,
 ) -> FitRecord:
     """Minimise ``objective()`` over ``params`` in place by full-batch L-BFGS (strong Wolfe).
 
@@ -132,7 +133,7 @@ def newton(
     *,
     max_iter: int = 100,
     tol_grad: float = 1e-10,
-    process_group: Optional[ProcessGroup] = None,
+    process_group: ProcessGroup | None = None,
 ) -> tuple[Tensor, FitRecord]:
     """Minimise a smooth convex function of ``theta: (P,)`` by Newton's method with backtracking.
 
@@ -209,7 +210,7 @@ def fold_indices(
     folds: int = 5,
     seed: int = 0,
     stratified: bool = True,
-    groups: Optional[Tensor] = None,
+    groups: Tensor | None = None,
 ) -> list[Tensor]:
     """Split sample indices into ``folds`` disjoint test folds.
 
@@ -268,7 +269,7 @@ def cross_validate(
     folds: int = 5,
     seed: int = 0,
     stratified: bool = True,
-    groups: Optional[Tensor] = None,
+    groups: Tensor | None = None,
     **fit_options: Any,
 ) -> Tensor:
     """Out-of-fold calibrated log-posteriors (N, K): each fold is calibrated by a copy of
@@ -291,7 +292,7 @@ def cross_validate(
         torch.Size([200, 4])
     """
     logits, labels = check_logits_and_labels(logits, labels)
-    out: Optional[Tensor] = None
+    out: Tensor | None = None
     for test in fold_indices(labels, folds, seed, stratified, groups):
         test = test.to(logits.device)
         train = torch.ones(labels.shape[0], dtype=torch.bool, device=logits.device)

@@ -19,7 +19,8 @@ histogram binning and isotonic regression included).
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Iterable, Literal, Optional, Sequence, get_args
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -27,7 +28,7 @@ from torch import Tensor, nn
 from torchcal._validation import check_probs
 from torchcal.calibrators.base import Calibrator
 
-__all__ = ["OutputKind", "CalibratedModel", "attach", "collect_scores", "scores_from_outputs", "calibrate_output"]
+__all__ = ["CalibratedModel", "OutputKind", "attach", "calibrate_output", "collect_scores", "scores_from_outputs"]
 
 OutputKind = Literal["logits", "log_probs", "probs"]
 _OUTPUT_KINDS = get_args(OutputKind)
@@ -91,7 +92,7 @@ def collect_scores(
     dataloader: Iterable[Any],
     *,
     output: OutputKind = "logits",
-    split_batch: Optional[SplitBatch] = None,
+    split_batch: SplitBatch | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Run ``model`` once over ``dataloader`` in eval mode without gradients.
 
@@ -205,7 +206,7 @@ class CalibratedModel(nn.Module):
             )
         return calibrate_output(self.calibrator, self.model(x, *args, **kwargs), self.output)
 
-    def fit(self, dataloader: Iterable[Any], *, split_batch: Optional[SplitBatch] = None, **fit_options: Any) -> "CalibratedModel":
+    def fit(self, dataloader: Iterable[Any], *, split_batch: SplitBatch | None = None, **fit_options: Any) -> CalibratedModel:
         """Fit the head on the network's outputs over a held-out ``dataloader``; returns ``self``.
 
         Args:
@@ -223,10 +224,10 @@ class CalibratedModel(nn.Module):
 def attach(
     model: nn.Module,
     calibrator: Calibrator,
-    dataloader: Optional[Iterable[Any]] = None,
+    dataloader: Iterable[Any] | None = None,
     *,
     output: OutputKind = "logits",
-    split_batch: Optional[SplitBatch] = None,
+    split_batch: SplitBatch | None = None,
     **fit_options: Any,
 ) -> CalibratedModel:
     """``CalibratedModel(model, calibrator, output)``, fitted on ``dataloader`` when one is given.

@@ -25,7 +25,8 @@ import itertools
 import math
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -39,16 +40,16 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 __all__ = [
-    "reliability_diagram",
-    "classwise_reliability",
-    "bayes_risk_sweep",
     "bayes_risk_curve",
     "bayes_risk_curves",
+    "bayes_risk_sweep",
+    "classwise_reliability",
     "pyplot",
+    "reliability_diagram",
 ]
 
-Systems = Union[Tensor, Mapping[str, Tensor]]
-BinnedSystems = Union[Tensor, ReliabilityBins, Mapping[str, Union[Tensor, ReliabilityBins]]]
+Systems = Tensor | Mapping[str, Tensor]
+BinnedSystems = Tensor | ReliabilityBins | Mapping[str, Tensor | ReliabilityBins]
 
 #: Reliability-diagram bins with fewer samples than this get open markers.
 SPARSE_BIN = 30
@@ -80,7 +81,7 @@ def _colors(names: Sequence[str]) -> dict[str, Any]:
     return {name: "black" if name == "raw" else next(cycle) for name in names}
 
 
-def _figure_and_axes(ax: Optional["Axes"], figsize: tuple[float, float]) -> tuple["Figure", "Axes"]:
+def _figure_and_axes(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Figure, Axes]:
     if ax is not None:
         return ax.figure, ax
     fig, ax = pyplot().subplots(figsize=figsize, layout="constrained")
@@ -91,15 +92,15 @@ def _figure_and_axes(ax: Optional["Axes"], figsize: tuple[float, float]) -> tupl
 
 def reliability_diagram(
     logits: BinnedSystems,
-    labels: Optional[Tensor] = None,
+    labels: Tensor | None = None,
     *,
     kind: str = "top-label",
-    class_index: Optional[int] = None,
+    class_index: int | None = None,
     n_bins: int = 15,
     strategy: str = "uniform",
-    ax: Optional["Axes"] = None,
+    ax: Axes | None = None,
     show_histogram: bool = True,
-) -> tuple["Figure", "Axes"]:
+) -> tuple[Figure, Axes]:
     """Observed frequency against mean predicted probability, per bin, with the bin counts.
 
     Markers sit at each non-empty bin's mean score (not its centre); they are open for bins with
@@ -157,7 +158,7 @@ def reliability_diagram(
     return fig, ax
 
 
-def _style_histogram(ax: "Axes", largest: float) -> None:
+def _style_histogram(ax: Axes, largest: float) -> None:
     """Log-scale counts filling the bottom third of the axes."""
     ax.set_yscale("log")
     bottom = 0.5
@@ -172,11 +173,11 @@ def classwise_reliability(
     logits: Systems,
     labels: Tensor,
     *,
-    classes: Optional[Sequence[int]] = None,
+    classes: Sequence[int] | None = None,
     n_bins: int = 15,
     strategy: str = "uniform",
     max_panels: int = 10,
-) -> tuple["Figure", Any]:
+) -> tuple[Figure, Any]:
     """One reliability diagram per class (``kind="class"``), in a grid.
 
     Args:
@@ -219,8 +220,8 @@ def bayes_risk_sweep(
     logits: Tensor,
     labels: Tensor,
     class_index: int = 1,
-    log_odds: Optional[Tensor] = None,
-    priors: Optional[Tensor] = None,
+    log_odds: Tensor | None = None,
+    priors: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """NEC of the Bayes decisions as the effective prior of one class sweeps ``(0, 1)``.
 
@@ -297,11 +298,11 @@ def bayes_risk_curve(
     logits: Systems,
     labels: Tensor,
     *,
-    class_index: Optional[int] = None,
-    log_odds: Optional[Tensor] = None,
-    priors: Optional[Tensor] = None,
-    ax: Optional["Axes"] = None,
-) -> tuple["Figure", "Axes"]:
+    class_index: int | None = None,
+    log_odds: Tensor | None = None,
+    priors: Tensor | None = None,
+    ax: Axes | None = None,
+) -> tuple[Figure, Axes]:
     """Plot :func:`bayes_risk_sweep` for one or several systems.
 
     Args:
@@ -339,10 +340,10 @@ def bayes_risk_curves(
     logits: Systems,
     labels: Tensor,
     *,
-    classes: Optional[Sequence[int]] = None,
-    priors: Optional[Tensor] = None,
+    classes: Sequence[int] | None = None,
+    priors: Tensor | None = None,
     max_panels: int = 10,
-) -> tuple["Figure", Any]:
+) -> tuple[Figure, Any]:
     """:func:`bayes_risk_curve` for each class's effective prior: one panel for K = 2 (class 1),
     else one per class in ``classes`` (the first ``max_panels`` by default). Returns ``(fig, axes)``."""
     num_classes = next(iter(_systems(logits).values())).shape[1]

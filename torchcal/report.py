@@ -25,10 +25,11 @@ from __future__ import annotations
 import json
 import time
 import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -51,7 +52,6 @@ from torchcal._validation import check_costs, check_logits_and_labels, check_pri
 from torchcal.data import Scores
 from torchcal.functional import (
     bayes_risk,
-    bootstrap as bootstrap_metric,
     brier_score,
     calibration_loss,
     cross_entropy,
@@ -60,17 +60,20 @@ from torchcal.functional import (
     expected_calibration_error,
     zero_one_costs,
 )
+from torchcal.functional import (
+    bootstrap as bootstrap_metric,
+)
 
 __all__ = [
     "METHODS",
-    "make_calibrator",
     "Estimate",
-    "Quality",
     "MethodResult",
+    "Quality",
     "Report",
     "evaluate",
-    "save_calibrator",
     "load_calibrator",
+    "make_calibrator",
+    "save_calibrator",
 ]
 
 #: The calibration methods by their command-line names: the one place that maps them.
@@ -107,8 +110,8 @@ class Estimate:
     """A metric's value and, when bootstrapped, its percentile interval."""
 
     value: float
-    lower: Optional[float] = None
-    upper: Optional[float] = None
+    lower: float | None = None
+    upper: float | None = None
 
 
 @dataclass(frozen=True)
@@ -161,21 +164,21 @@ class Report:
     num_samples: int
     num_classes: int
     protocol: str
-    priors: Optional[list[float]]
+    priors: list[float] | None
     costs_name: str
-    costs: Optional[list[list[float]]]
+    costs: list[list[float]] | None
     bootstrap: int
     raw: Quality
     methods: list[MethodResult]
-    best: Optional[str]
-    calibrator: Optional[Calibrator] = field(default=None, repr=False)
+    best: str | None
+    calibrator: Calibrator | None = field(default=None, repr=False)
     method_options: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
-    logits: Optional[Tensor] = field(default=None, repr=False)
-    labels: Optional[Tensor] = field(default=None, repr=False)
+    logits: Tensor | None = field(default=None, repr=False)
+    labels: Tensor | None = field(default=None, repr=False)
     calibrated: dict[str, Tensor] = field(default_factory=dict, repr=False)
 
     @property
-    def best_result(self) -> Optional[MethodResult]:
+    def best_result(self) -> MethodResult | None:
         return next((m for m in self.methods if m.method == self.best), None)
 
     def to_dict(self) -> dict[str, Any]:
@@ -212,7 +215,7 @@ class Report:
                   "error_rate", "error_rate_lower", "error_rate_upper", "nec", "nec_lower", "nec_upper",
                   "ece_percent", "ecd", "calibration_loss_nce", "rcl_percent", "rcl_brier_percent"]
         rows = [_csv_row("raw", self.raw, None)] + [_csv_row(m.method, m.quality, m) for m in self.methods]
-        return "\n".join(",".join(map(str, row)) for row in [header] + rows) + "\n"
+        return "\n".join(",".join(map(str, row)) for row in [header, *rows]) + "\n"
 
     def _figures(self, folder: Path, progress: bool) -> list[Path]:
         from torchcal import plots
@@ -232,7 +235,7 @@ class Report:
             written.append(folder / name)
         return written
 
-    def _priors_tensor(self) -> Optional[Tensor]:
+    def _priors_tensor(self) -> Tensor | None:
         return None if self.priors is None else torch.tensor(self.priors, dtype=torch.float64)
 
 
@@ -253,7 +256,7 @@ def _raw_section(r: Report) -> list[str]:
     for name, e in rows:
         interval = "" if e.lower is None else f"  [{e.lower:.3f}, {e.upper:.3f}]"
         lines.append(f"   {name:<{max(len(n) for n, _ in rows)}}  {e.value:.3f}{interval}")
-    return lines + [f"   ECE {r.raw.ece:.1f} %, ECD {r.raw.ecd:+.3f} (diagnostics; ECD > 0: over-confident)", ""]
+    return [*lines, f"   ECE {r.raw.ece:.1f} %, ECD {r.raw.ecd:+.3f} (diagnostics; ECD > 0: over-confident)", ""]
 
 
 def _methods_section(r: Report) -> list[str]:
@@ -264,7 +267,7 @@ def _methods_section(r: Report) -> list[str]:
     for m in r.methods:
         losses = [f"{m.calibration_loss:.3f}", f"{m.relative_calibration_loss:.1f}", f"{m.relative_calibration_loss_brier:.1f}"]
         rows.append([m.method, *_scores_cells(m.quality), *losses, *_diagnostic_cells(m.quality)])
-    widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
 
     def line(row: list[str]) -> str:
         return "   " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
@@ -292,7 +295,7 @@ def _verdict(r: Report) -> list[str]:
             f"cross-entropy is miscalibration that {best.method} removes."]
 
 
-def _csv_row(name: str, q: Quality, m: Optional[MethodResult]) -> list[Any]:
+def _csv_row(name: str, q: Quality, m: MethodResult | None) -> list[Any]:
     def triple(e: Estimate) -> list[Any]:
         return [e.value, "" if e.lower is None else e.lower, "" if e.upper is None else e.upper]
 
@@ -309,12 +312,12 @@ def evaluate(
     *,
     calibration: Scores | tuple[Tensor, Tensor] | None = None,
     folds: int = 5,
-    priors: Optional[Tensor] = None,
-    costs: Optional[Tensor] = None,
-    costs_name: Optional[str] = None,
+    priors: Tensor | None = None,
+    costs: Tensor | None = None,
+    costs_name: str | None = None,
     bootstrap: int = 1000,
     seed: int = 0,
-    method_options: Optional[Mapping[str, Mapping[str, Any]]] = None,
+    method_options: Mapping[str, Mapping[str, Any]] | None = None,
     progress: bool = False,
 ) -> Report:
     """Measure the raw posteriors, calibrate them with each method, and pick the best.
@@ -413,7 +416,7 @@ def _unpack(scores: Scores | tuple[Tensor, Tensor], name: str) -> tuple[Tensor, 
 class _Metrics:
     """The metrics of :class:`Quality`, with the evaluation's priors, costs and bootstrap."""
 
-    def __init__(self, labels: Tensor, priors: Optional[Tensor], costs: Tensor, replicates: int, seed: int):
+    def __init__(self, labels: Tensor, priors: Tensor | None, costs: Tensor, replicates: int, seed: int):
         self.labels, self.priors, self.costs = labels, priors, costs
         self.replicates, self.seed = replicates, seed
 
@@ -436,7 +439,7 @@ class _Metrics:
 
 
 def _method_result(method: str, raw: Quality, quality: Quality, model: Calibrator, raw_logits: Tensor,
-                   calibrated: Tensor, labels: Tensor, priors: Optional[Tensor], seconds: float) -> MethodResult:
+                   calibrated: Tensor, labels: Tensor, priors: Tensor | None, seconds: float) -> MethodResult:
     nce = partial(cross_entropy, normalize=True)
     nbs = partial(brier_score, normalize=True)
     absolute, relative = calibration_loss(raw_logits, calibrated, labels, score=nce, priors=priors)

@@ -20,8 +20,6 @@ rounding swamps the small eigenvalues of weakly regularised full maps, and the s
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -30,7 +28,7 @@ from torchcal.calibrators.base import sample_weights
 from torchcal.distributed import ProcessGroup, world_size
 from torchcal.fit import FitRecord, newton
 
-__all__ = ["LinearDesign", "AffineDesign", "VectorDesign", "FullDesign", "fit_linear_newton"]
+__all__ = ["AffineDesign", "FullDesign", "LinearDesign", "VectorDesign", "fit_linear_newton"]
 
 # Rows per chunk are chosen so that the (rows, P) products stay around this many elements.
 _CHUNK_ELEMENTS = 1 << 21
@@ -132,13 +130,13 @@ def fit_linear_newton(
     design: LinearDesign,
     features: Tensor,
     labels: Tensor,
-    weights: Optional[Tensor],
+    weights: Tensor | None,
     theta: Tensor,
-    penalty: Optional[Tensor] = None,
+    penalty: Tensor | None = None,
     *,
     max_iter: int = 100,
     tol_grad: float = 1e-10,
-    process_group: Optional[ProcessGroup] = None,
+    process_group: ProcessGroup | None = None,
 ) -> tuple[Tensor, FitRecord]:
     """Newton's method for ``softmax(design.scores(features, theta))`` under the (weighted) mean
     log-loss plus ``sum(penalty * theta^2)``.

@@ -24,7 +24,7 @@ so every process ends with the parameters of one fit on the union of the shards.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -41,7 +41,7 @@ class Calibrator(nn.Module):
     """Base class of all calibrators. Subclasses implement the hooks described in the module docs."""
 
     #: class counts the calibrator supports; ``None`` means any K >= 2.
-    supported_num_classes: Optional[int] = None
+    supported_num_classes: int | None = None
     #: fitted tensors stored as buffers (not optimised) rather than parameters.
     _buffer_names: tuple[str, ...] = ()
     #: whether the fit sees a float64 copy of the data (``False``: the caller's tensor itself, in
@@ -53,7 +53,7 @@ class Calibrator(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.num_classes: int = 0
-        self.fit_record_: Optional[FitRecord] = None
+        self.fit_record_: FitRecord | None = None
 
     # ----------------------------------------------------------------- hooks for subclasses
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
@@ -83,11 +83,11 @@ class Calibrator(nn.Module):
         labels: Tensor,
         *,
         loss: str = "log",
-        priors: Optional[Tensor] = None,
+        priors: Tensor | None = None,
         max_iter: int = 1000,
         warm_start: bool = False,
-        process_group: Optional[ProcessGroup] = None,
-    ) -> "Calibrator":
+        process_group: ProcessGroup | None = None,
+    ) -> Calibrator:
         """Fit on held-out ``logits: (N, K)`` and ``labels: (N,)``; returns ``self``.
 
         Args:
@@ -153,10 +153,10 @@ class Calibrator(nn.Module):
         self,
         features: Tensor,
         labels: Tensor,
-        weights: Optional[Tensor],
+        weights: Tensor | None,
         loss: str,
         max_iter: int,
-        process_group: Optional[ProcessGroup] = None,
+        process_group: ProcessGroup | None = None,
     ) -> FitRecord:
         """Generic fit: minimise the (weighted) mean score plus penalty by L-BFGS.
 
@@ -178,7 +178,7 @@ class Calibrator(nn.Module):
         """Whether the fitted tensors hold the identity map (a fit that is not warm-started)."""
         return all(torch.equal(getattr(self, name).cpu(), value.to(torch.float64)) for name, value in self._identity(self.num_classes).items())
 
-    def _materialize(self, num_classes: int, device: Optional[torch.device] = None) -> None:
+    def _materialize(self, num_classes: int, device: torch.device | None = None) -> None:
         """(Re)create the fitted tensors at the identity map for ``num_classes`` classes."""
         for name, value in self._identity(num_classes).items():
             value = value.to(device=device, dtype=torch.float64)
@@ -205,7 +205,7 @@ class Calibrator(nn.Module):
     def set_extra_state(self, state: dict[str, Any]) -> None:
         self.num_classes = int(state["num_classes"])
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # noqa: E501
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # Fitted tensors' shapes depend on K: give them the stored shapes before loading.
         extra = state_dict.get(prefix + "_extra_state")
         if extra is not None and int(extra["num_classes"]) > 0:
@@ -215,7 +215,7 @@ class Calibrator(nn.Module):
                 stored = state_dict.get(prefix + name)
                 if tensor is not None and stored is not None and stored.shape != tensor.shape:
                     getattr(self, name).data = torch.empty_like(stored, device=tensor.device)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)  # noqa: E501
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
     def _tensors(self):
         yield from (p for p in self._parameters.values() if p is not None)
@@ -225,7 +225,7 @@ class Calibrator(nn.Module):
         return f"num_classes={self.num_classes}" if self.is_fitted else "not fitted"
 
 
-def sample_weights(labels: Tensor, weights: Optional[Tensor], process_group: Optional[ProcessGroup] = None) -> Tensor:
+def sample_weights(labels: Tensor, weights: Tensor | None, process_group: ProcessGroup | None = None) -> Tensor:
     """Per-sample weights (N,) float64 whose weighted sum of per-sample scores is the (weighted)
     mean over all samples of the group: ``weights[labels] / N_total`` (``1 / N_total`` without
     class weights)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -17,7 +17,7 @@ from torchcal.distributed import ProcessGroup, all_reduce_, world_size
 from torchcal.fit import FitRecord, fold_indices, minimize
 from torchcal.functional.scoring import PER_SAMPLE_SCORES, weighted_mean
 
-__all__ = ["MatrixScaling", "DirichletCalibration", "DEFAULT_REG_GRID"]
+__all__ = ["DEFAULT_REG_GRID", "DirichletCalibration", "MatrixScaling"]
 
 #: Up to this many parameters K (K + 1), the log-loss fit uses Newton's method with the exact
 #: Hessian (a few dense solves) instead of L-BFGS, which crawls on these ill-conditioned problems.
@@ -54,9 +54,9 @@ class MatrixScaling(Calibrator):
 
     def __init__(
         self,
-        reg: Optional[str] = None,
-        reg_lambda: Optional[float] = None,
-        reg_mu: Optional[float] = None,
+        reg: str | None = None,
+        reg_lambda: float | None = None,
+        reg_mu: float | None = None,
         reg_grid: Sequence[float | tuple[float, float]] = DEFAULT_REG_GRID,
         cv_folds: int = 5,
         cv_seed: int = 0,
@@ -75,9 +75,9 @@ class MatrixScaling(Calibrator):
         self.reg_grid = [g if isinstance(g, tuple) else (float(g), float(g)) for g in reg_grid]
         self.cv_folds = cv_folds
         self.cv_seed = cv_seed
-        self.reg_lambda_: Optional[float] = None
-        self.reg_mu_: Optional[float] = None
-        self.cv_losses_: Optional[list[float]] = None
+        self.reg_lambda_: float | None = None
+        self.reg_mu_: float | None = None
+        self.cv_losses_: list[float] | None = None
 
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
         return {"weight": torch.eye(num_classes), "bias": torch.zeros(num_classes)}
@@ -145,7 +145,7 @@ class MatrixScaling(Calibrator):
         return record
 
     def _fit_preconditioned_lbfgs(
-        self, features: Tensor, labels: Tensor, weights: Optional[Tensor], max_iter: int, process_group: Optional[ProcessGroup]
+        self, features: Tensor, labels: Tensor, weights: Tensor | None, max_iter: int, process_group: ProcessGroup | None
     ) -> FitRecord:
         """L-BFGS on the log-loss in preconditioned coordinates, for maps too large for Newton.
 
@@ -223,7 +223,7 @@ class MatrixScaling(Calibrator):
                     totals[i] += float(
                         weighted_mean(per_sample(log_probs, labels[test]), labels[test], weights)
                     ) * test.numel()
-        totals = all_reduce_(torch.tensor(totals + [labels.shape[0]], dtype=torch.float64, device=labels.device), process_group)
+        totals = all_reduce_(torch.tensor([*totals, labels.shape[0]], dtype=torch.float64, device=labels.device), process_group)
         return (totals[:-1] / totals[-1]).tolist()
 
     def get_extra_state(self):

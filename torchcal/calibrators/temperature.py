@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -73,11 +72,11 @@ class TemperatureScaling(Calibrator):
 def fit_inverse_temperature(
     logits: Tensor,
     labels: Tensor,
-    weights: Optional[Tensor] = None,
+    weights: Tensor | None = None,
     *,
     max_iter: int = 100,
-    rtol: Optional[float] = None,
-    process_group: Optional[ProcessGroup] = None,
+    rtol: float | None = None,
+    process_group: ProcessGroup | None = None,
 ) -> tuple[float, FitRecord]:
     """Minimise the (weighted) mean log-loss of ``softmax(beta * logits)`` over ``beta >= 0``.
 
@@ -204,7 +203,7 @@ def fit_inverse_temperature(
 
 
 def inverse_temperature_start(
-    features: Tensor, labels: Tensor, weights: Optional[Tensor], process_group: Optional[ProcessGroup] = None
+    features: Tensor, labels: Tensor, weights: Tensor | None, process_group: ProcessGroup | None = None
 ) -> float:
     """The fitted inverse temperature of ``features``, or 1 when it is degenerate (silently).
 

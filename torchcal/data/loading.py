@@ -29,7 +29,7 @@ import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ from torch import Tensor
 
 from torchcal._validation import as_tensor, check_logits, check_logits_and_labels, check_priors
 
-__all__ = ["Scores", "load_scores", "has_split", "binary_scores_to_logits", "PROBABILITY_FLOOR", "EXAMPLE_PATH"]
+__all__ = ["EXAMPLE_PATH", "PROBABILITY_FLOOR", "Scores", "binary_scores_to_logits", "has_split", "load_scores"]
 
 InputKind = Literal["auto", "logits", "probs", "llr"]
 
@@ -67,7 +67,7 @@ class Scores:
     """
 
     logits: Tensor
-    labels: Optional[Tensor]
+    labels: Tensor | None
     read_as: str
     source: str
 
@@ -263,7 +263,7 @@ def _load_array(path: Path) -> np.ndarray:
 WORKING_COPIES = 2
 
 
-def _available_memory() -> Optional[int]:
+def _available_memory() -> int | None:
     """Bytes of memory available to new allocations (Linux ``MemAvailable``), None if unknown."""
     try:
         with open("/proc/meminfo") as f:
@@ -328,7 +328,7 @@ def _load_labels(path: str | Path) -> Any:
     raise ValueError(f"unsupported labels file type {path.suffix!r}; use .npy, .pt, .csv or .txt.")
 
 
-def _sibling_labels(path: Path) -> tuple[Optional[Path], str]:
+def _sibling_labels(path: Path) -> tuple[Path | None, str]:
     """The labels file that goes with a ``.npy`` scores file, found by name, and the names tried."""
     stem = path.stem
     candidates = [path.with_name(stem.replace(word, "labels") + ".npy")
@@ -342,7 +342,7 @@ def _sibling_labels(path: Path) -> tuple[Optional[Path], str]:
 CSV_EXPANSION = 10
 
 
-def _read_csv(path: Path) -> tuple[np.ndarray, Optional[np.ndarray]]:
+def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
     size, available = path.stat().st_size, _available_memory()
     if available is not None and CSV_EXPANSION * size > available:
         raise _TooLarge(

@@ -35,13 +35,13 @@ from torch import Tensor
 
 __all__ = [
     "GaussianTask",
-    "gaussian_task",
     "class_priors",
-    "mismatched_priors",
-    "log_posteriors",
     "distort_likelihoods",
-    "scale_log_posteriors",
     "ferrer_systems",
+    "gaussian_task",
+    "log_posteriors",
+    "mismatched_priors",
+    "scale_log_posteriors",
 ]
 
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -49,7 +50,7 @@ from torchcal.functional.scoring import (
     naive_cross_entropy,
 )
 
-__all__ = ["BootstrapResult", "bootstrap", "sum_decomposition", "sum_reduction", "resample_indices"]
+__all__ = ["BootstrapResult", "bootstrap", "resample_indices", "sum_decomposition", "sum_reduction"]
 
 #: Index elements generated per chunk of replicates (bounds the memory of the fast path).
 CHUNK_ELEMENTS = 1 << 22
@@ -71,7 +72,7 @@ class BootstrapResult(NamedTuple):
     replicates: Tensor  # (num_replicates, ...) the metric on each resampled data set
 
 
-def sum_decomposition(metric_fn: Callable[..., Any]) -> Optional[Callable[..., SumDecomposition]]:
+def sum_decomposition(metric_fn: Callable[..., Any]) -> Callable[..., SumDecomposition] | None:
     """The function returning the ``SumDecomposition`` of ``metric_fn``, or None if it has none.
 
     ``functools.partial`` objects that fix keyword options of a known metric are understood.
@@ -92,7 +93,7 @@ def sum_decomposition(metric_fn: Callable[..., Any]) -> Optional[Callable[..., S
 
 def _decomposition(
     metric_fn: Callable[..., Any], metric_kwargs: dict[str, Any]
-) -> Optional[Callable[..., SumDecomposition | BinDecomposition]]:
+) -> Callable[..., SumDecomposition | BinDecomposition] | None:
     """The function returning the decomposition of ``metric_fn`` called with ``metric_kwargs``, or
     None when the bootstrap must recompute it on every resample."""
     terms = sum_decomposition(metric_fn)
@@ -184,7 +185,7 @@ def bootstrap(
     num_replicates: int = 1000,
     confidence: float = 0.95,
     seed: int = 0,
-    calibrator: Optional[Any] = None,
+    calibrator: Any | None = None,
     **metric_kwargs: Any,
 ) -> BootstrapResult:
     """Percentile bootstrap interval of ``metric_fn(logits, labels, **metric_kwargs)``.

@@ -10,7 +10,8 @@ makes things worse gives a negative loss.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from torch import Tensor
 
@@ -51,7 +52,7 @@ def calibration_loss_from_scores(raw: Tensor, calibrated: Tensor) -> Calibration
     return CalibrationLossResult(absolute, 100 * absolute / raw)
 
 
-def _score(score: Score, logits: Tensor, labels: Tensor, priors: Optional[Tensor]) -> Tensor:
+def _score(score: Score, logits: Tensor, labels: Tensor, priors: Tensor | None) -> Tensor:
     return score(logits, labels) if priors is None else score(logits, labels, priors=priors)
 
 
@@ -60,7 +61,7 @@ def calibration_loss(
     calibrated_logits: Tensor,
     labels: Tensor,
     score: Score = cross_entropy,
-    priors: Optional[Tensor] = None,
+    priors: Tensor | None = None,
 ) -> CalibrationLossResult:
     """Absolute and relative (%) calibration loss of ``score`` between raw and calibrated scores.
 
@@ -96,7 +97,7 @@ def cross_validated_calibration_loss(
     labels: Tensor,
     calibrator: Any,
     score: Score = cross_entropy,
-    priors: Optional[Tensor] = None,
+    priors: Tensor | None = None,
     folds: int = 5,
     seed: int = 0,
 ) -> CalibrationLossResult:

@@ -18,7 +18,6 @@ Ties go to the lowest decision index (with 0-1 costs: the first maximal posterio
 from __future__ import annotations
 
 from functools import partial
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -34,24 +33,24 @@ from torchcal._validation import (
 from torchcal.functional.scoring import SumDecomposition, prior_weighted_mean
 
 __all__ = [
-    "zero_one_costs",
-    "bayes_decisions",
-    "expected_cost",
-    "bayes_risk",
-    "error_rate",
     "balanced_error_rate",
+    "balanced_error_rate_terms",
+    "bayes_decisions",
+    "bayes_risk",
+    "bayes_risk_terms",
     "check_decisions",
     "decision_counts",
+    "error_rate",
+    "error_rate_terms",
+    "expected_cost",
     "expected_cost_from_class_sums",
     "expected_cost_from_counts",
     "expected_cost_terms",
-    "bayes_risk_terms",
-    "error_rate_terms",
-    "balanced_error_rate_terms",
+    "zero_one_costs",
 ]
 
 
-def zero_one_costs(num_classes: int, abstain: Optional[float] = None) -> Tensor:
+def zero_one_costs(num_classes: int, abstain: float | None = None) -> Tensor:
     """The 0-1 cost matrix (K, K), or (K, K + 1) with a last "abstain" column costing ``abstain``.
 
     Example:
@@ -64,7 +63,7 @@ def zero_one_costs(num_classes: int, abstain: Optional[float] = None) -> Tensor:
     costs = 1 - torch.eye(num_classes, dtype=torch.float64)
     if abstain is None:
         return costs
-    if not 0 <= abstain:
+    if not abstain >= 0:
         raise ValueError(f"abstain must be a non-negative cost, got {abstain}.")
     return torch.cat([costs, torch.full((num_classes, 1), float(abstain), dtype=torch.float64)], dim=1)
 
@@ -101,7 +100,7 @@ def expected_cost_from_class_sums(
     sums: Tensor,
     counts: Tensor,
     costs: Tensor,
-    priors: Optional[Tensor] = None,
+    priors: Tensor | None = None,
     normalize: bool = False,
 ) -> Tensor:
     """EC (or NEC) from per-class sums of the per-sample cost and per-class counts (..., K).
@@ -166,7 +165,7 @@ def decision_counts(decisions: Tensor, labels: Tensor, num_classes: int, num_dec
 
 
 def expected_cost_from_counts(
-    counts: Tensor, costs: Tensor, priors: Optional[Tensor] = None, normalize: bool = False
+    counts: Tensor, costs: Tensor, priors: Tensor | None = None, normalize: bool = False
 ) -> Tensor:
     """EC (or NEC) from class-by-decision ``counts: (..., K, M)`` (see ``decision_counts``).
 
@@ -183,7 +182,7 @@ def expected_cost_terms(
     decisions: Tensor,
     labels: Tensor,
     costs: Tensor,
-    priors: Optional[Tensor] = None,
+    priors: Tensor | None = None,
     normalize: bool = False,
 ) -> SumDecomposition:
     """Validate the inputs of ``expected_cost`` and return its ``SumDecomposition``.
@@ -206,7 +205,7 @@ def expected_cost(
     decisions: Tensor,
     labels: Tensor,
     costs: Tensor,
-    priors: Optional[Tensor] = None,
+    priors: Tensor | None = None,
     normalize: bool = False,
 ) -> Tensor:
     """Expected cost EC of hard decisions, or NEC with ``normalize=True`` (Ferrer, eq. 4–6).
@@ -236,7 +235,7 @@ def bayes_risk_terms(
     logits: Tensor,
     labels: Tensor,
     costs: Tensor,
-    priors: Optional[Tensor] = None,
+    priors: Tensor | None = None,
     normalize: bool = False,
 ) -> SumDecomposition:
     """``expected_cost_terms`` of the Bayes decisions of ``logits``.
@@ -254,7 +253,7 @@ def bayes_risk(
     logits: Tensor,
     labels: Tensor,
     costs: Tensor,
-    priors: Optional[Tensor] = None,
+    priors: Tensor | None = None,
     normalize: bool = False,
 ) -> Tensor:
     """Expected cost of the Bayes decisions of ``logits`` (Ferrer's EC~, a proper scoring rule).

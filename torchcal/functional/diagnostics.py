@@ -20,9 +20,10 @@ and are left out of the maximum. Bin sums are accumulated in float64.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache, partial
-from typing import Callable, Literal, NamedTuple, Optional
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -31,22 +32,22 @@ from torchcal._validation import check_logits_and_labels
 from torchcal.functional.scoring import to_log_probs
 
 __all__ = [
+    "BinDecomposition",
     "ReliabilityBins",
+    "bin_indices",
+    "bin_statistics",
+    "binning_scores",
+    "calibration_error_from_bins",
+    "calibration_error_terms",
+    "ecd_per_sample",
+    "entropic_calibration_difference",
+    "expected_calibration_error",
+    "quantile_edges",
     "reliability_bins",
     "reliability_bins_from_sums",
-    "expected_calibration_error",
     "signed_calibration_error",
-    "entropic_calibration_difference",
-    "ecd_per_sample",
-    "binning_scores",
-    "uniform_edges",
-    "quantile_edges",
-    "bin_indices",
     "uniform_bin_indices",
-    "bin_statistics",
-    "calibration_error_from_bins",
-    "BinDecomposition",
-    "calibration_error_terms",
+    "uniform_edges",
 ]
 
 Kind = Literal["top-label", "binary", "class", "classwise"]
@@ -72,7 +73,7 @@ class ReliabilityBins:
 
 
 def binning_scores(
-    log_probs: Tensor, labels: Tensor, kind: Kind, class_index: Optional[int] = None
+    log_probs: Tensor, labels: Tensor, kind: Kind, class_index: int | None = None
 ) -> tuple[Tensor, Tensor]:
     """Scores (N, C) float64 and targets (N, C) bool of the binary problems that ``kind`` selects.
 
@@ -333,7 +334,7 @@ def _edges(scores: Tensor, n_bins: int, strategy: Strategy) -> Tensor:
 
 
 def _binned(
-    logits: Tensor, labels: Tensor, n_bins: int, strategy: Strategy, kind: Kind, class_index: Optional[int] = None
+    logits: Tensor, labels: Tensor, n_bins: int, strategy: Strategy, kind: Kind, class_index: int | None = None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Validate, then return log-posteriors, labels, binning scores and targets, and the edges."""
     logits, labels = check_logits_and_labels(logits, labels)
@@ -349,7 +350,7 @@ def reliability_bins(
     n_bins: int = 15,
     strategy: Strategy = "uniform",
     kind: Literal["top-label", "binary", "class"] = "top-label",
-    class_index: Optional[int] = None,
+    class_index: int | None = None,
 ) -> ReliabilityBins:
     """Per-bin counts, mean scores and frequencies for a reliability diagram.
 
@@ -472,7 +473,7 @@ def ecd_per_sample(log_probs: Tensor, labels: Tensor) -> Tensor:
 def entropic_calibration_difference(
     logits: Tensor,
     labels: Tensor,
-    n_bins: Optional[int] = None,
+    n_bins: int | None = None,
     strategy: Strategy = "uniform",
     kind: Literal["top-label", "binary"] = "top-label",
 ) -> Tensor:

@@ -14,8 +14,9 @@ always outputs the priors: the prior entropy for cross-entropy, ``sum_k P_k (1 -
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -23,23 +24,23 @@ from torch import Tensor
 from torchcal._validation import check_logits_and_labels, check_priors
 
 __all__ = [
-    "to_log_probs",
-    "log_loss_per_sample",
+    "PER_SAMPLE_SCORES",
+    "SumDecomposition",
     "brier_per_sample",
+    "brier_score",
+    "class_frequencies",
+    "class_sums",
     "class_weights",
     "class_weights_from_counts",
-    "weighted_mean",
-    "class_sums",
-    "prior_weighted_mean",
-    "epsr_from_class_sums",
-    "SumDecomposition",
-    "epsr_terms",
-    "class_frequencies",
-    "naive_cross_entropy",
-    "naive_brier_score",
     "cross_entropy",
-    "brier_score",
-    "PER_SAMPLE_SCORES",
+    "epsr_from_class_sums",
+    "epsr_terms",
+    "log_loss_per_sample",
+    "naive_brier_score",
+    "naive_cross_entropy",
+    "prior_weighted_mean",
+    "to_log_probs",
+    "weighted_mean",
 ]
 
 
@@ -90,7 +91,7 @@ def _check_classes_present(counts: Tensor, priors: Tensor) -> None:
         )
 
 
-def class_weights(labels: Tensor, num_classes: int, priors: Optional[Tensor] = None) -> Optional[Tensor]:
+def class_weights(labels: Tensor, num_classes: int, priors: Tensor | None = None) -> Tensor | None:
     """Per-class weights ``P[k] / P_data[k]`` (K,) that re-weight the data to ``priors``.
 
     Returns ``None`` when ``priors`` is None (plain average). A class with a positive prior but no
@@ -109,7 +110,7 @@ def class_weights_from_counts(counts: Tensor, priors: Tensor) -> Tensor:
     return torch.where(freq > 0, priors / freq.clamp_min(1e-300), torch.zeros_like(priors))
 
 
-def weighted_mean(per_sample: Tensor, labels: Tensor, weights: Optional[Tensor]) -> Tensor:
+def weighted_mean(per_sample: Tensor, labels: Tensor, weights: Tensor | None) -> Tensor:
     """Mean of ``per_sample`` (N,) in float64, with per-class ``weights`` (K,) if given.
 
     Samples of weight 0 contribute 0 even when their score is infinite.
@@ -137,7 +138,7 @@ def class_sums(per_sample: Tensor, labels: Tensor, num_classes: int) -> tuple[Te
     return sums[0], sums[1]
 
 
-def prior_weighted_mean(sums: Tensor, counts: Tensor, priors: Optional[Tensor] = None) -> Tensor:
+def prior_weighted_mean(sums: Tensor, counts: Tensor, priors: Tensor | None = None) -> Tensor:
     """``sum_h P[h] * sums[h] / counts[h]`` from per-class ``sums`` and ``counts`` (..., K).
 
     Equals ``weighted_mean`` of the per-sample values; without ``priors`` it is the plain mean
@@ -173,7 +174,7 @@ def epsr_from_class_sums(
     sums: Tensor,
     counts: Tensor,
     naive: Callable[[Tensor], Tensor],
-    priors: Optional[Tensor] = None,
+    priors: Tensor | None = None,
     normalize: bool = False,
 ) -> Tensor:
     """An expected proper scoring rule from per-class loss ``sums`` and ``counts`` (..., K).
@@ -225,7 +226,7 @@ def epsr_terms(
     naive: Callable[[Tensor], Tensor],
     logits: Tensor,
     labels: Tensor,
-    priors: Optional[Tensor] = None,
+    priors: Tensor | None = None,
     normalize: bool = False,
 ) -> SumDecomposition:
     """Validate the inputs of an EPSR and return its ``SumDecomposition``.
@@ -249,14 +250,14 @@ def _epsr(
     naive: Callable[[Tensor], Tensor],
     logits: Tensor,
     labels: Tensor,
-    priors: Optional[Tensor],
+    priors: Tensor | None,
     normalize: bool,
 ) -> Tensor:
     return epsr_terms(per_sample, naive, logits, labels, priors, normalize).evaluate()
 
 
 def cross_entropy(
-    logits: Tensor, labels: Tensor, priors: Optional[Tensor] = None, normalize: bool = False
+    logits: Tensor, labels: Tensor, priors: Tensor | None = None, normalize: bool = False
 ) -> Tensor:
     """Mean cross-entropy (log-loss, nats) of the posteriors ``softmax(logits)``.
 
@@ -280,7 +281,7 @@ def cross_entropy(
 
 
 def brier_score(
-    logits: Tensor, labels: Tensor, priors: Optional[Tensor] = None, normalize: bool = False
+    logits: Tensor, labels: Tensor, priors: Tensor | None = None, normalize: bool = False
 ) -> Tensor:
     """Mean Brier score, summed over classes: ``sum_k (q_k - [y == k])^2``, on the 0..2 scale.
 

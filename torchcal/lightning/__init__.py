@@ -6,4 +6,4 @@ Imported explicitly (``import torchcal.lightning``); ``import torchcal`` does no
 
 from torchcal.lightning.callback import DEFAULT_METRICS, METRIC_NAMES, CalibrationCallback, calibration_metrics
 
-__all__ = ["CalibrationCallback", "DEFAULT_METRICS", "METRIC_NAMES", "calibration_metrics"]
+__all__ = ["DEFAULT_METRICS", "METRIC_NAMES", "CalibrationCallback", "calibration_metrics"]

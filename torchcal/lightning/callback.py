@@ -10,7 +10,8 @@ the end of fitting the callback logs the validation metrics before and after cal
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Mapping, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -23,7 +24,7 @@ from torchcal.fit import cross_validate
 from torchcal.functional import brier_score, calibration_loss, cross_entropy, error_rate, expected_calibration_error
 from torchcal.heads import CalibratedModel, OutputKind, _check_output_kind, calibrate_output, scores_from_outputs
 
-__all__ = ["METRIC_NAMES", "DEFAULT_METRICS", "calibration_metrics", "CalibrationCallback"]
+__all__ = ["DEFAULT_METRICS", "METRIC_NAMES", "CalibrationCallback", "calibration_metrics"]
 
 #: Metrics :func:`calibration_metrics` computes, by name.
 METRIC_NAMES = ("nce", "nbs", "ece", "rcl", "error")
@@ -44,7 +45,7 @@ def calibration_metrics(
     *,
     folds: int = 5,
     n_bins: int = 15,
-    fit_options: Optional[Mapping[str, Any]] = None,
+    fit_options: Mapping[str, Any] | None = None,
 ) -> dict[str, float]:
     """Calibration metrics of ``scores: (N, K)`` with ``labels: (N,)``, as Python floats.
 
@@ -133,7 +134,7 @@ class CalibrationCallback(Callback):
 
     def __init__(
         self,
-        calibrator: Optional[Calibrator] = None,
+        calibrator: Calibrator | None = None,
         metrics: Sequence[str] = DEFAULT_METRICS,
         *,
         output: OutputKind = "logits",
@@ -143,7 +144,7 @@ class CalibrationCallback(Callback):
         prefix: str = "calibration/",
         logits_key: str = "logits",
         labels_key: str = "labels",
-        fit_options: Optional[Mapping[str, Any]] = None,
+        fit_options: Mapping[str, Any] | None = None,
     ) -> None:
         calibrator = TemperatureScaling() if calibrator is None else calibrator
         if not isinstance(calibrator, Calibrator):
@@ -161,11 +162,11 @@ class CalibrationCallback(Callback):
         self.labels_key = labels_key
         self.fit_options = dict(fit_options or {})
         #: ``{"before": {...}, "after": {...}}`` validation metrics at the end of the last fit.
-        self.report_: Optional[dict[str, dict[str, float]]] = None
+        self.report_: dict[str, dict[str, float]] | None = None
         self._batches: list[tuple[Tensor, Tensor]] = []
-        self._latest: Optional[tuple[Tensor, Tensor, dict[str, float]]] = None  # scores, labels, metrics
-        self._trainer: Optional[Trainer] = None
-        self._hook: Optional[torch.utils.hooks.RemovableHandle] = None
+        self._latest: tuple[Tensor, Tensor, dict[str, float]] | None = None  # scores, labels, metrics
+        self._trainer: Trainer | None = None
+        self._hook: torch.utils.hooks.RemovableHandle | None = None
         self._calibrated_calls = 0
 
     @property
@@ -173,7 +174,7 @@ class CalibrationCallback(Callback):
         return self._generate_state_key(calibrator=type(self.calibrator).__name__, prefix=self.prefix)
 
     # ---------------------------------------------------------------------------- collection
-    def extract(self, outputs: Any, batch: Any) -> Optional[tuple[Tensor, Tensor]]:
+    def extract(self, outputs: Any, batch: Any) -> tuple[Tensor, Tensor] | None:
         """``(outputs (B, K), labels (B,))`` of one validation batch, or ``None`` if absent.
 
         Override to take them from elsewhere; ``outputs`` is what ``validation_step`` returned.
@@ -244,7 +245,7 @@ class CalibrationCallback(Callback):
             self._hook.remove()
             self._hook = None
 
-    def _calibrate_forward(self, module: nn.Module, args: Any, output: Tensor) -> Optional[Tensor]:
+    def _calibrate_forward(self, module: nn.Module, args: Any, output: Tensor) -> Tensor | None:
         trainer = self._trainer
         if trainer is None or not (trainer.testing or trainer.predicting) or not self.calibrator.is_fitted:
             return None

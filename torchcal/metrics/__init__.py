@@ -6,4 +6,4 @@ from torchcal.metrics.diagnostics import ECD, CalibrationError
 from torchcal.metrics.fused import PosteriorQuality
 from torchcal.metrics.scoring import BrierScore, CrossEntropy
 
-__all__ = ["BayesRisk", "BrierScore", "CalibrationError", "CalibrationLoss", "CrossEntropy", "ECD", "ExpectedCost", "PosteriorQuality"]
+__all__ = ["ECD", "BayesRisk", "BrierScore", "CalibrationError", "CalibrationLoss", "CrossEntropy", "ExpectedCost", "PosteriorQuality"]

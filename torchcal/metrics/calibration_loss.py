@@ -12,7 +12,8 @@ Two modes, chosen by whether the calibrator is fitted:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -67,7 +68,7 @@ class CalibrationLoss(Metric):
         calibrator: torch.nn.Module,
         num_classes: int,
         score: Callable[..., Tensor] = cross_entropy,
-        priors: Optional[Tensor] = None,
+        priors: Tensor | None = None,
         folds: int = 5,
         seed: int = 0,
         **kwargs: Any,

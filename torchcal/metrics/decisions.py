@@ -6,7 +6,7 @@ computed with any priors at ``compute()`` (``torchcal.functional.decisions.expec
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from torch import Tensor
 from torchmetrics import Metric
@@ -20,7 +20,7 @@ from torchcal.functional.decisions import (
 )
 from torchcal.metrics._common import add_sum_state
 
-__all__ = ["ExpectedCost", "BayesRisk"]
+__all__ = ["BayesRisk", "ExpectedCost"]
 
 
 class _CostMetric(Metric):
@@ -30,7 +30,7 @@ class _CostMetric(Metric):
     plot_lower_bound = 0.0
 
     def __init__(
-        self, costs: Tensor, priors: Optional[Tensor] = None, normalize: bool = False, **kwargs: Any
+        self, costs: Tensor, priors: Tensor | None = None, normalize: bool = False, **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
         costs = as_tensor(costs, "costs")

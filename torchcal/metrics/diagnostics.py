@@ -8,7 +8,7 @@ memory; gathered across processes at ``compute()``).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -30,7 +30,7 @@ from torchcal.functional.scoring import to_log_probs
 from torchcal.metrics._common import add_sum_state, check_num_classes
 from torchcal.metrics._softmax_rows import softmax_rows
 
-__all__ = ["CalibrationError", "ECD"]
+__all__ = ["ECD", "CalibrationError"]
 
 
 class CalibrationError(Metric):
@@ -122,7 +122,7 @@ class CalibrationError(Metric):
         _, statistics = self._binned()
         return calibration_error_from_bins(*statistics, norm=self.norm, reduction=self.reduction)
 
-    def reliability_bins(self, class_index: Optional[int] = None) -> ReliabilityBins:
+    def reliability_bins(self, class_index: int | None = None) -> ReliabilityBins:
         """The accumulated ``ReliabilityBins``; ``class_index`` picks the class for ``"classwise"``."""
         if self.kind == "classwise":
             if class_index is None or not 0 <= class_index < self.num_classes:
@@ -134,7 +134,7 @@ class CalibrationError(Metric):
         edges = edges if edges.ndim == 1 else edges[column]
         return reliability_bins_from_sums(edges, *(x[column] for x in statistics))
 
-    def plot(self, ax: Any = None, class_index: Optional[int] = None) -> Any:
+    def plot(self, ax: Any = None, class_index: int | None = None) -> Any:
         """Reliability diagram of the accumulated bins by ``torchcal.plots.reliability_diagram``.
 
         Returns ``(fig, ax)``; ``class_index`` picks the class for ``kind="classwise"``.

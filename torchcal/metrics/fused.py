@@ -10,7 +10,7 @@ processes, so memory is O(K + M) whatever N is, and priors apply exactly at ``co
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -81,7 +81,7 @@ class PosteriorQuality(Metric):
         self,
         num_classes: int,
         n_bins: int = 15,
-        priors: Optional[Tensor] = None,
+        priors: Tensor | None = None,
         precision: Precision = "float64",
         validate_args: bool = True,
         **kwargs: Any,
@@ -116,7 +116,7 @@ class PosteriorQuality(Metric):
         ):
             low, high = torch.aminmax(labels)
             total, low, high = torch.stack([logits.sum().double(), low.double(), high.double()]).tolist()
-            if math.isfinite(total) and 0 <= low and high < self.num_classes:
+            if math.isfinite(total) and low >= 0 and high < self.num_classes:
                 return logits, labels
         return check_logits_and_labels(logits, labels, num_classes=self.num_classes)
 

@@ -7,7 +7,8 @@ deployment priors and normalisation are applied exactly at ``compute()``
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from torch import Tensor
 from torchmetrics import Metric
@@ -24,7 +25,7 @@ from torchcal.functional.scoring import (
 )
 from torchcal.metrics._common import add_sum_state, check_num_classes
 
-__all__ = ["CrossEntropy", "BrierScore"]
+__all__ = ["BrierScore", "CrossEntropy"]
 
 
 class _ExpectedScore(Metric):
@@ -37,7 +38,7 @@ class _ExpectedScore(Metric):
     naive: Callable[[Tensor], Tensor]
 
     def __init__(
-        self, num_classes: int, priors: Optional[Tensor] = None, normalize: bool = False, **kwargs: Any
+        self, num_classes: int, priors: Tensor | None = None, normalize: bool = False, **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
         self.num_classes = check_num_classes(num_classes)

@@ -16,6 +16,7 @@ from torchcal.calibrators import (
     PlattScaling,
     TemperatureScaling,
     VectorScaling,
+    VennAbersCalibration,
 )
 from torchcal.fit import ConvergenceWarning, FitRecord, cross_validate
 from torchcal.heads import CalibratedModel, attach
@@ -36,6 +37,7 @@ __all__ = [
     "PlattScaling",
     "TemperatureScaling",
     "VectorScaling",
+    "VennAbersCalibration",
     "attach",
     "cross_validate",
     "functional",

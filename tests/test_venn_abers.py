@@ -13,6 +13,7 @@ from torchcal import CalibratedModel, TemperatureScaling, VennAbersCalibration
 from torchcal.calibrators.nonparametric import pool_adjacent_violators
 from torchcal.calibrators.venn_abers import venn_abers_table
 from torchcal.functional.scoring import cross_entropy
+from torchcal.label_shift import adapt_to_priors
 
 venn_abers = pytest.importorskip("venn_abers.venn_abers")
 
@@ -150,6 +151,19 @@ def test_contract(toy, options):
     assert bool((lower <= upper).all()) and bool((lower >= 0).all()) and bool((upper <= 1).all())
 
 
+def test_deployment_priors_are_bayes_rule_from_the_class_frequencies(toy):
+    logits, labels = toy
+    priors = torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64)
+    plain = VennAbersCalibration().fit(logits, labels)
+    weighted = VennAbersCalibration().fit(logits, labels, priors=priors)
+    frequencies = torch.bincount(labels, minlength=3).double() / len(labels)
+    torch.testing.assert_close(weighted(logits), adapt_to_priors(plain(logits), frequencies, priors), rtol=0, atol=1e-12)
+    torch.testing.assert_close(weighted.predict_interval(logits), plain.predict_interval(logits), rtol=0, atol=0)
+    fresh = VennAbersCalibration()
+    fresh.load_state_dict(weighted.state_dict())
+    torch.testing.assert_close(fresh(logits), weighted(logits), rtol=0, atol=0)
+
+
 def test_binary_head(toy):
     logits, labels = toy
     binary = (labels == 2).long()
@@ -171,8 +185,6 @@ def test_bad_input(toy):
         VennAbersCalibration(folds=0)
     with pytest.raises(ValueError, match="multiclass"):
         VennAbersCalibration(multiclass="ovo")
-    with pytest.raises(ValueError, match="cannot weight"):
-        VennAbersCalibration().fit(logits, labels, priors=torch.tensor([0.2, 0.3, 0.5]))
     with pytest.raises(NotImplementedError, match="process_group"):
         VennAbersCalibration().fit(logits, labels, process_group=object())
     with pytest.raises(ValueError, match="fewer folds"):

@@ -158,8 +158,10 @@ class VennAbersCalibration(Calibrator):
     described in the module docs. Scores are formed in float64 for every input dtype (the tables
     are step functions: float32 round-off would move scores across steps); the output is in the
     input's compute dtype. The tables need all the calibration scores in one place, so there is no
-    data-parallel fit, and no prior weighting: the validity guarantee is for exchangeable, unweighted
-    data (adapt the output to other priors with :func:`torchcal.label_shift.adapt_to_priors`).
+    data-parallel fit. Deployment ``priors`` are not a weighting of the data (the validity guarantee
+    is for exchangeable, unweighted data): the posteriors are moved from the data's class
+    frequencies to the priors by Bayes' rule, as :func:`torchcal.label_shift.adapt_to_priors` does;
+    :meth:`predict_interval` stays at the data's frequencies.
 
     Args:
         folds: F, the number of folds of a cross Venn–Abers predictor (1: inductive). Folds are
@@ -179,7 +181,7 @@ class VennAbersCalibration(Calibrator):
         True
     """
 
-    _buffer_names = ("grid", "p0", "p1")
+    _buffer_names = ("grid", "p0", "p1", "log_prior_ratio")
     _supports_process_group = False
 
     def __init__(self, folds: int = 1, multiclass: str = "ovr") -> None:
@@ -212,7 +214,12 @@ class VennAbersCalibration(Calibrator):
 
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
         shape = (len(self._pairs(num_classes)), self.folds)
-        return {"grid": torch.zeros(*shape, 1), "p0": torch.zeros(*shape, 2), "p1": torch.ones(*shape, 2)}
+        return {
+            "grid": torch.zeros(*shape, 1),
+            "p0": torch.zeros(*shape, 2),
+            "p1": torch.ones(*shape, 2),
+            "log_prior_ratio": torch.zeros(num_classes),
+        }
 
     def _fold_of(self, scores: Tensor, targets: Tensor) -> Tensor:
         """Fold index (N,) of each sample: stratified, dealt in order of (target, score)."""
@@ -224,12 +231,6 @@ class VennAbersCalibration(Calibrator):
         return rank_in_target % self.folds
 
     def _fit(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
-        if weights is not None:
-            raise ValueError(
-                "VennAbersCalibration cannot weight the calibration data to priors (its validity "
-                "guarantee is for exchangeable, unweighted data); fit without priors and adapt the "
-                "output with torchcal.label_shift.adapt_to_priors."
-            )
         pairs = self._pairs(self.num_classes)
         tables = []
         for column, (negative, positive) in enumerate(pairs):
@@ -253,6 +254,8 @@ class VennAbersCalibration(Calibrator):
                 self.grid[c, f, : len(grid)] = grid
                 self.p0[c, f, : len(p0)], self.p0[c, f, len(p0) :] = p0, p0[-1]
                 self.p1[c, f, : len(p1)], self.p1[c, f, len(p1) :] = p1, p1[-1]
+        # deployment priors: Bayes' rule from the data's class frequencies, log(priors / frequencies)
+        self.log_prior_ratio = torch.zeros(self.num_classes, dtype=torch.float64, device=device) if weights is None else weights.log()
         self.loss = loss
         return FitRecord(0, 1, float("nan"), 0.0, True, "closed form")
 
@@ -270,14 +273,17 @@ class VennAbersCalibration(Calibrator):
         return torch.stack(lower, 1).reshape(shape), torch.stack(upper, 1).reshape(shape)
 
     def _scores(self, features: Tensor) -> Tensor:
-        probs = _merge(*self._intervals(features), self.loss)  # (N, C): P(positive of each problem)
+        return self._class_scores(_merge(*self._intervals(features), self.loss)) + self.log_prior_ratio
+
+    def _class_scores(self, probs: Tensor) -> Tensor:
+        """Unnormalised class log-posteriors (N, K) from the binary problems' probabilities (N, C)."""
         k = self.num_classes
         if k == 2:
             return torch.cat([(-probs).log1p(), probs.log()], dim=1)
         if self.multiclass == "ovr":
             return probs.log()
         # pairwise coupling: P_k = 1 / (sum_{l != k} 1 / P(k | k or l) - (K - 2))
-        inverse = torch.zeros(features.shape[0], k, dtype=probs.dtype, device=probs.device)
+        inverse = torch.zeros(probs.shape[0], k, dtype=probs.dtype, device=probs.device)
         negative, positive = (torch.tensor(side, device=probs.device) for side in zip(*self._pairs(k)))
         inverse.index_add_(1, positive, 1 / probs).index_add_(1, negative, 1 / (1 - probs))
         return -(inverse - (k - 2)).log()

@@ -10,8 +10,10 @@ is the merge that is minimax for the loss: ``p1 / (1 - p0 + p1)`` for the log-lo
 ``p1 + (p0**2 - p1**2) / 2`` for the Brier score (Vovk, Petej & Fedorova 2015).
 
 ``p0`` and ``p1`` depend on the test score only through its place among the calibration scores,
-so fitting precomputes them for every place, in O(N log N) (sorting) plus O(N) for the two greatest
-convex minorants of the cumulative sum diagram; a prediction is a table look-up.
+so fitting precomputes them for every place from the greatest convex minorants of the cumulative sum
+diagram (Vovk, Petej & Fedorova 2015): a sort, then one pass over the distinct scores with a few
+exact integer steps each (about 3 µs per score in Python; 0.05 s for 8,000 scores). A prediction
+is a table look-up.
 
 Cross Venn–Abers (CVAP, ``folds=F``) splits the calibration data into F folds, fits an IVAP on each
 and merges the F intervals by geometric means (log-loss) or means (Brier). With a retrained
@@ -57,7 +59,8 @@ def _upper_values(counts: np.ndarray, positives: np.ndarray) -> np.ndarray:
     counts, cumulative positives), the slope of the lower bridge between the left corners shifted
     by ``(-1, -1)``, ``{P_a - (1, 1): a <= i}``, and the right corners ``{P_b: b >= i}``. Both ends
     of the bridge move right as ``i`` grows, so the right end walks each corner once; the left end
-    starts from the newest corner. Integer arithmetic: exact.
+    walks back from the newest corner (one or two corners on real scores, but not bounded).
+    Integer arithmetic: exact.
     """
     k = len(counts)
     px = [0, *np.cumsum(counts).tolist()]
@@ -76,9 +79,6 @@ def _upper_values(counts: np.ndarray, positives: np.ndarray) -> np.ndarray:
         successor[b] = hull[-1] if hull else -1
         hull.append(b)
 
-    def bridge_rise_run(a: int, b: int) -> tuple[int, int]:
-        return py[b] - py[a] + 1, px[b] - px[a] + 1
-
     p1 = np.empty(k + 1)
     left: list[int] = []  # lower hull of the shifted corners 0..i, as a stack
     b = 0
@@ -88,23 +88,22 @@ def _upper_values(counts: np.ndarray, positives: np.ndarray) -> np.ndarray:
         left.append(i)
         a_pos, b = len(left) - 1, max(b, i)
         moved = True
-        while moved:
+        while moved:  # the bridge (a, b) rises by `rise` over `run`
             moved = False
+            a = left[a_pos]
+            rise, run = py[b] - py[a] + 1, px[b] - px[a] + 1
             # right end: on to the next corner while it lies on or below the bridge
-            while successor[b] >= 0:
-                rise, run = bridge_rise_run(left[a_pos], b)
-                rise_next, run_next = bridge_rise_run(left[a_pos], successor[b])
-                if rise_next * run > rise * run_next:
-                    break
-                b, moved = successor[b], True
+            after = successor[b]
+            while after >= 0 and (py[after] - py[a] + 1) * run <= rise * (px[after] - px[a] + 1):
+                b, after, moved = after, successor[after], True
+                rise, run = py[b] - py[a] + 1, px[b] - px[a] + 1
             # left end: back to the previous corner while it lies on or below the bridge
             while a_pos > 0:
-                rise, run = bridge_rise_run(left[a_pos], b)
-                rise_prev, run_prev = bridge_rise_run(left[a_pos - 1], b)
-                if rise_prev * run < rise * run_prev:
+                before = left[a_pos - 1]
+                rise_before, run_before = py[b] - py[before] + 1, px[b] - px[before] + 1
+                if rise_before * run < rise * run_before:
                     break
-                a_pos, moved = a_pos - 1, True
-        rise, run = bridge_rise_run(left[a_pos], b)
+                a_pos, rise, run, moved = a_pos - 1, rise_before, run_before, True
         p1[i] = rise / run
     return p1
 

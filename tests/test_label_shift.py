@@ -173,3 +173,15 @@ def test_bad_input():
         adapter.adapt()
     with pytest.raises(TypeError, match="calibrator"):
         LabelShiftAdapter(torch.nn.Identity())  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_estimates_and_adapts_on_the_logits_device(cifar10):
+    _, z_test, y_test = cifar10
+    z, y = z_test[:3000], y_test[:3000]
+    cpu = LabelShiftAdapter().fit(z, y).adapt(z_test[5000:7000])
+    gpu = LabelShiftAdapter().fit(z.cuda(), y.cuda()).adapt(z_test[5000:7000].cuda())
+    assert gpu.target_priors.device.type == "cuda" and gpu.estimate_.stderr.device.type == "cuda"
+    torch.testing.assert_close(gpu.target_priors.cpu(), cpu.target_priors, rtol=0, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(gpu(z_test[:100].cuda()).cpu(), cpu(z_test[:100]), rtol=0, atol=1e-5)

@@ -191,3 +191,15 @@ def test_bad_input(toy):
         VennAbersCalibration(folds=5).fit(logits[:3], labels[:3])
     with pytest.raises(RuntimeError, match="not fitted"):
         VennAbersCalibration().predict_interval(logits)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fits_and_predicts_on_the_logits_device(toy):
+    logits, labels = toy
+    cpu = VennAbersCalibration(folds=2).fit(logits, labels)
+    gpu = VennAbersCalibration(folds=2).fit(logits.cuda(), labels.cuda())
+    assert {t.device.type for t in gpu.buffers()} == {"cuda"}
+    out = gpu(logits.cuda())
+    assert out.device.type == "cuda"
+    torch.testing.assert_close(out.cpu(), cpu(logits), rtol=0, atol=1e-12)
+    torch.testing.assert_close(tuple(t.cpu() for t in gpu.predict_interval(logits.cuda())), cpu.predict_interval(logits))

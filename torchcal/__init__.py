@@ -4,7 +4,7 @@ Scores are logits in the wide sense throughout: any unnormalised log-posteriors 
 so ``log(probs)`` works too. Calibrators return calibrated log-posteriors.
 """
 
-from torchcal import functional
+from torchcal import functional, label_shift
 from torchcal.calibrators import (
     AffineCalibration,
     BetaCalibration,
@@ -41,4 +41,5 @@ __all__ = [
     "attach",
     "cross_validate",
     "functional",
+    "label_shift",
 ]

@@ -16,9 +16,10 @@ exact integer steps each (about 3 µs per score in Python; 0.05 s for 8,000 scor
 is a table look-up.
 
 Cross Venn–Abers (CVAP, ``folds=F``) splits the calibration data into F folds, fits an IVAP on each
-and merges the F intervals by geometric means (log-loss) or means (Brier). With a retrained
-scoring model per fold this is Vovk et al.'s CVAP; on stored logits the folds share the model, so
-it trades IVAP's single table for F smoother, smaller ones.
+and merges the F intervals by geometric means (log-loss) or means (Brier). Vovk et al.'s CVAP also
+retrains the scoring model without each fold; on stored logits the folds share one model, so the
+F IVAPs each see only a F-th of the data, and on CIFAR-10 ResNet-110 that costs log-loss (0.236
+with F = 5 against 0.212 for the IVAP). IVAP (``folds=1``) is the default.
 
 Multiclass: Venn–Abers is a binary method. ``multiclass="ovr"`` calibrates every class's
 log-posterior one-vs-rest and renormalises (Zadrozny & Elkan 2002); ``"pairwise"`` calibrates the

@@ -4,9 +4,14 @@ test log-loss after adaptation, next to the known-prior answer."""
 
 from __future__ import annotations
 
+import socket
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from conftest import load_real
 
 from torchcal import AffineCalibration, IsotonicCalibration
@@ -151,6 +156,40 @@ def test_adapter_with_known_source_priors_state_dict_and_export(cifar10):
         torch.testing.assert_close(fresh(z[:50]), adapter(z[:50]), rtol=0, atol=0)
         exported = torch.export.export(adapter, (z[:16],)).module()
         torch.testing.assert_close(exported(z[:16]), adapter(z[:16]), rtol=0, atol=0)
+
+
+def _em_data() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    labels = torch.multinomial(torch.tensor([0.6, 0.3, 0.1]), 1500, replacement=True, generator=gen)
+    return torch.randn(1500, 3, generator=gen) + 2 * torch.eye(3)[labels], torch.full((3,), 1 / 3)
+
+
+def _em_worker(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        logits, source = _em_data()
+        shard = slice(0, 1000) if rank == 0 else slice(1000, None)  # uneven shards
+        estimate = estimate_priors(logits[shard], source, process_group=dist.group.WORLD)
+        torch.save((estimate.priors, estimate.stderr, estimate.record), Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_estimate_the_priors_of_the_union(tmp_path):
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_em_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    single = estimate_priors(*_em_data())
+    for rank in range(2):
+        priors, stderr, record = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        torch.testing.assert_close(priors, single.priors, rtol=0, atol=1e-12)
+        torch.testing.assert_close(stderr, single.stderr, rtol=1e-9, atol=0)
+        assert record.iterations == single.record.iterations
+        assert record.loss == pytest.approx(single.record.loss, rel=1e-12)
 
 
 def test_bad_input():

@@ -43,8 +43,9 @@ class PriorEstimate(NamedTuple):
     ``priors``: (K,) estimated target priors, float64. ``stderr``: (K,) their standard errors from
     the observed information of the target likelihood (NaN where a prior is at the boundary, 0);
     they do not include the uncertainty of the calibration itself. ``record``: the EM run:
-    iterations, the final negative mean log-likelihood ratio against "no shift" (``loss``; <= 0) and
-    the largest change of a prior in the last step (``grad_max``).
+    iterations (convergence is checked every 10 steps), the final negative mean log-likelihood
+    ratio against "no shift" (``loss``; <= 0) and the largest change of a prior in the last step
+    (``grad_max``).
     """
 
     priors: Tensor
@@ -114,8 +115,8 @@ def estimate_priors(
         source_priors: (K,) priors the posteriors are calibrated for (all positive).
         max_iter: EM step cap. tol: stop when no prior changes by more than this in a step.
         process_group: data-parallel over a ``torch.distributed`` group: every process passes its
-            own shard of the target scores and all get the estimate from the union (only K + K^2
-            sums travel per step).
+            own shard of the target scores and all get the estimate from the union (K sums travel
+            per step, K^2 + 1 at the end for the standard errors and the likelihood).
 
     Returns:
         :class:`PriorEstimate` ``(priors, stderr, record)``.

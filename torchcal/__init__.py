@@ -4,7 +4,7 @@ Scores are logits in the wide sense throughout: any unnormalised log-posteriors 
 so ``log(probs)`` works too. Calibrators return calibrated log-posteriors.
 """
 
-from torchcal import functional
+from torchcal import functional, label_shift
 from torchcal.calibrators import (
     AffineCalibration,
     BetaCalibration,
@@ -16,6 +16,7 @@ from torchcal.calibrators import (
     PlattScaling,
     TemperatureScaling,
     VectorScaling,
+    VennAbersCalibration,
 )
 from torchcal.fit import ConvergenceWarning, FitRecord, cross_validate
 from torchcal.heads import CalibratedModel, attach
@@ -36,7 +37,9 @@ __all__ = [
     "PlattScaling",
     "TemperatureScaling",
     "VectorScaling",
+    "VennAbersCalibration",
     "attach",
     "cross_validate",
     "functional",
+    "label_shift",
 ]

@@ -46,6 +46,7 @@ from torchcal import (
     PlattScaling,
     TemperatureScaling,
     VectorScaling,
+    VennAbersCalibration,
     cross_validate,
 )
 from torchcal._validation import check_costs, check_logits_and_labels, check_priors
@@ -88,6 +89,7 @@ METHODS: dict[str, Callable[..., Calibrator]] = {
     "beta": BetaCalibration,
     "histogram": HistogramBinning,
     "isotonic": IsotonicCalibration,
+    "venn-abers": VennAbersCalibration,
 }
 
 ECE_BINS = 15

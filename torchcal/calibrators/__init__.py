@@ -6,6 +6,7 @@ from torchcal.calibrators.beta import BetaCalibration
 from torchcal.calibrators.matrix import DirichletCalibration, MatrixScaling
 from torchcal.calibrators.nonparametric import HistogramBinning, IsotonicCalibration
 from torchcal.calibrators.temperature import TemperatureScaling
+from torchcal.calibrators.venn_abers import VennAbersCalibration
 
 __all__ = [
     "AffineCalibration",
@@ -18,4 +19,5 @@ __all__ = [
     "PlattScaling",
     "TemperatureScaling",
     "VectorScaling",
+    "VennAbersCalibration",
 ]

@@ -125,7 +125,8 @@ class ScoreMetric(BatchMetric):
     """A ``BatchMetric`` whose ``update`` takes class scores of a declared kind and labels.
 
     Args:
-        num_classes: K, checked against every batch; None takes any K >= 2.
+        num_classes: K, checked against every batch; None takes any K >= 2 (but not binary
+            scores given as one column, which need ``num_classes=2``).
         input: what ``update`` receives: ``"logits"`` (default) or ``"log_probs"``, any
             unnormalised log-posteriors, or ``"probs"``, posteriors (rows on the simplex).
         ignore_index, validate_args, kwargs: as ``BatchMetric``.
@@ -152,7 +153,7 @@ class ScoreMetric(BatchMetric):
         if batch is None:
             return None
         scores, labels = batch
-        if scores.ndim == 1 and labels.shape == scores.shape and self.num_classes in (None, 2):
+        if scores.ndim == 1 and labels.shape == scores.shape and self.num_classes == 2:
             scores = self._binary_columns(scores)
         if self.validate_args and not self._common_case_valid(scores, labels):
             if self.input == "probs":

@@ -114,6 +114,7 @@ class CalibrationLoss(ScoreMetric):
         with torch.no_grad():
             calibrated = self.calibrator(logits)
         terms = sum_decomposition(self.score)
+        assert terms is not None  # sum_reduction refused any other score in __init__
         raw_sums, counts = class_sums(terms(logits, labels, **self.score_options).per_sample, labels, self.num_classes)
         calibrated_sums, _ = class_sums(terms(calibrated, labels, **self.score_options).per_sample, labels, self.num_classes)
         self.raw_sums += raw_sums

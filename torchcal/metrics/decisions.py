@@ -30,6 +30,7 @@ class _CostMetric(BatchMetric):
     full_state_update = False
     plot_lower_bound = 0.0
 
+    num_classes: int | None  # set from the costs; "| None" as in ScoreMetric, which BayesRisk also is
     costs: Tensor
     priors: Tensor | None
     counts: Tensor
@@ -47,7 +48,7 @@ class _CostMetric(BatchMetric):
         add_sum_state(self, "counts", self.num_classes, self.num_decisions)
 
     def _accumulate(self, decisions: Tensor, labels: Tensor) -> None:
-        self.counts += decision_counts(decisions, labels, self.num_classes, self.num_decisions).to(self.counts.device)
+        self.counts += decision_counts(decisions, labels, *self.costs.shape).to(self.counts.device)
 
     def compute(self) -> Tensor:
         """The expected cost, a float64 scalar."""
@@ -154,4 +155,4 @@ class BalancedErrorRate(ErrorRate):
     """
 
     def __init__(self, num_classes: int, **kwargs: Any) -> None:
-        super().__init__(num_classes, torch.full((check_num_classes(num_classes),), 1 / num_classes), **kwargs)
+        super().__init__(num_classes, torch.full((check_num_classes(num_classes),), 1 / num_classes, dtype=torch.float64), **kwargs)

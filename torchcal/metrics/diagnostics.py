@@ -132,7 +132,7 @@ class ExpectedCalibrationError(ScoreMetric):
             rows = softmax_rows(logits, labels, torch.float64)
             scores, targets = rows.confidence.unsqueeze(1), rows.correct.unsqueeze(1)
         else:
-            scores, targets = binning_scores(to_log_probs(logits), labels, self.kind)  # type: ignore[arg-type]
+            scores, targets = binning_scores(to_log_probs(logits), labels, self.kind)
         if self.strategy == "uniform":
             counts, score_sums, target_sums = bin_statistics(scores, targets, self.n_bins)
             self.counts += counts

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
-from torchmetrics import MetricCollection
+from torchmetrics import Metric, MetricCollection
 
 from torchcal._validation import check_priors
 from torchcal.functional.diagnostics import calibration_error_from_bins, uniform_bin_indices, uniform_edges
@@ -181,7 +181,7 @@ class PosteriorQuality(MetricCollection):
         postfix: str | None = None,
         **kwargs: Any,
     ) -> None:
-        members = {
+        members: dict[str, Metric | MetricCollection] = {
             statistic: PosteriorStatistic(
                 statistic, num_classes, n_bins, priors, precision,
                 input=input, ignore_index=ignore_index, validate_args=validate_args, **kwargs,

@@ -101,6 +101,14 @@ def test_posterior_quality_and_its_functional(cifar):
         _close(got[key], expected[key])
     prefixed = _streamed(M.PosteriorQuality(K, prefix="val_", input="probs"), logits.double().softmax(1), labels)
     _close(prefixed["val_ece"], expected["ece"])
+    called = M.PosteriorQuality(K)  # forward: the batch values, and the members keep accumulating
+    first = called(logits[:500], labels[:500])
+    called.update(logits[500:1200], labels[500:1200])
+    called(logits[1200:], labels[1200:])
+    for key, value in F.posterior_quality(logits[:500].double(), labels[:500])._asdict().items():
+        _close(first[key], value)
+    for key, value in called.compute().items():
+        _close(value, expected[key])
 
 
 def test_calibration_loss_returns_one_tensor_and_the_result_on_request(cifar):
@@ -147,6 +155,8 @@ def test_no_requires_grad_warning_from_metrics_or_heads(cifar):
         head(z)
         torchcal.attach(torch.nn.Identity(), head, output="probs")(z.softmax(1))
         torchcal.heads.scores_from_outputs(z.softmax(1), "probs")
+        torchcal.heads.scores_from_outputs(z, "logits")
+        torchcal.functional.cross_entropy(z, labels[:300], priors=torch.full((K,), 0.1, requires_grad=True))
 
 
 # --------------------------------------------------------------------------- shapes

@@ -110,7 +110,7 @@ class BatchMetric(Metric):
         if self.ignore_index is not None and labels.shape[:1] == preds.shape[:1]:
             kept = labels != self.ignore_index
             preds, labels = preds[kept], labels[kept]
-        if preds.shape[0] == 0 and labels.numel() == 0:
+        if preds.numel() == 0 and labels.numel() == 0:
             return None
         return preds, labels
 
@@ -202,7 +202,8 @@ class ScoreMetric(BatchMetric):
         """(N,) scores of class 1, of the declared kind, as two columns (N, 2) of that kind."""
         if self.input == "probs":
             return torch.stack([1 - scores, scores], dim=1)
-        if self.input == "log_probs":
-            return torch.stack([torch.log1p(-scores.exp().clamp_max(1 - torch.finfo(scores.dtype).eps)), scores], dim=1)
+        if self.input == "log_probs":  # log(1 - p) = log(-expm1(log p)), exact near p = 1 as well
+            complement = torch.log((-torch.expm1(scores)).clamp_min(torch.finfo(scores.dtype).tiny))
+            return torch.stack([complement, scores], dim=1)
         return torch.stack([torch.zeros_like(scores), scores], dim=1)  # log-odds of class 1
 

@@ -131,6 +131,8 @@ _BOOTSTRAP_N = r"same number N of rows to resample"
 def _cases():
     for name, make_logits, make_labels, error, pattern in BAD_SCORES:
         for entry, fn in {**ENTRY_POINTS, **FORWARD_ENTRY_POINTS}.items():
+            if name.startswith("empty") and entry.endswith(".update"):
+                continue  # an empty batch is a no-op for a metric: test_metric_update_ignores_an_empty_batch
             yield pytest.param(fn, make_logits, make_labels, error, pattern, id=f"{name}-{entry}")
     for name, make_labels, error, pattern in BAD_LABELS:
         for entry, fn in ENTRY_POINTS.items():
@@ -236,11 +238,9 @@ def test_state_dict_of_another_number_of_classes_replaces_the_shapes():
 def test_metric_updated_with_another_number_of_classes():
     logits, labels = good_data()
     wider = torch.randn(N, K + 1)
-    for metric in (metrics.CrossEntropy(num_classes=K), metrics.BrierScore(num_classes=K)):
-        metric.update(logits, labels)
-        with pytest.raises(ValueError, match="K = 4 classes but the metric was built for 3"):
-            metric.update(wider, labels)
     for metric in (
+        metrics.CrossEntropy(num_classes=K),
+        metrics.BrierScore(num_classes=K),
         metrics.BayesRisk(F.zero_one_costs(K)),
         metrics.CalibrationError(num_classes=K),
         metrics.CalibrationLoss(_fitted_temperature(), num_classes=K),
@@ -248,6 +248,27 @@ def test_metric_updated_with_another_number_of_classes():
         metric.update(logits, labels)
         with pytest.raises(ValueError, match="K = 4 classes but 3 were expected.*metric was built for"):
             metric.update(wider, labels)
+
+
+@pytest.mark.parametrize("entry", [e for e in ENTRY_POINTS if e.endswith(".update")])
+def test_metric_update_ignores_an_empty_batch(entry):
+    """An empty batch (the last of a loader, or every label ignored) changes nothing."""
+    make = {
+        "CrossEntropy.update": lambda: metrics.CrossEntropy(num_classes=K),
+        "BrierScore.update": lambda: metrics.BrierScore(num_classes=K),
+        "BayesRisk.update": lambda: metrics.BayesRisk(F.zero_one_costs(K)),
+        "CalibrationError.update": lambda: metrics.CalibrationError(num_classes=K),
+        "CalibrationError(quantile).update": lambda: metrics.CalibrationError(num_classes=K, strategy="quantile"),
+        "ECD.update": lambda: metrics.ECD(),
+        "CalibrationLoss(fitted).update": lambda: metrics.CalibrationLoss(_fitted_temperature(), num_classes=K),
+        "CalibrationLoss(unfitted).update": lambda: metrics.CalibrationLoss(torchcal.TemperatureScaling(), num_classes=K, folds=2),
+    }[entry]
+    logits, labels = good_data()
+    with_empty, without = make(), make()
+    for metric in (with_empty, without):
+        metric.update(logits, labels)
+    with_empty.update(torch.randn(0, K), torch.zeros(0, dtype=torch.long))
+    assert with_empty.compute().item() == pytest.approx(without.compute().item(), rel=1e-12)
 
 
 def test_metric_constructor_arguments():

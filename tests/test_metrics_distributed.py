@@ -16,8 +16,8 @@ import torch.multiprocessing as mp
 from test_metrics_streaming import batches, case_list, costs_for, expected_cost_case, make_data
 
 import torchcal
-from torchcal.functional import bayes_decisions, calibration_loss, cross_validated_calibration_loss
-from torchcal.metrics import CalibrationLoss
+from torchcal.functional import bayes_decisions, calibration_loss, cross_validated_calibration_loss, posterior_quality
+from torchcal.metrics import CalibrationLoss, PosteriorQuality
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -38,6 +38,8 @@ def _cases(logits, labels):
     cost_factory, cost_fn = expected_cost_case(K)
     decisions = bayes_decisions(logits, costs_for(K))
     cases.append(("expected-cost", cost_factory, cost_fn(decisions, labels), decisions))
+    # a collection whose members share one state: each member synchronises it at compute()
+    cases.append(("posterior-quality", lambda **kw: PosteriorQuality(K, **kw), posterior_quality(logits, labels)._asdict(), logits))
     fitted = torchcal.TemperatureScaling().fit(*make_data(300, K, 2.0, seed=1))
     with torch.no_grad():
         raw_vs_fitted = calibration_loss(logits, fitted(logits), labels).relative
@@ -54,9 +56,12 @@ def _check(cases, labels, shard: slice, group, tag: str) -> None:
         shard_inputs, shard_labels = inputs[shard], labels[shard]
         for part in batches(shard_inputs.shape[0], [97]):
             metric.update(shard_inputs[part], shard_labels[part])
-        value = metric.compute()
-        got = value.relative if name.startswith("calibration-loss") else value
-        assert abs(got.item() - expected.item()) <= 1e-10 * max(1.0, abs(expected.item())), (tag, name, got, expected)
+        value = metric.compute()  # the relative loss for CalibrationLoss
+        pairs = [(key, value[key], expected[key]) for key in expected] if isinstance(expected, dict) else [(name, value, expected)]
+        for key, got, want in pairs:
+            assert abs(got.item() - want.item()) <= 1e-10 * max(1.0, abs(want.item())), (tag, key, got, want)
+        if name.startswith("calibration-loss"):  # result() synchronises too
+            assert abs(metric.result().relative.item() - expected.item()) <= 1e-10 * abs(expected.item()), (tag, name)
 
 
 def _worker(rank: int, port: int) -> None:

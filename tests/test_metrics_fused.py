@@ -113,15 +113,19 @@ def test_float32_precision():
     torch.testing.assert_close(fast["ece"], exact["ece"], rtol=1e-6, atol=1e-9)
 
 
-def test_state_size_independent_of_n():
+def test_state_size_independent_of_n_and_shared_by_the_members():
     metric = PosteriorQuality(10, n_bins=15)
     sizes = []
     for n in (10, 10_000):
         logits, labels = _data(10, n=n)
         metric.update(logits, labels)
-        sizes.append(sum(s.numel() for s in metric.metric_state.values()))
+        members = dict(metric.items(copy_state=False))
+        state = members["ece"].metric_state
+        sizes.append(sum(s.numel() for s in state.values()))
+        assert all(m.class_sums is members["ece"].class_sums for m in members.values())  # one state
     assert sizes[0] == sizes[1] == 4 * 10 + 3 * 15
-    assert all(s.dtype == torch.float64 for s in metric.metric_state.values())
+    assert all(s.dtype == torch.float64 for s in state.values())
+    assert sorted(metric.compute_groups[0]) == sorted(members) and len(metric.compute_groups) == 1
 
 
 def test_reset_and_empty_normalisation():
@@ -130,7 +134,7 @@ def test_reset_and_empty_normalisation():
     result = metric.compute()
     assert torch.isnan(result["nce"]) and torch.isnan(result["nbs"])
     metric.reset()
-    assert float(metric.class_sums.sum()) == 0
+    assert all(float(m.class_sums.sum()) == 0 for m in metric.values(copy_state=False))
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ __all__ = [
     "check_priors",
     "check_probs",
     "compute_dtype",
+    "looks_like_probs",
 ]
 
 
@@ -42,6 +43,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _describe_nonfinite(x: Tensor) -> str:
+    x = x.detach()
     bad = ~torch.isfinite(x)
     n_nan = int(torch.isnan(x).sum())
     n_inf = int(bad.sum()) - n_nan
@@ -53,6 +55,7 @@ def _all_finite(x: Tensor) -> bool:
     """Whether every entry of ``x`` is finite. The sum is finite when every entry is: a tenth of the
     cost of ``isfinite(x).all()`` and no mask as large as ``x``; a sum of finite entries that
     overflows goes on to the full check."""
+    x = x.detach()  # a scalar read from a tensor that requires grad warns
     return math.isfinite(float(x.sum())) or bool(torch.isfinite(x).all())
 
 
@@ -145,11 +148,11 @@ def check_logits_and_labels(
 def check_probs(probs: Any, name: str = "probs", atol: float | None = None) -> Tensor:
     """Validate probabilities of shape (N, K): non-negative rows summing to one."""
     probs = check_logits(probs, name)
-    if bool((probs < 0).any()) or bool((probs > 1).any()):
+    values = probs.detach()
+    if bool((values < 0).any()) or bool((values > 1).any()):
         raise ValueError(f"{name} must lie in [0, 1]; found values outside. Did you pass logits?")
-    if atol is None:
-        atol = 1e-3 if probs.dtype in (torch.float16, torch.bfloat16) else 1e-4
-    sums = probs.sum(dim=1, dtype=torch.float64)
+    atol = _simplex_atol(probs.dtype) if atol is None else atol
+    sums = values.sum(dim=1, dtype=torch.float64)
     worst = int((sums - 1).abs().argmax())
     if abs(float(sums[worst]) - 1) > atol:
         raise ValueError(
@@ -157,6 +160,30 @@ def check_probs(probs: Any, name: str = "probs", atol: float | None = None) -> T
             f"{float(sums[worst]):.6g}. Pass logits instead, or renormalise the rows."
         )
     return probs
+
+
+def _simplex_atol(dtype: torch.dtype) -> float:
+    """How far from one the rows of probabilities of this dtype may sum."""
+    return 1e-3 if dtype in (torch.float16, torch.bfloat16) else 1e-4
+
+
+def looks_like_probs(scores: Tensor) -> bool:
+    """Whether scores ``(N, K)`` declared as log-posteriors look like probabilities instead: every
+    entry in [0, 1] and rows summing to one as ``check_probs`` accepts them.
+
+    One pass (the sum) when the rows cannot all sum to one, as for nearly all logits.
+
+    Example:
+        >>> looks_like_probs(torch.tensor([[0.2, 0.8]])), looks_like_probs(torch.tensor([[0.2, 0.8]]).log())
+        (True, False)
+    """
+    values = scores.detach()
+    atol, rows = _simplex_atol(scores.dtype), scores.shape[0]
+    if abs(float(values.sum(dtype=torch.float64)) - rows) > atol * rows:
+        return False
+    low, high = torch.stack(torch.aminmax(values)).tolist()
+    sums = values.sum(dim=1, dtype=torch.float64)
+    return low >= 0 and high <= 1 and bool(((sums - 1).abs() <= atol).all())
 
 
 def check_priors(priors: Any, num_classes: int, device: torch.device | None = None) -> Tensor:
@@ -168,7 +195,7 @@ def check_priors(priors: Any, num_classes: int, device: torch.device | None = No
         )
     if not bool(torch.isfinite(priors).all()) or bool((priors < 0).any()):
         raise ValueError("priors must be finite and non-negative.")
-    total = float(priors.sum())
+    total = float(priors.detach().sum())
     if abs(total - 1) > 1e-6:
         raise ValueError(f"priors must sum to one, got sum {total:.8g}; divide them by their sum.")
     return priors

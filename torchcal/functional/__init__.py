@@ -21,6 +21,7 @@ from torchcal.functional.diagnostics import (
     reliability_bins,
     signed_calibration_error,
 )
+from torchcal.functional.posterior_quality import PosteriorQualityResult, posterior_quality
 from torchcal.functional.scoring import (
     brier_score,
     class_frequencies,
@@ -30,6 +31,7 @@ from torchcal.functional.scoring import (
 __all__ = [
     "BootstrapResult",
     "CalibrationLossResult",
+    "PosteriorQualityResult",
     "ReliabilityBins",
     "balanced_error_rate",
     "bayes_decisions",
@@ -44,6 +46,7 @@ __all__ = [
     "error_rate",
     "expected_calibration_error",
     "expected_cost",
+    "posterior_quality",
     "reliability_bins",
     "signed_calibration_error",
     "zero_one_costs",

@@ -53,7 +53,7 @@ __all__ = [
 Kind = Literal["top-label", "binary", "class", "classwise"]
 Strategy = Literal["uniform", "quantile"]
 Norm = Literal["l1", "l2", "max"]
-Reduction = Literal["mean", "sum", "max"]
+Reduction = Literal["mean", "sum", "max", "none"]
 
 EDGE_TOLERANCE = 1e-12
 
@@ -289,7 +289,8 @@ def calibration_error_from_bins(
 
     Per column, with ``gap_m = |target_sums_m - score_sums_m| / counts_m`` over non-empty bins:
     ``l1`` is ``sum_m (counts_m / N) gap_m`` (ECE), ``l2`` is ``sqrt(sum_m (counts_m / N) gap_m^2)``
-    (RMS calibration error), ``max`` is ``max_m gap_m`` (MCE). ``reduction`` combines the columns.
+    (RMS calibration error), ``max`` is ``max_m gap_m`` (MCE). ``reduction`` combines the columns,
+    or ``"none"`` keeps them: (C,).
 
     Example (bins of 2 and 1 samples with gaps 0.2 and 0.1):
         >>> counts, score_sums, target_sums = torch.tensor([[2., 1.]]), torch.tensor([[.6, .9]]), torch.tensor([[1., 1.]])
@@ -312,7 +313,9 @@ def calibration_error_from_bins(
         return per_column.sum(-1)
     if reduction == "max":
         return per_column.amax(-1)
-    raise ValueError(f'reduction must be "mean", "sum" or "max", got {reduction!r}.')
+    if reduction == "none":
+        return per_column
+    raise ValueError(f'reduction must be "mean", "sum", "max" or "none", got {reduction!r}.')
 
 
 def _check_calibration_error_kind(kind: str) -> None:
@@ -412,7 +415,8 @@ def expected_calibration_error(
         strategy: ``"uniform"`` (equal width) or ``"quantile"`` (equal mass); see the module notes.
         kind: ``"top-label"``, ``"binary"`` or ``"classwise"``.
         norm: ``"l1"``, ``"l2"`` or ``"max"``.
-        reduction: how ``"classwise"`` combines classes; ignored otherwise.
+        reduction: how ``"classwise"`` combines classes (``"none"``: the (K,) per-class values);
+            ignored otherwise.
 
     Example:
         >>> import torch

@@ -1,9 +1,68 @@
-"""Helpers shared by the metric classes."""
+"""Conventions shared by every metric class: how ``update`` reads its inputs, ``plot``, states.
+
+A metric that scores class posteriors subclasses :class:`ScoreMetric` and starts ``update`` with
+``self._scores``::
+
+    class MyMetric(ScoreMetric):
+        total: Tensor  # states are annotated so that type checkers see tensors, not Modules
+
+        def __init__(self, num_classes: int, **kwargs: Any) -> None:
+            super().__init__(num_classes, **kwargs)  # input, ignore_index, validate_args, Metric's kwargs
+            add_sum_state(self, "total", num_classes)
+
+        def update(self, scores: Tensor, labels: Tensor) -> None:
+            batch = self._scores(scores, labels)
+            if batch is None:  # an empty batch, or every label ignored: a no-op
+                return
+            logits, labels = batch  # (N, K) log-domain scores, (N,) int64 labels in [0, K)
+            ...
+
+        def compute(self) -> Tensor:  # ONE float64 tensor: a scalar, or (K,) per class
+            ...
+
+What ``_scores`` does, in this order:
+
+1. shapes: scores ``(N, K, d1, ...)`` with labels ``(N, d1, ...)`` (segmentation) become
+   ``(N d1 ..., K)`` and ``(N d1 ...,)`` (memory stays O(K + bins) for pixel-level metrics); with
+   K = 2, scores of the labels' shape ``(N,)`` or ``(N, d1, d2, ...)`` are the score of class 1, of
+   the declared ``input`` kind (a probability, its log, or the log-odds for ``"logits"``);
+2. ``ignore_index``: samples with that label are dropped;
+3. an empty batch returns ``None``;
+4. ``validate_args=True`` (default): ``torchcal._validation`` checks (finite scores, labels in
+   [0, K), probabilities on the simplex for ``input="probs"``), and log-domain scores that look
+   like probabilities warn, as ``torchcal.heads`` does (the kind was probably mis-declared);
+   ``False`` skips all of it in trusted hot loops;
+5. ``input="probs"`` becomes ``log(probs)``; ``"logits"`` and ``"log_probs"`` are used as they are
+   (any unnormalised log-posteriors).
+
+A metric whose first input is not scores (``ExpectedCost``: decisions) subclasses
+:class:`BatchMetric` and calls ``self._flattened(preds, labels)`` for steps 1-3.
+
+``plot(val=None, ax=None)`` is torchmetrics' own plot of a value (``compute()`` when ``val`` is
+None, or a list of values over time). Set ``plot_lower_bound``/``plot_upper_bound`` on the class.
+"""
 
 from __future__ import annotations
 
+import math
+import warnings
+from typing import Any, Literal, get_args
+
 import torch
+from torch import Tensor
 from torchmetrics import Metric
+
+from torchcal._validation import (
+    as_tensor,
+    check_logits_and_labels,
+    check_probs,
+    looks_like_probs,
+)
+
+__all__ = ["BatchMetric", "InputKind", "ScoreMetric", "add_sum_state", "check_num_classes"]
+
+InputKind = Literal["logits", "log_probs", "probs"]
+_INPUT_KINDS = get_args(InputKind)
 
 
 def check_num_classes(num_classes: int) -> int:
@@ -16,3 +75,135 @@ def check_num_classes(num_classes: int) -> int:
 def add_sum_state(metric: Metric, name: str, *shape: int) -> None:
     """A float64 accumulator of the given shape, summed across processes."""
     metric.add_state(name, torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="sum", persistent=False)
+
+
+class BatchMetric(Metric):
+    """A ``Metric`` with the shared ``ignore_index``, ``validate_args``, extra dimensions, empty
+    batches and ``plot`` (see the module docs).
+
+    Args:
+        ignore_index: a label whose samples are left out (e.g. 255 for unlabelled pixels).
+        validate_args: check every batch; ``False`` skips the checks.
+        kwargs: passed to ``torchmetrics.Metric``.
+    """
+
+    def __init__(self, *, ignore_index: int | None = None, validate_args: bool = True, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
+            raise ValueError(f"ignore_index must be an integer label or None, got {ignore_index!r}.")
+        self.ignore_index, self.validate_args = ignore_index, validate_args
+
+    def _flattened(self, preds: Tensor, labels: Tensor, class_dim: bool = False) -> tuple[Tensor, Tensor] | None:
+        """Steps 1-3 of the module docs: ``(rows, labels)`` flattened and kept, or None when empty.
+
+        ``class_dim``: ``preds`` carry a class dimension 1 that labels lack (scores), else both
+        have the same shape (decisions).
+        """
+        preds, labels = as_tensor(preds, "scores" if class_dim else "decisions"), as_tensor(labels, "labels")
+        if class_dim and preds.ndim >= 3 and labels.shape == preds.shape[:1] + preds.shape[2:]:
+            preds = preds.movedim(1, -1).reshape(-1, preds.shape[1])
+            labels = labels.reshape(-1)
+        elif preds.shape == labels.shape and (preds.ndim >= 3 or (preds.ndim == 2 and not class_dim)):
+            # same shapes: one decision, or one binary score, per element; (N, 2) scores with
+            # (N, 2) labels stay as they are (that is one-hot labels, which validation rejects)
+            preds, labels = preds.reshape(-1), labels.reshape(-1)
+        if self.ignore_index is not None and labels.shape[:1] == preds.shape[:1]:
+            kept = labels != self.ignore_index
+            preds, labels = preds[kept], labels[kept]
+        if preds.numel() == 0 and labels.numel() == 0:
+            return None
+        return preds, labels
+
+    def plot(self, val: Tensor | list[Tensor] | None = None, ax: Any = None) -> Any:
+        """Plot a value of the metric (``compute()`` when ``val`` is None, or a list of values over
+        time), by torchmetrics' plotting helper. Returns ``(fig, ax)``; needs matplotlib.
+        """
+        return self._plot(val, ax)
+
+
+class ScoreMetric(BatchMetric):
+    """A ``BatchMetric`` whose ``update`` takes class scores of a declared kind and labels.
+
+    Args:
+        num_classes: K, checked against every batch; None takes any K >= 2 (but not binary
+            scores given as one column, which need ``num_classes=2``).
+        input: what ``update`` receives: ``"logits"`` (default) or ``"log_probs"``, any
+            unnormalised log-posteriors, or ``"probs"``, posteriors (rows on the simplex).
+        ignore_index, validate_args, kwargs: as ``BatchMetric``.
+    """
+
+    def __init__(
+        self,
+        num_classes: int | None = None,
+        *,
+        input: InputKind = "logits",
+        ignore_index: int | None = None,
+        validate_args: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(ignore_index=ignore_index, validate_args=validate_args, **kwargs)
+        self.num_classes = None if num_classes is None else check_num_classes(num_classes)
+        if input not in _INPUT_KINDS:
+            raise ValueError(f"input must be one of {_INPUT_KINDS} (what update receives), got {input!r}.")
+        self.input = input
+
+    def _scores(self, scores: Tensor, labels: Tensor) -> tuple[Tensor, Tensor] | None:
+        """Log-domain scores (N, K) and int64 labels (N,) of a batch, or None when it is empty."""
+        batch = self._flattened(scores, labels, class_dim=True)
+        if batch is None:
+            return None
+        scores, labels = batch
+        if scores.ndim == 1 and labels.shape == scores.shape and self.num_classes == 2:
+            scores = self._binary_columns(scores)
+        if self.validate_args and not self._common_case_valid(scores, labels):
+            if self.input == "probs":
+                check_probs(scores, "scores")
+            scores, labels = check_logits_and_labels(scores, labels, num_classes=self.num_classes)
+            if self.input != "probs" and looks_like_probs(scores):
+                warnings.warn(
+                    f"the scores look like probabilities (rows in [0, 1] summing to one) but "
+                    f"input={self.input!r}, which reads them as log-posteriors and gives wrong numbers; "
+                    f"pass input='probs' if they are.",
+                    stacklevel=3,
+                )
+        elif labels.dtype != torch.int64:
+            labels = labels.long()
+        if not self.is_differentiable:  # the fused kernels write in place, which autograd refuses
+            scores = scores.detach()
+        if self.input == "probs":
+            # A probability of exactly 0 would give log(0) = -inf (as torchcal.heads).
+            scores = torch.log(scores.clamp_min(torch.finfo(scores.dtype).tiny))
+        return scores, labels.to(scores.device)
+
+    def _common_case_valid(self, scores: Tensor, labels: Tensor) -> bool:
+        """Whether log-domain scores (N, K) and int64 labels (N,) are valid and do not look like
+        probabilities, from one read-back of three numbers: the scores' sum (finite when every
+        entry is; a finite sum that overflows only sends us to the full checks, ~10x cheaper than
+        ``isfinite().all()``), which is also far from N unless the rows may sum to one, and the
+        labels' range. Anything else goes to the full checks, which raise the precise message."""
+        if not (
+            self.input != "probs"
+            and isinstance(scores, Tensor)
+            and scores.is_floating_point()
+            and scores.ndim == 2
+            and scores.shape[1] == (self.num_classes or max(scores.shape[1], 2))
+            and isinstance(labels, Tensor)
+            and labels.dtype == torch.int64
+            and labels.shape == scores.shape[:1]
+            and labels.device == scores.device
+        ):
+            return False
+        low, high = torch.aminmax(labels)
+        total, low, high = torch.stack([scores.detach().sum().double(), low.double(), high.double()]).tolist()
+        rows = scores.shape[0]
+        return math.isfinite(total) and abs(total - rows) > 1e-3 * rows and low >= 0 and high < scores.shape[1]
+
+    def _binary_columns(self, scores: Tensor) -> Tensor:
+        """(N,) scores of class 1, of the declared kind, as two columns (N, 2) of that kind."""
+        if self.input == "probs":
+            return torch.stack([1 - scores, scores], dim=1)
+        if self.input == "log_probs":  # log(1 - p) = log(-expm1(log p)), exact near p = 1 as well
+            complement = torch.log((-torch.expm1(scores)).clamp_min(torch.finfo(scores.dtype).tiny))
+            return torch.stack([complement, scores], dim=1)
+        return torch.stack([torch.zeros_like(scores), scores], dim=1)  # log-odds of class 1
+

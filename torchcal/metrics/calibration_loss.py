@@ -17,10 +17,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
 from torchmetrics.utilities import dim_zero_cat
 
-from torchcal._validation import check_logits_and_labels, check_priors
+from torchcal._validation import check_priors
 from torchcal.functional.bootstrap import sum_decomposition, sum_reduction
 from torchcal.functional.calibration_loss import (
     CalibrationLossResult,
@@ -28,13 +27,16 @@ from torchcal.functional.calibration_loss import (
     cross_validated_calibration_loss,
 )
 from torchcal.functional.scoring import class_sums, cross_entropy
-from torchcal.metrics._common import add_sum_state, check_num_classes
+from torchcal.metrics._common import ScoreMetric, add_sum_state
 
 __all__ = ["CalibrationLoss"]
 
 
-class CalibrationLoss(Metric):
-    """Absolute and relative (%) calibration loss; ``compute()`` returns a ``CalibrationLossResult``.
+class CalibrationLoss(ScoreMetric):
+    """Relative (%) or absolute calibration loss, as ``functional.calibration_loss``.
+
+    ``compute()`` returns one float64 scalar: the relative loss in percent (RCL), or the absolute
+    one with ``relative=False``; ``result()`` returns both as a ``CalibrationLossResult``.
 
     Args:
         calibrator: a torchcal calibrator, fitted (applied to each batch) or not (cross-validated
@@ -45,6 +47,9 @@ class CalibrationLoss(Metric):
             ... or a ``functools.partial`` of one).
         priors: optional (K,) deployment priors passed to ``score``.
         folds, seed: cross-validation settings for an unfitted calibrator.
+        relative: ``compute()`` returns the relative loss (%), else the absolute one.
+        input, ignore_index, validate_args: see ``torchcal.metrics``; the calibrator receives
+            log-domain scores (``log(probs)`` for ``input="probs"``).
 
     Example:
         >>> import torch, torchcal
@@ -54,7 +59,7 @@ class CalibrationLoss(Metric):
         >>> metric = CalibrationLoss(calibrator, num_classes=3)
         >>> for batch in range(1000, 2000, 250):
         ...     metric.update(logits[batch:batch + 250], labels[batch:batch + 250])
-        >>> bool(metric.compute().relative > 20)
+        >>> bool(metric.compute() > 20)
         True
     """
 
@@ -62,6 +67,13 @@ class CalibrationLoss(Metric):
     higher_is_better = False
     full_state_update = False
     plot_lower_bound = None  # a calibrator can make things worse
+
+    num_classes: int
+    raw_sums: Tensor
+    calibrated_sums: Tensor
+    class_counts: Tensor
+    logits: list[Tensor]
+    labels: list[Tensor]
 
     def __init__(
         self,
@@ -71,10 +83,11 @@ class CalibrationLoss(Metric):
         priors: Tensor | None = None,
         folds: int = 5,
         seed: int = 0,
+        relative: bool = True,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
-        self.num_classes = check_num_classes(num_classes)
+        super().__init__(num_classes, **kwargs)
+        self.relative = relative
         self.calibrator = calibrator
         self.score = score
         self.score_options = {} if priors is None else {"priors": check_priors(priors, num_classes)}
@@ -88,9 +101,12 @@ class CalibrationLoss(Metric):
             self.add_state("logits", [], dist_reduce_fx="cat", persistent=False)
             self.add_state("labels", [], dist_reduce_fx="cat", persistent=False)
 
-    def update(self, logits: Tensor, labels: Tensor) -> None:
-        """Accumulate raw ``logits: (N, K)`` and ``labels: (N,)``."""
-        logits, labels = check_logits_and_labels(logits, labels, num_classes=self.num_classes)
+    def update(self, scores: Tensor, labels: Tensor) -> None:
+        """Accumulate raw ``scores: (N, K)`` or ``(N, K, d1, ...)`` and ``labels: (N,)`` or ``(N, d1, ...)``."""
+        batch = self._scores(scores, labels)
+        if batch is None:
+            return
+        logits, labels = batch
         if not self.streaming:
             self.logits.append(logits)
             self.labels.append(labels)
@@ -98,13 +114,24 @@ class CalibrationLoss(Metric):
         with torch.no_grad():
             calibrated = self.calibrator(logits)
         terms = sum_decomposition(self.score)
+        assert terms is not None  # sum_reduction refused any other score in __init__
         raw_sums, counts = class_sums(terms(logits, labels, **self.score_options).per_sample, labels, self.num_classes)
         calibrated_sums, _ = class_sums(terms(calibrated, labels, **self.score_options).per_sample, labels, self.num_classes)
         self.raw_sums += raw_sums
         self.calibrated_sums += calibrated_sums
         self.class_counts += counts
 
-    def compute(self) -> CalibrationLossResult:
+    def compute(self) -> Tensor:
+        """The relative loss in percent, or the absolute one with ``relative=False``; float64 scalar."""
+        result = self._result()
+        return result.relative if self.relative else result.absolute
+
+    def result(self) -> CalibrationLossResult:
+        """Both the absolute and the relative loss of the accumulated data (of all processes)."""
+        with self.sync_context():
+            return self._result()
+
+    def _result(self) -> CalibrationLossResult:
         if self.streaming:
             return calibration_loss_from_scores(
                 self.reduce(self.raw_sums, self.class_counts), self.reduce(self.calibrated_sums, self.class_counts)

@@ -8,26 +8,32 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
-from torchmetrics import Metric
 
-from torchcal._validation import as_tensor, check_costs, check_logits_and_labels, check_priors
+from torchcal._validation import as_tensor, check_costs, check_priors
 from torchcal.functional.decisions import (
     bayes_decisions,
     check_decisions,
     decision_counts,
     expected_cost_from_counts,
+    zero_one_costs,
 )
-from torchcal.metrics._common import add_sum_state
+from torchcal.metrics._common import BatchMetric, ScoreMetric, add_sum_state, check_num_classes
 
-__all__ = ["BayesRisk", "ExpectedCost"]
+__all__ = ["BalancedErrorRate", "BayesRisk", "ErrorRate", "ExpectedCost"]
 
 
-class _CostMetric(Metric):
+class _CostMetric(BatchMetric):
     is_differentiable = False
     higher_is_better = False
     full_state_update = False
     plot_lower_bound = 0.0
+
+    num_classes: int | None  # set from the costs; "| None" as in ScoreMetric, which BayesRisk also is
+    costs: Tensor
+    priors: Tensor | None
+    counts: Tensor
 
     def __init__(
         self, costs: Tensor, priors: Tensor | None = None, normalize: bool = False, **kwargs: Any
@@ -42,22 +48,24 @@ class _CostMetric(Metric):
         add_sum_state(self, "counts", self.num_classes, self.num_decisions)
 
     def _accumulate(self, decisions: Tensor, labels: Tensor) -> None:
-        self.counts += decision_counts(decisions, labels, self.num_classes, self.num_decisions).to(self.counts.device)
+        self.counts += decision_counts(decisions, labels, *self.costs.shape).to(self.counts.device)
 
     def compute(self) -> Tensor:
+        """The expected cost, a float64 scalar."""
         return expected_cost_from_counts(self.counts, self.costs, self.priors, self.normalize)
 
 
 class ExpectedCost(_CostMetric):
     """Expected cost of hard decisions (NEC with ``normalize=True``), as ``functional.expected_cost``.
 
-    ``update(decisions, labels)`` takes decision indices (N,) in [0, M) and labels (N,) in [0, K).
-    ``counts`` holds the (K, M) class-by-decision confusion counts.
+    ``update(decisions, labels)`` takes decision indices (N,) in [0, M) and labels (N,) in [0, K)
+    (or both (N, d1, ...)). ``counts`` holds the (K, M) class-by-decision confusion counts.
 
     Args:
         costs: (K, M) cost matrix, rows true classes, columns decisions.
         priors: optional (K,) deployment priors; empirical class frequencies by default.
         normalize: divide by the cost of the best naive decision.
+        ignore_index, validate_args: see ``torchcal.metrics``.
 
     Example:
         >>> import torch
@@ -69,20 +77,28 @@ class ExpectedCost(_CostMetric):
     """
 
     def update(self, decisions: Tensor, labels: Tensor) -> None:
-        decisions, labels, _ = check_decisions(decisions, labels, self.costs)
+        """Accumulate ``decisions`` and ``labels``, both (N,) or (N, d1, ...)."""
+        batch = self._flattened(decisions, labels)
+        if batch is None:
+            return
+        decisions, labels = batch
+        if self.validate_args:
+            decisions, labels, _ = check_decisions(decisions, labels, self.costs)
         self._accumulate(decisions, labels)
 
 
-class BayesRisk(_CostMetric):
+class BayesRisk(_CostMetric, ScoreMetric):
     """Expected cost of the Bayes decisions of the scores, as ``functional.bayes_risk``.
 
-    ``update(logits, labels)`` takes scores (N, K) and labels (N,); the decisions minimise the
-    expected cost under ``softmax(logits)`` (ties to the lowest decision index).
+    ``update(scores, labels)`` takes scores (N, K) and labels (N,) (or (N, K, d1, ...) and
+    (N, d1, ...)); the decisions minimise the expected cost under ``softmax(logits)`` (ties to the
+    lowest decision index).
 
     Args:
         costs: (K, M) cost matrix.
         priors: optional (K,) deployment priors for the evaluation.
         normalize: divide by the cost of the best naive decision.
+        input, ignore_index, validate_args: see ``torchcal.metrics``.
 
     Example:
         >>> import torch
@@ -94,6 +110,49 @@ class BayesRisk(_CostMetric):
         0.25
     """
 
-    def update(self, logits: Tensor, labels: Tensor) -> None:
-        logits, labels = check_logits_and_labels(logits, labels, num_classes=self.num_classes)
+    def update(self, scores: Tensor, labels: Tensor) -> None:
+        """Accumulate ``scores: (N, K)`` or ``(N, K, d1, ...)`` and ``labels: (N,)`` or ``(N, d1, ...)``."""
+        batch = self._scores(scores, labels)
+        if batch is None:
+            return
+        logits, labels = batch
         self._accumulate(bayes_decisions(logits, self.costs), labels)
+
+
+class ErrorRate(BayesRisk):
+    """Fraction of samples whose first maximal posterior is not the label, as ``functional.error_rate``.
+
+    ``BayesRisk`` with 0-1 costs; ``priors`` re-weight the classes.
+
+    Args:
+        num_classes: K.
+        priors: optional (K,) deployment priors; empirical class frequencies by default.
+        input, ignore_index, validate_args: see ``torchcal.metrics``.
+
+    Example:
+        >>> import torch
+        >>> metric = ErrorRate(num_classes=2)
+        >>> metric.update(torch.tensor([[2., 0.], [0., 1.], [1., 1.]]), torch.tensor([0, 0, 1]))
+        >>> round(float(metric.compute()), 6)
+        0.666667
+    """
+
+    def __init__(self, num_classes: int, priors: Tensor | None = None, **kwargs: Any) -> None:
+        super().__init__(zero_one_costs(check_num_classes(num_classes)), priors, **kwargs)
+
+
+class BalancedErrorRate(ErrorRate):
+    """Mean over classes of the per-class error rate, as ``functional.balanced_error_rate``.
+
+    ``ErrorRate`` with uniform priors: every class needs a sample by ``compute()``.
+
+    Example:
+        >>> import torch
+        >>> metric = BalancedErrorRate(num_classes=2)
+        >>> metric.update(torch.tensor([[2., 0.], [0., 1.], [3., 0.], [0., 2.]]), torch.tensor([0, 0, 0, 1]))
+        >>> round(float(metric.compute()), 6)
+        0.166667
+    """
+
+    def __init__(self, num_classes: int, **kwargs: Any) -> None:
+        super().__init__(num_classes, torch.full((check_num_classes(num_classes),), 1 / num_classes, dtype=torch.float64), **kwargs)

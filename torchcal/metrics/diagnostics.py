@@ -1,23 +1,27 @@
-"""Streaming calibration diagnostics: the ECE family and the entropic calibration difference.
+"""Streaming calibration diagnostics: the ECE family, the signed calibration error and the
+entropic calibration difference.
 
-``CalibrationError`` with equal-width bins keeps per-bin counts and float64 sums of scores and
-targets, (C, M) each (C = K for ``kind="classwise"``, else 1). Equal-mass bins need every score to
-place the edges, so with ``strategy="quantile"`` it keeps the scores and targets instead (O(N C)
-memory; gathered across processes at ``compute()``).
+``ExpectedCalibrationError`` with equal-width bins keeps per-bin counts and float64 sums of scores
+and targets, (C, M) each (C = K for ``kind="classwise"``, else 1). Equal-mass bins need every score
+to place the edges, so with ``strategy="quantile"`` it keeps the scores and targets instead (O(N C)
+memory; gathered across processes at ``compute()``). ``EntropicCalibrationDifference`` with
+``n_bins`` keeps per-bin sums, or every score for equal-mass bins.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
 from torchmetrics.utilities import dim_zero_cat
 
-from torchcal._validation import check_logits_and_labels
 from torchcal.functional.diagnostics import (
+    Norm,
+    Reduction,
     ReliabilityBins,
+    Strategy,
+    bin_indices,
     bin_statistics,
     binning_scores,
     calibration_error_from_bins,
@@ -27,14 +31,29 @@ from torchcal.functional.diagnostics import (
     uniform_edges,
 )
 from torchcal.functional.scoring import to_log_probs
-from torchcal.metrics._common import add_sum_state, check_num_classes
+from torchcal.metrics._common import ScoreMetric, add_sum_state
 from torchcal.metrics._softmax_rows import softmax_rows
 
-__all__ = ["ECD", "CalibrationError"]
+__all__ = [
+    "ECD",
+    "CalibrationError",
+    "EntropicCalibrationDifference",
+    "ExpectedCalibrationError",
+    "SignedCalibrationError",
+]
 
 
-class CalibrationError(Metric):
+def _check_strategy(strategy: str) -> None:
+    if strategy not in ("uniform", "quantile"):
+        raise ValueError(f'strategy must be "uniform" or "quantile", got {strategy!r}.')
+
+
+class ExpectedCalibrationError(ScoreMetric):
     """Binned calibration error (ECE, RMS or MCE), as ``functional.expected_calibration_error``.
+
+    ``compute()`` returns a float64 scalar, or the (K,) per-class values with
+    ``kind="classwise", reduction="none"`` (for ``torchmetrics.wrappers.ClasswiseWrapper``).
+    ``plot()`` plots the value; ``plot_reliability()`` draws the reliability diagram.
 
     Args:
         num_classes: K.
@@ -42,7 +61,9 @@ class CalibrationError(Metric):
         strategy: ``"uniform"`` (equal width, O(M) state) or ``"quantile"`` (equal mass, O(N) state).
         kind: ``"top-label"``, ``"binary"`` (class 1 of K = 2) or ``"classwise"``.
         norm: ``"l1"`` (ECE), ``"l2"`` (RMS calibration error) or ``"max"`` (MCE).
-        reduction: how ``"classwise"`` combines classes: ``"mean"``, ``"sum"`` or ``"max"``.
+        reduction: how ``"classwise"`` combines classes: ``"mean"``, ``"sum"``, ``"max"`` or
+            ``"none"`` (per class).
+        input, ignore_index, validate_args: see ``torchcal.metrics``.
 
     Example:
         >>> import torch
@@ -62,26 +83,34 @@ class CalibrationError(Metric):
     plot_lower_bound = 0.0
     plot_upper_bound = 1.0
 
+    num_classes: int
+    edges: Tensor
+    counts: Tensor
+    score_sums: Tensor
+    target_sums: Tensor
+    scores: list[Tensor]
+    targets: list[Tensor]
+
     def __init__(
         self,
         num_classes: int,
         n_bins: int = 15,
-        strategy: str = "uniform",
-        kind: str = "top-label",
-        norm: str = "l1",
-        reduction: str = "mean",
+        strategy: Strategy = "uniform",
+        kind: Literal["top-label", "binary", "classwise"] = "top-label",
+        norm: Norm = "l1",
+        reduction: Reduction = "mean",
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
-        self.num_classes = check_num_classes(num_classes)
+        super().__init__(num_classes, **kwargs)
         if kind not in ("top-label", "binary", "classwise"):
             raise ValueError(f'kind must be "top-label", "binary" or "classwise", got {kind!r}.')
         if kind == "binary" and num_classes != 2:
             raise ValueError(f'kind="binary" needs K = 2 classes, got K = {num_classes}; use "classwise".')
-        if strategy not in ("uniform", "quantile"):
-            raise ValueError(f'strategy must be "uniform" or "quantile", got {strategy!r}.')
-        if norm not in ("l1", "l2", "max") or reduction not in ("mean", "sum", "max"):
-            raise ValueError(f'norm must be "l1", "l2" or "max" and reduction "mean", "sum" or "max"; got {norm!r}, {reduction!r}.')
+        _check_strategy(strategy)
+        if norm not in ("l1", "l2", "max") or reduction not in ("mean", "sum", "max", "none"):
+            raise ValueError(
+                f'norm must be "l1", "l2" or "max" and reduction "mean", "sum", "max" or "none"; got {norm!r}, {reduction!r}.'
+            )
         self.n_bins, self.strategy, self.kind, self.norm, self.reduction = n_bins, strategy, kind, norm, reduction
         edges = uniform_edges(n_bins)  # also validates n_bins
         if strategy == "uniform":
@@ -93,9 +122,12 @@ class CalibrationError(Metric):
             self.add_state("scores", [], dist_reduce_fx="cat", persistent=False)
             self.add_state("targets", [], dist_reduce_fx="cat", persistent=False)
 
-    def update(self, logits: Tensor, labels: Tensor) -> None:
-        """Accumulate ``logits: (N, K)`` and ``labels: (N,)``."""
-        logits, labels = check_logits_and_labels(logits, labels, num_classes=self.num_classes)
+    def update(self, scores: Tensor, labels: Tensor) -> None:
+        """Accumulate ``scores: (N, K)`` or ``(N, K, d1, ...)`` and ``labels: (N,)`` or ``(N, d1, ...)``."""
+        batch = self._scores(scores, labels)
+        if batch is None:
+            return
+        logits, labels = batch
         if self.kind == "top-label":  # binning_scores' result, from one exponential per entry
             rows = softmax_rows(logits, labels, torch.float64)
             scores, targets = rows.confidence.unsqueeze(1), rows.correct.unsqueeze(1)
@@ -119,6 +151,7 @@ class CalibrationError(Metric):
         return edges, bin_statistics(scores, targets, edges)
 
     def compute(self) -> Tensor:
+        """The calibration error: a float64 scalar, or (K,) with ``reduction="none"``."""
         _, statistics = self._binned()
         return calibration_error_from_bins(*statistics, norm=self.norm, reduction=self.reduction)
 
@@ -134,7 +167,7 @@ class CalibrationError(Metric):
         edges = edges if edges.ndim == 1 else edges[column]
         return reliability_bins_from_sums(edges, *(x[column] for x in statistics))
 
-    def plot(self, ax: Any = None, class_index: int | None = None) -> Any:
+    def plot_reliability(self, ax: Any = None, class_index: int | None = None) -> Any:
         """Reliability diagram of the accumulated bins by ``torchcal.plots.reliability_diagram``.
 
         Returns ``(fig, ax)``; ``class_index`` picks the class for ``kind="classwise"``.
@@ -148,15 +181,77 @@ class CalibrationError(Metric):
         )
 
 
-class ECD(Metric):
-    """Entropic calibration difference: mean NLL minus mean predictive entropy (Sumler et al.).
+class SignedCalibrationError(ScoreMetric):
+    """Expected signed calibration error (ESCE), as ``functional.signed_calibration_error``: the
+    mean target minus the mean score (accuracy minus confidence for ``"top-label"``).
 
-    Positive means over-confident, negative under-confident; a signed diagnostic, not a loss to
-    minimise (see ``functional.entropic_calibration_difference``). It is bounded below by -log K.
+    State: three float64 sums, whatever N.
+
+    Args:
+        num_classes: K, or None for any.
+        kind: ``"top-label"`` (negative: over-confident) or ``"binary"`` (``q_1``, K = 2).
+        input, ignore_index, validate_args: see ``torchcal.metrics``.
 
     Example:
         >>> import torch
-        >>> metric = ECD()
+        >>> probs = torch.tensor([[.9, .1], [.8, .2], [.4, .6], [.3, .7]], dtype=torch.float64)
+        >>> metric = SignedCalibrationError(input="probs")
+        >>> metric.update(probs, torch.tensor([0, 1, 1, 0]))
+        >>> round(float(metric.compute()), 6)
+        -0.25
+    """
+
+    is_differentiable = False
+    higher_is_better = None  # signed: 0 is the target
+    full_state_update = False
+    plot_lower_bound = -1.0
+    plot_upper_bound = 1.0
+
+    sums: Tensor
+
+    def __init__(
+        self, num_classes: int | None = None, kind: Literal["top-label", "binary"] = "top-label", **kwargs: Any
+    ) -> None:
+        super().__init__(num_classes, **kwargs)
+        if kind not in ("top-label", "binary"):
+            raise ValueError(f'kind must be "top-label" or "binary", got {kind!r}.')
+        self.kind = kind
+        add_sum_state(self, "sums", 3)  # targets, scores, count
+
+    def update(self, scores: Tensor, labels: Tensor) -> None:
+        """Accumulate ``scores: (N, K)`` or ``(N, K, d1, ...)`` and ``labels: (N,)`` or ``(N, d1, ...)``."""
+        batch = self._scores(scores, labels)
+        if batch is None:
+            return
+        logits, labels = batch
+        scores, targets = binning_scores(to_log_probs(logits), labels, self.kind)
+        self.sums += torch.stack([targets.sum().double(), scores.sum(), scores.new_tensor(float(labels.shape[0]))])
+
+    def compute(self) -> Tensor:
+        """ESCE, a float64 scalar."""
+        targets, scores, count = self.sums
+        return (targets - scores) / count
+
+
+class EntropicCalibrationDifference(ScoreMetric):
+    """Entropic calibration difference: mean NLL minus mean predictive entropy (Sumler et al.), as
+    ``functional.entropic_calibration_difference``, with the same options.
+
+    Positive means over-confident, negative under-confident; a signed diagnostic, not a loss to
+    minimise. It is bounded below by -log K. ``compute()`` returns a float64 scalar, or with
+    ``n_bins`` the (n_bins,) mean ECD of each bin (0 for empty bins).
+
+    Args:
+        num_classes: K, or None for any.
+        n_bins: if given, the mean ECD per bin of the binned score (O(n_bins) state for
+            ``strategy="uniform"``, every sample for ``"quantile"``).
+        strategy: ``"uniform"`` or ``"quantile"`` bins.
+        kind: which score is binned: ``"top-label"`` confidence or ``"binary"`` ``q_1`` (K = 2).
+        input, ignore_index, validate_args: see ``torchcal.metrics``.
+
+    Example:
+        >>> import torch
+        >>> metric = EntropicCalibrationDifference()
         >>> metric.update(torch.tensor([[.1, .9], [.5, .5]]).log(), torch.tensor([1, 0]))
         >>> round(float(metric.compute()), 6)
         -0.109861
@@ -167,16 +262,67 @@ class ECD(Metric):
     full_state_update = False
     plot_lower_bound = None  # -log K depends on K
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        add_sum_state(self, "total")
-        add_sum_state(self, "count")
+    sums: Tensor
+    scores: list[Tensor]
+    values: list[Tensor]
 
-    def update(self, logits: Tensor, labels: Tensor) -> None:
-        """Accumulate ``logits: (N, K)`` and ``labels: (N,)``."""
-        logits, labels = check_logits_and_labels(logits, labels)
-        self.total += ecd_per_sample(to_log_probs(logits), labels).sum()
-        self.count += labels.shape[0]
+    def __init__(
+        self,
+        num_classes: int | None = None,
+        n_bins: int | None = None,
+        strategy: Strategy = "uniform",
+        kind: Literal["top-label", "binary"] = "top-label",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(num_classes, **kwargs)
+        _check_strategy(strategy)
+        if kind not in ("top-label", "binary"):
+            raise ValueError(f'kind must be "top-label" or "binary", got {kind!r}.')
+        if n_bins is not None:
+            uniform_edges(n_bins)  # validates n_bins
+        self.n_bins, self.strategy, self.kind = n_bins, strategy, kind
+        if n_bins is not None and strategy == "quantile":
+            self.add_state("scores", [], dist_reduce_fx="cat", persistent=False)
+            self.add_state("values", [], dist_reduce_fx="cat", persistent=False)
+        else:
+            add_sum_state(self, "sums", 2, 1 if n_bins is None else n_bins)  # ECD sums, counts
+
+    def update(self, scores: Tensor, labels: Tensor) -> None:
+        """Accumulate ``scores: (N, K)`` or ``(N, K, d1, ...)`` and ``labels: (N,)`` or ``(N, d1, ...)``."""
+        batch = self._scores(scores, labels)
+        if batch is None:
+            return
+        logits, labels = batch
+        log_probs = to_log_probs(logits)
+        values = ecd_per_sample(log_probs, labels)
+        if self.n_bins is None:
+            self.sums += torch.stack([values.sum(), values.new_tensor(float(labels.shape[0]))]).unsqueeze(1)
+            return
+        binned, _ = binning_scores(log_probs, labels, self.kind)
+        if self.strategy == "quantile":
+            self.scores.append(binned.detach())
+            self.values.append(values.detach())
+            return
+        index = bin_indices(binned, uniform_edges(self.n_bins).to(binned.device)).squeeze(1)
+        sums = torch.zeros(2, self.n_bins, dtype=torch.float64, device=values.device)
+        sums[0].index_add_(0, index, values.detach())
+        sums[1].index_add_(0, index, torch.ones_like(values))
+        self.sums += sums
 
     def compute(self) -> Tensor:
-        return self.total / self.count
+        """Mean ECD: a float64 scalar, or (n_bins,) per bin."""
+        if self.n_bins is not None and self.strategy == "quantile":
+            scores, values = dim_zero_cat(self.scores), dim_zero_cat(self.values)
+            index = bin_indices(scores, quantile_edges(scores, self.n_bins)).squeeze(1)
+            totals = torch.zeros(2, self.n_bins, dtype=torch.float64, device=values.device)
+            totals[0].index_add_(0, index, values)
+            totals[1].index_add_(0, index, torch.ones_like(values))
+        else:
+            totals = self.sums
+        means = totals[0] / totals[1].clamp_min(1) if self.n_bins is not None else totals[0] / totals[1]
+        return means if self.n_bins is not None else means.squeeze(0)
+
+
+#: Former names, kept as aliases.
+CalibrationError = ExpectedCalibrationError
+ECD = EntropicCalibrationDifference

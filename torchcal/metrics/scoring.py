@@ -11,24 +11,23 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
-from torchmetrics import Metric
 
 from torchcal._validation import check_priors
 from torchcal.functional.scoring import (
     brier_per_sample,
     class_sums,
     epsr_from_class_sums,
-    epsr_terms,
     log_loss_per_sample,
     naive_brier_score,
     naive_cross_entropy,
+    to_log_probs,
 )
-from torchcal.metrics._common import add_sum_state, check_num_classes
+from torchcal.metrics._common import ScoreMetric, add_sum_state
 
 __all__ = ["BrierScore", "CrossEntropy"]
 
 
-class _ExpectedScore(Metric):
+class _ExpectedScore(ScoreMetric):
     is_differentiable = True
     higher_is_better = False
     full_state_update = False
@@ -36,27 +35,32 @@ class _ExpectedScore(Metric):
 
     per_sample: Callable[[Tensor, Tensor], Tensor]
     naive: Callable[[Tensor], Tensor]
+    num_classes: int
+    priors: Tensor | None
+    class_sums: Tensor
+    class_counts: Tensor
 
     def __init__(
         self, num_classes: int, priors: Tensor | None = None, normalize: bool = False, **kwargs: Any
     ) -> None:
-        super().__init__(**kwargs)
-        self.num_classes = check_num_classes(num_classes)
+        super().__init__(num_classes, **kwargs)
         self.register_buffer("priors", None if priors is None else check_priors(priors, num_classes), persistent=False)
         self.normalize = normalize
         add_sum_state(self, "class_sums", num_classes)
         add_sum_state(self, "class_counts", num_classes)
 
-    def update(self, logits: Tensor, labels: Tensor) -> None:
-        """Accumulate ``logits: (N, K)`` and ``labels: (N,)``."""
-        terms = epsr_terms(type(self).per_sample, type(self).naive, logits, labels)
-        if terms.num_classes != self.num_classes:
-            raise ValueError(f"logits have K = {terms.num_classes} classes but the metric was built for {self.num_classes}.")
-        sums, counts = class_sums(terms.per_sample, terms.labels, self.num_classes)
+    def update(self, scores: Tensor, labels: Tensor) -> None:
+        """Accumulate ``scores: (N, K)`` or ``(N, K, d1, ...)`` and ``labels: (N,)`` or ``(N, d1, ...)``."""
+        batch = self._scores(scores, labels)
+        if batch is None:
+            return
+        logits, labels = batch
+        sums, counts = class_sums(type(self).per_sample(to_log_probs(logits), labels), labels, self.num_classes)
         self.class_sums += sums
         self.class_counts += counts
 
     def compute(self) -> Tensor:
+        """The score, a float64 scalar."""
         return epsr_from_class_sums(self.class_sums, self.class_counts, type(self).naive, self.priors, self.normalize)
 
 
@@ -67,6 +71,8 @@ class CrossEntropy(_ExpectedScore):
         num_classes: K.
         priors: optional (K,) deployment priors (class re-weighting).
         normalize: divide by the prior entropy (NCE); empirical priors unless ``priors`` is given.
+        input, ignore_index, validate_args: see ``torchcal.metrics`` (``input="probs"`` for
+            probabilities); ``kwargs`` go to ``torchmetrics.Metric``.
 
     Example:
         >>> import torch
@@ -75,6 +81,8 @@ class CrossEntropy(_ExpectedScore):
         >>> metric.update(probs[:1].log(), torch.tensor([0]))
         >>> metric.update(probs[1:].log(), torch.tensor([1, 1, 1]))
         >>> round(float(metric.compute()), 6)
+        0.400367
+        >>> round(float(CrossEntropy(num_classes=2, input="probs")(probs, torch.tensor([0, 1, 1, 1]))), 6)
         0.400367
     """
 
@@ -89,6 +97,7 @@ class BrierScore(_ExpectedScore):
         num_classes: K.
         priors: optional (K,) deployment priors (class re-weighting).
         normalize: divide by the naive system's Brier score (NBS).
+        input, ignore_index, validate_args: see ``torchcal.metrics``.
 
     Example:
         >>> import torch

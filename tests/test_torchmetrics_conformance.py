@@ -1,0 +1,338 @@
+"""The metric classes as torchmetrics and Lightning users meet them: one tensor from ``compute()``,
+collections and compute groups, the wrappers, ``plot``, input kinds, segmentation shapes,
+``ignore_index``, empty batches, tensors that require grad, and ``torchcal.metrics`` after a plain
+``import torchcal``. Every number is checked against the float64 functional forms."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import warnings
+from functools import partial
+from importlib.resources import files
+
+import numpy as np
+import pytest
+import torch
+from torchmetrics import Metric, MetricCollection
+from torchmetrics.wrappers import BootStrapper, ClasswiseWrapper, MetricTracker, MultitaskWrapper
+
+import torchcal
+import torchcal.functional as F
+from torchcal import metrics as M
+
+K = 10
+
+
+@pytest.fixture(scope="module")
+def cifar():
+    """The bundled CIFAR-10 ResNet-110 test logits (float32) and labels: 2,000 of them."""
+    with np.load(str(files("torchcal.data") / "examples" / "cifar10_resnet110_kangsepp.npz")) as f:
+        return torch.from_numpy(f["logits"][:2000]).float(), torch.from_numpy(f["labels"][:2000]).long()
+
+
+COSTS = F.zero_one_costs(K, abstain=0.3)
+
+# name -> (metric factory taking the common keyword arguments, float64 functional reference)
+CASES = {
+    "CrossEntropy": (lambda **kw: M.CrossEntropy(K, **kw), F.cross_entropy),
+    "BrierScore(normalize)": (lambda **kw: M.BrierScore(K, normalize=True, **kw), partial(F.brier_score, normalize=True)),
+    "BayesRisk": (lambda **kw: M.BayesRisk(COSTS, **kw), partial(F.bayes_risk, costs=COSTS)),
+    "ErrorRate": (lambda **kw: M.ErrorRate(K, **kw), F.error_rate),
+    "BalancedErrorRate": (lambda **kw: M.BalancedErrorRate(K, **kw), F.balanced_error_rate),
+    "ExpectedCalibrationError": (lambda **kw: M.ExpectedCalibrationError(K, **kw), F.expected_calibration_error),
+    "ExpectedCalibrationError(classwise, quantile)": (
+        lambda **kw: M.ExpectedCalibrationError(K, 10, "quantile", "classwise", **kw),
+        partial(F.expected_calibration_error, n_bins=10, strategy="quantile", kind="classwise"),
+    ),
+    "SignedCalibrationError": (lambda **kw: M.SignedCalibrationError(K, **kw), F.signed_calibration_error),
+    "EntropicCalibrationDifference": (lambda **kw: M.EntropicCalibrationDifference(K, **kw), F.entropic_calibration_difference),
+    "PosteriorStatistic(nce)": (lambda **kw: M.PosteriorStatistic("nce", K, **kw), partial(F.cross_entropy, normalize=True)),
+}
+
+
+def _streamed(metric: Metric, scores: torch.Tensor, labels: torch.Tensor, batch: int = 700) -> torch.Tensor:
+    for start in range(0, labels.shape[0], batch):
+        metric.update(scores[start : start + batch], labels[start : start + batch])
+    return metric.compute()
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-10) -> None:
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, expected.to(torch.float64), rtol=rtol, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- names and values
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+NOT_METRICS = {  # functional helpers that are not metric values
+    "bayes_decisions", "bootstrap", "class_frequencies", "cross_validated_calibration_loss",
+    "reliability_bins", "zero_one_costs",
+}
+
+
+def test_every_class_has_a_functional_twin_and_back():
+    classes = {name for name in M.__all__ if name not in ("ECD", "CalibrationError", "PosteriorStatistic")}
+    assert {_snake(name) for name in classes} <= set(F.__all__)
+    functions = {name for name in F.__all__ if name[0].islower()} - NOT_METRICS
+    assert functions == {_snake(name) for name in classes}
+    assert M.CalibrationError is M.ExpectedCalibrationError and M.ECD is M.EntropicCalibrationDifference
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_input_kind_gives_the_functional_value(cifar, name):
+    make, fn = CASES[name]
+    logits, labels = cifar
+    expected = fn(logits.double(), labels)
+    probs = logits.double().softmax(1)
+    for kind, scores in (("logits", logits), ("log_probs", probs.log()), ("probs", probs)):
+        _close(_streamed(make(input=kind), scores, labels), expected)
+
+
+def test_posterior_quality_and_its_functional(cifar):
+    logits, labels = cifar
+    expected = F.posterior_quality(logits.double(), labels)._asdict()
+    got = _streamed(M.PosteriorQuality(K), logits, labels)
+    assert got.keys() == expected.keys()
+    for key in expected:
+        _close(got[key], expected[key])
+    prefixed = _streamed(M.PosteriorQuality(K, prefix="val_", input="probs"), logits.double().softmax(1), labels)
+    _close(prefixed["val_ece"], expected["ece"])
+    called = M.PosteriorQuality(K)  # forward: the batch values, and the members keep accumulating
+    first = called(logits[:500], labels[:500])
+    called.update(logits[500:1200], labels[500:1200])
+    called(logits[1200:], labels[1200:])
+    for key, value in F.posterior_quality(logits[:500].double(), labels[:500])._asdict().items():
+        _close(first[key], value)
+    for key, value in called.compute().items():
+        _close(value, expected[key])
+
+
+def test_calibration_loss_returns_one_tensor_and_the_result_on_request(cifar):
+    logits, labels = cifar
+    head = torchcal.TemperatureScaling().fit(logits[:1000], labels[:1000])
+    with torch.no_grad():
+        expected = F.calibration_loss(logits[1000:], head(logits[1000:]), labels[1000:])
+    relative, absolute = M.CalibrationLoss(head, K), M.CalibrationLoss(head, K, relative=False)
+    _close(_streamed(relative, logits[1000:], labels[1000:]), expected.relative)
+    _close(_streamed(absolute, logits[1000:], labels[1000:]), expected.absolute)
+    _close(relative.result().absolute, expected.absolute)
+
+
+# --------------------------------------------------------------------------- mis-declared inputs
+def test_probabilities_read_as_logits_warn_and_the_declared_kind_is_right(cifar):
+    logits, labels = cifar
+    probs = logits.softmax(1)
+    with pytest.warns(UserWarning, match="look like probabilities.*input='probs'"):
+        wrong = M.CrossEntropy(K)(probs, labels)
+    assert abs(float(wrong) - float(F.cross_entropy(logits, labels))) > 1  # what the warning is about
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _close(M.CrossEntropy(K, input="probs")(probs, labels), F.cross_entropy(logits.double(), labels), rtol=1e-6)
+        M.CrossEntropy(K)(logits, labels)  # real logits: no warning
+    for make, _ in CASES.values():
+        with pytest.warns(UserWarning, match="look like probabilities"):
+            make().update(probs, labels)
+    with pytest.raises(ValueError, match="sum to one"):
+        M.CrossEntropy(K, input="probs").update(probs * 0.9, labels)
+    with pytest.raises(ValueError, match="input must be one of"):
+        M.CrossEntropy(K, input="softmax")
+
+
+def test_no_requires_grad_warning_from_metrics_or_heads(cifar):
+    logits, labels = cifar
+    z = logits[:300].clone().requires_grad_()
+    head = torchcal.TemperatureScaling().fit(logits[:300], labels[:300])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for make, _ in CASES.values():
+            make()(z, labels[:300])
+        M.CrossEntropy(K, input="probs")(z.softmax(1), labels[:300])
+        M.PosteriorQuality(K).update(z, labels[:300])
+        head(z)
+        torchcal.attach(torch.nn.Identity(), head, output="probs")(z.softmax(1))
+        torchcal.heads.scores_from_outputs(z.softmax(1), "probs")
+        torchcal.heads.scores_from_outputs(z, "logits")
+        torchcal.functional.cross_entropy(z, labels[:300], priors=torch.full((K,), 0.1, requires_grad=True))
+
+
+# --------------------------------------------------------------------------- shapes
+@pytest.mark.parametrize("name", list(CASES))
+def test_segmentation_shapes_ignore_index_and_empty_batches(cifar, name):
+    """(N, K, H, W) scores with (N, H, W) labels equal the flattened pixels; ignore_index drops
+    pixels; an empty batch, or one whose labels are all ignored, changes nothing."""
+    make, fn = CASES[name]
+    logits, labels = cifar
+    images, pixel_labels = logits[:1800].reshape(50, 6, 6, K).permute(0, 3, 1, 2), labels[:1800].reshape(50, 6, 6)
+    ignored = pixel_labels.clone()
+    ignored[:, 0, :] = 255  # a border of unlabelled pixels
+    kept = (ignored != 255).reshape(-1)
+    metric = make(ignore_index=255)
+    for start in range(0, 50, 20):
+        metric.update(images[start : start + 20], ignored[start : start + 20])
+    metric.update(images[:0], ignored[:0])
+    metric.update(images[:3], torch.full_like(ignored[:3], 255))
+    _close(metric.compute(), fn(logits[:1800][kept].double(), labels[:1800][kept]))
+
+
+@pytest.mark.parametrize("kind", ["logits", "probs", "log_probs"])
+def test_binary_scores_of_one_column(kind):
+    gen = torch.Generator().manual_seed(3)
+    log_odds = 3 * torch.randn(400, generator=gen, dtype=torch.float64)
+    labels = torch.bernoulli(torch.sigmoid(log_odds / 3), generator=gen).long()
+    two_columns = torch.stack([torch.zeros_like(log_odds), log_odds], 1)
+    one_column = {"logits": log_odds, "probs": torch.sigmoid(log_odds), "log_probs": torch.nn.functional.logsigmoid(log_odds)}[kind]
+    for metric, fn in ((M.CrossEntropy(2, input=kind), F.cross_entropy),
+                       (M.ExpectedCalibrationError(2, kind="binary", input=kind), partial(F.expected_calibration_error, kind="binary"))):
+        _close(_streamed(metric, one_column.reshape(4, 10, 10), labels.reshape(4, 10, 10), batch=2), fn(two_columns, labels))
+
+
+def test_ecd_takes_the_options_of_its_functional(cifar):
+    logits, labels = cifar
+    for strategy in ("uniform", "quantile"):
+        metric = M.EntropicCalibrationDifference(K, n_bins=8, strategy=strategy)
+        expected = F.entropic_calibration_difference(logits, labels, n_bins=8, strategy=strategy)
+        _close(_streamed(metric, logits, labels), expected)
+
+
+# --------------------------------------------------------------------------- collections and wrappers
+def test_posterior_quality_runs_one_pass_per_update(cifar, monkeypatch):
+    import torchcal.metrics.fused as fused
+
+    calls = []
+    original = fused.softmax_rows
+    monkeypatch.setattr(fused, "softmax_rows", lambda *a: calls.append(1) or original(*a))
+    logits, labels = cifar
+    metric = M.PosteriorQuality(K)
+    for start in range(0, 2000, 500):
+        metric.update(logits[start : start + 500], labels[start : start + 500])
+    assert len(calls) == 4 and len(metric.compute_groups) == 1
+    collection = MetricCollection({"nll": M.CrossEntropy(K), "nce": M.CrossEntropy(K, normalize=True), "ece": M.ExpectedCalibrationError(K)})
+    _streamed(collection, logits, labels)
+    assert sorted(map(sorted, collection.compute_groups.values())) == [["ece"], ["nce", "nll"]]
+    _close(collection.compute()["nce"], F.cross_entropy(logits, labels, normalize=True))
+
+
+def test_wrappers(cifar):
+    logits, labels = cifar
+    torch.manual_seed(0)
+    boot = BootStrapper(M.CrossEntropy(K), num_bootstraps=30)
+    boot.update(logits, labels)
+    spread = boot.compute()
+    value = float(F.cross_entropy(logits, labels))
+    assert 0 < float(spread["std"]) < 0.5 * value and abs(float(spread["mean"]) - value) < 4 * float(spread["std"])
+
+    tracker = MetricTracker(MetricCollection({"nll": M.CrossEntropy(K), "ece": M.ExpectedCalibrationError(K)}), maximize=False)
+    for epoch in range(2):
+        tracker.increment()
+        tracker.update(logits[epoch * 1000 : (epoch + 1) * 1000], labels[epoch * 1000 : (epoch + 1) * 1000])
+    history = tracker.compute_all()
+    for epoch in range(2):
+        part = slice(epoch * 1000, (epoch + 1) * 1000)
+        _close(history["nll"][epoch], F.cross_entropy(logits[part], labels[part]))
+        _close(history["ece"][epoch], F.expected_calibration_error(logits[part], labels[part]))
+
+    classwise = ClasswiseWrapper(M.ExpectedCalibrationError(K, kind="classwise", reduction="none"), prefix="ece_")
+    per_class = _streamed(classwise, logits, labels)
+    expected = F.expected_calibration_error(logits, labels, kind="classwise", reduction="none")
+    assert len(per_class) == K
+    for k in range(K):
+        _close(per_class[f"ece_{k}"], expected[k])
+
+    tasks = MultitaskWrapper({"a": M.CrossEntropy(K), "b": M.BrierScore(K, input="probs")})
+    tasks.update({"a": logits, "b": logits.double().softmax(1)}, {"a": labels, "b": labels})
+    result = tasks.compute()
+    _close(result["a"], F.cross_entropy(logits, labels))
+    _close(result["b"], F.brier_score(logits.double(), labels))
+
+
+def test_plot_of_every_class_and_of_collections(cifar):
+    pytest.importorskip("matplotlib")
+    from torchcal.plots import pyplot
+
+    logits, labels = cifar
+    head = torchcal.TemperatureScaling().fit(logits[:500], labels[:500])
+    every = [make() for make, _ in CASES.values()] + [M.CalibrationLoss(head, K), M.ExpectedCost(COSTS)]
+    for metric in every:
+        values = []
+        for start in range(500, 2000, 500):
+            inputs = F.bayes_decisions(logits, COSTS) if isinstance(metric, M.ExpectedCost) else logits
+            metric.update(inputs[start : start + 500], labels[start : start + 500])
+            values.append(metric.compute())
+        for fig, ax in (metric.plot(), metric.plot(metric.compute()), metric.plot(values)):
+            assert ax.get_lines() or ax.collections or ax.patches, type(metric).__name__
+            pyplot().close(fig)
+    quality = M.PosteriorQuality(K)
+    quality.update(logits, labels)
+    figures = quality.plot()
+    assert len(figures) == 6
+    for fig, _ in figures:
+        pyplot().close(fig)
+    ece = M.ExpectedCalibrationError(K)
+    ece.update(logits, labels)
+    fig, ax = ece.plot_reliability()
+    assert "onfidence" in ax.get_xlabel()
+    pyplot().close(fig)
+
+
+# --------------------------------------------------------------------------- Lightning
+def test_self_log_and_log_dict_in_a_lightning_run(cifar):
+    from lightning.pytorch import LightningModule, Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    logits, labels = cifar
+
+    class Replay(LightningModule):
+        """Validation returns the stored logits: the logged values must be the functional ones."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.zeros(K))
+            self.nll = M.CrossEntropy(K)
+            self.ece = M.ExpectedCalibrationError(K, norm="max", ignore_index=-1)
+            self.quality = M.PosteriorQuality(K, prefix="val_")
+            self.collection = MetricCollection({"brier": M.BrierScore(K), "ecd": M.EntropicCalibrationDifference(K)}, prefix="col_")
+
+        def validation_step(self, batch, batch_idx):
+            z, y = batch
+            z = z + self.bias
+            self.nll.update(z, y)
+            self.ece.update(z, y)
+            self.quality.update(z, y)
+            self.collection.update(z, y)
+            self.log("val_nll", self.nll)
+            self.log("val_mce", self.ece)
+            self.log_dict(self.quality)
+            self.log_dict(self.collection)
+
+    trainer = Trainer(fast_dev_run=3, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False, logger=False)
+    trainer.validate(Replay(), DataLoader(TensorDataset(logits, labels), batch_size=400))
+    seen = slice(0, 1200)  # fast_dev_run=3: three batches
+    z, y = logits[seen], labels[seen]
+    logged = trainer.callback_metrics
+    expected = {
+        "val_nll": F.cross_entropy(z, y), "val_mce": F.expected_calibration_error(z, y, norm="max"),
+        "col_brier": F.brier_score(z, y), "col_ecd": F.entropic_calibration_difference(z, y),
+        **{f"val_{k}": v for k, v in F.posterior_quality(z, y)._asdict().items()},
+    }
+    assert set(expected) <= set(logged)
+    for key, value in expected.items():  # Lightning logs float32
+        assert float(logged[key]) == pytest.approx(float(value), rel=1e-6), key
+
+
+# --------------------------------------------------------------------------- the package attributes
+def test_lazy_submodules_after_a_plain_import():
+    code = (
+        "import sys, torchcal\n"
+        "assert not {'torchmetrics', 'lightning', 'matplotlib', 'torchcal.metrics'} & set(sys.modules), sorted(sys.modules)\n"
+        "assert torchcal.metrics.CrossEntropy(3).num_classes == 3\n"
+        "print(torchcal.report.__name__, torchcal.plots.__name__, torchcal.lightning.__name__, torchcal.data.__name__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["torchcal.report", "torchcal.plots", "torchcal.lightning", "torchcal.data"]
+    with pytest.raises(AttributeError, match="no attribute 'metric'"):
+        torchcal.metric  # noqa: B018

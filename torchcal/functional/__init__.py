@@ -21,6 +21,7 @@ from torchcal.functional.diagnostics import (
     reliability_bins,
     signed_calibration_error,
 )
+from torchcal.functional.refinement import refinement_loss
 from torchcal.functional.scoring import (
     brier_score,
     class_frequencies,
@@ -44,6 +45,7 @@ __all__ = [
     "error_rate",
     "expected_calibration_error",
     "expected_cost",
+    "refinement_loss",
     "reliability_bins",
     "signed_calibration_error",
     "zero_one_costs",

@@ -334,11 +334,11 @@ class CalibrationCallback(Callback):
             names = self.metrics if fit else tuple(m for m in self.metrics if m == "refinement")
         else:  # trainer.validate: an evaluation, unless asked to refit
             fit, names = self.fit_on_validate, self.metrics
-        for name, value in self._metrics(scores, labels, names, group).items():
-            # identical on every process; sync_dist averages identical values (exactly)
-            pl_module.log(self.prefix + name, value, sync_dist=True)
         if fit:
             self._fit_head(scores, labels, group)
+        for name, value in self._metrics(scores, labels, names, group, head_fitted_here=fit).items():
+            # identical on every process; sync_dist averages identical values (exactly)
+            pl_module.log(self.prefix + name, value, sync_dist=True)
 
     def _epoch_data(self) -> tuple[Tensor, Tensor, ProcessGroup | None]:
         """This process's scores (N, K) and labels (N,), and the process group to reduce over:
@@ -360,8 +360,13 @@ class CalibrationCallback(Callback):
                 labels = torch.cat(gather_all_tensors(labels))
         return scores_from_outputs(outputs, self.output), labels, group
 
-    def _metrics(self, scores: Tensor, labels: Tensor, names: Sequence[str], group: ProcessGroup | None) -> dict[str, float]:
-        """:func:`calibration_metrics` of the union of the processes' scores, from per-process sums."""
+    def _metrics(
+        self, scores: Tensor, labels: Tensor, names: Sequence[str], group: ProcessGroup | None, head_fitted_here: bool = False
+    ) -> dict[str, float]:
+        """:func:`calibration_metrics` of the union of the processes' scores, from per-process sums.
+
+        ``head_fitted_here``: the head was just fitted on these scores; a plain temperature-scaling
+        head is then the refinement loss's own fit, which is not repeated."""
         num_classes, sync = scores.shape[1], group is not None
         streaming: dict[str, Callable[[], Metric]] = {
             "nce": lambda: CrossEntropy(num_classes, normalize=True, sync_on_compute=sync),
@@ -373,6 +378,10 @@ class CalibrationCallback(Callback):
         for name in names:
             if name in streaming:
                 values[name] = float(_evaluate(streaming[name](), scores, labels))
+            elif name == "refinement" and head_fitted_here and self._head_is_plain_temperature_scaling():
+                with torch.no_grad():  # the head is that temperature-scaling fit: no second fit
+                    refined = self._calibrator(scores.to(torch.float64))
+                values[name] = float(_evaluate(CrossEntropy(num_classes, sync_on_compute=sync), refined, labels))
             elif name == "refinement":
                 values[name] = float(refinement_loss(scores, labels, process_group=group))
             elif name == "rcl":
@@ -388,6 +397,11 @@ class CalibrationCallback(Callback):
         sync = group is not None
         losses = [float(_evaluate(CrossEntropy(raw.shape[1], sync_on_compute=sync), s, labels)) for s in (raw, calibrated)]
         return 100 * (1 - losses[1] / losses[0])
+
+    def _head_is_plain_temperature_scaling(self) -> bool:
+        """Whether the head's fit is the one :func:`refinement_loss` makes."""
+        options = dict(self.fit_options)
+        return type(self._calibrator) is TemperatureScaling and options.pop("loss", "log") == "log" and not options
 
     def _fit_head(self, scores: Tensor, labels: Tensor, group: ProcessGroup | None) -> None:
         self._calibrator.fit(scores, labels, process_group=group, **self.fit_options)

@@ -614,6 +614,44 @@ def test_ddp_spawn_returns_the_head_to_the_main_process(tmp_path):
     assert nll == pytest.approx(float(expected), rel=1e-5)
 
 
+DDP_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from lightning.pytorch import Trainer
+import torchcal
+from torchcal.lightning import CalibrationCallback
+from test_lightning import TRAINER_DEFAULTS, Classifier, loader, make_data
+
+callback = CalibrationCallback(torchcal.TemperatureScaling(), metrics=("nce", "refinement"))
+trainer = Trainer(**TRAINER_DEFAULTS, strategy="ddp", devices=2, max_epochs=2, callbacks=[callback])
+model = Classifier()
+trainer.fit(model, loader(200, 0), loader(300, 1))
+logged = {{k: float(v) for k, v in trainer.callback_metrics.items()}}
+torch.save({{"temperature": callback.calibrator.temperature, "logged": logged, "weights": model.state_dict(),
+            "warned": sorted(callback._warned)}}, {out!r}.format(trainer.global_rank))
+"""
+
+
+def test_ddp_script_launcher_fits_data_parallel(tmp_path):
+    """strategy="ddp" as a user runs it: the script re-launched by Lightning in a second process,
+    a DistributedSampler splitting 300 validation samples 150/150 (no padding, no warning). Both
+    processes end with the head of one fit on all 300 outputs of the trained network."""
+    script = tmp_path / "train_ddp.py"
+    script.write_text(DDP_SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path / "rank{}.pt")))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert ranks[0]["temperature"] == ranks[1]["temperature"] and ranks[0]["warned"] == []
+    model = Classifier()
+    model.load_state_dict(ranks[0]["weights"])
+    val = make_data(300, seed=1)
+    logits, labels = raw_outputs(model, val, batch_size=50), val.tensors[1]
+    assert ranks[0]["temperature"] == pytest.approx(torchcal.TemperatureScaling().fit(logits, labels).temperature, rel=1e-5)
+    logged = ranks[0]["logged"]
+    assert logged["calibration/nce"] == pytest.approx(float(cross_entropy(logits, labels, normalize=True)), rel=1e-5)
+    assert logged["calibration/refinement"] == pytest.approx(float(refinement_loss(logits, labels)), rel=1e-5)
+
+
 # ------------------------------------------------------------------------------------ recipe
 def test_lightning_digits_recipe_fast(capsys):
     pytest.importorskip("sklearn")

@@ -325,7 +325,7 @@ class CalibratedModel(nn.Module):
         entry = checkpoint[CHECKPOINT_KEY]
         if calibrator is None:
             calibrator = _calibrator_class(entry["calibrator"])()
-        elif f"{type(calibrator).__module__}.{type(calibrator).__qualname__}" != entry["calibrator"]:
+        elif _class_path(calibrator) != entry["calibrator"]:
             raise TypeError(f"the checkpoint holds a {entry['calibrator']} head, not a {type(calibrator).__name__}.")
         calibrator.load_state_dict(entry["state_dict"])
         if load_weights:
@@ -341,11 +341,15 @@ def head_checkpoint(calibrator: Calibrator, output: OutputKind = "logits", logit
     rebuilds a head: the calibrator's class and ``state_dict``, the output kind and ``logits_key``;
     plain types and tensors only, so it loads with ``torch.load(..., weights_only=True)``."""
     return {
-        "calibrator": f"{type(calibrator).__module__}.{type(calibrator).__qualname__}",
+        "calibrator": _class_path(calibrator),
         "state_dict": calibrator.state_dict(),
         "output": output,
         "logits_key": logits_key,
     }
+
+
+def _class_path(calibrator: Calibrator) -> str:
+    return f"{type(calibrator).__module__}.{type(calibrator).__qualname__}"
 
 
 def _calibrator_class(name: str) -> type[Calibrator]:

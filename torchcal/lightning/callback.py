@@ -46,6 +46,7 @@ from torchcal.heads import (
     LogitsKey,
     OutputKind,
     _check_output_kind,
+    _class_path,
     calibrate_output,
     head_checkpoint,
     replace_logits,
@@ -518,6 +519,11 @@ class CalibrationCallback(Callback):
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         entry = checkpoint.get(CHECKPOINT_KEY)
         if entry is not None:
+            if entry["calibrator"] != _class_path(self._calibrator):
+                raise TypeError(
+                    f"the checkpoint holds a {entry['calibrator']} head but this callback's calibrator is a "
+                    f"{type(self._calibrator).__name__}: build the callback with the checkpoint's calibrator class."
+                )
             self._calibrator.load_state_dict(entry["state_dict"])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

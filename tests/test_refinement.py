@@ -105,6 +105,9 @@ def test_merged_states_equal_one_pass(val):
 def test_empty_batch_is_a_no_op_and_range_warning(val):
     logits, labels = val
     metric = RefinementLoss()
+    with pytest.warns(UserWarning, match="called before"):  # torchmetrics' own warning
+        assert torch.isnan(metric.compute())
+    metric.reset()
     metric.update(logits[:0], labels[:0])
     metric.update(logits, labels)
     assert float(metric.compute()) == pytest.approx(float(refinement_loss(logits, labels)), rel=1e-6)
@@ -138,3 +141,14 @@ def test_plot_and_bad_input(val):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         RefinementLoss(validate_args=False).update(logits[:10], labels[:10])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_the_gpu_equals_the_cpu(val):
+    logits, labels = val
+    metric = RefinementLoss().to("cuda")
+    metric.update(logits.cuda(), labels.cuda())
+    value = metric.compute()
+    assert value.device.type == "cuda"
+    assert float(value) == pytest.approx(float(refinement_loss(logits, labels)), rel=1e-6)
+    assert float(refinement_loss(logits.cuda(), labels.cuda())) == pytest.approx(float(refinement_loss(logits, labels)), rel=1e-7)

@@ -97,9 +97,9 @@ class RefinementLoss(Metric):
 
     def update(self, logits: Tensor, labels: Tensor) -> None:
         """Accumulate ``logits: (N, K)`` and ``labels: (N,)``; an empty batch is a no-op."""
+        if logits.ndim == 2 and logits.shape[0] == 0 and labels.numel() == 0:
+            return
         if self.validate_args:
-            if logits.ndim == 2 and logits.shape[0] == 0 and labels.numel() == 0:
-                return
             logits, labels = check_logits_and_labels(logits, labels)
         z = logits.detach().to(torch.float64)
         z = z - z.max(dim=1, keepdim=True).values  # logsumexp is shift-invariant; keeps e^u z small
@@ -117,6 +117,8 @@ class RefinementLoss(Metric):
 
     def compute(self) -> Tensor:
         """The refinement log-loss (nats), float64 scalar; NaN before any update."""
+        if not bool(self.count > 0):
+            return torch.full((), math.nan, dtype=torch.float64, device=self.count.device)
         f, df, d2f = (s / self.count for s in (self.loss_sums, self.slope_sums, self.curvature_sums))
         grid = self.log_inverse_temperatures
         rising = (df > 0).nonzero()

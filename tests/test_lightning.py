@@ -665,10 +665,13 @@ def test_lightning_digits_recipe_fast(capsys):
     spec.loader.exec_module(recipe)
     assert recipe.main(["--fast"]) == 0
     out = capsys.readouterr().out
-    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in out.splitlines()[-4:]}
-    assert set(rows) == {"NCE", "NBS", "ECE", "RCL"}
-    (_, _, test_before, test_after) = zip(*rows.values())
-    assert test_after[0] < test_before[0] and test_after[3] < test_before[3]  # NCE and RCL fall on test
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[-4:]}
+    assert set(rows) == {"NCE", "NBS", "ECE", "RCL"} and rows["RCL"][1] == "-"  # val after: not refitted
+    (val_before, val_after, test_before, test_after) = ([float(v) for v in column] for column in zip(*(rows[m] for m in ("NCE", "ECE"))))
+    assert val_after[0] < val_before[0] and test_after[0] < test_before[0]  # NCE falls
+    assert float(rows["RCL"][3]) < float(rows["RCL"][2])  # little is left to calibrate on test
+    epochs = [line for line in out.splitlines() if line.startswith("epoch")]
+    assert all("refinement" in line for line in epochs) and ["NCE" in line for line in epochs[:5]] == [False] * 4 + [True]
 
 
 def test_docstring_examples():

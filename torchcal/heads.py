@@ -262,7 +262,9 @@ class CalibratedModel(nn.Module):
         self.calibrator = calibrator
         self.output = output
         self.logits_key = logits_key
-        self.register_state_dict_post_hook(_drop_extra_state_in_legacy_onnx_export)
+        # public in recent torch releases; older ones (the package allows torch>=2.1) have the private form
+        register = getattr(self, "register_state_dict_post_hook", None) or self._register_state_dict_hook
+        register(_drop_extra_state_in_legacy_onnx_export)
 
     def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         """Calibrated outputs (N, K) of ``model(x, *args, **kwargs)`` (in the same structure).

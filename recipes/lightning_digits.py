@@ -1,10 +1,13 @@
 """Calibrate a network inside a Lightning training run: an MLP on scikit-learn's bundled digits.
 
 The MLP is trained without regularisation, so it grows over-confident as it fits the training
-set. ``CalibrationCallback`` logs the validation NCE, NBS, ECE and relative calibration loss (RCL)
-every epoch, fits temperature scaling on the validation outputs, and makes ``trainer.predict``
-return calibrated outputs. The script prints the epoch-by-epoch metrics and a before/after table
-on the validation set (out-of-fold, by cross-validation) and on the untouched test set.
+set. ``CalibrationCallback`` logs the validation refinement loss (the cross-entropy left after
+temperature scaling, Berta et al. 2025) every epoch, which ``EarlyStopping`` monitors, and every
+fifth epoch the NCE, NBS, ECE and relative calibration loss (RCL) with a temperature-scaling fit on
+the validation outputs (``every_n_epochs=5``); the head is refitted on the last epoch at the end and
+``trainer.predict`` returns calibrated outputs. The script prints the epoch-by-epoch metrics and a
+before/after table on the validation set (out-of-fold, by cross-validation) and on the untouched
+test set.
 
 The digits ship with scikit-learn (``pip install "torchcal[examples]"``); nothing is downloaded.
 
@@ -21,6 +24,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import EarlyStopping
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -28,6 +32,7 @@ import torchcal
 from torchcal.lightning import CalibrationCallback, calibration_metrics
 
 METRICS = ("nce", "nbs", "ece", "rcl")
+EVERY_N_EPOCHS = 5
 
 
 def digits_splits(seed: int = 0) -> dict[str, tuple[Tensor, Tensor]]:
@@ -56,18 +61,18 @@ class DigitsMLP(LightningModule):
         x, y = batch
         return F.cross_entropy(self(x), y)
 
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
-        x, y = batch
-        return {"logits": self(x), "labels": y}  # what CalibrationCallback collects
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self(batch[0])  # CalibrationCallback collects the logits, and the labels from the batch
 
     def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         return self(batch[0])  # calibrated log-posteriors while the callback's head is attached
 
     def on_train_epoch_end(self) -> None:  # runs after the epoch's validation
         m = self.trainer.callback_metrics
-        self.print(f"epoch {self.current_epoch + 1:3d}   " + "   ".join(
-            f"{name.upper()} {float(m['calibration/' + name]):7.4f}" for name in METRICS
-        ))
+        line = f"epoch {self.current_epoch + 1:3d}   refinement {float(m['calibration/refinement']):7.4f}"
+        if (self.current_epoch + 1) % EVERY_N_EPOCHS == 0:
+            line += "   " + "   ".join(f"{name.upper()} {float(m['calibration/' + name]):7.4f}" for name in METRICS)
+        self.print(line)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=self.lr)
@@ -75,7 +80,7 @@ class DigitsMLP(LightningModule):
 
 def table(columns: dict[str, dict[str, float]]) -> str:
     lines = ["metric" + "".join(f"{name:>16}" for name in columns)]
-    lines += [f"{m.upper():<6}" + "".join(f"{col[m]:>16.4f}" for col in columns.values()) for m in METRICS]
+    lines += [f"{m.upper():<6}" + "".join(f"{col[m]:>16.4f}" if m in col else f"{'-':>16}" for col in columns.values()) for m in METRICS]
     return "\n".join(lines)
 
 
@@ -93,11 +98,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for split in data
     }
     model = DigitsMLP()
-    callback = CalibrationCallback(torchcal.TemperatureScaling(), metrics=METRICS)
+    callback = CalibrationCallback(
+        torchcal.TemperatureScaling(), metrics=(*METRICS, "refinement"), every_n_epochs=EVERY_N_EPOCHS
+    )
+    stopping = EarlyStopping(monitor="calibration/refinement", patience=5)
     trainer = Trainer(
         max_epochs=epochs,
         accelerator="cpu",
-        callbacks=[callback],
+        callbacks=[callback, stopping],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -113,11 +121,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         raw_test = model(x_test)  # outside the trainer: the raw network
     calibrated_test = torch.cat(trainer.predict(model, loaders["test"]))  # the head is attached
     head = callback.calibrator
-    print(f"\nfitted temperature T = {head.temperature:.3f} on {len(data['val'][1])} validation samples")
-    print("validation 'after' is out-of-fold (5-fold cross-validation); RCL is the relative calibration loss in %\n")
+    stopped = f"early-stopped at epoch {stopping.stopped_epoch + 1}" if stopping.stopped_epoch else "no early stop"
+    print(f"\n{stopped}; fitted temperature T = {head.temperature:.3f} on {len(data['val'][1])} validation samples")
+    print("validation 'after' is out-of-fold (5-fold cross-validation); RCL is the relative calibration loss in %")
+    print("(on the test set, the RCL after calibration is what a 5-fold refit on the calibrated scores still removes)\n")
     print(table({
         "val before": callback.report_["before"],
-        "val after (CV)": callback.report_["after"],
+        "val after (CV)": callback.report_["after"],  # no RCL: never refitted on calibrated scores
         "test before": calibration_metrics(raw_test, y_test, head, METRICS),
         "test after": calibration_metrics(calibrated_test, y_test, head, METRICS),
     }))

@@ -100,7 +100,7 @@ def test_fit_runs_the_network_once_in_eval_mode_and_leaves_it_unchanged(val):
     before = {k: v.clone() for k, v in net.state_dict().items()}
     calls = []
     net.register_forward_hook(lambda module, args, out: calls.append(module.training))
-    head = attach(net, torchcal.TemperatureScaling(), loader(*val, batch_size=100))
+    head = CalibratedModel(net, torchcal.TemperatureScaling()).fit(loader(*val, batch_size=100))
     assert calls == [False] * 6  # one pass over 6 batches, in eval mode (dropout off)
     assert net.training and not net[2].training and net[0].training
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
@@ -110,6 +110,43 @@ def test_fit_runs_the_network_once_in_eval_mode_and_leaves_it_unchanged(val):
         torchcal.TemperatureScaling().fit(eval_outputs(net, x_val), y_val).temperature, rel=1e-9
     )
     assert head.calibrator.temperature > 1.5  # the network was made over-confident
+
+
+def test_attach_returns_a_frozen_head_in_eval_mode(val):
+    """attach() is the deployment form: eval mode (dropout off) and no parameter that trains,
+    the network's (shared with the caller's module) and the fitted head's alike."""
+    net = make_net()
+    head = attach(net, torchcal.DirichletCalibration(reg="odir", reg_lambda=0.1), loader(*val))
+    assert not head.training and not any(m.training for m in head.modules())
+    assert head.calibrator.is_fitted and list(head.calibrator.parameters())
+    assert not any(p.requires_grad for p in head.parameters())
+    assert not any(p.requires_grad for p in net.parameters())
+    x = make_data(16, seed=2)[0]
+    assert not head(x).requires_grad and torch.equal(head(x), head(x))  # deterministic: no dropout
+    reference = torchcal.DirichletCalibration(reg="odir", reg_lambda=0.1).fit(eval_outputs(make_net(), val[0]), val[1])
+    with torch.no_grad():
+        torch.testing.assert_close(head(x), reference(eval_outputs(make_net(), x)), rtol=1e-5, atol=1e-5)
+
+
+class _WithFeatures(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_net()
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"features": x.square(), "logits": self.net(x)}
+
+
+def test_structured_outputs_calibrate_the_logits_and_pass_the_rest(val):
+    model = _WithFeatures()
+    head = attach(model, torchcal.TemperatureScaling(), loader(*val), logits_key="logits")
+    reference = attach(model.net, torchcal.TemperatureScaling(), loader(*val))
+    x = make_data(20, seed=3)[0]
+    out = head(x)
+    assert set(out) == {"features", "logits"} and torch.equal(out["features"], x.square())
+    torch.testing.assert_close(out["logits"], reference(x), rtol=0, atol=1e-6)
+    with pytest.raises(TypeError, match="logits_key=0 for"):
+        CalibratedModel(model, head.calibrator, logits_key=0)(x)
 
 
 def test_output_kinds_give_the_same_calibrated_posteriors(val):
@@ -246,6 +283,27 @@ def test_onnx_round_trip_of_the_step_heads(fitted_heads, tmp_path, name):
         (got,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
         with torch.no_grad():
             torch.testing.assert_close(torch.from_numpy(got), head(x), rtol=0, atol=1e-5)
+
+
+def test_legacy_onnx_exporter_and_jit_trace(fitted_heads, tmp_path):
+    """The TorchScript-based exporters work on every head (the calibrators' extra state, a dict,
+    is left out of the state the legacy ONNX exporter traces)."""
+    ort = pytest.importorskip("onnxruntime")
+    x = make_data(16, seed=6)[0]
+    for name, head in fitted_heads.items():
+        torch.onnx.export(head.eval(), (x,), tmp_path / f"{name}.onnx", dynamo=False, input_names=["x"], dynamic_axes={"x": {0: "batch"}})
+        session = ort.InferenceSession(str(tmp_path / f"{name}.onnx"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # jit.trace is deprecated; the value checks warn that they are not traced
+            traced = torch.jit.trace(head, (x,))
+        for n in (16, 5):
+            x_n = make_data(n, seed=n)[0]
+            with torch.no_grad():
+                expected = head(x_n)
+                torch.testing.assert_close(traced(x_n), expected, rtol=0, atol=1e-6, msg=name)
+            (got,) = session.run(None, {"x": x_n.numpy()})
+            torch.testing.assert_close(torch.from_numpy(got), expected, rtol=0, atol=1e-5, msg=name)
+        assert "calibrator._extra_state" in head.state_dict()  # outside the export the state is whole
 
 
 def test_docstring_examples():

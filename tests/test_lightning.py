@@ -1,4 +1,5 @@
-"""CalibrationCallback in real Lightning runs: metrics, the attached head, checkpoints, DDP, recipe."""
+"""CalibrationCallback in real Lightning runs: metrics, cost controls, the attached head, structured
+outputs, checkpoints (resume, a fresh process, export), DDP (fork, spawn), early stopping, recipe."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchcal
-from torchcal.functional import brier_score, cross_entropy, expected_calibration_error
+from torchcal.functional import brier_score, cross_entropy, expected_calibration_error, refinement_loss
+from torchcal.heads import CHECKPOINT_KEY, CalibratedModel
 from torchcal.lightning import CalibrationCallback
 from torchcal.metrics import CalibrationError, CrossEntropy
 
@@ -79,10 +81,13 @@ class Classifier(LightningModule):
         return torch.optim.Adam(self.parameters(), lr=0.05)
 
 
-def raw_outputs(model: LightningModule, data: TensorDataset) -> Tensor:
+def raw_outputs(model: LightningModule, data: TensorDataset, batch_size: int | None = None) -> Tensor:
+    """The network's outputs, in batches of ``batch_size`` as a DataLoader feeds them (float32
+    results depend on the batch size at round-off level; the same batches give the same bits)."""
     model.eval()
+    x = data.tensors[0]
     with torch.no_grad():
-        return model(data.tensors[0])
+        return torch.cat([model(part) for part in x.split(batch_size or len(x))])
 
 
 def head_state(callback: CalibrationCallback) -> dict[str, Tensor]:
@@ -93,7 +98,8 @@ def head_state(callback: CalibrationCallback) -> dict[str, Tensor]:
 def trained(tmp_path_factory):
     """A real 4-epoch run with the callback, checkpoints and a CSV log."""
     root = tmp_path_factory.mktemp("run")
-    model, callback = Classifier(), CalibrationCallback(torchcal.TemperatureScaling())
+    model = Classifier()
+    callback = CalibrationCallback(torchcal.TemperatureScaling(), metrics=("nce", "nbs", "ece", "rcl", "refinement"))
     checkpoints = ModelCheckpoint(dirpath=root / "ckpt", save_last=True)
     trainer = Trainer(
         **{**TRAINER_DEFAULTS, "logger": CSVLogger(root), "enable_checkpointing": True},
@@ -109,7 +115,7 @@ def trained(tmp_path_factory):
 def test_epoch_metrics_equal_independent_computations(trained):
     trainer, model, callback, root = trained
     val = make_data(300, seed=1)
-    logits, labels = raw_outputs(model, val), val.tensors[1]
+    logits, labels = raw_outputs(model, val, batch_size=50), val.tensors[1]
     logged = trainer.callback_metrics
     nce = cross_entropy(logits, labels, normalize=True)
     assert float(logged["calibration/nce"]) == pytest.approx(float(nce), rel=1e-6)
@@ -119,6 +125,8 @@ def test_epoch_metrics_equal_independent_computations(trained):
     rcl = 100 * (1 - cross_entropy(out_of_fold, labels) / cross_entropy(logits, labels))
     assert float(logged["calibration/rcl"]) == pytest.approx(float(rcl), rel=1e-4)
     assert float(logged["calibration/rcl"]) > 3  # the network is over-confident: calibration helps
+    refined = torchcal.TemperatureScaling().fit(logits, labels)
+    assert float(logged["calibration/refinement"]) == pytest.approx(float(cross_entropy(refined(logits), labels)), rel=1e-6)
     # torchmetrics objects logged with self.log(name, metric): computed and reset every epoch.
     assert float(logged["val_nce"]) == pytest.approx(float(nce), rel=1e-5)
     assert float(logged["val_ece"]) == pytest.approx(float(logged["calibration/ece"]), rel=1e-5)
@@ -130,14 +138,19 @@ def test_metrics_are_logged_every_epoch(trained):
     per_epoch = [r for r in rows if r.get("calibration/nce")]
     assert [int(r["epoch"]) for r in per_epoch] == [0, 1, 2, 3]
     assert all(float(r["calibration/nce"]) > 0 for r in per_epoch)
+    assert all(float(r["calibration/refinement"]) > 0 for r in per_epoch)
     final = [r for r in rows if r.get("calibration/after/nce")]
-    assert len(final) == 1 and set(final[0]) >= {f"calibration/{w}/{m}" for w in ("before", "after") for m in ("nce", "nbs", "ece", "rcl")}
+    assert len(final) == 1
+    logged = {k for k, v in final[0].items() if v}
+    assert logged >= {f"calibration/{w}/{m}" for w in ("before", "after") for m in ("nce", "nbs", "ece")} | {"calibration/before/rcl"}
+    # no RCL or refinement "after": that would refit a calibrator on already calibrated scores
+    assert not logged & {"calibration/after/rcl", "calibration/after/refinement", "calibration/before/refinement"}
 
 
 def test_head_is_fitted_on_the_last_validation_logits(trained):
     _, model, callback, _ = trained
     val = make_data(300, seed=1)
-    expected = torchcal.TemperatureScaling().fit(raw_outputs(model, val), val.tensors[1])
+    expected = torchcal.TemperatureScaling().fit(raw_outputs(model, val, batch_size=50), val.tensors[1])
     assert callback.calibrator.temperature == pytest.approx(expected.temperature, rel=1e-9)
     assert callback.calibrator.temperature > 1.1
 
@@ -148,7 +161,9 @@ def test_report_before_after(trained):
     # "after" is the out-of-fold calibrated data that also defines the RCL.
     assert after["nce"] == pytest.approx(before["nce"] * (1 - before["rcl"] / 100), rel=1e-9)
     assert after["nce"] < before["nce"] and after["ece"] < before["ece"]
-    assert callback.table().splitlines()[1].split()[0] == "NCE"
+    assert "rcl" not in after
+    table = callback.table().splitlines()
+    assert table[1].split()[0] == "NCE" and table[-1].split() == ["RCL", f"{before['rcl']:.4f}", "-"]
 
 
 def test_predict_and_test_use_the_calibrated_head(trained):
@@ -170,8 +185,13 @@ def test_predict_and_test_use_the_calibrated_head(trained):
 def test_checkpoint_restores_the_head_on_resume_and_for_test(trained):
     _, _, callback, root = trained
     last = str(root / "ckpt" / "last.ckpt")
-    # A run resumed from the checkpoint (already at max_epochs, so it trains no further).
-    resumed = CalibrationCallback(torchcal.TemperatureScaling())
+    checkpoint = torch.load(last, weights_only=True)
+    # one stable top-level key, whatever the callback's prefix; the callback state holds no copy
+    assert checkpoint[CHECKPOINT_KEY]["calibrator"] == "torchcal.calibrators.temperature.TemperatureScaling"
+    assert not any("calibrator" in str(state) for state in checkpoint.get("callbacks", {}).values())
+    # A run resumed from the checkpoint (already at max_epochs, so it trains no further), by a
+    # callback with another prefix.
+    resumed = CalibrationCallback(torchcal.TemperatureScaling(), prefix="other/")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         Trainer(**TRAINER_DEFAULTS, max_epochs=4, callbacks=[resumed]).fit(
@@ -188,15 +208,138 @@ def test_checkpoint_restores_the_head_on_resume_and_for_test(trained):
     with torch.no_grad():
         expected = F.nll_loss(callback.calibrator(raw_outputs(model, test)), test.tensors[1])
     assert metrics["test_nll"] == pytest.approx(float(expected), rel=1e-5)
+    with pytest.raises(TypeError, match="holds a torchcal.calibrators.temperature.TemperatureScaling head"):
+        Trainer(**TRAINER_DEFAULTS, callbacks=[CalibrationCallback(torchcal.VectorScaling())]).test(
+            Classifier(), DataLoader(test, batch_size=50), ckpt_path=last, verbose=False
+        )
+
+
+FRESH_PROCESS = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_lightning import Classifier
+from torchcal.heads import CalibratedModel
+x, expected = torch.load({inputs!r})
+head = CalibratedModel.from_checkpoint({checkpoint!r}, Classifier())
+assert not head.training
+with torch.no_grad():
+    got = head(x)
+program = torch.export.export(head, (x,), dynamic_shapes=({{0: torch.export.Dim("batch")}},))
+with torch.no_grad():
+    exported = program.module()(x[:7])
+print(float((got - expected).abs().max()), float((exported - got[:7]).abs().max()))
+"""
+
+
+def test_head_loads_from_the_checkpoint_in_a_fresh_process_and_exports(trained, tmp_path):
+    """CalibratedModel.from_checkpoint in a new interpreter (no Trainer, no callback) gives the
+    calibrated outputs of the trained run, and the loaded model exports with torch.export."""
+    _, model, callback, root = trained
+    x = make_data(40, seed=6).tensors[0]
+    with torch.no_grad():
+        expected = callback.calibrated_model(model).eval()(x)
+    torch.save((x, expected), tmp_path / "inputs.pt")
+    code = FRESH_PROCESS.format(
+        tests=str(Path(__file__).parent), inputs=str(tmp_path / "inputs.pt"), checkpoint=str(root / "ckpt" / "last.ckpt")
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded_error, export_error = map(float, done.stdout.split()[-2:])
+    assert loaded_error == 0.0 and export_error < 1e-6
+
+
+def test_from_checkpoint_errors(trained, tmp_path):
+    _, model, _, root = trained
+    with pytest.raises(TypeError, match="holds a torchcal.calibrators.temperature.TemperatureScaling head"):
+        CalibratedModel.from_checkpoint(root / "ckpt" / "last.ckpt", Classifier(), torchcal.VectorScaling())
+    torch.save({"state_dict": model.state_dict()}, tmp_path / "plain.ckpt")
+    with pytest.raises(KeyError, match="holds no calibration head"):
+        CalibratedModel.from_checkpoint(tmp_path / "plain.ckpt", Classifier())
+
+
+def digits_loaders() -> dict[str, DataLoader]:
+    """scikit-learn's digits (8x8 images, 10 classes): train 600, validation 500, test 697."""
+    pytest.importorskip("sklearn")
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    x, y = torch.tensor(x / 16, dtype=torch.float32)[perm], torch.tensor(y)[perm]
+    parts = {"train": slice(0, 600), "val": slice(600, 1100), "test": slice(1100, None)}
+    return {k: DataLoader(TensorDataset(x[p], y[p]), batch_size=100, shuffle=k == "train") for k, p in parts.items()}
+
+
+class DigitsClassifier(Classifier):
+    """An MLP on the digits whose validation_step returns the bare logits (labels from the batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+    def validation_step(self, batch, batch_idx):
+        return self(batch[0])
+
+
+class CountingTemperatureScaling(torchcal.TemperatureScaling):
+    """Counts its fits and those of its copies (the cross-validation folds)."""
+
+    fits = 0
+
+    def fit(self, *args, **kwargs):
+        type(self).fits += 1
+        return super().fit(*args, **kwargs)
 
 
 def test_fast_dev_run_fits_a_head_in_one_short_epoch():
     callback = CalibrationCallback(torchcal.VectorScaling(), metrics=("nce", "error"))
     trainer = Trainer(**TRAINER_DEFAULTS, fast_dev_run=2, callbacks=[callback])
-    trainer.fit(Classifier(), loader(600, 0, shuffle=True), loader(300, 1))
-    assert callback.calibrator.is_fitted and callback.calibrator.num_classes == K
-    assert set(callback.report_["before"]) == {"nce", "error"}
+    digits = digits_loaders()
+    trainer.fit(DigitsClassifier(), digits["train"], digits["val"])
+    assert callback.calibrator.is_fitted and callback.calibrator.num_classes == 10
+    assert set(callback.report_["before"]) == {"nce", "error", "rcl"} and set(callback.report_["after"]) == {"nce", "error"}
     assert "calibration/error" in trainer.callback_metrics
+
+
+@pytest.mark.parametrize(("every_n_epochs", "epochs", "head_fits"), [(2, 4, 2), (0, 2, 1)])
+def test_every_n_epochs_fits_and_logs_only_then(every_n_epochs, epochs, head_fits, tmp_path):
+    """Digits, a few epochs: the head and the metrics every n-th epoch (0: once, at the end), the
+    refinement loss every epoch; the report costs `folds` fits and none on calibrated scores."""
+    CountingTemperatureScaling.fits = 0
+    callback = CalibrationCallback(CountingTemperatureScaling(), metrics=("nce", "refinement"), every_n_epochs=every_n_epochs)
+    model, digits = DigitsClassifier(), digits_loaders()
+    trainer = Trainer(**{**TRAINER_DEFAULTS, "logger": CSVLogger(tmp_path)}, max_epochs=epochs, callbacks=[callback])
+    trainer.fit(model, digits["train"], digits["val"])
+    assert CountingTemperatureScaling.fits == head_fits + callback.folds
+    rows = [r for r in csv.DictReader(open(next(tmp_path.glob("**/metrics.csv")))) if r.get("calibration/refinement")]
+    assert [int(r["epoch"]) for r in rows] == list(range(epochs))
+    assert [int(r["epoch"]) for r in rows if r.get("calibration/nce")] == [e for e in range(epochs) if every_n_epochs and (e + 1) % every_n_epochs == 0]
+    # the head matches the final weights (refitted at the end when the last epoch was not a fit epoch)
+    val_x, val_y = digits["val"].dataset.tensors
+    logits = raw_outputs(model, digits["val"].dataset, batch_size=100)
+    assert callback.calibrator.temperature == pytest.approx(torchcal.TemperatureScaling().fit(logits, val_y).temperature, rel=1e-9)
+
+
+def test_early_stopping_and_checkpointing_monitor_the_refinement_loss(tmp_path):
+    """EarlyStopping and ModelCheckpoint monitor calibration/refinement, logged every epoch (also
+    between fits); the monitored values are the refinement losses of the epochs' outputs."""
+    digits = digits_loaders()
+    callback = CalibrationCallback(metrics=("refinement",), every_n_epochs=3, report=False)
+    stopping = EarlyStopping(monitor="calibration/refinement", patience=1, min_delta=0.01)
+    best = ModelCheckpoint(dirpath=tmp_path, monitor="calibration/refinement", filename="best")
+    model = DigitsClassifier()
+    trainer = Trainer(**{**TRAINER_DEFAULTS, "enable_checkpointing": True}, max_epochs=30, callbacks=[callback, stopping, best])
+    trainer.fit(model, digits["train"], digits["val"])
+    assert 0 < stopping.stopped_epoch < 29  # stopped early on the refinement loss
+    val_y = digits["val"].dataset.tensors[1]
+    final = refinement_loss(raw_outputs(model, digits["val"].dataset, batch_size=100), val_y)
+    assert float(trainer.callback_metrics["calibration/refinement"]) == pytest.approx(float(final), rel=1e-6)
+    assert float(best.best_model_score) == pytest.approx(float(stopping.best_score), rel=1e-12)
+    restored = DigitsClassifier()
+    restored.load_state_dict(torch.load(best.best_model_path, weights_only=True)["state_dict"])
+    assert float(refinement_loss(raw_outputs(restored, digits["val"].dataset, batch_size=100), val_y)) == pytest.approx(
+        float(best.best_model_score), rel=1e-6
+    )
 
 
 class InferenceModeProbe(CalibrationCallback):
@@ -206,16 +349,31 @@ class InferenceModeProbe(CalibrationCallback):
 
 
 def test_validate_on_request_calibrates_a_trained_model_under_inference_mode(trained):
-    """trainer.validate fits the head on the given data, without training, inside the
+    """trainer.validate fits the head on the given data when asked, without training, inside the
     torch.inference_mode() of the default Trainer (fit's validation uses no_grad instead)."""
     _, model, _, _ = trained
-    callback = InferenceModeProbe(torchcal.AffineCalibration(), metrics=("nce", "rcl"))
+    callback = InferenceModeProbe(torchcal.AffineCalibration(), metrics=("nce", "rcl"), fit_on_validate=True)
     data = make_data(200, seed=4)
     Trainer(**TRAINER_DEFAULTS, callbacks=[callback]).validate(model, DataLoader(data, batch_size=64), verbose=False)
     assert callback.inference_mode
-    expected = torchcal.AffineCalibration().fit(raw_outputs(model, data), data.tensors[1])
+    expected = torchcal.AffineCalibration().fit(raw_outputs(model, data, batch_size=64), data.tensors[1])
     torch.testing.assert_close(callback.calibrator.beta, expected.beta, rtol=0, atol=1e-8)
     assert not callback.calibrator.beta.is_inference()
+
+
+def test_validate_does_not_refit_the_head_unless_asked(trained):
+    """trainer.validate(model, test_loader) evaluates (logs the metrics of that loader) but never
+    refits the head on it."""
+    trainer, model, callback, _ = trained
+    fitted = head_state(callback)
+    test = make_data(200, seed=7)
+    validator = Trainer(**TRAINER_DEFAULTS, callbacks=[callback])
+    validator.validate(model, DataLoader(test, batch_size=50), verbose=False)
+    assert all(torch.equal(v, head_state(callback)[k]) for k, v in fitted.items())
+    logits = raw_outputs(model, test, batch_size=50)
+    assert float(validator.callback_metrics["calibration/nce"]) == pytest.approx(
+        float(cross_entropy(logits, test.tensors[1], normalize=True)), rel=1e-6
+    )
 
 
 # ------------------------------------------------------------------------------------ misuse
@@ -243,6 +401,10 @@ class TupleValidation(Classifier):
 
 
 def test_extract_override_collects_from_elsewhere(trained):
+    """The reference logits come from the same batches of 64 as the validation loop's: float32
+    matrix products of different batch shapes may differ in the last bit (6e-8 here, issue 15),
+    which moves the fitted temperature by more than rel=1e-9; the same batches give the same bits."""
+
     class FromTuple(CalibrationCallback):
         def extract(self, outputs, batch):
             return outputs
@@ -250,11 +412,52 @@ def test_extract_override_collects_from_elsewhere(trained):
     _, model, _, _ = trained
     network = TupleValidation()
     network.load_state_dict(model.state_dict())
-    callback = FromTuple(metrics=("nce",))
+    callback = FromTuple(metrics=("nce",), fit_on_validate=True)
     data = make_data(200, seed=4)
     Trainer(**TRAINER_DEFAULTS, callbacks=[callback]).validate(network, DataLoader(data, batch_size=64), verbose=False)
-    expected = torchcal.TemperatureScaling().fit(raw_outputs(model, data), data.tensors[1])
+    expected = torchcal.TemperatureScaling().fit(raw_outputs(model, data, batch_size=64), data.tensors[1])
     assert callback.calibrator.temperature == pytest.approx(expected.temperature, rel=1e-9)
+
+
+class WithFeatures(Classifier):
+    """forward returns (logits, features), as networks with an embedding head do."""
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        features = self.net[1](self.net[0](x))
+        return self.net[2](features), features
+
+    def validation_step(self, batch, batch_idx):
+        return self(batch[0])  # (logits, features); labels from the batch
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_nll", F.nll_loss(self(x)[0], y))
+
+
+def test_tuple_outputs_in_validation_test_and_predict(trained):
+    """logits_key=0: the logits of (logits, features) are collected in validation, calibrated in
+    test and predict, and the features pass through unchanged."""
+    _, model, _, _ = trained
+    network = WithFeatures()
+    network.load_state_dict(model.state_dict())
+    callback = CalibrationCallback(metrics=("nce",), logits_key=0, fit_on_validate=True)
+    trainer = Trainer(**TRAINER_DEFAULTS, callbacks=[callback])
+    val, test = make_data(200, seed=4), make_data(100, seed=5)
+    trainer.validate(network, DataLoader(val, batch_size=50), verbose=False)
+    expected = torchcal.TemperatureScaling().fit(raw_outputs(model, val, batch_size=50), val.tensors[1])
+    assert callback.calibrator.temperature == pytest.approx(expected.temperature, rel=1e-9)
+    predictions = trainer.predict(network, DataLoader(test, batch_size=50))
+    logits, features = (torch.cat(parts) for parts in zip(*predictions))
+    network.eval()
+    with torch.no_grad():
+        raw_logits, raw_features = network(test.tensors[0])
+        torch.testing.assert_close(logits, expected(raw_logits), rtol=0, atol=1e-6)
+    torch.testing.assert_close(features, raw_features)
+    nll = trainer.test(network, DataLoader(test, batch_size=50), verbose=False)[0]["test_nll"]
+    assert nll == pytest.approx(float(F.nll_loss(expected(raw_logits), test.tensors[1])), rel=1e-5)
+    with torch.no_grad():  # the same structure from the exportable module
+        head_logits, head_features = callback.calibrated_model(network).eval()(test.tensors[0])
+    torch.testing.assert_close(head_logits, logits, rtol=0, atol=1e-6)
 
 
 class ProbsClassifier(Classifier):
@@ -270,7 +473,7 @@ def test_probability_outputs_are_calibrated_as_probabilities(trained):
     _, model, _, _ = trained
     network = ProbsClassifier()
     network.load_state_dict(model.state_dict())
-    callback = CalibrationCallback(output="probs", metrics=("nce",))
+    callback = CalibrationCallback(output="probs", metrics=("nce",), fit_on_validate=True)
     trainer = Trainer(**TRAINER_DEFAULTS, callbacks=[callback])
     data = make_data(200, seed=4)
     trainer.validate(network, DataLoader(data, batch_size=64), verbose=False)
@@ -310,6 +513,8 @@ def test_argument_errors():
         CalibrationCallback(output="softmax")
     with pytest.raises(RuntimeError, match="no report yet"):
         CalibrationCallback().table()
+    with pytest.raises(ValueError, match="every_n_epochs must be an integer >= 0"):
+        CalibrationCallback(every_n_epochs=-1)
 
 
 def test_importing_torchcal_does_not_import_lightning():
@@ -333,26 +538,39 @@ class RankSplitClassifier(Classifier):
 
 
 class SavingCallback(CalibrationCallback):
-    """Saves every process's head and logged metrics, which a forked process cannot return."""
+    """Saves every process's head, logged metrics, number of local validation outputs and
+    warnings, which a child process cannot return."""
 
-    def __init__(self, out: Path) -> None:
-        super().__init__(torchcal.VectorScaling(), metrics=("nce", "rcl"))
+    def __init__(self, out: Path, calibrator: torchcal.Calibrator | None = None, **kwargs) -> None:
+        super().__init__(calibrator or torchcal.VectorScaling(), metrics=("nce", "rcl", "refinement"), fit_on_validate=True, **kwargs)
         self.out = out
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.local_count = sum(len(y) for _, y in self._batches)
+        super().on_validation_epoch_end(trainer, pl_module)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(self.prefix)}
-        torch.save({"head": self.calibrator.state_dict(), "metrics": metrics}, self.out / f"rank{trainer.global_rank}.pt")
+        torch.save(
+            {"head": self._calibrator.state_dict(), "metrics": metrics, "count": self.local_count, "warned": sorted(self._warned)},
+            self.out / f"rank{trainer.global_rank}.pt",
+        )
 
 
 def test_ddp_two_processes_fit_the_same_head_as_one(tmp_path):
+    """Two gloo processes, each with its own part of the validation set: the head (fitted
+    data-parallel with process_group, no outputs gathered) and the metrics equal one process's.
+    The RCL's folds are the unions of per-process folds, so it is compared with its own
+    reference: a single-process cross-validation over the same folds."""
     (tmp_path / "ddp").mkdir()
     (tmp_path / "one").mkdir()
-    # ddp_fork: two CPU processes with gloo, forked from this one (no re-import, so fast).
+    # ddp_fork: DDPStrategy with two CPU processes forked from this one (no re-import, so fast).
     Trainer(**TRAINER_DEFAULTS, strategy="ddp_fork", devices=2, use_distributed_sampler=False,
             callbacks=[SavingCallback(tmp_path / "ddp")]).validate(RankSplitClassifier(), verbose=False)
     Trainer(**TRAINER_DEFAULTS, callbacks=[SavingCallback(tmp_path / "one")]).validate(RankSplitClassifier(), verbose=False)
     one = torch.load(tmp_path / "one" / "rank0.pt")
     ranks = [torch.load(tmp_path / "ddp" / f"rank{r}.pt") for r in (0, 1)]
+    assert [r["count"] for r in ranks] == [170, 130] and one["count"] == 300  # nothing gathered
     reference = torchcal.VectorScaling()
     reference.load_state_dict(one["head"])
     for r in ranks:
@@ -360,8 +578,82 @@ def test_ddp_two_processes_fit_the_same_head_as_one(tmp_path):
         head.load_state_dict(r["head"])
         torch.testing.assert_close(head.weight, reference.weight, rtol=0, atol=1e-6)
         torch.testing.assert_close(head.bias, reference.bias, rtol=0, atol=1e-6)
-        assert r["metrics"] == pytest.approx(one["metrics"], rel=1e-6) and len(r["metrics"]) == 2
+        for name in ("nce", "refinement"):
+            assert r["metrics"]["calibration/" + name] == pytest.approx(one["metrics"]["calibration/" + name], rel=1e-6)
+        assert r["warned"] == []
     assert all(torch.equal(v, ranks[1]["head"][k]) for k, v in ranks[0]["head"].items() if k != "_extra_state")
+    # the RCL over folds that are unions of the two processes' stratified folds
+    model = RankSplitClassifier()
+    logits, labels = raw_outputs(model, DDP_DATA, batch_size=10), DDP_DATA.tensors[1]
+    parts = [slice(0, 170), slice(170, 300)]
+    folds = [torch.cat([torchcal.fit.fold_indices(labels[p], 5)[f] + p.start for p in parts]) for f in range(5)]
+    out_of_fold = torch.empty_like(logits)
+    for test in folds:
+        train = torch.ones(300, dtype=torch.bool)
+        train[test] = False
+        out_of_fold[test] = torchcal.VectorScaling().fit(logits[train], labels[train])(logits[test]).detach()
+    rcl = 100 * (1 - cross_entropy(out_of_fold, labels) / cross_entropy(logits, labels))
+    assert ranks[0]["metrics"]["calibration/rcl"] == pytest.approx(float(rcl), rel=1e-5)
+
+
+def test_ddp_spawn_returns_the_head_to_the_main_process(tmp_path):
+    """ddp_spawn trains in two spawned processes: the main process ends with their head and report
+    (not an unfitted one), so trainer.test there is calibrated. Histogram binning cannot fit
+    data-parallel: it falls back to gathering, with a warning; the sampler pads 301 validation
+    samples to 302, with a warning."""
+    callback = SavingCallback(tmp_path, torchcal.HistogramBinning(n_bins=5))
+    trainer = Trainer(**TRAINER_DEFAULTS, strategy="ddp_spawn", devices=2, max_epochs=1, callbacks=[callback])
+    trainer.fit(Classifier(), loader(200, 0), loader(301, 1))
+    worker = torch.load(tmp_path / "rank0.pt")
+    assert set(worker["warned"]) == {"gather", "padding"}
+    assert worker["count"] == 151  # per process: 301 padded to 302
+    assert callback.calibrator.is_fitted and callback.report_ is not None
+    assert all(torch.equal(v, worker["head"][k]) for k, v in callback.calibrator.state_dict().items() if k != "_extra_state")
+    model = trainer.lightning_module  # the trained weights come back too
+    test = make_data(100, seed=3)
+    tester = Trainer(**TRAINER_DEFAULTS, callbacks=[callback])
+    nll = tester.test(model, DataLoader(test, batch_size=50), verbose=False)[0]["test_nll"]
+    with torch.no_grad():
+        expected = F.nll_loss(callback.calibrator(raw_outputs(model, test, batch_size=50)), test.tensors[1])
+    assert nll == pytest.approx(float(expected), rel=1e-5)
+
+
+DDP_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from lightning.pytorch import Trainer
+import torchcal
+from torchcal.lightning import CalibrationCallback
+from test_lightning import TRAINER_DEFAULTS, Classifier, loader, make_data
+
+callback = CalibrationCallback(torchcal.TemperatureScaling(), metrics=("nce", "refinement"))
+trainer = Trainer(**TRAINER_DEFAULTS, strategy="ddp", devices=2, max_epochs=2, callbacks=[callback])
+model = Classifier()
+trainer.fit(model, loader(200, 0), loader(300, 1))
+logged = {{k: float(v) for k, v in trainer.callback_metrics.items()}}
+torch.save({{"temperature": callback.calibrator.temperature, "logged": logged, "weights": model.state_dict(),
+            "warned": sorted(callback._warned)}}, {out!r}.format(trainer.global_rank))
+"""
+
+
+def test_ddp_script_launcher_fits_data_parallel(tmp_path):
+    """strategy="ddp" as a user runs it: the script re-launched by Lightning in a second process,
+    a DistributedSampler splitting 300 validation samples 150/150 (no padding, no warning). Both
+    processes end with the head of one fit on all 300 outputs of the trained network."""
+    script = tmp_path / "train_ddp.py"
+    script.write_text(DDP_SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path / "rank{}.pt")))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert ranks[0]["temperature"] == ranks[1]["temperature"] and ranks[0]["warned"] == []
+    model = Classifier()
+    model.load_state_dict(ranks[0]["weights"])
+    val = make_data(300, seed=1)
+    logits, labels = raw_outputs(model, val, batch_size=50), val.tensors[1]
+    assert ranks[0]["temperature"] == pytest.approx(torchcal.TemperatureScaling().fit(logits, labels).temperature, rel=1e-5)
+    logged = ranks[0]["logged"]
+    assert logged["calibration/nce"] == pytest.approx(float(cross_entropy(logits, labels, normalize=True)), rel=1e-5)
+    assert logged["calibration/refinement"] == pytest.approx(float(refinement_loss(logits, labels)), rel=1e-5)
 
 
 # ------------------------------------------------------------------------------------ recipe
@@ -373,10 +665,13 @@ def test_lightning_digits_recipe_fast(capsys):
     spec.loader.exec_module(recipe)
     assert recipe.main(["--fast"]) == 0
     out = capsys.readouterr().out
-    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in out.splitlines()[-4:]}
-    assert set(rows) == {"NCE", "NBS", "ECE", "RCL"}
-    (_, _, test_before, test_after) = zip(*rows.values())
-    assert test_after[0] < test_before[0] and test_after[3] < test_before[3]  # NCE and RCL fall on test
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[-4:]}
+    assert set(rows) == {"NCE", "NBS", "ECE", "RCL"} and rows["RCL"][1] == "-"  # val after: not refitted
+    (val_before, val_after, test_before, test_after) = ([float(v) for v in column] for column in zip(*(rows[m] for m in ("NCE", "ECE"))))
+    assert val_after[0] < val_before[0] and test_after[0] < test_before[0]  # NCE falls
+    assert float(rows["RCL"][3]) < float(rows["RCL"][2])  # little is left to calibrate on test
+    epochs = [line for line in out.splitlines() if line.startswith("epoch")]
+    assert all("refinement" in line for line in epochs) and ["NCE" in line for line in epochs[:5]] == [False] * 4 + [True]
 
 
 def test_docstring_examples():

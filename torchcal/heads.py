@@ -11,15 +11,23 @@ The network's output kind is declared with ``output``:
 - ``"probs"``: posteriors. The head calibrates ``log(probs)`` and returns calibrated probabilities.
 
 So the head returns the same kind of output as the network and is a drop-in replacement for it.
+A network whose output is a tuple or dict (e.g. ``(logits, features)``) names where its logits are
+with ``logits_key`` (an index or a key); only that element is calibrated, the rest pass through.
+
 It saves and loads with ``state_dict``, compiles with ``torch.compile`` and exports with
-``torch.export`` and ``torch.onnx.export(..., dynamo=True)`` (every calibrator, the step maps of
-histogram binning and isotonic regression included).
+``torch.export``, ``torch.onnx.export`` (``dynamo=True``, and the legacy ``dynamo=False``) and
+``torch.jit.trace`` (every calibrator, the step maps of histogram binning and isotonic regression
+included). A Lightning checkpoint saved with :class:`torchcal.lightning.CalibrationCallback` holds
+the head under :data:`CHECKPOINT_KEY`; :meth:`CalibratedModel.from_checkpoint` loads it without
+Lightning.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, get_args
 
 import torch
@@ -28,10 +36,28 @@ from torch import Tensor, nn
 from torchcal._validation import check_probs
 from torchcal.calibrators.base import Calibrator
 
-__all__ = ["CalibratedModel", "OutputKind", "attach", "calibrate_output", "collect_scores", "scores_from_outputs"]
+__all__ = [
+    "CHECKPOINT_KEY",
+    "CalibratedModel",
+    "LogitsKey",
+    "OutputKind",
+    "attach",
+    "calibrate_output",
+    "collect_scores",
+    "head_checkpoint",
+    "replace_logits",
+    "scores_from_outputs",
+    "select_logits",
+]
 
 OutputKind = Literal["logits", "log_probs", "probs"]
 _OUTPUT_KINDS = get_args(OutputKind)
+
+#: Where the logits are in a structured output: a dict key, a tuple/list index, or ``None``.
+LogitsKey = str | int | None
+
+#: Top-level key of a Lightning checkpoint that holds the calibration head (see :func:`head_checkpoint`).
+CHECKPOINT_KEY = "torchcal_calibration_head"
 
 #: ``split_batch(batch) -> (args, labels)``: the network is called as ``model(*args)``.
 SplitBatch = Callable[[Any], tuple[Sequence[Any], Tensor]]
@@ -60,6 +86,43 @@ def calibrate_output(calibrator: Calibrator, output: Tensor, kind: OutputKind = 
     return log_posteriors.exp() if kind == "probs" else log_posteriors
 
 
+def select_logits(output: Any, key: LogitsKey = None) -> Tensor:
+    """The logits tensor in a network's ``output``: the output itself when it is a tensor, else
+    ``output[key]`` of a dict, tuple or list (e.g. ``key=0`` for ``(logits, features)``).
+
+    Example:
+        >>> import torch
+        >>> logits, features = torch.zeros(2, 3), torch.ones(2, 8)
+        >>> select_logits((logits, features), 0) is logits, select_logits(logits, "logits") is logits
+        (True, True)
+    """
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, Mapping) and isinstance(key, str) and key in output:
+        return output[key]
+    if isinstance(output, (tuple, list)) and isinstance(key, int) and -len(output) <= key < len(output):
+        return output[key]
+    raise TypeError(
+        f"cannot find the logits in an output of type {type(output).__name__} with logits_key={key!r}: "
+        f"name their place, e.g. logits_key=0 for (logits, features) tuples or logits_key='logits' "
+        f"for dicts."
+    )
+
+
+def replace_logits(output: Any, key: LogitsKey, logits: Tensor) -> Any:
+    """``output`` with the tensor at ``key`` (see :func:`select_logits`) replaced by ``logits``;
+    the other elements are passed through unchanged (a new container, the input is not modified)."""
+    if isinstance(output, Tensor):
+        return logits
+    select_logits(output, key)  # same checks and message
+    if isinstance(output, Mapping):
+        return {**output, key: logits}
+    assert isinstance(key, int)
+    items = list(output)
+    items[key] = logits
+    return type(output)(items) if isinstance(output, list) else tuple(items) if type(output) is tuple else type(output)(*items)
+
+
 def _default_split(batch: Any) -> tuple[Sequence[Any], Tensor]:
     if isinstance(batch, (tuple, list)) and len(batch) >= 2:
         return batch[:-1], batch[-1]
@@ -81,7 +144,7 @@ def _to_device(value: Any, device: torch.device) -> Any:
 
 
 def _device_of(model: nn.Module) -> torch.device:
-    tensor = next(model.parameters(), None)
+    tensor: Tensor | None = next(model.parameters(), None)
     if tensor is None:
         tensor = next(model.buffers(), None)
     return torch.device("cpu") if tensor is None else tensor.device
@@ -93,6 +156,7 @@ def collect_scores(
     *,
     output: OutputKind = "logits",
     split_batch: SplitBatch | None = None,
+    logits_key: LogitsKey = None,
 ) -> tuple[Tensor, Tensor]:
     """Run ``model`` once over ``dataloader`` in eval mode without gradients.
 
@@ -105,6 +169,7 @@ def collect_scores(
         output: what the network returns (see the module docs).
         split_batch: ``batch -> (args, labels)``; the default takes the last element of a tuple
             batch as the labels and the others as the network's arguments.
+        logits_key: where the logits are in a structured output (see :func:`select_logits`).
 
     Returns:
         ``(scores, labels)``: scores (N, K) in the log domain (``log(probs)`` for ``"probs"``)
@@ -120,7 +185,7 @@ def collect_scores(
         with torch.no_grad():
             for batch in dataloader:
                 args, y = split(batch)
-                outputs.append(model(*_to_device(tuple(args), device)))
+                outputs.append(select_logits(model(*_to_device(tuple(args), device)), logits_key))
                 labels.append(torch.as_tensor(y).to(device))
     finally:
         for module, mode in modes:  # pre-order: parents first, so children end in their own mode
@@ -158,6 +223,8 @@ class CalibratedModel(nn.Module):
         calibrator: any torchcal calibrator, fitted or not (fit it with :meth:`fit`).
         output: what the network returns: ``"logits"`` (default), ``"log_probs"`` or ``"probs"``.
             The head returns the same kind, calibrated (see the module docs).
+        logits_key: where the logits are when the network returns a tuple or dict (an index or a
+            key, see :func:`select_logits`); the head returns the same structure with them calibrated.
 
     ``forward(x, *args, **kwargs)`` calls ``model(x, *args, **kwargs)`` and calibrates its (N, K) output.
     The state dict holds the network's weights under ``model.`` and the fitted head under
@@ -181,7 +248,9 @@ class CalibratedModel(nn.Module):
         (3.9, torch.Size([5, 3]))
     """
 
-    def __init__(self, model: nn.Module, calibrator: Calibrator, output: OutputKind = "logits") -> None:
+    def __init__(
+        self, model: nn.Module, calibrator: Calibrator, output: OutputKind = "logits", logits_key: LogitsKey = None
+    ) -> None:
         super().__init__()
         if not isinstance(calibrator, Calibrator):
             raise TypeError(
@@ -192,9 +261,13 @@ class CalibratedModel(nn.Module):
         self.model = model
         self.calibrator = calibrator
         self.output = output
+        self.logits_key = logits_key
+        # public in recent torch releases; older ones (the package allows torch>=2.1) have the private form
+        register = getattr(self, "register_state_dict_post_hook", None) or self._register_state_dict_hook
+        register(_drop_extra_state_in_legacy_onnx_export)
 
-    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """Calibrated outputs (N, K) of ``model(x, *args, **kwargs)``.
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        """Calibrated outputs (N, K) of ``model(x, *args, **kwargs)`` (in the same structure).
 
         ``x`` is named (rather than folded into ``*args``) so that ``torch.export`` takes
         ``dynamic_shapes=({0: batch},)`` as for the bare network.
@@ -204,7 +277,9 @@ class CalibratedModel(nn.Module):
                 f"the calibration head ({type(self.calibrator).__name__}) is not fitted yet: call "
                 f".fit(heldout_loader) first, or load a fitted state_dict."
             )
-        return calibrate_output(self.calibrator, self.model(x, *args, **kwargs), self.output)
+        output = self.model(x, *args, **kwargs)
+        calibrated = calibrate_output(self.calibrator, select_logits(output, self.logits_key), self.output)
+        return replace_logits(output, self.logits_key, calibrated)
 
     def fit(self, dataloader: Iterable[Any], *, split_batch: SplitBatch | None = None, **fit_options: Any) -> CalibratedModel:
         """Fit the head on the network's outputs over a held-out ``dataloader``; returns ``self``.
@@ -213,12 +288,86 @@ class CalibratedModel(nn.Module):
             dataloader, split_batch: as in :func:`collect_scores`.
             **fit_options: passed to the calibrator's ``fit`` (``loss``, ``priors``, ``max_iter``).
         """
-        scores, labels = collect_scores(self.model, dataloader, output=self.output, split_batch=split_batch)
+        scores, labels = collect_scores(
+            self.model, dataloader, output=self.output, split_batch=split_batch, logits_key=self.logits_key
+        )
         self.calibrator.fit(scores, labels, **fit_options)
         return self
 
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | os.PathLike[str],
+        model: nn.Module,
+        calibrator: Calibrator | None = None,
+        *,
+        load_weights: bool = True,
+        map_location: str | torch.device | None = "cpu",
+    ) -> CalibratedModel:
+        """The calibrated network stored in a Lightning checkpoint, without a ``Trainer``.
+
+        The checkpoint must have been saved with :class:`torchcal.lightning.CalibrationCallback`
+        (the head is under :data:`CHECKPOINT_KEY`). Returns the head in eval mode.
+
+        Args:
+            path: the ``.ckpt`` file.
+            model: the network, e.g. a fresh instance of the LightningModule that was trained.
+            calibrator: an unfitted calibrator of the stored class, for one built with non-default
+                arguments; by default the stored class is built with its defaults.
+            load_weights: load the checkpoint's ``state_dict`` (the LightningModule's weights) into
+                ``model``; ``False`` keeps ``model``'s own weights.
+            map_location: as in ``torch.load``.
+        """
+        checkpoint = torch.load(path, map_location=map_location, weights_only=True)
+        if CHECKPOINT_KEY not in checkpoint:
+            raise KeyError(
+                f"{os.fspath(path)} holds no calibration head (no {CHECKPOINT_KEY!r} entry): save it from a "
+                f"Trainer with torchcal.lightning.CalibrationCallback, after a validation epoch has fitted it."
+            )
+        entry = checkpoint[CHECKPOINT_KEY]
+        if calibrator is None:
+            calibrator = _calibrator_class(entry["calibrator"])()
+        elif _class_path(calibrator) != entry["calibrator"]:
+            raise TypeError(f"the checkpoint holds a {entry['calibrator']} head, not a {type(calibrator).__name__}.")
+        calibrator.load_state_dict(entry["state_dict"])
+        if load_weights:
+            model.load_state_dict(checkpoint["state_dict"])
+        return cls(model, calibrator, entry["output"], entry["logits_key"]).eval()
+
     def extra_repr(self) -> str:
-        return f"output={self.output!r}"
+        return f"output={self.output!r}" + ("" if self.logits_key is None else f", logits_key={self.logits_key!r}")
+
+
+def head_checkpoint(calibrator: Calibrator, output: OutputKind = "logits", logits_key: LogitsKey = None) -> dict[str, Any]:
+    """The checkpoint entry (under :data:`CHECKPOINT_KEY`) from which :meth:`CalibratedModel.from_checkpoint`
+    rebuilds a head: the calibrator's class and ``state_dict``, the output kind and ``logits_key``;
+    plain types and tensors only, so it loads with ``torch.load(..., weights_only=True)``."""
+    return {
+        "calibrator": _class_path(calibrator),
+        "state_dict": calibrator.state_dict(),
+        "output": output,
+        "logits_key": logits_key,
+    }
+
+
+def _class_path(calibrator: Calibrator) -> str:
+    return f"{type(calibrator).__module__}.{type(calibrator).__qualname__}"
+
+
+def _calibrator_class(name: str) -> type[Calibrator]:
+    module, _, qualname = name.rpartition(".")
+    cls = getattr(importlib.import_module(module), qualname, None) if module.startswith("torchcal.") else None
+    if not (isinstance(cls, type) and issubclass(cls, Calibrator)):
+        raise TypeError(f"the checkpoint names {name!r}, which is not a torchcal calibrator class.")
+    return cls
+
+
+def _drop_extra_state_in_legacy_onnx_export(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    # The legacy (TorchScript) ONNX exporter calls .detach() on every state_dict entry, and the
+    # calibrators' extra state (num_classes) is a dict; the traced graph does not need it.
+    if torch.onnx.is_in_onnx_export():
+        for key in [k for k in state_dict if k.endswith("_extra_state")]:
+            del state_dict[key]
 
 
 def attach(
@@ -227,12 +376,26 @@ def attach(
     dataloader: Iterable[Any] | None = None,
     *,
     output: OutputKind = "logits",
+    logits_key: LogitsKey = None,
     split_batch: SplitBatch | None = None,
     **fit_options: Any,
 ) -> CalibratedModel:
-    """``CalibratedModel(model, calibrator, output)``, fitted on ``dataloader`` when one is given.
+    """``CalibratedModel(model, calibrator, output)``, fitted on ``dataloader`` when one is given,
+    ready for deployment: in eval mode, with every parameter (the network's, which are shared with
+    ``model``, and the head's) frozen (``requires_grad=False``). Call ``.train()`` and
+    ``.requires_grad_(True)`` on it to fine-tune.
 
     The one-line form: ``calibrated = torchcal.attach(net, torchcal.TemperatureScaling(), val_loader)``.
+
+    Example:
+        >>> import torch, torchcal
+        >>> x = torch.randn(300, 3)
+        >>> loader = [(x, torch.distributions.Categorical(logits=2 * x).sample())]
+        >>> head = torchcal.attach(torch.nn.Linear(3, 3), torchcal.TemperatureScaling(), loader)
+        >>> head.training, any(p.requires_grad for p in head.parameters())
+        (False, False)
     """
-    head = CalibratedModel(model, calibrator, output)
-    return head if dataloader is None else head.fit(dataloader, split_batch=split_batch, **fit_options)
+    head = CalibratedModel(model, calibrator, output, logits_key)
+    if dataloader is not None:
+        head.fit(dataloader, split_batch=split_batch, **fit_options)
+    return head.eval().requires_grad_(False)

@@ -22,6 +22,7 @@ from torchcal.functional.diagnostics import (
     signed_calibration_error,
 )
 from torchcal.functional.posterior_quality import PosteriorQualityResult, posterior_quality
+from torchcal.functional.refinement import refinement_loss
 from torchcal.functional.scoring import (
     brier_score,
     class_frequencies,
@@ -47,6 +48,7 @@ __all__ = [
     "expected_calibration_error",
     "expected_cost",
     "posterior_quality",
+    "refinement_loss",
     "reliability_bins",
     "signed_calibration_error",
     "zero_one_costs",

@@ -1,14 +1,18 @@
 """A Lightning callback that watches calibration during training and fits a calibration head.
 
-At the end of every validation epoch, :class:`CalibrationCallback` gathers the validation scores
-and labels from all processes, logs calibration metrics (:func:`calibration_metrics`) and fits its
-calibrator on them, so the head always matches the latest validation and any checkpoint holds the
-head for its weights. ``trainer.test`` and ``trainer.predict`` then return calibrated outputs; at
-the end of fitting the callback logs the validation metrics before and after calibration.
+At the end of validation epochs, :class:`CalibrationCallback` logs calibration metrics of the
+validation outputs and fits its calibrator on them, so that checkpoints hold a head for their
+weights. ``trainer.test`` and ``trainer.predict`` then return calibrated outputs; at the end of
+fitting the callback logs the validation metrics before and after calibration. Under DDP the
+metrics and the fit are data-parallel: each process keeps its own validation outputs and only sums
+travel (``Calibrator.fit(..., process_group=...)``).
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
+import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -16,19 +20,47 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
+from torch.utils.data.distributed import DistributedSampler
+from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 from torchcal.calibrators import Calibrator, TemperatureScaling
+from torchcal.distributed import ProcessGroup
 from torchcal.fit import cross_validate
-from torchcal.functional import brier_score, calibration_loss, cross_entropy, error_rate, expected_calibration_error
-from torchcal.heads import CalibratedModel, OutputKind, _check_output_kind, calibrate_output, scores_from_outputs
+from torchcal.functional import (
+    brier_score,
+    calibration_loss,
+    cross_entropy,
+    error_rate,
+    expected_calibration_error,
+    refinement_loss,
+    zero_one_costs,
+)
+from torchcal.heads import (
+    CHECKPOINT_KEY,
+    CalibratedModel,
+    LogitsKey,
+    OutputKind,
+    _check_output_kind,
+    _class_path,
+    calibrate_output,
+    head_checkpoint,
+    replace_logits,
+    scores_from_outputs,
+    select_logits,
+)
+from torchcal.metrics import BayesRisk, BrierScore, CalibrationError, CrossEntropy
 
 __all__ = ["DEFAULT_METRICS", "METRIC_NAMES", "CalibrationCallback", "calibration_metrics"]
 
-#: Metrics :func:`calibration_metrics` computes, by name.
-METRIC_NAMES = ("nce", "nbs", "ece", "rcl", "error")
-DEFAULT_METRICS = ("nce", "nbs", "ece", "rcl")
+#: Metrics :func:`calibration_metrics` and the callback compute, by name.
+METRIC_NAMES = ("nce", "nbs", "ece", "rcl", "error", "refinement")
+#: Logged by default; ``"rcl"`` (``folds`` calibrator fits) is in the end-of-fit report anyway.
+DEFAULT_METRICS = ("nce", "nbs", "ece", "refinement")
 
 
 def _check_metric_names(names: Sequence[str]) -> None:
@@ -56,14 +88,16 @@ def calibration_metrics(
       that ``calibrator`` removes, from out-of-fold calibrated scores by ``folds``-fold
       cross-validation (``calibrator`` is copied, never modified; ``fit_options`` go to its fit).
     - ``"error"``: error rate.
+    - ``"refinement"``: cross-entropy (nats) after temperature scaling fitted on these scores
+      (:func:`torchcal.functional.refinement_loss`), the early-stopping criterion of Berta et al. 2025.
 
     Example:
         >>> import torch, torchcal
         >>> logits = 3 * torch.randn(500, 4)
         >>> labels = torch.distributions.Categorical(logits=logits / 3).sample()
-        >>> m = calibration_metrics(logits, labels, torchcal.TemperatureScaling())
+        >>> m = calibration_metrics(logits, labels, torchcal.TemperatureScaling(), ("nce", "rcl"))
         >>> sorted(m), m["rcl"] > 5  # the scores are three times too confident
-        (['ece', 'nbs', 'nce', 'rcl'], True)
+        (['nce', 'rcl'], True)
     """
     _check_metric_names(metrics)
     compute: dict[str, Callable[[], Tensor]] = {
@@ -74,62 +108,99 @@ def calibration_metrics(
         "rcl": lambda: calibration_loss(
             scores, cross_validate(calibrator, scores, labels, folds=folds, **(fit_options or {})), labels
         ).relative,
+        "refinement": lambda: refinement_loss(scores, labels),
     }
     return {name: float(compute[name]()) for name in metrics}
 
 
-class CalibrationCallback(Callback):
-    """Log calibration metrics every validation epoch and attach a fitted calibration head.
+def _batch_labels(batch: Any, key: str) -> Tensor | None:
+    if isinstance(batch, Mapping):
+        return batch.get(key)
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2 and isinstance(batch[-1], Tensor):
+        return batch[-1]
+    return None
 
-    **Providing the scores.** ``validation_step`` returns a dict holding the network's outputs
-    (B, K) and the labels (B,) under ``logits_key`` and ``labels_key``::
+
+class CalibrationCallback(Callback):
+    """Log calibration metrics during training and attach a fitted calibration head.
+
+    **Finding the logits (the one extractor, :meth:`extract`).** ``logits_key`` says where the
+    logits are in every structured output: in what ``validation_step`` returns and in what the
+    LightningModule's ``forward`` returns during ``trainer.test`` / ``trainer.predict``. A tensor
+    is the logits itself; a dict is indexed by the key (default ``"logits"``), a tuple or list by
+    an integer (``logits_key=0`` for ``(logits, features)``). The labels are taken from the dict
+    ``validation_step`` returns (``labels_key``), else from the batch (its last element, or
+    ``batch[labels_key]`` for dict batches)::
 
         def validation_step(self, batch, batch_idx):
             x, y = batch
             logits = self(x)
             self.log("val_loss", F.cross_entropy(logits, y))
-            return {"logits": logits, "labels": y}
+            return logits  # or {"logits": logits, "labels": y}, or (logits, features) with logits_key=0
 
-    or a subclass overrides :meth:`extract`. Only the first validation dataloader is used.
+    Override :meth:`extract` for anything else. Only the first validation dataloader is used.
 
-    **Every validation epoch** (not the sanity check) the scores of all processes are gathered,
-    the metrics are logged as ``{prefix}{name}`` (see :func:`calibration_metrics`; ``"rcl"``
-    costs ``folds`` calibrator fits) and the calibrator is fitted on them (one more fit). Every
-    process ends with the same head. With a ``DistributedSampler``, make the validation set size a
-    multiple of the number of processes: the sampler pads it by repeating samples otherwise.
+    **When it fits (cost controls).** Every ``every_n_epochs``-th validation epoch of
+    ``trainer.fit`` the ``metrics`` are logged as ``{prefix}{name}`` (see
+    :func:`calibration_metrics`; ``"rcl"`` costs ``folds`` calibrator fits) and the calibrator is
+    fitted (one fit). ``every_n_epochs=0`` fits only once, at the end of fitting, on the last
+    validation epoch. ``"refinement"`` is logged every validation epoch whatever the setting (one
+    temperature-scaling fit), so ``EarlyStopping(monitor=f"{prefix}refinement")`` and
+    ``ModelCheckpoint`` find it every time. ``trainer.validate`` logs the metrics but refits the
+    head only with ``fit_on_validate=True`` (it is the way to calibrate an already-trained model on
+    a calibration loader; without the flag a test loader never leaks into the head).
+
+    **Distributed.** Under DDP every process keeps its own validation outputs; the metrics are
+    reduced from per-process sums and the calibrator is fitted data-parallel
+    (``fit(..., process_group=...)``), so every process ends with the head of one fit on all the
+    outputs. Calibrators that cannot fit data-parallel (histogram binning, isotonic regression)
+    fall back, with a warning, to gathering all outputs on every process. A ``DistributedSampler``
+    that pads the validation set (its size is not a multiple of the number of processes) repeats
+    samples, which changes the head: the callback warns. With ``ddp_spawn`` (and ``ddp_fork``) the
+    fitted head and the report come back to the main process.
 
     **Test and predict.** While ``trainer.test`` / ``trainer.predict`` run, the LightningModule's
-    ``forward`` returns calibrated outputs of the same kind as its own (see :mod:`torchcal.heads`),
-    so ``test_step`` / ``predict_step`` must call ``self(x)``. Training and validation always see
-    the raw outputs, and nothing stays attached to the module after the trainer finishes: for
-    plain-PyTorch use or export, wrap the network with :meth:`calibrated_model`. To calibrate an
-    already-trained model, run ``trainer.validate(model, calibration_loader)`` with the callback.
+    ``forward`` returns calibrated outputs of the same kind and structure as its own (see
+    :mod:`torchcal.heads`), so ``test_step`` / ``predict_step`` must call ``self(x)``. Training and
+    validation always see the raw outputs, and nothing stays attached after the trainer finishes:
+    for plain-PyTorch use or export, wrap the network with :meth:`calibrated_model`.
 
-    **At the end of fitting** the latest validation metrics before and after calibration are
-    logged as ``{prefix}before/{name}`` and ``{prefix}after/{name}`` and kept in ``report_``;
-    "after" uses out-of-fold calibrated scores, so it estimates the effect on unseen data.
-    :meth:`table` formats them.
+    **At the end of fitting** the head is refitted if the last validation epoch was not a fit
+    epoch, and the validation metrics before and after calibration are logged as
+    ``{prefix}before/{name}`` and ``{prefix}after/{name}`` and kept in ``report_`` (``report=False``
+    skips it). "after" uses out-of-fold calibrated scores (``folds``-fold cross-validation), so it
+    estimates the effect on unseen data; the same out-of-fold scores give the "before" RCL, and
+    nothing is refitted on already calibrated scores ("after" has no RCL or refinement).
+    :meth:`table` formats the report.
 
-    **Checkpoints** store the fitted head; it is restored on resume and by
-    ``trainer.test(..., ckpt_path=...)``.
+    **Checkpoints** hold the head of the latest fit under the top-level key
+    ``torchcal.heads.CHECKPOINT_KEY`` (whatever the prefix); it is restored on resume and by
+    ``trainer.test(..., ckpt_path=...)``, and ``CalibratedModel.from_checkpoint(path, network)``
+    loads it without Lightning. With ``every_n_epochs=0`` save a checkpoint after fitting
+    (``trainer.save_checkpoint``).
 
     Args:
         calibrator: the head, unfitted. The default, temperature scaling, keeps every argmax.
-        metrics: names from ``"nce"``, ``"nbs"``, ``"ece"``, ``"rcl"``, ``"error"``.
+        metrics: names from :data:`METRIC_NAMES`.
         output: what the module's ``forward`` returns: ``"logits"``, ``"log_probs"`` or ``"probs"``.
         attach: apply the head during ``trainer.test`` / ``trainer.predict``.
-        folds: cross-validation folds of ``"rcl"`` and of the "after" metrics.
+        every_n_epochs: fit and log every this many validation epochs; 0: only at the end of fitting.
+        fit_on_validate: let ``trainer.validate`` refit the head on the loader it is given.
+        report: compute the before/after report at the end of fitting.
+        folds: cross-validation folds of ``"rcl"`` and of the report.
         n_bins: ECE bins.
         prefix: prefix of the logged names.
-        logits_key, labels_key: keys of the dict ``validation_step`` returns.
+        logits_key: where the logits are in structured outputs (see above).
+        labels_key: key of the labels in the dict ``validation_step`` returns or in dict batches.
         fit_options: passed to the calibrator's ``fit`` (``loss``, ``priors``, ``max_iter``).
 
     Example:
         >>> import torchcal
         >>> from torchcal.lightning import CalibrationCallback
-        >>> callback = CalibrationCallback(torchcal.TemperatureScaling(), metrics=("nce", "ece"))
-        >>> # trainer = Trainer(callbacks=[callback]); trainer.fit(model, train_loader, val_loader)
-        >>> # print(callback.table()); trainer.test(model, test_loader)  # calibrated test outputs
+        >>> callback = CalibrationCallback(torchcal.TemperatureScaling(), every_n_epochs=5)
+        >>> # trainer = Trainer(callbacks=[callback, EarlyStopping("calibration/refinement")])
+        >>> # trainer.fit(model, train_loader, val_loader); print(callback.table())
+        >>> # trainer.test(model, test_loader)  # calibrated test outputs
     """
 
     def __init__(
@@ -139,10 +210,13 @@ class CalibrationCallback(Callback):
         *,
         output: OutputKind = "logits",
         attach: bool = True,
+        every_n_epochs: int = 1,
+        fit_on_validate: bool = False,
+        report: bool = True,
         folds: int = 5,
         n_bins: int = 15,
         prefix: str = "calibration/",
-        logits_key: str = "logits",
+        logits_key: LogitsKey = "logits",
         labels_key: str = "labels",
         fit_options: Mapping[str, Any] | None = None,
     ) -> None:
@@ -151,37 +225,84 @@ class CalibrationCallback(Callback):
             raise TypeError(f"calibrator must be a torchcal calibrator, got {type(calibrator).__name__}.")
         _check_metric_names(metrics)
         _check_output_kind(output)
-        self.calibrator = calibrator
+        if isinstance(every_n_epochs, bool) or not isinstance(every_n_epochs, int) or every_n_epochs < 0:
+            raise ValueError(f"every_n_epochs must be an integer >= 0 (0: only at the end of fitting), got {every_n_epochs!r}.")
+        self._calibrator = calibrator
         self.metrics = tuple(metrics)
         self.output = output
         self.attach = attach
+        self.every_n_epochs = every_n_epochs
+        self.fit_on_validate = fit_on_validate
+        self.report = report
         self.folds = folds
         self.n_bins = n_bins
         self.prefix = prefix
         self.logits_key = logits_key
         self.labels_key = labels_key
         self.fit_options = dict(fit_options or {})
-        #: ``{"before": {...}, "after": {...}}`` validation metrics at the end of the last fit.
-        self.report_: dict[str, dict[str, float]] | None = None
+        self._report: dict[str, dict[str, float]] | None = None
         self._batches: list[tuple[Tensor, Tensor]] = []
-        self._latest: tuple[Tensor, Tensor, dict[str, float]] | None = None  # scores, labels, metrics
+        # the latest validation epoch's scores, labels and process group, and whether the head was fitted on it
+        self._latest: tuple[Tensor, Tensor, ProcessGroup | None] | None = None
+        self._head_is_current = False
         self._trainer: Trainer | None = None
         self._hook: torch.utils.hooks.RemovableHandle | None = None
         self._calibrated_calls = 0
+        self._warned: set[str] = set()
+        # ddp_spawn / ddp_fork run the trainer in child processes: rank 0 leaves the head here
+        self._owner_pid = os.getpid()
+        self._handoff_path = os.path.join(tempfile.gettempdir(), f"torchcal-head-{uuid.uuid4().hex}.pt")
+
+    @property
+    def calibrator(self) -> Calibrator:
+        """The calibration head (fitted once a validation epoch, or the end of fitting, has run)."""
+        self._receive_handoff()
+        return self._calibrator
+
+    @property
+    def report_(self) -> dict[str, dict[str, float]] | None:
+        """``{"before": {...}, "after": {...}}`` validation metrics at the end of the last fit."""
+        self._receive_handoff()
+        return self._report
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(calibrator=type(self.calibrator).__name__, prefix=self.prefix)
+        return self._generate_state_key(calibrator=type(self._calibrator).__name__, prefix=self.prefix)
 
     # ---------------------------------------------------------------------------- collection
     def extract(self, outputs: Any, batch: Any) -> tuple[Tensor, Tensor] | None:
         """``(outputs (B, K), labels (B,))`` of one validation batch, or ``None`` if absent.
 
-        Override to take them from elsewhere; ``outputs`` is what ``validation_step`` returned.
+        ``outputs`` is what ``validation_step`` returned; see the class docs for where the logits
+        and labels are looked for. Override to take them from elsewhere.
         """
-        if isinstance(outputs, Mapping) and self.logits_key in outputs and self.labels_key in outputs:
-            return outputs[self.logits_key], outputs[self.labels_key]
-        return None
+        if outputs is None:
+            return None
+        try:
+            logits = select_logits(outputs, self.logits_key)
+        except TypeError:
+            return None
+        if isinstance(outputs, Mapping) and self.labels_key in outputs:
+            labels = outputs[self.labels_key]
+        else:
+            labels = _batch_labels(batch, self.labels_key)
+        if logits.ndim != 2 or labels is None:
+            return None
+        return logits, labels
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.world_size > 1:
+            loaders = trainer.val_dataloaders
+            first = loaders[0] if isinstance(loaders, (list, tuple)) else loaders
+            sampler = getattr(first, "sampler", None)
+            if isinstance(sampler, DistributedSampler) and not sampler.drop_last and sampler.total_size != len(sampler.dataset):  # type: ignore[arg-type]
+                self._warn_once(
+                    "padding",
+                    f"the DistributedSampler pads the validation set of {len(sampler.dataset)} samples to "  # type: ignore[arg-type]
+                    f"{sampler.total_size} by repeating samples, so the calibration head and metrics count "
+                    f"those twice: make the validation set size a multiple of {sampler.num_replicas}, or give "
+                    f"each process its own part of it (use_distributed_sampler=False).",
+                )
 
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._batches = []
@@ -189,53 +310,116 @@ class CalibrationCallback(Callback):
     def on_validation_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        if dataloader_idx != 0:
+        if dataloader_idx != 0 or trainer.sanity_checking:
             return
         found = self.extract(outputs, batch)
         if found is None:
             raise RuntimeError(
                 f"CalibrationCallback found no validation logits: validation_step returned "
-                f"{type(outputs).__name__}. Return them with the labels, e.g. "
-                f"`return {{'{self.logits_key}': logits, '{self.labels_key}': y}}` (keys set by "
-                f"logits_key / labels_key), or subclass CalibrationCallback and override extract()."
+                f"{type(outputs).__name__}. Return the logits (B, K), e.g. `return logits` or "
+                f"`return {{'{self.logits_key}': logits, '{self.labels_key}': y}}` (set logits_key=0 for "
+                f"(logits, features) tuples), with labels in the batch or the dict, or subclass "
+                f"CalibrationCallback and override extract()."
             )
-        if not trainer.sanity_checking:
-            outputs, labels = found
-            self._batches.append((outputs.detach(), labels.detach()))
+        logits, labels = found
+        self._batches.append((logits.detach(), labels.detach()))
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or not self._batches:
             return
-        scores, labels = self._gather()
+        scores, labels, group = self._epoch_data()
         self._batches = []
-        values = self._metrics(scores, labels)
-        for name, value in values.items():
-            # Identical on every process; sync_dist averages identical values (exactly).
+        if trainer.state.fn == TrainerFn.FITTING:
+            fit = self.every_n_epochs > 0 and (trainer.current_epoch + 1) % self.every_n_epochs == 0
+            self._latest, self._head_is_current = (scores, labels, group), False
+            names = self.metrics if fit else tuple(m for m in self.metrics if m == "refinement")
+        else:  # trainer.validate: an evaluation, unless asked to refit
+            fit, names = self.fit_on_validate, self.metrics
+        if fit:
+            self._fit_head(scores, labels, group)
+        for name, value in self._metrics(scores, labels, names, group, head_fitted_here=fit).items():
+            # identical on every process; sync_dist averages identical values (exactly)
             pl_module.log(self.prefix + name, value, sync_dist=True)
-        self.calibrator.fit(scores, labels, **self.fit_options)
-        self._latest = scores, labels, values
 
-    def _metrics(self, scores: Tensor, labels: Tensor) -> dict[str, float]:
-        return calibration_metrics(
-            scores, labels, self.calibrator, self.metrics, folds=self.folds, n_bins=self.n_bins, fit_options=self.fit_options
-        )
-
-    def _gather(self) -> tuple[Tensor, Tensor]:
-        """This epoch's scores (N, K) and labels (N,); in a distributed run, those of all
-        processes in rank order, so that every process fits the same head."""
+    def _epoch_data(self) -> tuple[Tensor, Tensor, ProcessGroup | None]:
+        """This process's scores (N, K) and labels (N,), and the process group to reduce over:
+        ``None`` outside DDP, or when the calibrator cannot fit data-parallel and the outputs of
+        all processes are gathered instead (in rank order, so every process fits the same head)."""
         outputs = torch.cat([s for s, _ in self._batches])
         labels = torch.cat([y for _, y in self._batches])
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            outputs = torch.cat(gather_all_tensors(outputs))  # pads and trims uneven sizes
-            labels = torch.cat(gather_all_tensors(labels))
-        return scores_from_outputs(outputs, self.output), labels
+        group: ProcessGroup | None = None
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            if self._calibrator._supports_process_group:
+                group = torch.distributed.group.WORLD
+            else:
+                self._warn_once(
+                    "gather",
+                    f"{type(self._calibrator).__name__} cannot be fitted data-parallel: every process gathers "
+                    f"all validation outputs and repeats the same fit and metrics.",
+                )
+                outputs = torch.cat(gather_all_tensors(outputs))  # pads and trims uneven sizes
+                labels = torch.cat(gather_all_tensors(labels))
+        return scores_from_outputs(outputs, self.output), labels, group
+
+    def _metrics(
+        self, scores: Tensor, labels: Tensor, names: Sequence[str], group: ProcessGroup | None, head_fitted_here: bool = False
+    ) -> dict[str, float]:
+        """:func:`calibration_metrics` of the union of the processes' scores, from per-process sums.
+
+        ``head_fitted_here``: the head was just fitted on these scores; a plain temperature-scaling
+        head is then the refinement loss's own fit, which is not repeated."""
+        num_classes, sync = scores.shape[1], group is not None
+        streaming: dict[str, Callable[[], Metric]] = {
+            "nce": lambda: CrossEntropy(num_classes, normalize=True, sync_on_compute=sync),
+            "nbs": lambda: BrierScore(num_classes, normalize=True, sync_on_compute=sync),
+            "ece": lambda: CalibrationError(num_classes, n_bins=self.n_bins, sync_on_compute=sync),
+            "error": lambda: BayesRisk(zero_one_costs(num_classes), sync_on_compute=sync),
+        }
+        values = {}
+        for name in names:
+            if name in streaming:
+                values[name] = float(_evaluate(streaming[name](), scores, labels))
+            elif name == "refinement" and head_fitted_here and self._head_is_plain_temperature_scaling():
+                with torch.no_grad():  # the head is that temperature-scaling fit: no second fit
+                    refined = self._calibrator(scores.to(torch.float64))
+                values[name] = float(_evaluate(CrossEntropy(num_classes, sync_on_compute=sync), refined, labels))
+            elif name == "refinement":
+                values[name] = float(refinement_loss(scores, labels, process_group=group))
+            elif name == "rcl":
+                values[name] = self._relative_calibration_loss(scores, self._out_of_fold(scores, labels, group), labels, group)
+        return values
+
+    def _out_of_fold(self, scores: Tensor, labels: Tensor, group: ProcessGroup | None) -> Tensor:
+        """Out-of-fold calibrated scores; under DDP each fold is the union of the processes' folds,
+        and every fold's calibrator is fitted data-parallel."""
+        return cross_validate(self._calibrator, scores, labels, folds=self.folds, process_group=group, **self.fit_options)
+
+    def _relative_calibration_loss(self, raw: Tensor, calibrated: Tensor, labels: Tensor, group: ProcessGroup | None) -> float:
+        sync = group is not None
+        losses = [float(_evaluate(CrossEntropy(raw.shape[1], sync_on_compute=sync), s, labels)) for s in (raw, calibrated)]
+        return 100 * (1 - losses[1] / losses[0])
+
+    def _head_is_plain_temperature_scaling(self) -> bool:
+        """Whether the head's fit is the one :func:`refinement_loss` makes."""
+        options = dict(self.fit_options)
+        return type(self._calibrator) is TemperatureScaling and options.pop("loss", "log") == "log" and not options
+
+    def _fit_head(self, scores: Tensor, labels: Tensor, group: ProcessGroup | None) -> None:
+        self._calibrator.fit(scores, labels, process_group=group, **self.fit_options)
+        self._head_is_current = True
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(message)
 
     # ------------------------------------------------------------------------------ the head
     def calibrated_model(self, model: nn.Module) -> CalibratedModel:
         """``CalibratedModel(model, head)``: the network with this callback's fitted head."""
-        return CalibratedModel(model, self.calibrator, self.output)
+        return CalibratedModel(model, self.calibrator, self.output, self.logits_key)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._receive_handoff()
         self._trainer = trainer
         if self.attach and self._hook is None:
             self._hook = pl_module.register_forward_hook(self._calibrate_forward)
@@ -244,17 +428,34 @@ class CalibrationCallback(Callback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        launched = isinstance(trainer.strategy.launcher, _MultiProcessingLauncher) and os.getpid() != self._owner_pid
+        if launched and trainer.global_rank == 0 and self._calibrator.is_fitted:
+            torch.save({"calibrator": self._calibrator.state_dict(), "report": self._report}, self._handoff_path)
 
-    def _calibrate_forward(self, module: nn.Module, args: Any, output: Tensor) -> Tensor | None:
+    def _receive_handoff(self) -> None:
+        """In the main process, take the head that a ``ddp_spawn``/``ddp_fork`` worker left."""
+        if os.getpid() == self._owner_pid and os.path.exists(self._handoff_path):
+            state = torch.load(self._handoff_path, weights_only=True)
+            os.remove(self._handoff_path)
+            self._calibrator.load_state_dict(state["calibrator"])
+            self._report = state["report"]
+
+    def __getstate__(self) -> dict[str, Any]:
+        self._receive_handoff()  # a later spawned run (e.g. trainer.test) must get the fitted head
+        return self.__dict__.copy()
+
+    def _calibrate_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         trainer = self._trainer
-        if trainer is None or not (trainer.testing or trainer.predicting) or not self.calibrator.is_fitted:
+        if trainer is None or not (trainer.testing or trainer.predicting) or not self._calibrator.is_fitted:
             return None
         self._calibrated_calls += 1
-        return calibrate_output(self.calibrator.to(output.device), output, self.output)
+        logits = select_logits(output, self.logits_key)
+        calibrated = calibrate_output(self._calibrator.to(logits.device), logits, self.output)
+        return replace_logits(output, self.logits_key, calibrated)
 
     def _start_calibrated_run(self, what: str) -> None:
         self._calibrated_calls = 0
-        if self.attach and not self.calibrator.is_fitted:
+        if self.attach and not self._calibrator.is_fitted:
             warnings.warn(
                 f"CalibrationCallback has no fitted head, so {what} outputs are not calibrated: fit "
                 f"first, or pass ckpt_path= a checkpoint saved with this callback.",
@@ -262,7 +463,7 @@ class CalibrationCallback(Callback):
             )
 
     def _end_calibrated_run(self, what: str) -> None:
-        if self.attach and self.calibrator.is_fitted and self._calibrated_calls == 0:
+        if self.attach and self._calibrator.is_fitted and self._calibrated_calls == 0:
             warnings.warn(
                 f"the LightningModule's forward was never called during {what}, so its outputs "
                 f"were not calibrated: call self(x) in {what}_step, or calibrate the network "
@@ -286,25 +487,55 @@ class CalibrationCallback(Callback):
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._latest is None:
             return
-        scores, labels, before = self._latest
-        calibrated = cross_validate(self.calibrator, scores, labels, folds=self.folds, **self.fit_options)
-        self.report_ = {"before": before, "after": self._metrics(calibrated, labels)}
-        flat = {f"{self.prefix}{when}/{name}": v for when, values in self.report_.items() for name, v in values.items()}
+        scores, labels, group = self._latest
+        if not self._head_is_current:
+            self._fit_head(scores, labels, group)
+        if not self.report:
+            return
+        names = [m for m in self.metrics if m not in ("rcl", "refinement")]
+        out_of_fold = self._out_of_fold(scores, labels, group)
+        before = self._metrics(scores, labels, names, group)
+        before["rcl"] = self._relative_calibration_loss(scores, out_of_fold, labels, group)
+        self._report = {"before": before, "after": self._metrics(out_of_fold, labels, names, group)}
+        flat = {f"{self.prefix}{when}/{name}": v for when, values in self._report.items() for name, v in values.items()}
         for logger in trainer.loggers:
             logger.log_metrics(flat, step=trainer.global_step)
 
     def table(self) -> str:
-        """The before/after metrics of the last fit as a text table."""
-        if self.report_ is None:
+        """The before/after metrics of the last fit as a text table ("-": not computed)."""
+        report = self.report_
+        if report is None:
             raise RuntimeError("no report yet: it is made at the end of trainer.fit, after a validation epoch.")
-        before, after = self.report_["before"], self.report_["after"]
+        before, after = report["before"], report["after"]
         lines = [f"{'metric':<8}{'before':>10}{'after':>10}"]
-        lines += [f"{name.upper():<8}{before[name]:>10.4f}{after[name]:>10.4f}" for name in before]
+        lines += [f"{name.upper():<8}{_cell(before, name)}{_cell(after, name)}" for name in before]
         return "\n".join(lines)
 
     # ----------------------------------------------------------------------------- checkpoint
-    def state_dict(self) -> dict[str, Any]:
-        return {"calibrator": self.calibrator.state_dict()}
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self._calibrator.is_fitted:
+            checkpoint[CHECKPOINT_KEY] = head_checkpoint(self._calibrator, self.output, self.logits_key)
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        entry = checkpoint.get(CHECKPOINT_KEY)
+        if entry is not None:
+            if entry["calibrator"] != _class_path(self._calibrator):
+                raise TypeError(
+                    f"the checkpoint holds a {entry['calibrator']} head but this callback's calibrator is a "
+                    f"{type(self._calibrator).__name__}: build the callback with the checkpoint's calibrator class."
+                )
+            self._calibrator.load_state_dict(entry["state_dict"])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.calibrator.load_state_dict(state_dict["calibrator"])
+        if "calibrator" in state_dict:  # checkpoints of torchcal <= 0.x kept the head in the callback state
+            self._calibrator.load_state_dict(state_dict["calibrator"])
+
+
+def _cell(values: Mapping[str, float], name: str) -> str:
+    return f"{values[name]:>10.4f}" if name in values else f"{'-':>10}"
+
+
+def _evaluate(metric: Metric, scores: Tensor, labels: Tensor) -> Tensor:
+    metric = metric.to(scores.device)
+    metric.update(scores, labels)
+    return metric.compute()

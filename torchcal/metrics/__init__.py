@@ -28,6 +28,7 @@ from torchcal.metrics.diagnostics import (
     SignedCalibrationError,
 )
 from torchcal.metrics.fused import PosteriorQuality, PosteriorStatistic
+from torchcal.metrics.refinement import RefinementLoss
 from torchcal.metrics.scoring import BrierScore, CrossEntropy
 
 __all__ = [
@@ -44,5 +45,6 @@ __all__ = [
     "ExpectedCost",
     "PosteriorQuality",
     "PosteriorStatistic",
+    "RefinementLoss",
     "SignedCalibrationError",
 ]

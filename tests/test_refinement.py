@@ -1,0 +1,154 @@
+"""Refinement loss (loss after temperature scaling on the same data): the functional against a SciPy
+float64 minimisation of the temperature-scaling objective on real logits, the streaming metric
+against the functional, precision, row order, merging, misuse."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy.optimize import minimize_scalar
+from scipy.special import log_softmax, softmax
+from torchmetrics import MetricCollection
+
+from torchcal.functional import cross_entropy, refinement_loss
+from torchcal.metrics import RefinementLoss
+
+BUNDLED = Path(__file__).resolve().parents[1] / "torchcal" / "data" / "examples" / "cifar10_resnet110_kangsepp.npz"
+
+
+def bundled_val() -> tuple[torch.Tensor, torch.Tensor]:
+    with np.load(BUNDLED) as f:
+        return torch.from_numpy(f["logits_val"]), torch.from_numpy(f["labels_val"]).long()
+
+
+def scipy_refinement(logits: np.ndarray, labels: np.ndarray, loss: str = "log") -> float:
+    """min over T of the mean loss of softmax(logits / T), by bounded Brent on log T in float64."""
+    z, onehot = logits.astype(np.float64), np.eye(logits.shape[1])[labels]
+
+    def objective(log_t: float) -> float:
+        scaled = z / np.exp(log_t)
+        if loss == "log":
+            return float(-log_softmax(scaled, axis=1)[np.arange(len(labels)), labels].mean())
+        return float(((softmax(scaled, axis=1) - onehot) ** 2).sum(axis=1).mean())
+
+    return float(minimize_scalar(objective, bounds=(-5, 5), method="bounded", options={"xatol": 1e-10}).fun)
+
+
+@pytest.fixture(scope="module")
+def val():
+    return bundled_val()
+
+
+@pytest.mark.parametrize("loss", ["log", "brier"])
+def test_functional_equals_scipy_minimisation(val, loss):
+    logits, labels = val
+    expected = scipy_refinement(logits.numpy(), labels.numpy(), loss)
+    got = refinement_loss(logits, labels, loss=loss)
+    assert got.dtype == torch.float64
+    assert float(got) == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    if loss == "log":  # the network is over-confident: temperature scaling lowers the log-loss
+        assert float(got) < float(cross_entropy(logits, labels)) - 0.01
+
+
+def test_functional_on_cifar100_equals_scipy(real):
+    data = real("cifar100_resnet20_ferrer")
+    logits, labels = data["logits"][:3000], data["labels"][:3000]
+    got = refinement_loss(torch.from_numpy(logits), torch.from_numpy(labels).long())
+    assert float(got) == pytest.approx(scipy_refinement(logits, labels), rel=1e-9)
+
+
+def test_precision_and_row_order_do_not_matter(val):
+    logits, labels = val
+    perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1))
+    reference = refinement_loss(logits.double(), labels)
+    assert float(refinement_loss(logits.float(), labels)) == pytest.approx(float(reference), rel=1e-7)
+    assert float(refinement_loss(logits.double()[perm], labels[perm])) == pytest.approx(float(reference), rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["bundled", "cifar100_resnet20_ferrer", "agnews_gpt2-0shot_ferrer"])
+def test_streaming_metric_equals_the_functional(name, val, real):
+    """The sum-reducible grid state gives the exact value within 1e-6 relative (the documented
+    interpolation accuracy), streamed in batches, in float32, with the rows permuted."""
+    if name == "bundled":
+        logits, labels = val
+    else:
+        data = real(name)
+        logits, labels = torch.from_numpy(data["logits"][:4000]), torch.from_numpy(data["labels"][:4000]).long()
+    exact = float(refinement_loss(logits, labels))
+    metric = RefinementLoss()
+    perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(2))
+    for part in perm.split(700):
+        metric.update(logits[part].float(), labels[part])
+    value = metric.compute()
+    assert value.dtype == torch.float64 and value.ndim == 0
+    assert float(value) == pytest.approx(exact, rel=1e-6)
+
+
+def test_merged_states_equal_one_pass(val):
+    """Sum-reducible: two metrics on halves merged (as DDP's sum reduction does) equal one."""
+    logits, labels = val
+    one, a, b = RefinementLoss(), RefinementLoss(), RefinementLoss()
+    one.update(logits, labels)
+    a.update(logits[:2500], labels[:2500])
+    b.update(logits[2500:], labels[2500:])
+    a.merge_state(b)
+    assert float(a.compute()) == pytest.approx(float(one.compute()), rel=1e-12)
+    collection = MetricCollection({"refinement": RefinementLoss()})
+    collection.update(logits, labels)
+    assert float(collection.compute()["refinement"]) == pytest.approx(float(one.compute()), rel=1e-12)
+
+
+def test_empty_batch_is_a_no_op_and_range_warning(val):
+    logits, labels = val
+    metric = RefinementLoss()
+    with pytest.warns(UserWarning, match="called before"):  # torchmetrics' own warning
+        assert torch.isnan(metric.compute())
+    metric.reset()
+    metric.update(logits[:0], labels[:0])
+    metric.update(logits, labels)
+    assert float(metric.compute()) == pytest.approx(float(refinement_loss(logits, labels)), rel=1e-6)
+    # the fitted temperature (about 2.3) lies above this range: an upper bound, with a warning
+    narrow = RefinementLoss(temperature_range=(0.5, 1.5))
+    narrow.update(logits, labels)
+    with pytest.warns(UserWarning, match="beyond T_max"):
+        bound = float(narrow.compute())
+    assert bound == pytest.approx(float(cross_entropy(logits / 1.5, labels)), rel=1e-8)  # exp(-log 1.5) rounds
+    assert bound > float(refinement_loss(logits, labels))
+
+
+def test_plot_and_bad_input(val):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    logits, labels = val
+    metric = RefinementLoss()
+    metric.update(logits[:500], labels[:500])
+    fig, ax = metric.plot()
+    assert fig is not None and ax is not None
+    with pytest.raises(ValueError, match="num_temperatures"):
+        RefinementLoss(num_temperatures=2)
+    with pytest.raises(ValueError, match="temperature_range"):
+        RefinementLoss(temperature_range=(2.0, 1.0))
+    with pytest.raises(ValueError, match="loss must be one of"):
+        refinement_loss(logits, labels, loss="hinge")
+    with pytest.raises(ValueError):
+        metric.update(logits[:10], labels[:9])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RefinementLoss(validate_args=False).update(logits[:10], labels[:10])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_the_gpu_equals_the_cpu(val):
+    logits, labels = val
+    metric = RefinementLoss().to("cuda")
+    metric.update(logits.cuda(), labels.cuda())
+    value = metric.compute()
+    assert value.device.type == "cuda"
+    assert float(value) == pytest.approx(float(refinement_loss(logits, labels)), rel=1e-6)
+    assert float(refinement_loss(logits.cuda(), labels.cuda())) == pytest.approx(float(refinement_loss(logits, labels)), rel=1e-7)

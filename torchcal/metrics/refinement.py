@@ -1,0 +1,159 @@
+"""Streaming refinement loss: the log-loss left after temperature scaling, as a torchmetrics Metric.
+
+Temperature scaling needs every logit, so the exact value (``torchcal.functional.refinement_loss``)
+cannot stream. But its objective, seen as a function of ``u = log(1/T)``,
+
+    f(u) = mean over samples of  logsumexp(e^u z) - e^u z_y,
+
+is a sum over samples at every ``u``. The state is therefore the sums of ``f`` and of its first two
+derivatives in ``u`` at ``num_temperatures`` points evenly spaced in ``log T`` over
+``temperature_range``: (3 * num_temperatures,) float64, summed across processes. ``compute()``
+finds the grid interval where ``f'`` changes sign and minimises the quintic that matches ``f``,
+``f'`` and ``f''`` at both ends of it. ``f`` is smooth and convex in ``u``, so the interpolation
+error is O(h^6) in the spacing ``h``: with the defaults (49 points, spacing 0.19 in ``log T``) the
+result agrees with the exact refinement loss within 4e-7 relative on the 16 real logit sets of the
+project's reference data (CIFAR-10/100, AG News, SST-2, speaker verification, 2 to 100 classes),
+far below the sampling noise of any validation loss (checked in the tests). Each update costs
+``num_temperatures`` softmax passes over its batch.
+
+If the best temperature lies outside ``temperature_range``, ``compute()`` warns and returns the loss
+at the nearest end, an upper bound on the refinement loss.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+from torchcal._validation import check_logits_and_labels
+from torchcal.metrics._common import add_sum_state
+
+__all__ = ["RefinementLoss"]
+
+
+class RefinementLoss(Metric):
+    """Log-loss after temperature scaling fitted on the accumulated data (Berta et al. 2025), as
+    ``torchcal.functional.refinement_loss``; a float64 scalar from ``compute()``.
+
+    A better early-stopping criterion than the raw validation loss (see the module docs for the
+    state and its accuracy).
+
+    Args:
+        num_temperatures: grid points of the state (O(h^6) interpolation error in their spacing).
+        temperature_range: ``(T_min, T_max)`` covered by the grid.
+        validate_args: check the inputs' shapes and values in ``update`` (turn off for speed).
+
+    Example:
+        >>> import torch
+        >>> from torchcal.functional import refinement_loss
+        >>> _ = torch.manual_seed(0)
+        >>> logits = 3 * torch.randn(2000, 4)
+        >>> labels = torch.distributions.Categorical(logits=logits / 3).sample()
+        >>> metric = RefinementLoss()
+        >>> for i in range(0, 2000, 500):
+        ...     metric.update(logits[i : i + 500], labels[i : i + 500])
+        >>> round(float(metric.compute()), 6) == round(float(refinement_loss(logits, labels)), 6)
+        True
+    """
+
+    is_differentiable = False
+    higher_is_better = False
+    full_state_update = False
+    plot_lower_bound = 0.0
+
+    log_inverse_temperatures: Tensor
+    loss_sums: Tensor
+    slope_sums: Tensor
+    curvature_sums: Tensor
+    count: Tensor
+
+    def __init__(
+        self,
+        num_temperatures: int = 49,
+        temperature_range: tuple[float, float] = (0.02, 200.0),
+        validate_args: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        low, high = temperature_range
+        if not (isinstance(num_temperatures, int) and num_temperatures >= 3):
+            raise ValueError(f"num_temperatures must be an integer >= 3, got {num_temperatures!r}.")
+        if not 0 < low < high < math.inf:
+            raise ValueError(f"temperature_range must be (T_min, T_max) with 0 < T_min < T_max, got {temperature_range!r}.")
+        self.validate_args = validate_args
+        self.temperature_range = (float(low), float(high))
+        # u = log(1/T), increasing; buffers follow the metric's device
+        grid = torch.linspace(-math.log(high), -math.log(low), num_temperatures, dtype=torch.float64)
+        self.register_buffer("log_inverse_temperatures", grid, persistent=False)
+        add_sum_state(self, "loss_sums", num_temperatures)
+        add_sum_state(self, "slope_sums", num_temperatures)
+        add_sum_state(self, "curvature_sums", num_temperatures)
+        add_sum_state(self, "count")
+
+    def update(self, logits: Tensor, labels: Tensor) -> None:
+        """Accumulate ``logits: (N, K)`` and ``labels: (N,)``; an empty batch is a no-op."""
+        if logits.ndim == 2 and logits.shape[0] == 0 and labels.numel() == 0:
+            return
+        if self.validate_args:
+            logits, labels = check_logits_and_labels(logits, labels)
+        z = logits.detach().to(torch.float64)
+        z = z - z.max(dim=1, keepdim=True).values  # logsumexp is shift-invariant; keeps e^u z small
+        z_true = z.gather(1, labels.unsqueeze(1)).squeeze(1)
+        for i, beta in enumerate(self.log_inverse_temperatures.exp()):
+            log_p = torch.log_softmax(beta * z, dim=1)
+            p = log_p.exp()
+            mean = (p * z).sum(dim=1)
+            variance = (p * (z - mean.unsqueeze(1)).square()).sum(dim=1)
+            slope = beta * (mean - z_true)  # d/du of -log p_y, u = log beta
+            self.loss_sums[i] += -log_p.gather(1, labels.unsqueeze(1)).sum()
+            self.slope_sums[i] += slope.sum()
+            self.curvature_sums[i] += (beta * beta * variance + slope).sum()
+        self.count += labels.shape[0]
+
+    def compute(self) -> Tensor:
+        """The refinement log-loss (nats), float64 scalar; NaN before any update."""
+        if not bool(self.count > 0):
+            return torch.full((), math.nan, dtype=torch.float64, device=self.count.device)
+        f, df, d2f = (s / self.count for s in (self.loss_sums, self.slope_sums, self.curvature_sums))
+        grid = self.log_inverse_temperatures
+        rising = (df > 0).nonzero()
+        j = int(rising[0]) if rising.numel() else grid.numel()  # first grid point past the minimum
+        if j == 0 or j == grid.numel():
+            low, high = self.temperature_range
+            edge = "T_max" if j == 0 else "T_min"
+            warnings.warn(
+                f"the best temperature lies beyond {edge} of temperature_range=({low:g}, {high:g}): the "
+                f"refinement loss returned is the loss at {edge}, an upper bound; widen the range.",
+                stacklevel=2,
+            )
+            return f[0] if j == 0 else f[-1]
+        return _quintic_minimum(f[j - 1 : j + 1], df[j - 1 : j + 1], d2f[j - 1 : j + 1], grid[j] - grid[j - 1])
+
+    def plot(self, val: Tensor | None = None, ax: Any = None) -> Any:
+        """Plot the value (or a sequence of values) as torchmetrics does; returns ``(fig, ax)``."""
+        return self._plot(val, ax)
+
+
+def _quintic_minimum(f: Tensor, df: Tensor, d2f: Tensor, h: Tensor) -> Tensor:
+    """Minimum over [0, 1] of the quintic ``p(s)`` with ``p = f, p' = h df, p'' = h^2 d2f`` at
+    s = 0 and s = 1 (Hermite interpolation of a convex function over one grid interval of width h)."""
+    c0, c1, c2 = f[0], h * df[0], h * h * d2f[0] / 2
+    system = f.new_tensor([[1.0, 1.0, 1.0], [3.0, 4.0, 5.0], [6.0, 12.0, 20.0]])
+    rhs = torch.stack([f[1] - c0 - c1 - c2, h * df[1] - c1 - 2 * c2, h * h * d2f[1] - 2 * c2])
+    coefficients = torch.cat([torch.stack([c0, c1, c2]), torch.linalg.solve(system, rhs)])
+    powers = torch.arange(6, dtype=f.dtype, device=f.device)
+    # p' changes sign on [0, 1]: the best of a fine grid, then Newton on p' polishes it.
+    s = torch.linspace(0, 1, 1025, dtype=f.dtype, device=f.device)
+    s = s[torch.argmin((s.unsqueeze(1) ** powers) @ coefficients)]
+    slope_coefficients = coefficients[1:] * powers[1:]
+    curvature_coefficients = slope_coefficients[1:] * powers[1:5]
+    for _ in range(3):
+        slope = (s ** powers[:5]) @ slope_coefficients
+        curvature = (s ** powers[:4]) @ curvature_coefficients
+        s = torch.where(curvature > 0, (s - slope / curvature).clamp(0, 1), s)
+    return (s**powers) @ coefficients

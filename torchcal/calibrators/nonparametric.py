@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from torchcal._validation import compute_dtype
 from torchcal.calibrators.base import Calibrator
 from torchcal.fit import FitRecord
 
@@ -27,7 +28,14 @@ class _OneVsRest(Calibrator):
         return [1] if num_classes == 2 else list(range(num_classes))
 
     def _features(self, logits: Tensor) -> Tensor:
-        return torch.softmax(logits, dim=1)
+        # float64 whatever the input: in float32 every probability within ~6e-8 of 1 rounds to 1.0
+        # and lands on the top step, so float32 and float64 input would get different maps.
+        return torch.softmax(logits.to(torch.float64), dim=1)
+
+    def forward(self, logits: Tensor) -> Tensor:
+        """Calibrated log-posteriors (N, K), the same map for every input dtype, returned in the
+        input's compute dtype."""
+        return super().forward(logits).to(compute_dtype(logits.dtype))
 
     def _map_column(self, column: int, p: Tensor) -> Tensor:
         """Calibrated probabilities for the ``column``-th calibrated column's scores ``p: (N,)``."""

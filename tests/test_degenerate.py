@@ -267,3 +267,39 @@ def test_isotonic_on_saturated_float32_matches_scikit_learn():
     q = IsotonicRegression(y_min=1e-7, y_max=1 - 1e-7, out_of_bounds="clip").fit(p, y).predict(p)
     reference = -np.mean(np.log(np.where(y == 1, q, 1 - q)))
     assert ours == pytest.approx(reference, rel=1e-6)
+
+
+# --------------------------------------------------------------------------- a fit that fails
+@pytest.mark.parametrize("name", sorted(MULTICLASS) + sorted(BINARY))
+def test_failed_fit_leaves_the_calibrator_as_it_was(name, monkeypatch):
+    """The fit runs to completion (changing every fitted tensor and attribute), then raises as an
+    interrupted or failing solver would: the module must be exactly as before the call."""
+    make = {**MULTICLASS, **BINARY}[name]
+    k = 2 if name in BINARY else 3
+    logits, labels = separable(k=k, margin=0.5)
+    other_logits = 3 * logits.flip(0)
+    cal = make()
+    real_fit = type(cal)._fit
+
+    def fit_then_fail(self, *args, **kwargs):
+        real_fit(self, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(cal), "_fit", fit_then_fail)
+    with pytest.raises(KeyboardInterrupt):
+        cal.fit(logits, labels)
+    assert not cal.is_fitted and cal.fit_record_ is None and not list(cal.parameters())
+    with pytest.raises(RuntimeError, match="not fitted"):
+        cal(logits)
+
+    monkeypatch.setattr(type(cal), "_fit", real_fit)
+    cal.fit(logits, labels)
+    before = {key: value.clone() for key, value in cal.state_dict().items() if isinstance(value, torch.Tensor)}
+    tensors, record, output = list(cal._tensors()), cal.fit_record_, cal(logits)
+    monkeypatch.setattr(type(cal), "_fit", fit_then_fail)
+    with pytest.raises(KeyboardInterrupt):
+        cal.fit(other_logits.float(), labels.flip(0), loss="brier")
+    after = cal.state_dict()
+    assert all(torch.equal(after[key], value) and after[key].dtype == value.dtype for key, value in before.items())
+    assert all(a is b for a, b in zip(cal._tensors(), tensors)) and cal.fit_record_ is record
+    assert torch.equal(cal(logits), output)

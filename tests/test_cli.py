@@ -170,3 +170,18 @@ def test_python_dash_m_exit_code(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.strip() == f"torchcal: error: no such file: {tmp_path / 'none.npz'}"
+
+
+def test_uniform_priors_with_a_rare_class_under_the_default_bootstrap(tmp_path, capsys):
+    """3 of 3,000 samples in the rarest class: 5 % of plain resamples miss it, the stratified bootstrap
+    that prior-weighted metrics use never does (see torchcal.functional.bootstrap)."""
+    rs = np.random.RandomState(0)
+    labels = rs.randint(0, 3, 3000)
+    labels[rs.permutation(3000)[:3]] = 3
+    logits = rs.standard_normal((3000, 4)).astype(np.float32)
+    logits[np.arange(3000), labels] += 2
+    np.savez(tmp_path / "rare.npz", logits=logits, labels=labels)
+    code, out, err = run(capsys, "evaluate", tmp_path / "rare.npz", "--method", "temperature", "--priors", "uniform",
+                         "--no-figures", "--quiet", "--out", tmp_path / "o")
+    assert code == 0, err
+    assert "(95 % bootstrap intervals, 1000 replicates)" in out

@@ -187,12 +187,28 @@ def classwise_reliability(
         ``(fig, axes)`` with ``axes`` the array of subplot axes.
     """
     num_classes = next(iter(_systems(logits).values())).shape[1]
+    chosen = classes is not None
     classes = list(range(min(num_classes, max_panels))) if classes is None else list(classes)
     fig, axes = _grid(len(classes))
     for ax, k in zip(axes.flat, classes):
         reliability_diagram(logits, labels, kind="class", class_index=k, n_bins=n_bins, strategy=strategy, ax=ax)
     _tidy_grid(axes, len(classes))
+    fig.suptitle(f"Reliability per class: {_which_classes(classes, num_classes, chosen)}", fontsize="medium")
     return fig, axes
+
+
+def _which_classes(classes: list[int], num_classes: int, chosen: bool) -> str:
+    """Which of the ``num_classes`` classes a per-class figure shows, in words.
+
+    Example:
+        >>> _which_classes(list(range(10)), 100, chosen=False)
+        'classes 0-9 of 100 (the first 10; classes= picks others)'
+    """
+    if classes == list(range(num_classes)):
+        return f"all {num_classes} classes"
+    if not chosen:
+        return f"classes 0-{len(classes) - 1} of {num_classes} (the first {len(classes)}; classes= picks others)"
+    return f"classes {', '.join(map(str, classes))} of {num_classes}"
 
 
 def _grid(panels: int):

@@ -300,3 +300,20 @@ def test_scores_without_labels_load_only_when_allowed(tmp_path, small):
     torch.save(torch.from_numpy(small[0]), tmp_path / "new.pt")
     with pytest.raises(ValueError, match="holds scores only"):
         load_scores(tmp_path / "new.pt")
+
+
+def test_csv_written_by_pandas_with_its_index(tmp_path):
+    pd = pytest.importorskip("pandas")
+    probs, labels = _bundled_probabilities(300)
+    frame = pd.DataFrame(probs, columns=[f"p{k}" for k in range(10)]).assign(label=labels)
+    frame.to_csv(tmp_path / "with_index.csv")  # pandas' default writes the row index, unnamed, first
+    frame.to_csv(tmp_path / "without_index.csv", index=False)
+    with_index, without = load_scores(tmp_path / "with_index.csv"), load_scores(tmp_path / "without_index.csv")
+    assert with_index.num_classes == 10 and with_index.logits.equal(without.logits)
+    assert with_index.read_as == without.read_as + "; the first column (no name, 0..N-1) is a row index as pandas writes it, left out"
+    assert _nll(with_index.logits, with_index.labels) == pytest.approx(-np.log(probs[np.arange(300), labels]).mean(), rel=1e-8)
+    # a named first column, or one that is not 0..N-1, is data
+    frame.rename_axis("p_extra").to_csv(tmp_path / "named.csv")
+    assert load_scores(tmp_path / "named.csv").num_classes == 11
+    frame.set_index(frame.index + 1).to_csv(tmp_path / "shifted.csv")
+    assert load_scores(tmp_path / "shifted.csv").num_classes == 11

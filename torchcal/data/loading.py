@@ -11,7 +11,8 @@ Supported files:
 - ``.pt`` / ``.pth``: a dict with the ``.npz`` keys, a ``(scores, labels)`` pair, or a scores
   tensor with ``labels_path``. Loaded with ``weights_only=True``.
 - ``.csv``: a header row, one column named ``label`` (or ``labels``, ``target``, ``y``); every
-  other column is a class score, in order.
+  other column is a class score, in order. A first column with an empty header holding 0..N-1 is
+  the row index pandas writes by default (``df.to_csv()``): it is dropped, and the note says so.
 
 Scores are read as logits in the wide sense (any unnormalised log-posteriors) unless the caller
 says otherwise (``input="probs"`` / ``"log_probs"`` / ``"llr"``), the file says so (key ``probs`` /
@@ -179,9 +180,10 @@ def load_scores(
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {path}")
     try:
-        raw, labels, hint, missing = _read(path, labels_path, split)
+        raw, labels, hint, missing, note = _read(path, labels_path, split)
         reason = "as requested" if input != "auto" else "as the file's key says"
         logits, read_as = _to_logits(np.asarray(raw), input if input != "auto" else hint, reason, priors)
+        read_as += note
         if labels is not None:
             logits, labels = check_logits_and_labels(logits, _as_labels(labels))
         elif require_labels:
@@ -210,8 +212,9 @@ def has_split(path: str | Path, split: Literal["val"] = "val") -> bool:
 _PASS_LABELS = "pass the labels file explicitly (labels_path=..., or --labels on the command line)"
 
 
-def _read(path: Path, labels_path: str | Path | None, split: str) -> tuple[Any, Any, InputKind, str]:
-    """Return ``(scores, labels or None, kind hint, what to say if labels are missing)``."""
+def _read(path: Path, labels_path: str | Path | None, split: str) -> tuple[Any, Any, InputKind, str, str]:
+    """Return ``(scores, labels or None, kind hint, what to say if labels are missing, a note on
+    what was left out of the file)``."""
     suffix = path.suffix.lower()
     if split != "test" and suffix != ".npz":
         raise ValueError(f"only .npz files store a '{split}' split.")
@@ -227,16 +230,17 @@ def _read(path: Path, labels_path: str | Path | None, split: str) -> tuple[Any, 
             raise
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
             raise ValueError(f"not a readable .npz file ({str(err) or type(err).__name__}).") from None
-        return _from_mapping(found, given, suffix="" if split == "test" else f"_{split}")
+        return (*_from_mapping(found, given, suffix="" if split == "test" else f"_{split}"), "")
     if suffix in (".pt", ".pth"):
-        return _from_torch(path, given)
+        return (*_from_torch(path, given), "")
     if suffix == ".npy":
         sibling, looked_for = _sibling_labels(path)
         labels = given if given is not None or sibling is None else _load_labels(sibling)
-        return _load_array(path), labels, "auto", f"no labels file found next to it (looked for {looked_for}); {_PASS_LABELS}."
+        missing = f"no labels file found next to it (looked for {looked_for}); {_PASS_LABELS}."
+        return _load_array(path), labels, "auto", missing, ""
     if suffix == ".csv":
-        scores, labels = _read_csv(path)
-        return scores, given if labels is None else labels, "auto", f"no 'label' column; add one or {_PASS_LABELS}."
+        scores, labels, note = _read_csv(path)
+        return scores, given if labels is None else labels, "auto", f"no 'label' column; add one or {_PASS_LABELS}.", note
     raise ValueError(f"unsupported file type {path.suffix!r}; use .npz, .npy, .pt/.pth or .csv.")
 
 
@@ -372,7 +376,7 @@ def _sibling_labels(path: Path) -> tuple[Path | None, str]:
 CSV_EXPANSION = 10
 
 
-def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
+def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None, str]:
     size, available = path.stat().st_size, _available_memory()
     if available is not None and CSV_EXPANSION * size > available:
         raise _TooLarge(
@@ -402,10 +406,10 @@ def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
         raise ValueError(f"every CSV cell after the header must be a number ({err}).") from None
     if table.ndim != 2 or table.shape[1] != len(header):
         raise ValueError(f"every CSV row must have {len(header)} cells, like the header.")
-    if not label_cols:
-        return table, None
-    score_cols = [i for i in range(len(header)) if i != label_cols[0]]
-    return table[:, score_cols], table[:, label_cols[0]]
+    index = header[0] == "" and np.array_equal(table[:, 0], np.arange(table.shape[0]))
+    note = "; the first column (no name, 0..N-1) is a row index as pandas writes it, left out" if index else ""
+    score_cols = [i for i in range(int(index), len(header)) if not (label_cols and i == label_cols[0])]
+    return table[:, score_cols], table[:, label_cols[0]] if label_cols else None, note
 
 
 def _is_number(cell: str) -> bool:

@@ -21,7 +21,7 @@ import sys
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from torchcal import __version__
 
@@ -53,7 +53,7 @@ class UsageError(ValueError):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line instead of usage + message
+    def error(self, message: str) -> NoReturn:  # one line instead of usage + message
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
@@ -227,15 +227,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     options = (settings.get("options") or {}).get(method, {})
     make_calibrator(method, **options)  # bad names and options fail before the data are read
     scores = _load(args.scores, args, priors=_binary_priors(settings.get("priors")))
+    labels = scores.labels
+    assert labels is not None  # load_scores requires them here
     priors = parse_priors(settings.get("priors"), scores.num_classes)
     if not args.quiet:
         print(f"fitting {method} on {scores.num_samples} samples ...", file=sys.stderr, flush=True)
-    calibrator = fit_calibrator(method, options, scores.logits, scores.labels, priors=priors)
+    calibrator = fit_calibrator(method, options, scores.logits, labels, priors=priors)
     save_calibrator(args.save, method, calibrator, options)
     if not args.quiet:
         with torch.no_grad():
-            after = cross_entropy(calibrator(scores.logits), scores.labels, priors=priors, normalize=True)
-        before = cross_entropy(scores.logits, scores.labels, priors=priors, normalize=True)
+            after = cross_entropy(calibrator(scores.logits), labels, priors=priors, normalize=True)
+        before = cross_entropy(scores.logits, labels, priors=priors, normalize=True)
         print(f"fitted {method} on {scores.num_samples} samples ({scores.num_classes} classes; scores read as "
               f"{scores.read_as}); NCE on these same samples {float(before):.3f} -> {float(after):.3f} "
               f"(optimistic: use `torchcal evaluate` for an honest estimate)")
@@ -267,7 +269,7 @@ def _write_calibrated(path: Path, log_probs: torch.Tensor, labels: torch.Tensor 
         np.savetxt(path, table, fmt=formats, delimiter=",", header=",".join(names + ([] if labels is None else ["label"])),
                    comments="")
         return
-    out = {"logits": log_probs.float(), "probs": log_probs.exp().float()}
+    out: dict[str, Any] = {"logits": log_probs.float(), "probs": log_probs.exp().float()}
     if labels is not None:
         out["labels"] = labels
     if suffix == ".pt":

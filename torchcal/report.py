@@ -281,12 +281,14 @@ class Report:
     def _figures(self, folder: Path, progress: bool) -> list[Path]:
         from torchcal import plots
 
-        systems = {"raw": self.logits} | self.calibrated
-        best = {"raw": self.logits} | ({self.best: self.calibrated[self.best]} if self.best else {})
+        logits, labels = self.logits, self.labels
+        assert logits is not None and labels is not None  # save() draws only then
+        systems = {"raw": logits} | self.calibrated
+        best = {"raw": logits} | ({self.best: self.calibrated[self.best]} if self.best else {})
         drawings = {
-            "reliability_top_label.png": lambda: plots.reliability_diagram(systems, self.labels),
-            "reliability_per_class.png": lambda: plots.classwise_reliability(best, self.labels),
-            "bayes_risk.png": lambda: plots.bayes_risk_curves(best, self.labels, priors=self._priors_tensor()),
+            "reliability_top_label.png": lambda: plots.reliability_diagram(systems, labels),
+            "reliability_per_class.png": lambda: plots.classwise_reliability(best, labels),
+            "bayes_risk.png": lambda: plots.bayes_risk_curves(best, labels, priors=self._priors_tensor()),
         }
         written = []
         for name, draw in tqdm(drawings.items(), desc="figures", disable=None if progress else True, leave=False):
@@ -508,7 +510,8 @@ def evaluate(
         protocol=protocol, priors=None if priors is None else priors.tolist(),
         costs_name=costs_name or ("0-1" if is_zero_one else "custom"),
         costs=None if is_zero_one else costs.tolist(), bootstrap=bootstrap, raw=raw, methods=results, best=best,
-        lowest=lowest if versus is not None else None, lowest_vs_temperature=versus, calibrator=fitted.get(best), method_options={m: method_options.get(m, {}) for m in methods},
+        lowest=lowest if versus is not None else None, lowest_vs_temperature=versus,
+        calibrator=None if best is None else fitted[best], method_options={m: dict(method_options.get(m, {})) for m in methods},
         logits=logits, labels=labels, calibrated=calibrated,
     )
 

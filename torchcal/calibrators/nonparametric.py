@@ -71,6 +71,8 @@ class HistogramBinning(_OneVsRest):
     """
 
     _buffer_names = ("edges", "values")
+    edges: Tensor
+    values: Tensor
 
     def __init__(self, n_bins: int = 15, strategy: str = "uniform") -> None:
         super().__init__()
@@ -157,6 +159,8 @@ class IsotonicCalibration(_OneVsRest):
     """
 
     _buffer_names = ("thresholds", "values")
+    thresholds: Tensor
+    values: Tensor
 
     def __init__(self, eps: float = 1e-7) -> None:
         super().__init__()
@@ -177,8 +181,8 @@ class IsotonicCalibration(_OneVsRest):
     def _fit(self, probs, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
         columns = self._columns(probs.shape[1])
         targets, sample_w = self._targets(labels, columns, weights)
-        p, targets, sample_w = probs[:, columns].cpu().numpy(), targets.cpu().numpy(), sample_w.cpu().numpy()
-        blocks = [pool_adjacent_violators(p[:, i], targets[:, i], sample_w) for i in range(len(columns))]
+        scores, hits, w = probs[:, columns].cpu().numpy(), targets.cpu().numpy(), sample_w.cpu().numpy()
+        blocks = [pool_adjacent_violators(scores[:, i], hits[:, i], w) for i in range(len(columns))]
         length = max(len(b[0]) for b in blocks)
         thresholds = np.full((len(columns), length), np.inf)
         values = np.empty((len(columns), length))

@@ -458,14 +458,13 @@ _ONE_COLUMN_KINDS = {
 
 def _one_column_to_logits(values: Tensor, kind: InputKind, reason: str, priors: Any) -> tuple[Tensor, str]:
     if kind == "auto":
+        options: tuple[str, ...] = ()
         if _in_unit_interval(values):
             options = ("probs", "llr")
             found = "every value in [0, 1]"
         elif bool((values <= 0).all()):  # exp of every value is a probability
             options = ("log_probs", "llr")
             found = "every value <= 0"
-        else:
-            options = ()
         if options:
             choices = " or ".join(_ONE_COLUMN_KINDS[k] for k in options)
             raise ValueError(f"one score column with {found}: say whether it holds {choices}.")

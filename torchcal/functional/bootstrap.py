@@ -181,6 +181,7 @@ def _sums_per_replicate(keys: Tensor, values: list[Tensor], num_keys: int, index
 
 def _replicates(terms: SumDecomposition | BinDecomposition, num_replicates: int, seed: int, strata: Tensor | None) -> Tensor:
     """The metric on each of ``num_replicates`` resamples, from the sums of their decompositions."""
+    shape: tuple[int, ...]
     if isinstance(terms, SumDecomposition):  # reduce(sums, counts), each (b, K)
         keys, shape = terms.labels, (terms.num_classes,)
         values = [terms.per_sample, torch.ones_like(terms.per_sample)]

@@ -49,7 +49,7 @@ def test_bundled_example_matches_the_published_numbers():
 
 
 def test_bundled_example_is_the_shared_file(real):
-    shared = real("cifar10_resnet110_kangsepp")
+    shared = real("cifar10_resnet110_kangsepp", bundled=False)
     with np.load(EXAMPLE_PATH) as bundled:
         for key in ("logits", "labels", "logits_val", "labels_val"):
             np.testing.assert_array_equal(bundled[key], shared[key])
@@ -317,3 +317,16 @@ def test_csv_written_by_pandas_with_its_index(tmp_path):
     assert load_scores(tmp_path / "named.csv").num_classes == 11
     frame.set_index(frame.index + 1).to_csv(tmp_path / "shifted.csv")
     assert load_scores(tmp_path / "shifted.csv").num_classes == 11
+
+
+def test_tests_use_the_bundled_file_without_the_shared_folder(tmp_path, monkeypatch):
+    import conftest
+
+    monkeypatch.setattr(conftest, "REAL_DATA", tmp_path)  # a fresh clone: no ../shared beside it
+    data = conftest.load_real("cifar10_resnet110_kangsepp")
+    with np.load(EXAMPLE_PATH) as bundled:
+        np.testing.assert_array_equal(data["logits_val"], bundled["logits_val"])
+    with pytest.raises(pytest.skip.Exception, match=r"cifar10_resnet20_ferrer.npz not found in .*shared/data/real .*SOURCES.md.*TORCHCAL_REAL_DATA"):
+        conftest.load_real("cifar10_resnet20_ferrer")
+    with pytest.raises(pytest.skip.Exception, match="cifar10_resnet110_kangsepp.npz not found"):
+        conftest.load_real("cifar10_resnet110_kangsepp", bundled=False)

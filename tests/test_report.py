@@ -111,6 +111,8 @@ def test_table_json_csv_and_calibrator_files(small, tmp_path):
     rows = list(csv.DictReader((tmp_path / "report.csv").open()))
     assert [r["system"] for r in rows] == ["raw", "temperature", "affine"]
     assert float(rows[2]["rcl_percent"]) == pytest.approx(report.methods[1].relative_calibration_loss)
+    assert float(rows[0]["cross_entropy_nats"]) == pytest.approx(float(cross_entropy(*test)), rel=1e-12)
+    assert float(rows[1]["brier"]) == pytest.approx(float(brier_score(report.calibrated["temperature"], test[1])), rel=1e-12)
     method, calibrator = load_calibrator(tmp_path / "calibrator.pt")
     assert method == report.best
     torch.testing.assert_close(calibrator(test[0]), report.calibrated[report.best])

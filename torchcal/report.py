@@ -274,7 +274,8 @@ class Report:
         """One row per system (raw, then each method) with every metric and interval."""
         header = ["system", "nce", "nce_lower", "nce_upper", "nbs", "nbs_lower", "nbs_upper",
                   "error_rate", "error_rate_lower", "error_rate_upper", "nec", "nec_lower", "nec_upper",
-                  "ece_percent", "ecd", "calibration_loss_nce", "rcl_percent", "rcl_brier_percent"]
+                  "ece_percent", "ecd", "calibration_loss_nce", "rcl_percent", "rcl_brier_percent",
+                  "cross_entropy_nats", "brier"]
         rows = [_csv_row("raw", self.raw, None)] + [_csv_row(m.method, m.quality, m) for m in self.methods]
         return "\n".join(",".join(map(str, row)) for row in [header, *rows]) + "\n"
 
@@ -398,7 +399,8 @@ def _csv_row(name: str, q: Quality, m: MethodResult | None) -> list[Any]:
 
     losses = ["", "", ""] if m is None else [m.calibration_loss, m.relative_calibration_loss,
                                              m.relative_calibration_loss_brier]
-    return [name, *triple(q.nce), *triple(q.nbs), *triple(q.error_rate), *triple(q.nec), q.ece, q.ecd, *losses]
+    return [name, *triple(q.nce), *triple(q.nbs), *triple(q.error_rate), *triple(q.nec), q.ece, q.ecd, *losses,
+            q.cross_entropy, q.brier]
 
 
 # --- the workflow ----------------------------------------------------------------------------------

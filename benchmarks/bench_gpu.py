@@ -41,7 +41,7 @@ from bench_common import PROBLEMS, dirichlet_odir
 from bench_temperature import gpleiss
 
 import torchcal
-from torchcal._sync_count import count_host_syncs
+from tests.sync_count import count_host_syncs
 from torchcal.metrics import PosteriorQuality
 
 DEVICE = torch.device("cuda")

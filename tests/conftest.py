@@ -9,14 +9,24 @@ import numpy as np
 import pytest
 import torch
 
+from torchcal.data import EXAMPLE_PATH
+
 REAL_DATA = Path(os.environ.get("TORCHCAL_REAL_DATA", Path(__file__).resolve().parents[2] / "shared" / "data" / "real"))
 
 
-def load_real(name: str) -> dict[str, np.ndarray]:
-    """Load ``<name>.npz`` from the shared real-data folder, skipping the test if it is absent."""
+def load_real(name: str, bundled: bool = True) -> dict[str, np.ndarray]:
+    """Load ``<name>.npz`` from the shared real-data folder; the file torchcal bundles
+    (``torchcal/data/examples``) stands in for its shared copy unless ``bundled=False``. A test
+    whose file is found in neither place is skipped, saying where the data come from."""
     path = REAL_DATA / f"{name}.npz"
+    if not path.exists() and bundled and EXAMPLE_PATH.name == path.name:
+        path = EXAMPLE_PATH
     if not path.exists():
-        pytest.skip(f"real data not found at {path} (set TORCHCAL_REAL_DATA)")
+        pytest.skip(
+            f"real data {path.name} not found in {REAL_DATA}: these tests need the real classifier outputs the "
+            f"project keeps beside the clone in ../shared/data/real (converted from public repositories, provenance "
+            f"in its SOURCES.md); set TORCHCAL_REAL_DATA to a folder holding them"
+        )
     with np.load(path, allow_pickle=False) as f:
         return {k: f[k] for k in f.files}
 

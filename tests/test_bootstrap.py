@@ -59,7 +59,8 @@ def test_fast_path_equals_the_loop(data, metric_fn, kwargs):
     logits, labels = data
     assert bootstrap_module._decomposition(metric_fn, kwargs) is not None
     fast = bootstrap(metric_fn, logits, labels, num_replicates=40, seed=3, **kwargs)
-    loop = bootstrap(lambda z, y, **kw: metric_fn(z, y, **kw), logits, labels, num_replicates=40, seed=3, **kwargs)
+    stratify = bootstrap_module._weighs_classes(metric_fn, kwargs)  # a lambda hides what it computes
+    loop = bootstrap(lambda z, y, **kw: metric_fn(z, y, **kw), logits, labels, num_replicates=40, seed=3, stratify=stratify, **kwargs)
     assert fast.estimate.item() == pytest.approx(metric_fn(logits, labels, **kwargs).item(), rel=1e-14)
     torch.testing.assert_close(fast.replicates, loop.replicates, rtol=1e-12, atol=1e-14)
     assert fast.replicates.std() > 0
@@ -169,9 +170,44 @@ def test_bootstrap_rejects_mismatched_data(data):
         bootstrap(cross_entropy, logits, labels + 4)
 
 
-def test_missing_class_in_a_replicate_is_reported():
+def test_missing_class_in_a_replicate_is_reported_without_stratification():
     logits = torch.zeros(50, 2)
     labels = torch.zeros(50, dtype=torch.long)
     labels[0] = 1  # the rare class is absent from most replicates
     with pytest.raises(ValueError, match="no sample"):
-        bootstrap(cross_entropy, logits, labels, num_replicates=20, priors=torch.tensor([0.5, 0.5]))
+        bootstrap(cross_entropy, logits, labels, num_replicates=20, priors=torch.tensor([0.5, 0.5]), stratify=False)
+
+
+def rare_class_data(n=6752, rare=6, seed=0):
+    """Nine classes, the last one with only ``rare`` samples (as a rare finding in medical data)."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 8, (n,), generator=g)
+    labels[torch.randperm(n, generator=g)[:rare]] = 8
+    logits = torch.randn(n, 9, generator=g, dtype=torch.float64)
+    logits[torch.arange(n), labels] += 1.5
+    return logits, labels
+
+
+@pytest.mark.parametrize("metric_fn, kwargs", [(cross_entropy, {"priors": torch.full((9,), 1 / 9)}), (balanced_error_rate, {}),
+                                               (error_rate, {})])
+def test_prior_weighted_metrics_resample_within_each_class(metric_fn, kwargs):
+    logits, labels = rare_class_data()
+    result = bootstrap(metric_fn, logits, labels, num_replicates=400, seed=1, **kwargs)
+    counts = torch.bincount(labels)
+    stratified = bootstrap_module._weighs_classes(metric_fn, kwargs)
+    for chunk in resample_indices(labels.shape[0], 400, 1, labels if stratified else None):
+        drawn = torch.stack([torch.bincount(labels[i], minlength=9) for i in chunk])
+        assert torch.equal(drawn, counts.expand_as(drawn)) == stratified
+        by_hand = [metric_fn(logits[i], labels[i], **kwargs).item() for i in chunk[:20]]
+        assert result.replicates[:20].tolist() == pytest.approx(by_hand, rel=1e-12)
+
+
+def test_stratified_interval_of_the_balanced_error_rate():
+    """Stratified, BER = mean of K independent per-class error rates: its standard error is
+    sqrt(sum_k p_k (1 - p_k) / n_k) / K, dominated here by the rare class."""
+    logits, labels = rare_class_data(n=4000, rare=40)
+    result = bootstrap(balanced_error_rate, logits, labels, num_replicates=3000, seed=0)
+    wrong = (logits.argmax(1) != labels).double().numpy()
+    y = labels.numpy()
+    variance = sum(wrong[y == k].mean() * (1 - wrong[y == k].mean()) / (y == k).sum() for k in range(9)) / 81
+    assert (result.upper - result.lower).item() == pytest.approx(2 * 1.96 * variance**0.5, rel=0.08)

@@ -143,7 +143,7 @@ def test_demo_on_the_bundled_example(capsys, tmp_path):
         ("ok", ["evaluate", "{file}", "--config", "no-such-config"], "no config 'no-such-config'"),
         ("ok", ["evaluate", "{file}", "--cv", "3", "--calibration", "{file}"], "not allowed with argument --cv"),
         ("ok", ["evaluate", "{file}", "--bootstrap", "many"], "invalid int value: 'many'"),
-        ("ok", ["calibrate", "{file}", "--method", "magic", "--save", "{tmp}/h.pt"], "invalid choice: 'magic'"),
+        ("ok", ["calibrate", "{file}", "--method", "magic", "--save", "{tmp}/h.pt"], "unknown method 'magic'; choose from temperature, affine"),
         ("ok", ["apply", "{file}", "{file}", "--out", "{tmp}/x.npz"], "not a readable torch file"),
         ("ok", ["evaluate"], "the following arguments are required: SCORES"),
     ],
@@ -155,7 +155,7 @@ def test_bad_input_exits_2_with_one_line(make, argv, message, tmp_path, capsys, 
         np.savez(file, logits=logits, labels=labels)
     elif make is not None:
         np.savez(file, **{k: np.asarray(v) for k, v in make.items()})
-    argv = [a.format(tmp=tmp_path, file=file) for a in argv] + ["--out" if argv[0] != "apply" else "--quiet"]
+    argv = [a.format(tmp=tmp_path, file=file) for a in argv] + ["--out" if argv[0] not in ("apply", "calibrate") else "--quiet"]
     argv += [str(tmp_path / "o")] if argv[-1] == "--out" else []
     code, out, err = run(capsys, *argv)
     assert code == 2
@@ -170,3 +170,76 @@ def test_python_dash_m_exit_code(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.strip() == f"torchcal: error: no such file: {tmp_path / 'none.npz'}"
+
+
+def test_uniform_priors_with_a_rare_class_under_the_default_bootstrap(tmp_path, capsys):
+    """3 of 3,000 samples in the rarest class: 5 % of plain resamples miss it, the stratified bootstrap
+    that prior-weighted metrics use never does (see torchcal.functional.bootstrap)."""
+    rs = np.random.RandomState(0)
+    labels = rs.randint(0, 3, 3000)
+    labels[rs.permutation(3000)[:3]] = 3
+    logits = rs.standard_normal((3000, 4)).astype(np.float32)
+    logits[np.arange(3000), labels] += 2
+    np.savez(tmp_path / "rare.npz", logits=logits, labels=labels)
+    code, out, err = run(capsys, "evaluate", tmp_path / "rare.npz", "--method", "temperature", "--priors", "uniform",
+                         "--no-figures", "--quiet", "--out", tmp_path / "o")
+    assert code == 0, err
+    assert "(95 % bootstrap intervals, 1000 replicates)" in out
+
+
+# --- packaged presets, output formats, a light --help ------------------------------------------------
+
+@pytest.mark.parametrize("spec", ["quick", "configs/quick.yaml", "./configs/quick.yaml"])
+def test_presets_by_name_or_repository_path_from_any_directory(spec, scores_file, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no configs/ folder here
+    code, out, err = run(capsys, "evaluate", scores_file, "--config", spec, "--bootstrap", "0", "--no-figures",
+                         "--quiet", "--out", tmp_path / "o")
+    assert code == 0, err
+    assert "3-fold stratified cross-validation" in out and "temperature" in out and "affine" in out
+
+
+def test_a_config_path_that_is_no_preset_is_an_error(scores_file, capsys, tmp_path):
+    for spec in ("elsewhere/quick.yaml", str(tmp_path / "configs" / "quick.yaml")):
+        code, _, err = run(capsys, "evaluate", scores_file, "--config", spec, "--out", tmp_path / "o")
+        assert code == 2 and f"no config '{spec}': not a file, and not one of abstain, binary" in err
+
+
+def test_apply_writes_the_format_its_extension_names(scores_file, capsys, tmp_path):
+    from torchcal.data import load_scores
+
+    head = tmp_path / "head.pt"
+    assert run(capsys, "calibrate", scores_file, "--method", "affine", "--save", head, "--quiet")[0] == 0
+    _, calibrator = load_calibrator(head)
+    scores = load_scores(scores_file)
+    with torch.no_grad():
+        expected = calibrator(scores.logits)
+    code, out, _ = run(capsys, "apply", head, scores_file, "--out", tmp_path / "cal.csv")
+    assert code == 0 and f"posteriors, one column per class (prob_0, prob_1, ...) to {tmp_path / 'cal.csv'}" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.csv", "head.pt", "scores.npz"]
+    table = np.genfromtxt(tmp_path / "cal.csv", delimiter=",", names=True)
+    assert table.dtype.names == ("prob_0", "prob_1", "prob_2", "label")
+    np.testing.assert_allclose(np.stack([table[f"prob_{k}"] for k in range(3)], 1), expected.exp().numpy(), rtol=1e-8)
+    assert load_scores(tmp_path / "cal.csv").read_as.startswith("probabilities (every row lies in [0, 1]")
+    code, _, _ = run(capsys, "apply", head, scores_file, "--out", tmp_path / "cal.pt", "--quiet")
+    saved = torch.load(tmp_path / "cal.pt")
+    assert code == 0 and sorted(saved) == ["labels", "logits", "probs"]
+    torch.testing.assert_close(saved["logits"], expected.float())
+    code, _, err = run(capsys, "apply", head, scores_file, "--out", tmp_path / "cal.parquet")
+    assert code == 2 and "--out" in err and "unsupported extension '.parquet'; use .npz, .pt, .csv" in err
+    assert not (tmp_path / "cal.parquet").exists() and not (tmp_path / "cal.parquet.npz").exists()
+
+
+def test_calibrate_says_what_it_is_fitting(scores_file, capsys, tmp_path):
+    code, out, err = run(capsys, "calibrate", scores_file, "--method", "temperature", "--save", tmp_path / "h.pt")
+    assert code == 0 and err == "fitting temperature on 600 samples ...\n" and "saved to" in out
+
+
+def test_help_imports_nothing_beyond_the_package():
+    """`torchcal --help` builds no subcommand's options, so it imports neither numpy, yaml nor the
+    workflow; only what `import torchcal` itself imports."""
+    code = ("import sys, torchcal; before = set(sys.modules); from torchcal.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "new = sorted(m for m in set(sys.modules) - before if m.split('.')[0] in ('numpy', 'yaml', 'torchcal', 'torch', 'tqdm'))\n"
+            "print(new)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "evaluate" in result.stdout and result.stdout.strip().splitlines()[-1] == "['torchcal.cli']"

@@ -7,9 +7,9 @@ import warnings
 
 import pytest
 import torch
+from sync_count import count_host_syncs
 
 import torchcal
-from torchcal._sync_count import count_host_syncs
 from torchcal.data import EXAMPLE_PATH, load_scores
 from torchcal.metrics import BrierScore, CalibrationError, CrossEntropy, PosteriorQuality
 

@@ -49,7 +49,7 @@ def test_bundled_example_matches_the_published_numbers():
 
 
 def test_bundled_example_is_the_shared_file(real):
-    shared = real("cifar10_resnet110_kangsepp")
+    shared = real("cifar10_resnet110_kangsepp", bundled=False)
     with np.load(EXAMPLE_PATH) as bundled:
         for key in ("logits", "labels", "logits_val", "labels_val"):
             np.testing.assert_array_equal(bundled[key], shared[key])
@@ -123,7 +123,7 @@ def test_binary_one_column(tmp_path):
     llr = np.array([-3.0, 0.5, 2.0])
     np.savez(tmp_path / "llr.npz", logits=llr, labels=[0, 1, 1])
     scores = load_scores(tmp_path / "llr.npz")
-    assert scores.read_as.startswith("binary log-likelihood ratios (one score column with values outside")
+    assert scores.read_as.startswith("binary log-likelihood ratios (one score column with values above 1 or of both signs")
     np.testing.assert_allclose(scores.logits.softmax(1)[:, 1].numpy(), 1 / (1 + np.exp(-llr)))
     with_priors = load_scores(tmp_path / "llr.npz", priors=[0.9, 0.1])
     np.testing.assert_allclose(with_priors.logits.softmax(1)[:, 1].numpy(), 1 / (1 + 9 * np.exp(-llr)))
@@ -132,6 +132,73 @@ def test_binary_one_column(tmp_path):
         load_scores(tmp_path / "p.npz")
     probs = load_scores(tmp_path / "p.npz", input="probs")
     np.testing.assert_allclose(probs.logits.softmax(1)[:, 1].numpy(), [0.1, 0.7, 0.9])
+
+
+def _bundled_probabilities(n=2000):
+    with np.load(EXAMPLE_PATH) as f:
+        z, y = f["logits"][:n].astype(np.float64), f["labels"][:n]
+    p = np.exp(z - z.max(1, keepdims=True))
+    return p / p.sum(1, keepdims=True), y
+
+
+def _write_csv(path, probs, labels, decimals):
+    header = ",".join(f"p{k}" for k in range(probs.shape[1])) + ",label\n"
+    path.write_text(header + "".join(",".join(f"{v:.{decimals}f}" for v in row) + f",{y}\n" for row, y in zip(probs, labels)))
+
+
+def test_probabilities_written_with_four_decimals_are_detected(tmp_path):
+    """Rounded to 4 decimals, 10 columns sum to 1 within 5e-4: still provably probabilities."""
+    probs, labels = _bundled_probabilities()
+    _write_csv(tmp_path / "p4.csv", probs, labels, 4)
+    rounded = np.loadtxt(tmp_path / "p4.csv", delimiter=",", skiprows=1)[:, :-1]
+    assert np.abs(rounded.sum(1) - 1).max() > 1e-4  # the case the old 1e-4 tolerance read as logits
+    scores = load_scores(tmp_path / "p4.csv")
+    assert scores.read_as.startswith("probabilities (every row lies in [0, 1]")
+    floored = np.maximum(rounded, 1e-20)
+    log_p = np.log(floored / floored.sum(1, keepdims=True))
+    assert _nll(scores.logits, scores.labels) == pytest.approx(-log_p[np.arange(len(labels)), labels].mean(), rel=1e-12)
+    assert load_scores(tmp_path / "p4.csv", input="probs").logits.equal(scores.logits)
+
+
+def test_rounded_probabilities_are_named_and_renormalised_on_request(tmp_path):
+    probs, labels = _bundled_probabilities()
+    _write_csv(tmp_path / "p2.csv", probs, labels, 2)
+    rounded = np.loadtxt(tmp_path / "p2.csv", delimiter=",", skiprows=1)[:, :-1]
+    deviation = np.abs(rounded.sum(1) - 1).max()
+    assert 1e-3 < deviation < 0.05
+    detected = load_scores(tmp_path / "p2.csv")
+    assert detected.read_as.startswith(f"logits, although every row lies in [0, 1] and sums to 1 within {deviation:.2g}")
+    assert "pass input='probs' (--input probs) to renormalise the rows" in detected.read_as
+    forced = load_scores(tmp_path / "p2.csv", input="probs")
+    assert f"rows renormalised, they summed to 1 only within {deviation:.2g}" in forced.read_as
+    renormalised = np.maximum(rounded / rounded.sum(1, keepdims=True), 1e-20)
+    np.testing.assert_allclose(forced.logits.numpy(), np.log(renormalised), rtol=1e-12)
+    bad = probs.copy()
+    bad[0] = bad[0] * 0.8  # a row summing to 0.8 is no rounding error
+    np.savez(tmp_path / "bad.npz", logits=bad, labels=labels)
+    assert load_scores(tmp_path / "bad.npz").read_as == "logits"
+    with pytest.raises(ValueError, match="row 0 sums to 0.8"):
+        load_scores(tmp_path / "bad.npz", input="probs")
+
+
+def test_one_column_of_log_probabilities_of_class_1(real, tmp_path):
+    data = real("sst2_gpt2-0shot_ferrer")  # log-posteriors; SOURCES.md: accuracy 0.5865
+    log_p1 = data["logits"][:, 1].astype(np.float64)
+    np.savez(tmp_path / "logits.npz", logits=log_p1, labels=data["labels"])
+    with pytest.raises(ValueError, match=r"every value <= 0: say whether it holds log-probabilities of class 1 "
+                                         r"\(input='log_probs', --input log_probs\) or LLRs"):
+        load_scores(tmp_path / "logits.npz")
+    np.savez(tmp_path / "log_probs.npz", log_probs=log_p1, labels=data["labels"])
+    for scores in (load_scores(tmp_path / "logits.npz", input="log_probs"), load_scores(tmp_path / "log_probs.npz")):
+        assert scores.read_as.startswith("binary log-probabilities of class 1")
+        error = float((scores.logits.argmax(1) != scores.labels).double().mean())
+        assert error == pytest.approx(1 - 0.5865, abs=5e-5)
+        np.testing.assert_allclose(scores.logits.softmax(1)[:, 1].numpy(), np.exp(log_p1), rtol=1e-12)
+    mixed = np.r_[log_p1[:-1], 0.5]  # one positive value: no log-probability, so LLRs
+    np.savez(tmp_path / "llr.npz", logits=mixed, labels=data["labels"])
+    assert load_scores(tmp_path / "llr.npz").read_as.startswith("binary log-likelihood ratios (one score column with values above 1 or of both signs")
+    with pytest.raises(ValueError, match="log-probabilities must be <= 0"):
+        load_scores(tmp_path / "llr.npz", input="log_probs")
 
 
 def test_binary_scores_to_logits_bayes_rule():
@@ -233,3 +300,33 @@ def test_scores_without_labels_load_only_when_allowed(tmp_path, small):
     torch.save(torch.from_numpy(small[0]), tmp_path / "new.pt")
     with pytest.raises(ValueError, match="holds scores only"):
         load_scores(tmp_path / "new.pt")
+
+
+def test_csv_written_by_pandas_with_its_index(tmp_path):
+    pd = pytest.importorskip("pandas")
+    probs, labels = _bundled_probabilities(300)
+    frame = pd.DataFrame(probs, columns=[f"p{k}" for k in range(10)]).assign(label=labels)
+    frame.to_csv(tmp_path / "with_index.csv")  # pandas' default writes the row index, unnamed, first
+    frame.to_csv(tmp_path / "without_index.csv", index=False)
+    with_index, without = load_scores(tmp_path / "with_index.csv"), load_scores(tmp_path / "without_index.csv")
+    assert with_index.num_classes == 10 and with_index.logits.equal(without.logits)
+    assert with_index.read_as == without.read_as + "; the first column (no name, 0..N-1) is a row index as pandas writes it, left out"
+    assert _nll(with_index.logits, with_index.labels) == pytest.approx(-np.log(probs[np.arange(300), labels]).mean(), rel=1e-8)
+    # a named first column, or one that is not 0..N-1, is data
+    frame.rename_axis("p_extra").to_csv(tmp_path / "named.csv")
+    assert load_scores(tmp_path / "named.csv").num_classes == 11
+    frame.set_index(frame.index + 1).to_csv(tmp_path / "shifted.csv")
+    assert load_scores(tmp_path / "shifted.csv").num_classes == 11
+
+
+def test_tests_use_the_bundled_file_without_the_shared_folder(tmp_path, monkeypatch):
+    import conftest
+
+    monkeypatch.setattr(conftest, "REAL_DATA", tmp_path)  # a fresh clone: no ../shared beside it
+    data = conftest.load_real("cifar10_resnet110_kangsepp")
+    with np.load(EXAMPLE_PATH) as bundled:
+        np.testing.assert_array_equal(data["logits_val"], bundled["logits_val"])
+    with pytest.raises(pytest.skip.Exception, match=r"cifar10_resnet20_ferrer.npz not found in .*shared/data/real .*SOURCES.md.*TORCHCAL_REAL_DATA"):
+        conftest.load_real("cifar10_resnet20_ferrer")
+    with pytest.raises(pytest.skip.Exception, match="cifar10_resnet110_kangsepp.npz not found"):
+        conftest.load_real("cifar10_resnet110_kangsepp", bundled=False)

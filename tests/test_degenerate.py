@@ -13,6 +13,7 @@ import time
 import warnings
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 
@@ -229,3 +230,76 @@ def test_iteration_cap_is_reported(name, make, options):
     with warnings.catch_warnings():
         warnings.simplefilter("error", torchcal.ConvergenceWarning)
         assert make().fit(logits, labels, **options).fit_record_.converged
+
+
+# --------------------------------------------------------------- probabilities saturated near 1
+def saturated_binary(n=600, seed=0):
+    """Binary logits whose P(class 1) sits within 1e-7..1e-11 of 1 for a third of the rows: in
+    float32 those probabilities all round to 1.0, in float64 they stay distinct."""
+    rs = np.random.RandomState(seed)
+    z = np.r_[rs.uniform(-4, 4, 2 * n // 3), rs.uniform(16, 25, n - 2 * n // 3)]
+    y = (rs.uniform(size=n) < 1 / (1 + np.exp(-(z - 20)))).astype(np.int64)  # miscalibrated above z=16
+    logits = np.stack([np.zeros(n), z], axis=1).astype(np.float32).astype(np.float64)
+    return logits, y
+
+
+@pytest.mark.parametrize("make", [torchcal.IsotonicCalibration, partial(torchcal.HistogramBinning, 10, "quantile")])
+def test_step_maps_are_the_same_for_float32_and_float64(make):
+    logits, y = saturated_binary()
+    labels = torch.from_numpy(y)
+    out = {}
+    for dtype in (torch.float32, torch.float64):
+        x = torch.tensor(logits, dtype=dtype)
+        cal = make().fit(x, labels)
+        lp = cal(x)
+        assert lp.dtype == dtype
+        out[dtype] = lp.double()
+    torch.testing.assert_close(out[torch.float32], out[torch.float64], rtol=1e-5, atol=1e-6)
+
+
+def test_isotonic_on_saturated_float32_matches_scikit_learn():
+    from sklearn.isotonic import IsotonicRegression
+
+    logits, y = saturated_binary()
+    cal = torchcal.IsotonicCalibration().fit(torch.tensor(logits, dtype=torch.float32), torch.from_numpy(y))
+    ours = ce(cal(torch.tensor(logits, dtype=torch.float32)).double(), torch.from_numpy(y))
+    p = 1 / (1 + np.exp(-logits[:, 1]))
+    q = IsotonicRegression(y_min=1e-7, y_max=1 - 1e-7, out_of_bounds="clip").fit(p, y).predict(p)
+    reference = -np.mean(np.log(np.where(y == 1, q, 1 - q)))
+    assert ours == pytest.approx(reference, rel=1e-6)
+
+
+# --------------------------------------------------------------------------- a fit that fails
+@pytest.mark.parametrize("name", sorted(MULTICLASS) + sorted(BINARY))
+def test_failed_fit_leaves_the_calibrator_as_it_was(name, monkeypatch):
+    """The fit runs to completion (changing every fitted tensor and attribute), then raises as an
+    interrupted or failing solver would: the module must be exactly as before the call."""
+    make = {**MULTICLASS, **BINARY}[name]
+    k = 2 if name in BINARY else 3
+    logits, labels = separable(k=k, margin=0.5)
+    other_logits = 3 * logits.flip(0)
+    cal = make()
+    real_fit = type(cal)._fit
+
+    def fit_then_fail(self, *args, **kwargs):
+        real_fit(self, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(cal), "_fit", fit_then_fail)
+    with pytest.raises(KeyboardInterrupt):
+        cal.fit(logits, labels)
+    assert not cal.is_fitted and cal.fit_record_ is None and not list(cal.parameters())
+    with pytest.raises(RuntimeError, match="not fitted"):
+        cal(logits)
+
+    monkeypatch.setattr(type(cal), "_fit", real_fit)
+    cal.fit(logits, labels)
+    before = {key: value.clone() for key, value in cal.state_dict().items() if isinstance(value, torch.Tensor)}
+    tensors, record, output = list(cal._tensors()), cal.fit_record_, cal(logits)
+    monkeypatch.setattr(type(cal), "_fit", fit_then_fail)
+    with pytest.raises(KeyboardInterrupt):
+        cal.fit(other_logits.float(), labels.flip(0), loss="brier")
+    after = cal.state_dict()
+    assert all(torch.equal(after[key], value) and after[key].dtype == value.dtype for key, value in before.items())
+    assert all(a is b for a, b in zip(cal._tensors(), tensors)) and cal.fit_record_ is record
+    assert torch.equal(cal(logits), output)

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import torchcal.metrics
 from torchcal.functional import (
     cross_entropy,
     entropic_calibration_difference,
@@ -20,7 +21,9 @@ from torchcal.functional import (
 )
 from torchcal.functional.diagnostics import (
     bin_indices,
+    calibration_error_terms,
     ecd_per_sample,
+    edge_tolerance,
     quantile_edges,
     uniform_bin_indices,
     uniform_edges,
@@ -63,6 +66,35 @@ def test_toy_confidence_values(toy):
     assert expected_calibration_error(logits, labels, n_bins=5).item() == pytest.approx(19 / 90, abs=1e-14)
     assert expected_calibration_error(logits, labels, n_bins=5, norm="max").item() == pytest.approx(0.3, abs=1e-14)
     assert error_rate(logits, labels).item() == pytest.approx(17 / 30, abs=1e-14)  # first-index argmax
+
+
+def test_toy_values_from_float32_log_probabilities(toy):
+    """float32 ``log(p)`` moves 0.8 to 0.8000000057 after the softmax: within float32's edge
+    tolerance, so the bins and the survey's exact values are those of float64."""
+    logits, labels = toy
+    logits = logits.float()
+    assert expected_calibration_error(logits, labels, n_bins=5).item() == pytest.approx(19 / 90, abs=1e-7)
+    assert expected_calibration_error(logits, labels, n_bins=5, kind="classwise").item() == pytest.approx(241 / 1350, abs=1e-7)
+    assert reliability_bins(logits, labels, n_bins=5).counts.tolist() == [0, 7, 10, 11, 2]
+    for metric in (torchcal.metrics.CalibrationError(3, n_bins=5), torchcal.metrics.CalibrationError(3, n_bins=5, kind="classwise")):
+        metric.update(logits, labels)
+        exact = 19 / 90 if metric.kind == "top-label" else 241 / 1350
+        assert metric.compute().item() == pytest.approx(exact, abs=1e-7)
+    quality = torchcal.metrics.PosteriorQuality(num_classes=3, n_bins=5)
+    quality.update(logits, labels)
+    assert quality.compute()["ece"].item() == pytest.approx(19 / 90, abs=1e-7)
+    decomposition = calibration_error_terms(logits, labels, n_bins=5)
+    assert decomposition.evaluate().item() == pytest.approx(19 / 90, abs=1e-7)
+
+
+def test_edge_tolerance_follows_the_precision():
+    assert edge_tolerance(torch.float64) == 1e-12
+    assert edge_tolerance(torch.float32) == edge_tolerance(torch.float16) == 64 * torch.finfo(torch.float32).eps
+    # a float32 score 2 ulps above 0.6 counts as 0.6 (bin 2 of 5); in float64 the same value is above it
+    above = torch.nextafter(torch.nextafter(torch.tensor([[0.6]]), torch.tensor(1.0)), torch.tensor(1.0))
+    assert bin_indices(above, uniform_edges(5)).item() == uniform_bin_indices(above, 5).item() == 2
+    assert bin_indices(above.double(), uniform_edges(5)).item() == uniform_bin_indices(above.double(), 5).item() == 3
+    assert bin_indices(above.double(), uniform_edges(5), edge_tolerance(torch.float32)).item() == 2
 
 
 def test_toy_per_bin_tables(toy):

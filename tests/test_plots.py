@@ -66,6 +66,16 @@ def test_classwise_reliability_one_panel_per_class(synthetic):
     fig, axes = classwise_reliability(torch.from_numpy(logits), torch.from_numpy(labels), n_bins=5)
     assert [ax.get_visible() for ax in axes.flat] == [True, True, True]
     assert "class 2" in axes.flat[2].get_xlabel()
+    assert fig.get_suptitle() == "Reliability per class: all 3 classes"
+
+
+def test_classwise_reliability_says_which_classes_it_shows(synthetic):
+    logits, labels = (torch.from_numpy(x) for x in synthetic(12, 600, seed=1))
+    fig, axes = classwise_reliability(logits, labels, n_bins=5)
+    assert fig.get_suptitle() == "Reliability per class: classes 0-9 of 12 (the first 10; classes= picks others)"
+    assert sum(ax.get_visible() for ax in axes.flat) == 10
+    fig, _ = classwise_reliability(logits, labels, classes=[11, 3], n_bins=5)
+    assert fig.get_suptitle() == "Reliability per class: classes 11, 3 of 12"
 
 
 def test_sweep_is_the_bayes_risk_of_the_documented_cost_family(synthetic):

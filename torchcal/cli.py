@@ -7,30 +7,43 @@
     torchcal apply head.pt SCORES --out calibrated.npz
 
 Bad files and bad options end with one line on stderr, ``torchcal: error: ...``, and exit code 2.
+
+The heavy modules (torch, numpy, the workflow) are imported by the commands that use them, and a
+subcommand's options are built only when that subcommand is named, so ``torchcal --help`` imports
+none of them.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
-
-import numpy as np
-import torch
-import yaml
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from torchcal import __version__
-from torchcal.data import EXAMPLE_PATH, Scores, has_split, load_scores
-from torchcal.functional import cross_entropy, zero_one_costs
-from torchcal.report import METHODS, evaluate, load_calibrator, make_calibrator, save_calibrator
+
+if TYPE_CHECKING:
+    from importlib.abc import Traversable
+
+    import torch
+
+    from torchcal.data import Scores
 
 __all__ = ["CONFIG_DIR", "load_config", "main", "parse_costs", "parse_priors"]
 
-#: Named configurations (``--config NAME``): the repository's ``configs/`` folder.
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+def _config_dir() -> Traversable:
+    try:  # installed: the package torchcal.configs, which setuptools maps to the repository's configs/
+        return importlib.resources.files("torchcal.configs")
+    except ModuleNotFoundError:  # a source checkout on sys.path
+        return Path(__file__).resolve().parents[1] / "configs"
+
+
+#: Named configurations (``--config NAME``), shipped in the package.
+CONFIG_DIR = _config_dir()
 CONFIG_KEYS = {"description", "methods", "cv", "priors", "costs", "bootstrap", "seed", "options"}
 DEMO_METHODS = ["temperature", "affine", "vector", "dirichlet-odir"]
 
@@ -40,7 +53,7 @@ class UsageError(ValueError):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line instead of usage + message
+    def error(self, message: str) -> NoReturn:  # one line instead of usage + message
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
@@ -48,6 +61,8 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_priors(spec: Any, num_classes: int) -> torch.Tensor | None:
     """``None``/``"data"`` (class frequencies), ``"uniform"``, or K comma-separated numbers / a list."""
+    import torch
+
     if spec is None or spec == "data":
         return None
     if spec == "uniform":
@@ -64,6 +79,11 @@ def parse_priors(spec: Any, num_classes: int) -> torch.Tensor | None:
 def parse_costs(spec: Any, num_classes: int) -> tuple[torch.Tensor, str]:
     """A cost matrix and its name from ``"0-1"``, ``"abstain:ALPHA"`` (0-1 plus an abstain decision
     costing ALPHA), a (K, M) nested list, or a ``.csv``/``.txt``/``.npy`` file holding the matrix."""
+    import numpy as np
+    import torch
+
+    from torchcal.functional import zero_one_costs
+
     if spec is None or spec == "0-1":
         return zero_one_costs(num_classes), "0-1"
     if isinstance(spec, list):
@@ -86,13 +106,19 @@ def parse_costs(spec: Any, num_classes: int) -> tuple[torch.Tensor, str]:
 
 
 def load_config(name: str | Path) -> dict[str, Any]:
-    """Read a YAML configuration: a file path, or a name in :data:`CONFIG_DIR`."""
-    path = Path(name)
+    """Read a YAML configuration: a file, or a preset shipped in :data:`CONFIG_DIR` named by its name
+    (``quick``) or by its path in the repository (``configs/quick.yaml``, from any directory)."""
+    import yaml
+
+    path: Path | Traversable = Path(name)
     if not path.is_file():
-        path = CONFIG_DIR / f"{name}.yaml"
-    if not path.is_file():
-        available = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.is_dir() else []
-        raise UsageError(f"no config {name!r}: not a file, and not one of {', '.join(available) or 'none'}.")
+        given = Path(name)
+        bare = given.suffix == "" and given.parent == Path(".")
+        in_configs = given.suffix in (".yaml", ".yml") and not given.is_absolute() and given.parent.name == "configs"
+        path = CONFIG_DIR / (f"{given.name}.yaml" if bare else given.name)
+        if not ((bare or in_configs) and path.is_file()):
+            available = sorted(p.name.removesuffix(".yaml") for p in CONFIG_DIR.iterdir() if p.name.endswith(".yaml"))
+            raise UsageError(f"no config {str(name)!r}: not a file, and not one of {', '.join(available) or 'none'}.")
     try:
         config = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
@@ -105,6 +131,8 @@ def load_config(name: str | Path) -> dict[str, Any]:
 
 def _methods(spec: Any, num_classes: int) -> list[str]:
     """Method names from ``"a,b"`` or a list; ``"all"`` is every method that fits K classes."""
+    from torchcal.report import METHODS
+
     names = spec.split(",") if isinstance(spec, str) else list(spec)
     if names == ["all"]:
         binary_only = {"platt", "beta"}
@@ -118,6 +146,8 @@ def _methods(spec: Any, num_classes: int) -> list[str]:
 # --- commands --------------------------------------------------------------------------------------
 
 def _load(path: str, args: argparse.Namespace, priors: Any = None, **kwargs: Any) -> Scores:
+    from torchcal.data import load_scores
+
     return load_scores(path, labels_path=getattr(args, "labels", None), input=args.input, priors=priors, **kwargs)
 
 
@@ -138,6 +168,9 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | None, default_methods: Sequence[str]) -> int:
+    from torchcal.data import has_split, load_scores
+    from torchcal.report import evaluate
+
     settings = _settings(args)
     raw_priors = settings.get("priors")
     scores = _load(scores_path, args, priors=_binary_priors(raw_priors))
@@ -173,6 +206,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from torchcal.data import EXAMPLE_PATH, load_scores
+
     if not args.quiet:
         print(f"demo: ResNet-110 CIFAR-10 logits (Kängsepp, MIT), bundled at {EXAMPLE_PATH}\n"
               f"calibrators fitted on its 5000-sample validation split, evaluated on its 10000 test samples\n")
@@ -182,17 +217,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    import torch
+
+    from torchcal.functional import cross_entropy
+    from torchcal.report import fit_calibrator, make_calibrator, save_calibrator
+
     settings = _settings(args)
-    scores = _load(args.scores, args, priors=_binary_priors(settings.get("priors")))
     method = args.method
     options = (settings.get("options") or {}).get(method, {})
+    make_calibrator(method, **options)  # bad names and options fail before the data are read
+    scores = _load(args.scores, args, priors=_binary_priors(settings.get("priors")))
+    labels = scores.labels
+    assert labels is not None  # load_scores requires them here
     priors = parse_priors(settings.get("priors"), scores.num_classes)
-    calibrator = make_calibrator(method, **options).fit(scores.logits, scores.labels, priors=priors).requires_grad_(False)
+    if not args.quiet:
+        print(f"fitting {method} on {scores.num_samples} samples ...", file=sys.stderr, flush=True)
+    calibrator = fit_calibrator(method, options, scores.logits, labels, priors=priors)
     save_calibrator(args.save, method, calibrator, options)
     if not args.quiet:
         with torch.no_grad():
-            after = cross_entropy(calibrator(scores.logits), scores.labels, priors=priors, normalize=True)
-        before = cross_entropy(scores.logits, scores.labels, priors=priors, normalize=True)
+            after = cross_entropy(calibrator(scores.logits), labels, priors=priors, normalize=True)
+        before = cross_entropy(scores.logits, labels, priors=priors, normalize=True)
         print(f"fitted {method} on {scores.num_samples} samples ({scores.num_classes} classes; scores read as "
               f"{scores.read_as}); NCE on these same samples {float(before):.3f} -> {float(after):.3f} "
               f"(optimistic: use `torchcal evaluate` for an honest estimate)")
@@ -200,25 +245,64 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+#: What ``torchcal apply --out`` writes, by extension.
+APPLY_FORMATS = {
+    ".npz": "calibrated log-posteriors ('logits') and posteriors ('probs')",
+    ".pt": "a dict of calibrated log-posteriors ('logits') and posteriors ('probs')",
+    ".csv": "calibrated posteriors, one column per class (prob_0, prob_1, ...)",
+}
+
+
+def _write_calibrated(path: Path, log_probs: torch.Tensor, labels: torch.Tensor | None) -> None:
+    """Write calibrated scores in the format ``path``'s extension names (see :data:`APPLY_FORMATS`);
+    the labels go along when the input had them."""
+    import numpy as np
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        probs = log_probs.exp().double().numpy()
+        names = [f"prob_{k}" for k in range(probs.shape[1])]
+        table = probs if labels is None else np.column_stack([probs, labels.numpy()])
+        formats = ["%.9g"] * probs.shape[1] + ([] if labels is None else ["%d"])
+        np.savetxt(path, table, fmt=formats, delimiter=",", header=",".join(names + ([] if labels is None else ["label"])),
+                   comments="")
+        return
+    out: dict[str, Any] = {"logits": log_probs.float(), "probs": log_probs.exp().float()}
+    if labels is not None:
+        out["labels"] = labels
+    if suffix == ".pt":
+        torch.save(out, path)
+    else:
+        with path.open("wb") as f:  # a file object: numpy would append .npz to another name
+            np.savez(f, **{k: v.numpy() for k, v in out.items()})
+
+
 def cmd_apply(args: argparse.Namespace) -> int:
+    import torch
+
+    from torchcal.functional import cross_entropy
+    from torchcal.report import load_calibrator
+
+    out_path = Path(args.out)
+    if out_path.suffix.lower() not in APPLY_FORMATS:
+        raise UsageError(f"--out {args.out}: unsupported extension {out_path.suffix or '(none)'!r}; use "
+                         f"{', '.join(APPLY_FORMATS)}.")
     method, calibrator = load_calibrator(args.head)
     scores = _load(args.scores, args, require_labels=False)
     if scores.num_classes != calibrator.num_classes:
         raise ValueError(f"{args.scores}: {scores.num_classes} classes, but the calibrator was fitted on {calibrator.num_classes}.")
     with torch.no_grad():
         calibrated = calibrator(scores.logits)
-    out = {"logits": calibrated.float().numpy(), "probs": calibrated.exp().float().numpy()}
-    if scores.labels is not None:
-        out["labels"] = scores.labels.numpy()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    np.savez(args.out, **out)
+    _write_calibrated(out_path, calibrated, scores.labels)
     if not args.quiet:
         note = ""
         if scores.labels is not None:
             before, after = (float(cross_entropy(x, scores.labels, normalize=True)) for x in (scores.logits, calibrated))
             note = f"; NCE {before:.3f} -> {after:.3f}"
-        print(f"applied {method} to {scores.num_samples} samples{note}; wrote calibrated log-posteriors "
-              f"('logits') and posteriors ('probs') to {args.out}")
+        print(f"applied {method} to {scores.num_samples} samples{note}; wrote "
+              f"{APPLY_FORMATS[out_path.suffix.lower()]} to {args.out}")
     return 0
 
 
@@ -226,32 +310,35 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 def _input_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--labels", metavar="FILE", help="labels file, when the scores file has none")
-    p.add_argument("--input", choices=["auto", "logits", "probs", "llr"], default="auto",
+    p.add_argument("--input", choices=["auto", "logits", "probs", "log_probs", "llr"], default="auto",
                    help="what the scores are; 'auto' reads logits unless rows are provably probabilities "
-                        "(a single binary column needs 'probs' or 'llr' unless its values prove LLRs)")
+                        "(a single binary column needs 'probs', 'log_probs' or 'llr' unless its values prove LLRs)")
+
+
+def _method_names() -> str:
+    from torchcal.report import METHODS
+
+    return ", ".join(METHODS)
 
 
 def _evaluation_options(p: argparse.ArgumentParser, methods_default: str) -> None:
     p.add_argument("--method", dest="methods", metavar="M[,M...]",
-                   help=f"calibration methods (default: {methods_default}); 'all' or any of: {', '.join(METHODS)}")
+                   help=f"calibration methods (default: {methods_default}); 'all' or any of: {_method_names()}")
     p.add_argument("--priors", help="deployment priors: 'uniform', 'data' (default) or K comma-separated numbers")
     p.add_argument("--costs", help="cost matrix of the Bayes risk: '0-1' (default), 'abstain:ALPHA', or a K x M .csv/.txt/.npy file")
     p.add_argument("--bootstrap", type=int, metavar="B", help="bootstrap replicates for the intervals (default 1000; 0 for none)")
     p.add_argument("--seed", type=int, help="seed of the folds and of the bootstrap (default 0)")
-    p.add_argument("--config", metavar="NAME|FILE", help="a YAML configuration (a file, or a name in configs/); options given here win")
+    p.add_argument("--config", metavar="NAME|FILE", help="a YAML configuration (a file, or the name of a preset: "
+                                                         f"{_config_names()}); options given here win")
     p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
     p.add_argument("--quiet", action="store_true", help="no progress bar or notes")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="torchcal", description="Measure and fix the quality of classifier posteriors.")
-    parser.add_argument("--version", action="version", version=f"torchcal {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+def _config_names() -> str:
+    return ", ".join(sorted(p.name.removesuffix(".yaml") for p in CONFIG_DIR.iterdir() if p.name.endswith(".yaml")))
 
-    p = sub.add_parser("evaluate", help="how good are the posteriors, and which calibration fixes them",
-                       description="Measure the posteriors in SCORES, calibrate them with each method (fitted on "
-                                   "--calibration data, the file's own validation split, or by cross-validation), "
-                                   "and save the best calibrator, a report and figures.")
+
+def _evaluate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("scores", metavar="SCORES", help="scores and labels: .npz, .npy, .pt/.pth or .csv")
     _input_options(p)
     where = p.add_mutually_exclusive_group()
@@ -263,38 +350,68 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="torchcal-report", metavar="DIR", help="output folder (default: torchcal-report)")
     p.set_defaults(run=cmd_evaluate)
 
-    p = sub.add_parser("demo", help="run evaluate on the bundled ResNet-110 CIFAR-10 example",
-                       description="The whole workflow on a real example shipped with torchcal; no network needed.")
+
+def _demo_options(p: argparse.ArgumentParser) -> None:
     _evaluation_options(p, ",".join(DEMO_METHODS))
     p.add_argument("--out", default="torchcal-report-demo", metavar="DIR", help="output folder (default: torchcal-report-demo)")
     p.set_defaults(run=cmd_demo)
 
-    p = sub.add_parser("calibrate", help="fit one calibrator on calibration data and save it",
-                       description="Fit METHOD on all of CAL_SCORES and save it for `torchcal apply`.")
+
+def _calibrate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("scores", metavar="CAL_SCORES")
     _input_options(p)
-    p.add_argument("--method", required=True, choices=list(METHODS), metavar="M", help=f"one of: {', '.join(METHODS)}")
+    p.add_argument("--method", required=True, metavar="M", help=f"one of: {_method_names()}")
     p.add_argument("--save", required=True, metavar="PATH", help="where to write the fitted calibrator (.pt)")
     p.add_argument("--priors", help="deployment priors the fit weights the classes to")
     p.add_argument("--config", metavar="NAME|FILE", help="YAML configuration supplying method options")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(run=cmd_calibrate)
 
-    p = sub.add_parser("apply", help="apply a saved calibrator to new scores",
-                       description="Calibrate SCORES with a calibrator saved by `torchcal calibrate` or `evaluate`.")
+
+def _apply_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("head", metavar="CALIBRATOR", help="a .pt file from `torchcal calibrate --save` or evaluate's calibrator.pt")
     p.add_argument("scores", metavar="SCORES", help="scores to calibrate; labels optional")
     _input_options(p)
-    p.add_argument("--out", required=True, metavar="FILE", help="output .npz with calibrated 'logits' and 'probs'")
+    p.add_argument("--out", required=True, metavar="FILE", help="output file; its extension says what is written: "
+                   + "; ".join(f"{ext} {what}" for ext, what in APPLY_FORMATS.items()))
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(run=cmd_apply)
+
+
+#: The subcommands: (help, description, the function adding their options).
+COMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] = {
+    "evaluate": ("how good are the posteriors, and which calibration fixes them",
+                 "Measure the posteriors in SCORES, calibrate them with each method (fitted on --calibration data, "
+                 "the file's own validation split, or by cross-validation), and save the best calibrator, a report "
+                 "and figures.", _evaluate_options),
+    "demo": ("run evaluate on the bundled ResNet-110 CIFAR-10 example",
+             "The whole workflow on a real example shipped with torchcal; no network needed.", _demo_options),
+    "calibrate": ("fit one calibrator on calibration data and save it",
+                  "Fit METHOD on all of CAL_SCORES and save it for `torchcal apply`.", _calibrate_options),
+    "apply": ("apply a saved calibrator to new scores",
+              "Calibrate SCORES with a calibrator saved by `torchcal calibrate` or `evaluate`.", _apply_options),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser; with ``command``, only that subcommand gets its options (the others are
+    listed by name), so that building it imports only what that subcommand needs."""
+    parser = _Parser(prog="torchcal", description="Measure and fix the quality of classifier posteriors.")
+    parser.add_argument("--version", action="version", version=f"torchcal {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, (help_line, description, add_options) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_line, description=description)
+        if command is None or command == name:
+            add_options(p)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0, or 2 for bad input)."""
     try:
-        args = build_parser().parse_args(argv)
+        argv = sys.argv[1:] if argv is None else list(argv)
+        named = next((a for a in argv if not a.startswith("-")), "")
+        args = build_parser(named if named in COMMANDS else "").parse_args(argv)
         with warnings.catch_warnings():
             warnings.showwarning = _one_line_warning
             return args.run(args)

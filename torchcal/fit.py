@@ -270,6 +270,7 @@ def cross_validate(
     seed: int = 0,
     stratified: bool = True,
     groups: Tensor | None = None,
+    on_fold: Callable[[int], None] | None = None,
     **fit_options: Any,
 ) -> Tensor:
     """Out-of-fold calibrated log-posteriors (N, K): each fold is calibrated by a copy of
@@ -282,6 +283,7 @@ def cross_validate(
         calibrator: an unfitted (or fitted; it is copied, never modified) calibrator.
         logits: (N, K) scores. labels: (N,) class indices.
         folds, seed, stratified, groups: see :func:`fold_indices`.
+        on_fold: called with the fold's index before each fold's fit (e.g. to show progress).
         **fit_options: passed to every ``fit`` (e.g. ``loss="brier"``, ``priors=...``).
 
     Example:
@@ -293,7 +295,9 @@ def cross_validate(
     """
     logits, labels = check_logits_and_labels(logits, labels)
     out: Tensor | None = None
-    for test in fold_indices(labels, folds, seed, stratified, groups):
+    for fold, test in enumerate(fold_indices(labels, folds, seed, stratified, groups)):
+        if on_fold is not None:
+            on_fold(fold)
         test = test.to(logits.device)
         train = torch.ones(labels.shape[0], dtype=torch.bool, device=logits.device)
         train[test] = False

@@ -26,13 +26,14 @@ import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch import Tensor
 
 from torchcal._validation import check_logits_and_labels, check_priors
 from torchcal.functional import ReliabilityBins, reliability_bins
+from torchcal.functional.diagnostics import Strategy
 from torchcal.functional.scoring import class_frequencies
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ def _colors(names: Sequence[str]) -> dict[str, Any]:
 
 def _figure_and_axes(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Figure, Axes]:
     if ax is not None:
-        return ax.figure, ax
+        return cast("Figure", ax.figure), ax
     fig, ax = pyplot().subplots(figsize=figsize, layout="constrained")
     return fig, ax
 
@@ -94,10 +95,10 @@ def reliability_diagram(
     logits: BinnedSystems,
     labels: Tensor | None = None,
     *,
-    kind: str = "top-label",
+    kind: Literal["top-label", "binary", "class"] = "top-label",
     class_index: int | None = None,
     n_bins: int = 15,
-    strategy: str = "uniform",
+    strategy: Strategy = "uniform",
     ax: Axes | None = None,
     show_histogram: bool = True,
 ) -> tuple[Figure, Axes]:
@@ -175,7 +176,7 @@ def classwise_reliability(
     *,
     classes: Sequence[int] | None = None,
     n_bins: int = 15,
-    strategy: str = "uniform",
+    strategy: Strategy = "uniform",
     max_panels: int = 10,
 ) -> tuple[Figure, Any]:
     """One reliability diagram per class (``kind="class"``), in a grid.
@@ -187,12 +188,28 @@ def classwise_reliability(
         ``(fig, axes)`` with ``axes`` the array of subplot axes.
     """
     num_classes = next(iter(_systems(logits).values())).shape[1]
+    chosen = classes is not None
     classes = list(range(min(num_classes, max_panels))) if classes is None else list(classes)
     fig, axes = _grid(len(classes))
     for ax, k in zip(axes.flat, classes):
         reliability_diagram(logits, labels, kind="class", class_index=k, n_bins=n_bins, strategy=strategy, ax=ax)
     _tidy_grid(axes, len(classes))
+    fig.suptitle(f"Reliability per class: {_which_classes(classes, num_classes, chosen)}", fontsize="medium")
     return fig, axes
+
+
+def _which_classes(classes: list[int], num_classes: int, chosen: bool) -> str:
+    """Which of the ``num_classes`` classes a per-class figure shows, in words.
+
+    Example:
+        >>> _which_classes(list(range(10)), 100, chosen=False)
+        'classes 0-9 of 100 (the first 10; classes= picks others)'
+    """
+    if classes == list(range(num_classes)):
+        return f"all {num_classes} classes"
+    if not chosen:
+        return f"classes 0-{len(classes) - 1} of {num_classes} (the first {len(classes)}; classes= picks others)"
+    return f"classes {', '.join(map(str, classes))} of {num_classes}"
 
 
 def _grid(panels: int):

@@ -7,7 +7,13 @@ cost matrix, with percentile-bootstrap intervals. It then fits every requested c
 other than the samples it scores -- a separate calibration set, or cross-validation on the
 evaluated set -- and reports the same metrics after calibration, the calibration loss (absolute,
 in NCE units, and relative, in %) and ECE/ECD as diagnostics. The method with the lowest calibrated
-NCE wins; it is refitted on all the calibration data and returned for reuse.
+NCE wins, unless temperature scaling was also run and the winner is not significantly better than
+it (the paired-bootstrap interval of their NCE difference contains 0): then the simpler
+temperature scaling is kept, and the report says so. The winner is refitted on all the calibration
+data and returned for reuse.
+
+Long runs show a progress bar counting fits (every fold of every method), refreshed every second;
+a method's repeated solver warnings are collapsed into one line that names it.
 
 The command line (``torchcal evaluate``) prints :meth:`Report.table` and writes
 :meth:`Report.save`; notebooks get the same :class:`Report` object.
@@ -22,10 +28,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
@@ -51,6 +60,7 @@ from torchcal import (
 )
 from torchcal._validation import check_costs, check_logits_and_labels, check_priors
 from torchcal.data import Scores
+from torchcal.fit import ConvergenceWarning
 from torchcal.functional import (
     bayes_risk,
     brier_score,
@@ -64,6 +74,14 @@ from torchcal.functional import (
 from torchcal.functional import (
     bootstrap as bootstrap_metric,
 )
+from torchcal.functional.scoring import (
+    class_frequencies,
+    class_sums,
+    log_loss_per_sample,
+    naive_cross_entropy,
+    prior_weighted_mean,
+    to_log_probs,
+)
 
 __all__ = [
     "METHODS",
@@ -72,6 +90,7 @@ __all__ = [
     "Quality",
     "Report",
     "evaluate",
+    "fit_calibrator",
     "load_calibrator",
     "make_calibrator",
     "save_calibrator",
@@ -105,6 +124,38 @@ def make_calibrator(method: str, **options: Any) -> Calibrator:
         raise ValueError(f"bad options for method {method!r}: {err}.") from None
 
 
+def fit_calibrator(method: str, options: Mapping[str, Any], logits: Tensor, labels: Tensor, *,
+                   priors: Tensor | None = None) -> Calibrator:
+    """A calibrator of ``method`` with ``options`` fitted on ``logits: (N, K)``, ``labels: (N,)``,
+    frozen for inference; its solver warnings come as one line that names it."""
+    with _solver_warnings(method, fits=1):
+        return make_calibrator(method, **options).fit(logits, labels, priors=priors).requires_grad_(False)
+
+
+@contextlib.contextmanager
+def _solver_warnings(what: str, fits: int) -> Iterator[None]:
+    """Issue each distinct warning of the block once, naming ``what`` was fitted; the
+    ConvergenceWarnings of its ``fits`` fits become one line that says what to do."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    counts = Counter((w.category, str(w.message)) for w in caught)
+    stopped = [(message, n) for (category, message), n in counts.items() if issubclass(category, ConvergenceWarning)]
+    if stopped:
+        total = sum(n for _, n in stopped)
+        warnings.warn(
+            f"{what}: {total} convergence warning{'s' * (total > 1)} in {fits} fit{'s' * (fits > 1)} (first: "
+            f"{stopped[0][0]}); its numbers come from where the solver stopped. A simpler method (temperature, "
+            f"vector) or a stronger regulariser (method options, e.g. reg_lambda in a --config file) usually "
+            f"converges; the saved calibrator's fit_record_ has the details.",
+            ConvergenceWarning,
+            stacklevel=3,
+        )
+    for (category, message), n in counts.items():
+        if not issubclass(category, ConvergenceWarning):
+            warnings.warn(f"{message} ({what}{f', {n} times' if n > 1 else ''})", category, stacklevel=3)
+
+
 # --- results ---------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -123,7 +174,8 @@ class Quality:
     ``nce``/``nbs``: cross-entropy / Brier score divided by those of the prior-only system;
     ``error_rate``; ``nec``: normalised expected cost of the Bayes decisions for the cost matrix;
     ``ece``: top-label ECE in %, 15 equal-width bins; ``ecd``: entropic calibration difference
-    (> 0 over-confident, < 0 under-confident).
+    (> 0 over-confident, < 0 under-confident); ``cross_entropy`` (nats) and ``brier`` (summed
+    over classes, 0 to 2) unnormalised, in the units papers report.
     """
 
     nce: Estimate
@@ -132,6 +184,8 @@ class Quality:
     nec: Estimate
     ece: float
     ecd: float
+    cross_entropy: float
+    brier: float
 
 
 @dataclass(frozen=True)
@@ -156,9 +210,12 @@ class MethodResult:
 class Report:
     """Everything :func:`evaluate` found; :meth:`table` prints it, :meth:`save` writes it.
 
-    ``costs`` is None for 0-1 costs. The last fields hold tensors for notebooks and figures and
-    are left out of :meth:`to_dict`: the winning ``calibrator`` (fitted on all calibration data),
-    the evaluated ``logits``/``labels`` and each method's ``calibrated`` log-posteriors.
+    ``costs`` is None for 0-1 costs. ``lowest`` is the method with the lowest NCE and
+    ``lowest_vs_temperature`` its NCE minus temperature scaling's with the paired-bootstrap
+    interval, when both were run and differ (``best`` is then temperature unless the difference is
+    significant). The last fields hold tensors for notebooks and figures and are left out of
+    :meth:`to_dict`: the winning ``calibrator`` (fitted on all calibration data), the evaluated
+    ``logits``/``labels`` and each method's ``calibrated`` log-posteriors.
     """
 
     source: str
@@ -173,6 +230,8 @@ class Report:
     raw: Quality
     methods: list[MethodResult]
     best: str | None
+    lowest: str | None = None
+    lowest_vs_temperature: Estimate | None = None
     calibrator: Calibrator | None = field(default=None, repr=False)
     method_options: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
     logits: Tensor | None = field(default=None, repr=False)
@@ -188,11 +247,13 @@ class Report:
         skip = {"calibrator", "method_options", "logits", "labels", "calibrated"}
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         data |= {"raw": asdict(self.raw), "methods": [asdict(m) for m in self.methods]}
+        if self.lowest_vs_temperature is not None:
+            data["lowest_vs_temperature"] = asdict(self.lowest_vs_temperature)
         return data | {"options": self.method_options}
 
     def table(self) -> str:
         """The aligned text report printed by the command line."""
-        return "\n".join(_header(self) + _raw_section(self) + _methods_section(self) + _verdict(self))
+        return "\n".join(_header(self) + _raw_section(self) + _methods_section(self) + _legend(self) + _verdict(self))
 
     def save(self, folder: str | Path, figures: bool = True, progress: bool = False) -> list[Path]:
         """Write report.txt/.json/.csv, the winning calibrator (calibrator.pt) and PNG figures
@@ -215,19 +276,22 @@ class Report:
         """One row per system (raw, then each method) with every metric and interval."""
         header = ["system", "nce", "nce_lower", "nce_upper", "nbs", "nbs_lower", "nbs_upper",
                   "error_rate", "error_rate_lower", "error_rate_upper", "nec", "nec_lower", "nec_upper",
-                  "ece_percent", "ecd", "calibration_loss_nce", "rcl_percent", "rcl_brier_percent"]
+                  "ece_percent", "ecd", "calibration_loss_nce", "rcl_percent", "rcl_brier_percent",
+                  "cross_entropy_nats", "brier"]
         rows = [_csv_row("raw", self.raw, None)] + [_csv_row(m.method, m.quality, m) for m in self.methods]
         return "\n".join(",".join(map(str, row)) for row in [header, *rows]) + "\n"
 
     def _figures(self, folder: Path, progress: bool) -> list[Path]:
         from torchcal import plots
 
-        systems = {"raw": self.logits} | self.calibrated
-        best = {"raw": self.logits} | ({self.best: self.calibrated[self.best]} if self.best else {})
+        logits, labels = self.logits, self.labels
+        assert logits is not None and labels is not None  # save() draws only then
+        systems = {"raw": logits} | self.calibrated
+        best = {"raw": logits} | ({self.best: self.calibrated[self.best]} if self.best else {})
         drawings = {
-            "reliability_top_label.png": lambda: plots.reliability_diagram(systems, self.labels),
-            "reliability_per_class.png": lambda: plots.classwise_reliability(best, self.labels),
-            "bayes_risk.png": lambda: plots.bayes_risk_curves(best, self.labels, priors=self._priors_tensor()),
+            "reliability_top_label.png": lambda: plots.reliability_diagram(systems, labels),
+            "reliability_per_class.png": lambda: plots.classwise_reliability(best, labels),
+            "bayes_risk.png": lambda: plots.bayes_risk_curves(best, labels, priors=self._priors_tensor()),
         }
         written = []
         for name, draw in tqdm(drawings.items(), desc="figures", disable=None if progress else True, leave=False):
@@ -258,7 +322,14 @@ def _raw_section(r: Report) -> list[str]:
     for name, e in rows:
         interval = "" if e.lower is None else f"  [{e.lower:.3f}, {e.upper:.3f}]"
         lines.append(f"   {name:<{max(len(n) for n, _ in rows)}}  {e.value:.3f}{interval}")
-    return [*lines, f"   ECE {r.raw.ece:.1f} %, ECD {r.raw.ecd:+.3f} (diagnostics; ECD > 0: over-confident)", ""]
+    return [
+        *lines,
+        f"   cross-entropy {r.raw.cross_entropy:.4f} nats, Brier {r.raw.brier:.4f} (summed over classes, 0-2): "
+        f"unnormalised, as papers report them",
+        f"   ECE {r.raw.ece:.2f} % (top label, {ECE_BINS} equal-width bins), ECD {r.raw.ecd:+.3f} (diagnostics; "
+        f"ECD > 0: over-confident)",
+        "",
+    ]
 
 
 def _methods_section(r: Report) -> list[str]:
@@ -285,16 +356,43 @@ def _diagnostic_cells(q: Quality) -> list[str]:
     return [f"{q.ece:.1f}", f"{q.ecd:+.3f}"]
 
 
+def _legend(r: Report) -> list[str]:
+    if not r.methods:
+        return []
+    return [
+        "   NCE, NBS: cross-entropy and Brier score divided by those of a system that always outputs the priors",
+        "     (1: no better than the priors; lower is better). NEC: expected cost of the Bayes decisions divided",
+        "     by that of the best decision made without looking at the input. CalLoss: NCE(raw) - NCE(calibrated),",
+        "     the part of the raw cross-entropy that the method removes; RCL: CalLoss in % of NCE(raw) (RCL-BS: the",
+        f"     same with NBS). ECE: top-label expected calibration error, {ECE_BINS} bins, in %. ECD > 0: over-confident.",
+        "",
+    ]
+
+
 def _verdict(r: Report) -> list[str]:
     best = r.best_result
     if best is None:
         return []
     change = f"NCE {r.raw.nce.value:.3f} -> {best.quality.nce.value:.3f}"
+    lines = []
+    if r.lowest_vs_temperature is not None and r.best != r.lowest:
+        d = r.lowest_vs_temperature
+        lines.append(f"3. Lowest NCE: {r.lowest}, but not significantly better than temperature (NCE difference "
+                     f"{d.value:+.4f}, 95 % paired-bootstrap interval [{d.lower:+.4f}, {d.upper:+.4f}] contains 0):")
+        lines.append("   keeping temperature scaling, the simpler method (one parameter).")
+        prefix = "   "
+    else:
+        prefix = "3. "
     if best.relative_calibration_loss <= 0:
-        return [f"3. No method improves the raw posteriors ({best.method}: {change}, RCL "
-                f"{best.relative_calibration_loss:.1f} %): calibration would not help."]
-    return [f"3. Best: {best.method}, {change}: RCL {best.relative_calibration_loss:.1f} % of the raw "
-            f"cross-entropy is miscalibration that {best.method} removes."]
+        return [*lines, f"{prefix}No method improves the raw posteriors ({best.method}: {change}, RCL "
+                        f"{best.relative_calibration_loss:.1f} %): calibration would not help."]
+    significance = ""
+    if r.lowest_vs_temperature is not None and r.best == r.lowest:
+        d = r.lowest_vs_temperature
+        significance = (f" It beats temperature significantly (NCE difference {d.value:+.4f}, 95 % paired-bootstrap "
+                        f"interval [{d.lower:+.4f}, {d.upper:+.4f}]).")
+    return [*lines, f"{prefix}Best: {best.method}, {change}: RCL {best.relative_calibration_loss:.1f} % of the raw "
+                    f"cross-entropy is miscalibration that {best.method} removes.{significance}"]
 
 
 def _csv_row(name: str, q: Quality, m: MethodResult | None) -> list[Any]:
@@ -303,7 +401,8 @@ def _csv_row(name: str, q: Quality, m: MethodResult | None) -> list[Any]:
 
     losses = ["", "", ""] if m is None else [m.calibration_loss, m.relative_calibration_loss,
                                              m.relative_calibration_loss_brier]
-    return [name, *triple(q.nce), *triple(q.nbs), *triple(q.error_rate), *triple(q.nec), q.ece, q.ecd, *losses]
+    return [name, *triple(q.nce), *triple(q.nbs), *triple(q.error_rate), *triple(q.nec), q.ece, q.ecd, *losses,
+            q.cross_entropy, q.brier]
 
 
 # --- the workflow ----------------------------------------------------------------------------------
@@ -372,38 +471,75 @@ def evaluate(
                     f"calibrated by a model fitted on the other folds)")
 
     metrics = _Metrics(labels, priors, costs, bootstrap, seed)
-    steps = 1 + len(methods)
-    with tqdm(total=steps, disable=None if progress else True, desc="torchcal", unit="step", leave=False) as bar:
+    fits = 1 if calibration is not None else folds + 1  # per method: the final fit, and one per fold
+    bar_format = "{desc}: {n_fmt}/{total_fmt} steps |{bar}| {elapsed} elapsed{postfix}"  # no ETA: fits differ a lot
+    with tqdm(total=1 + fits * len(methods), disable=None if progress else True, desc="torchcal", leave=False,
+              bar_format=bar_format) as bar, _refreshed_every_second(bar):
         bar.set_postfix_str("raw posteriors" + (f", bootstrap x{bootstrap}" if bootstrap else ""))
         raw = metrics.quality(logits, with_intervals=True)
         bar.update()
         results, fitted, calibrated = [], {}, {}
         for method in methods:
-            bar.set_postfix_str(f"{method}: " + ("fitting" if calibration is not None else f"{folds}-fold CV"))
             start = time.perf_counter()
             options = method_options.get(method, {})
-            model = make_calibrator(method, **options).fit(cal_logits, cal_labels, priors=priors).requires_grad_(False)
-            with torch.no_grad():
-                if calibration is not None:
-                    out = model(logits)
-                else:
-                    out = cross_validate(make_calibrator(method, **options), logits, labels, folds=folds,
-                                         seed=seed, priors=priors)
+            where = "fit on the calibration data" if calibration is not None else f"{folds}-fold CV and the final fit"
+            with _solver_warnings(f"{method} ({where})", fits):
+                bar.set_postfix_str(f"{method}: fit on all calibration data")
+                model = make_calibrator(method, **options).fit(cal_logits, cal_labels, priors=priors).requires_grad_(False)
+                bar.update()
+                with torch.no_grad():
+                    if calibration is not None:
+                        out = model(logits)
+                    else:
+                        def fold_started(fold: int, method: str = method) -> None:
+                            bar.update(fold > 0)
+                            bar.set_postfix_str(f"{method}: fold {fold + 1}/{folds}")
+
+                        out = cross_validate(make_calibrator(method, **options), logits, labels, folds=folds,
+                                             seed=seed, priors=priors, on_fold=fold_started)
+                        bar.update()
             quality = metrics.quality(out, with_intervals=calibration is not None)
             results.append(_method_result(method, raw, quality, model, logits, out, labels, priors,
                                           time.perf_counter() - start))
             fitted[method], calibrated[method] = model, out.detach()
-            bar.update()
-    best = min(results, key=lambda r: r.quality.nce.value).method if results else None
+    lowest = min(results, key=lambda r: r.quality.nce.value).method if results else None
+    best, versus = lowest, None
+    if bootstrap and lowest is not None and lowest != "temperature" and "temperature" in calibrated:
+        versus = metrics.nce_difference(calibrated[lowest], calibrated["temperature"])
+        if versus.upper is not None and versus.upper >= 0:  # not significantly lower: the simpler method
+            best = "temperature"
     is_zero_one = costs.shape == (num_classes, num_classes) and torch.equal(costs, zero_one_costs(num_classes))
     return Report(
         source=source, read_as=read_as, num_samples=logits.shape[0], num_classes=num_classes,
         protocol=protocol, priors=None if priors is None else priors.tolist(),
         costs_name=costs_name or ("0-1" if is_zero_one else "custom"),
         costs=None if is_zero_one else costs.tolist(), bootstrap=bootstrap, raw=raw, methods=results, best=best,
-        calibrator=fitted.get(best), method_options={m: method_options.get(m, {}) for m in methods},
+        lowest=lowest if versus is not None else None, lowest_vs_temperature=versus,
+        calibrator=None if best is None else fitted[best], method_options={m: dict(method_options.get(m, {})) for m in methods},
         logits=logits, labels=labels, calibrated=calibrated,
     )
+
+
+@contextlib.contextmanager
+def _refreshed_every_second(bar: tqdm) -> Iterator[None]:
+    """Redraw ``bar`` every second while the block runs, so its clock and status move during a long
+    fit instead of freezing until the fit ends."""
+    if bar.disable:
+        yield
+        return
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(1.0):
+            bar.refresh()
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        ticker.join()
 
 
 def _unpack(scores: Scores | tuple[Tensor, Tensor], name: str) -> tuple[Tensor, Tensor, str, str]:
@@ -431,7 +567,24 @@ class _Metrics:
             nec=self._estimate(bayes_risk, logits, with_intervals, costs=self.costs, priors=p, normalize=True),
             ece=100 * float(expected_calibration_error(logits, self.labels, n_bins=ECE_BINS)),
             ecd=float(entropic_calibration_difference(logits, self.labels)),
+            cross_entropy=float(cross_entropy(logits, self.labels, priors=p)),
+            brier=float(brier_score(logits, self.labels, priors=p)),
         )
+
+    def nce_difference(self, a: Tensor, b: Tensor) -> Estimate:
+        """NCE(a) - NCE(b) of two systems' log-posteriors on the evaluated samples, with the
+        percentile interval of a paired bootstrap (both scored on the same resamples)."""
+        losses = torch.stack([log_loss_per_sample(to_log_probs(x), self.labels) for x in (a, b)], dim=1)
+        num_classes = a.shape[1]
+
+        def difference(pair: Tensor, labels: Tensor) -> Tensor:
+            reference = class_frequencies(labels, num_classes) if self.priors is None else self.priors
+            sums, counts = class_sums(pair[:, 0] - pair[:, 1], labels, num_classes)
+            return prior_weighted_mean(sums, counts, self.priors) / naive_cross_entropy(reference)
+
+        result = bootstrap_metric(difference, losses, self.labels, num_replicates=self.replicates, seed=self.seed,
+                                  stratify=self.priors is not None)
+        return Estimate(float(result.estimate), float(result.lower), float(result.upper))
 
     def _estimate(self, metric: Callable[..., Tensor], logits: Tensor, with_interval: bool, **kwargs: Any) -> Estimate:
         if not (with_interval and self.replicates):

@@ -23,7 +23,9 @@ so every process ends with the parameters of one fit on the union of the shards.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -123,7 +125,7 @@ class Calibrator(nn.Module):
             )
         # Fitting needs autograd even under Lightning's inference_mode; the clone makes the
         # data ordinary tensors and guarantees the caller's tensors are never touched.
-        with torch.inference_mode(False), torch.enable_grad():
+        with self._restored_on_error(), torch.inference_mode(False), torch.enable_grad():
             if self._fit_in_float64:
                 logits = logits.detach().to(torch.float64, copy=True)
             else:
@@ -137,6 +139,26 @@ class Calibrator(nn.Module):
             features = self._features(logits)
             self.fit_record_ = self._fit(features, labels, weights, loss, max_iter, process_group=process_group)
         return self
+
+    @contextlib.contextmanager
+    def _restored_on_error(self) -> Iterator[None]:
+        """Undo everything a fit changed if it raises (or is interrupted): attributes, the sets of
+        parameters and buffers, and their values, dtypes and devices, so a failed fit never leaves a
+        module that looks fitted."""
+        attributes = self.__dict__.copy()
+        members = {name: dict(self.__dict__[name]) for name in ("_parameters", "_buffers")}
+        snapshots = [(t, t.data.clone()) for t in self._tensors()]
+        try:
+            yield
+        except BaseException:
+            for tensor, value in snapshots:
+                tensor.data = value
+            self.__dict__.clear()
+            self.__dict__.update(attributes)
+            for name, contents in members.items():
+                self.__dict__[name].clear()
+                self.__dict__[name].update(contents)
+            raise
 
     def forward(self, logits: Tensor) -> Tensor:
         """Calibrated log-posteriors (N, K) for ``logits: (N, K)``."""

@@ -21,6 +21,9 @@ class BetaCalibration(Calibrator):
     """
 
     supported_num_classes = 2
+    a: Tensor
+    b: Tensor
+    c: Tensor
 
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
         return {"a": torch.ones(()), "b": torch.ones(()), "c": torch.zeros(())}

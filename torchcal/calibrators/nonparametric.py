@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from torchcal._validation import compute_dtype
 from torchcal.calibrators.base import Calibrator
 from torchcal.fit import FitRecord
 
@@ -27,7 +28,14 @@ class _OneVsRest(Calibrator):
         return [1] if num_classes == 2 else list(range(num_classes))
 
     def _features(self, logits: Tensor) -> Tensor:
-        return torch.softmax(logits, dim=1)
+        # float64 whatever the input: in float32 every probability within ~6e-8 of 1 rounds to 1.0
+        # and lands on the top step, so float32 and float64 input would get different maps.
+        return torch.softmax(logits.to(torch.float64), dim=1)
+
+    def forward(self, logits: Tensor) -> Tensor:
+        """Calibrated log-posteriors (N, K), the same map for every input dtype, returned in the
+        input's compute dtype."""
+        return super().forward(logits).to(compute_dtype(logits.dtype))
 
     def _map_column(self, column: int, p: Tensor) -> Tensor:
         """Calibrated probabilities for the ``column``-th calibrated column's scores ``p: (N,)``."""
@@ -63,6 +71,8 @@ class HistogramBinning(_OneVsRest):
     """
 
     _buffer_names = ("edges", "values")
+    edges: Tensor
+    values: Tensor
 
     def __init__(self, n_bins: int = 15, strategy: str = "uniform") -> None:
         super().__init__()
@@ -149,6 +159,8 @@ class IsotonicCalibration(_OneVsRest):
     """
 
     _buffer_names = ("thresholds", "values")
+    thresholds: Tensor
+    values: Tensor
 
     def __init__(self, eps: float = 1e-7) -> None:
         super().__init__()
@@ -169,8 +181,8 @@ class IsotonicCalibration(_OneVsRest):
     def _fit(self, probs, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
         columns = self._columns(probs.shape[1])
         targets, sample_w = self._targets(labels, columns, weights)
-        p, targets, sample_w = probs[:, columns].cpu().numpy(), targets.cpu().numpy(), sample_w.cpu().numpy()
-        blocks = [pool_adjacent_violators(p[:, i], targets[:, i], sample_w) for i in range(len(columns))]
+        scores, hits, w = probs[:, columns].cpu().numpy(), targets.cpu().numpy(), sample_w.cpu().numpy()
+        blocks = [pool_adjacent_violators(scores[:, i], hits[:, i], w) for i in range(len(columns))]
         length = max(len(b[0]) for b in blocks)
         thresholds = np.full((len(columns), length), np.inf)
         values = np.empty((len(columns), length))

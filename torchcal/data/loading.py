@@ -11,14 +11,22 @@ Supported files:
 - ``.pt`` / ``.pth``: a dict with the ``.npz`` keys, a ``(scores, labels)`` pair, or a scores
   tensor with ``labels_path``. Loaded with ``weights_only=True``.
 - ``.csv``: a header row, one column named ``label`` (or ``labels``, ``target``, ``y``); every
-  other column is a class score, in order.
+  other column is a class score, in order. A first column with an empty header holding 0..N-1 is
+  the row index pandas writes by default (``df.to_csv()``): it is dropped, and the note says so.
 
 Scores are read as logits in the wide sense (any unnormalised log-posteriors) unless the caller
-says otherwise (``input="probs"`` / ``"llr"``), the file says so (key ``probs`` / ``llr``), or the
-rows are provably probabilities: every value in [0, 1] and every row summing to one. A single
-score column is a binary task: its values are read as probabilities of class 1 or as
-log-likelihood ratios (LLRs); when the file does not say which, values outside [0, 1] prove they
-are LLRs, and otherwise the caller must choose. :attr:`Scores.read_as` records what was assumed.
+says otherwise (``input="probs"`` / ``"log_probs"`` / ``"llr"``), the file says so (key ``probs`` /
+``log_probs`` / ``llr``), or the rows are provably probabilities: every value in [0, 1] and every
+row summing to one within :data:`SIMPLEX_TOLERANCE` (the one tolerance, whether detected or
+requested). Rows that lie in [0, 1] and sum to one only within :data:`ROUNDED_TOLERANCE` (e.g.
+probabilities rounded to two decimals) stay logits, and the note says so; ``input="probs"`` then
+renormalises them.
+
+A single score column is a binary task: probabilities of class 1, log-probabilities of class 1
+or log-likelihood ratios (LLRs). When the file does not say which, a column with a value above 1
+or with values of both signs holds LLRs; a column in [0, 1], or with every value <= 0 (a
+log-probability, or an LLR), is ambiguous and the caller must choose. :attr:`Scores.read_as`
+records what was assumed.
 """
 
 from __future__ import annotations
@@ -37,9 +45,27 @@ from torch import Tensor
 
 from torchcal._validation import as_tensor, check_logits, check_logits_and_labels, check_priors
 
-__all__ = ["EXAMPLE_PATH", "PROBABILITY_FLOOR", "Scores", "binary_scores_to_logits", "has_split", "load_scores"]
+__all__ = [
+    "EXAMPLE_PATH",
+    "PROBABILITY_FLOOR",
+    "ROUNDED_TOLERANCE",
+    "SIMPLEX_TOLERANCE",
+    "Scores",
+    "binary_scores_to_logits",
+    "has_split",
+    "load_scores",
+]
 
-InputKind = Literal["auto", "logits", "probs", "llr"]
+InputKind = Literal["auto", "logits", "probs", "log_probs", "llr"]
+
+#: Rows in [0, 1] summing to one within this are probabilities, detected or requested: a CSV of
+#: probabilities written with 4 decimals is off by up to K * 5e-5.
+SIMPLEX_TOLERANCE = 1e-3
+
+#: Rows in [0, 1] summing to one only within this look like rounded probabilities: detection does
+#: not take them (the note says so), ``input="probs"`` renormalises them, and beyond it they are
+#: refused as probabilities.
+ROUNDED_TOLERANCE = 0.05
 
 #: Probabilities of exactly 0 are raised to this value before taking logs, so that the scores
 #: stay finite (log = -46). Ferrer & Ramos' data preparation uses the same floor.
@@ -49,7 +75,7 @@ PROBABILITY_FLOOR = 1e-20
 #: ``val`` calibration split: ``load_scores(EXAMPLE_PATH, split="val")``.
 EXAMPLE_PATH = Path(__file__).with_name("examples") / "cifar10_resnet110_kangsepp.npz"
 
-_SCORE_KEYS: dict[str, InputKind] = {"logits": "logits", "log_probs": "logits", "probs": "probs", "llr": "llr"}
+_SCORE_KEYS: dict[str, InputKind] = {"logits": "logits", "log_probs": "log_probs", "probs": "probs", "llr": "llr"}
 _LABEL_KEYS = ("labels", "targets")
 _CSV_LABEL_COLUMNS = ("label", "labels", "target", "targets", "y")
 
@@ -133,7 +159,9 @@ def load_scores(
         path: the scores file.
         labels_path: a separate labels file (``.npy``, ``.pt`` or one-column ``.csv``/``.txt``).
         input: ``"logits"``, ``"probs"`` (rows of probabilities, or one column of probabilities
-            of class 1), ``"llr"`` (one column of log-likelihood ratios) or ``"auto"``.
+            of class 1), ``"log_probs"`` (rows of log-probabilities, or one column of
+            log-probabilities of class 1), ``"llr"`` (one column of log-likelihood ratios) or
+            ``"auto"``.
         split: ``"val"`` reads the ``logits_val``/``labels_val`` split of an ``.npz``.
         priors: (K,) priors used only to turn binary LLRs into posteriors.
         require_labels: with ``False``, scores without labels load with ``labels=None``
@@ -152,9 +180,10 @@ def load_scores(
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {path}")
     try:
-        raw, labels, hint, missing = _read(path, labels_path, split)
+        raw, labels, hint, missing, note = _read(path, labels_path, split)
         reason = "as requested" if input != "auto" else "as the file's key says"
         logits, read_as = _to_logits(np.asarray(raw), input if input != "auto" else hint, reason, priors)
+        read_as += note
         if labels is not None:
             logits, labels = check_logits_and_labels(logits, _as_labels(labels))
         elif require_labels:
@@ -183,8 +212,9 @@ def has_split(path: str | Path, split: Literal["val"] = "val") -> bool:
 _PASS_LABELS = "pass the labels file explicitly (labels_path=..., or --labels on the command line)"
 
 
-def _read(path: Path, labels_path: str | Path | None, split: str) -> tuple[Any, Any, InputKind, str]:
-    """Return ``(scores, labels or None, kind hint, what to say if labels are missing)``."""
+def _read(path: Path, labels_path: str | Path | None, split: str) -> tuple[Any, Any, InputKind, str, str]:
+    """Return ``(scores, labels or None, kind hint, what to say if labels are missing, a note on
+    what was left out of the file)``."""
     suffix = path.suffix.lower()
     if split != "test" and suffix != ".npz":
         raise ValueError(f"only .npz files store a '{split}' split.")
@@ -200,16 +230,17 @@ def _read(path: Path, labels_path: str | Path | None, split: str) -> tuple[Any, 
             raise
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
             raise ValueError(f"not a readable .npz file ({str(err) or type(err).__name__}).") from None
-        return _from_mapping(found, given, suffix="" if split == "test" else f"_{split}")
+        return (*_from_mapping(found, given, suffix="" if split == "test" else f"_{split}"), "")
     if suffix in (".pt", ".pth"):
-        return _from_torch(path, given)
+        return (*_from_torch(path, given), "")
     if suffix == ".npy":
         sibling, looked_for = _sibling_labels(path)
         labels = given if given is not None or sibling is None else _load_labels(sibling)
-        return _load_array(path), labels, "auto", f"no labels file found next to it (looked for {looked_for}); {_PASS_LABELS}."
+        missing = f"no labels file found next to it (looked for {looked_for}); {_PASS_LABELS}."
+        return _load_array(path), labels, "auto", missing, ""
     if suffix == ".csv":
-        scores, labels = _read_csv(path)
-        return scores, given if labels is None else labels, "auto", f"no 'label' column; add one or {_PASS_LABELS}."
+        scores, labels, note = _read_csv(path)
+        return scores, given if labels is None else labels, "auto", f"no 'label' column; add one or {_PASS_LABELS}.", note
     raise ValueError(f"unsupported file type {path.suffix!r}; use .npz, .npy, .pt/.pth or .csv.")
 
 
@@ -224,8 +255,11 @@ def _from_mapping(found: dict[str, Any], given: Any, suffix: str = ""):
     label_keys = [k + suffix for k in _LABEL_KEYS if k + suffix in found]
     labels = found[label_keys[0]] if label_keys else given
     kind = _SCORE_KEYS[key]
+    scores = found[key + suffix]
+    if kind == "logits" or (kind == "log_probs" and np.ndim(scores) == 2 and np.shape(scores)[1] > 1):
+        kind = "auto"  # rows of log-posteriors are logits; detection still catches stored probabilities
     missing = f"no labels found: expected a key 'labels{suffix}', found keys {sorted(found)}."
-    return found[key + suffix], labels, "auto" if kind == "logits" else kind, missing
+    return scores, labels, kind, missing
 
 
 def _torch_load(path: Path) -> Any:
@@ -342,7 +376,7 @@ def _sibling_labels(path: Path) -> tuple[Path | None, str]:
 CSV_EXPANSION = 10
 
 
-def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
+def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None, str]:
     size, available = path.stat().st_size, _available_memory()
     if available is not None and CSV_EXPANSION * size > available:
         raise _TooLarge(
@@ -372,10 +406,10 @@ def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
         raise ValueError(f"every CSV cell after the header must be a number ({err}).") from None
     if table.ndim != 2 or table.shape[1] != len(header):
         raise ValueError(f"every CSV row must have {len(header)} cells, like the header.")
-    if not label_cols:
-        return table, None
-    score_cols = [i for i in range(len(header)) if i != label_cols[0]]
-    return table[:, score_cols], table[:, label_cols[0]]
+    index = header[0] == "" and np.array_equal(table[:, 0], np.arange(table.shape[0]))
+    note = "; the first column (no name, 0..N-1) is a row index as pandas writes it, left out" if index else ""
+    score_cols = [i for i in range(int(index), len(header)) if not (label_cols and i == label_cols[0])]
+    return table[:, score_cols], table[:, label_cols[0]] if label_cols else None, note
 
 
 def _is_number(cell: str) -> bool:
@@ -415,39 +449,68 @@ def _to_logits(scores: np.ndarray, kind: InputKind, reason: str, priors: Any) ->
     return _columns_to_logits(values, kind, reason)
 
 
+_ONE_COLUMN_KINDS = {
+    "probs": "probabilities of class 1 (input='probs', --input probs)",
+    "log_probs": "log-probabilities of class 1 (input='log_probs', --input log_probs)",
+    "llr": "LLRs (input='llr', --input llr)",
+}
+
+
 def _one_column_to_logits(values: Tensor, kind: InputKind, reason: str, priors: Any) -> tuple[Tensor, str]:
-    ask = "say whether it holds probabilities of class 1 (input='probs', --input probs) or LLRs (input='llr', --input llr)"
-    if kind == "logits":
-        raise ValueError(f"one score column cannot be read as logits; {ask}.")
     if kind == "auto":
+        options: tuple[str, ...] = ()
         if _in_unit_interval(values):
-            raise ValueError(f"one score column with every value in [0, 1]: {ask}.")
-        kind, note = "llr", "binary log-likelihood ratios (one score column with values outside [0, 1])"
-    else:
-        note = ("binary probabilities of class 1" if kind == "probs" else "binary log-likelihood ratios") + f" ({reason})"
+            options = ("probs", "llr")
+            found = "every value in [0, 1]"
+        elif bool((values <= 0).all()):  # exp of every value is a probability
+            options = ("log_probs", "llr")
+            found = "every value <= 0"
+        if options:
+            choices = " or ".join(_ONE_COLUMN_KINDS[k] for k in options)
+            raise ValueError(f"one score column with {found}: say whether it holds {choices}.")
+        kind = "llr"
+        reason = "one score column with values above 1 or of both signs, so neither probabilities nor log-probabilities"
+    if kind == "logits":
+        raise ValueError(f"one score column cannot be read as logits; say whether it holds {' or '.join(_ONE_COLUMN_KINDS.values())}.")
     if kind == "llr":
         prior_note = "uniform priors" if priors is None else "the given priors"
-        return binary_scores_to_logits(values, "llr", priors), f"{note}, turned into posteriors with {prior_note}"
+        note = f"binary log-likelihood ratios ({reason}), turned into posteriors with {prior_note}"
+        return binary_scores_to_logits(values, "llr", priors), note
+    if kind == "log_probs":
+        if bool((values > 0).any()):
+            raise ValueError("log-probabilities must be <= 0; found positive values. Are these LLRs?")
+        values = values.to(torch.float64).exp()
+    note = f"binary {'probabilities' if kind == 'probs' else 'log-probabilities'} of class 1 ({reason})"
     return binary_scores_to_logits(values, "probability"), note + _floor_note(torch.stack([1 - values, values], 1))
 
 
 def _columns_to_logits(values: Tensor, kind: InputKind, reason: str) -> tuple[Tensor, str]:
     if kind == "llr":
         raise ValueError(f"LLRs must be one score column; these scores have {values.shape[1]} columns.")
-    if kind == "logits":
-        return values, f"logits ({reason})"
+    if kind in ("logits", "log_probs"):
+        return values, f"{'logits' if kind == 'logits' else 'log-probabilities'} ({reason})"
     row_sums = values.sum(1, dtype=torch.float64)
+    worst = int((row_sums - 1).abs().argmax())
+    deviation = abs(float(row_sums[worst]) - 1)
     if kind == "auto":
-        if not (_in_unit_interval(values) and bool(((row_sums - 1).abs() < 1e-4).all())):
+        if not _in_unit_interval(values) or deviation > ROUNDED_TOLERANCE:
             return values, "logits"
+        if deviation > SIMPLEX_TOLERANCE:
+            return values, (
+                f"logits, although every row lies in [0, 1] and sums to 1 within {deviation:.2g} (row {worst}); "
+                f"probabilities must sum to 1 within {SIMPLEX_TOLERANCE:g}. If these are rounded probabilities, "
+                f"pass input='probs' (--input probs) to renormalise the rows"
+            )
         note = "probabilities (every row lies in [0, 1] and sums to 1; input='logits' / --input logits overrides)"
     else:
         note = f"probabilities ({reason})"
         if not _in_unit_interval(values):
             raise ValueError("scores read as probabilities must lie in [0, 1]; found values outside. Are these logits?")
-        worst = int((row_sums - 1).abs().argmax())
-        if abs(float(row_sums[worst]) - 1) > 1e-3:
+        if deviation > ROUNDED_TOLERANCE:
             raise ValueError(f"rows of probabilities must sum to one; row {worst} sums to {float(row_sums[worst]):.6g}.")
+        if deviation > SIMPLEX_TOLERANCE:
+            note += f"; rows renormalised, they summed to 1 only within {deviation:.2g} (row {worst})"
+            values = values / row_sums.unsqueeze(1).to(values.dtype)
     return _log_probs(values), note + _floor_note(values)
 
 

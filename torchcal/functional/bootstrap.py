@@ -1,7 +1,13 @@
 """Bootstrap confidence intervals for any metric (percentile method; Ferrer & Ramos, App. E).
 
-Each replicate draws N samples with replacement and recomputes the metric. Two paths, chosen
-automatically, give the same replicates for the same seed:
+Each replicate draws N samples with replacement and recomputes the metric. Metrics that weigh
+classes by priors (``priors=`` given, or ``balanced_error_rate``) are resampled *stratified by
+class*: each replicate draws N_k samples with replacement within each class k, so it keeps the
+data's class counts. Such a metric is a prior-weighted combination of per-class means, the class
+frequencies of the data play no part in it, and a rare class can never vanish from a replicate
+(which would leave its mean undefined). ``stratify=`` overrides the choice.
+
+Two paths, chosen automatically, give the same replicates for the same seed:
 
 - fast path, for metrics that are prior-weighted means of a per-sample value (``cross_entropy``,
   ``brier_score``, ``expected_cost``, ``bayes_risk``, ``error_rate``, ``balanced_error_rate``)
@@ -129,18 +135,35 @@ def sum_reduction(metric_fn: Callable[..., Any], num_classes: int, **metric_kwar
     return terms(dummy, torch.arange(num_classes), **metric_kwargs).reduce
 
 
-def resample_indices(num_samples: int, num_replicates: int, seed: int) -> Iterator[Tensor]:
+def resample_indices(num_samples: int, num_replicates: int, seed: int, strata: Tensor | None = None) -> Iterator[Tensor]:
     """Chunks (b, N) of bootstrap indices, drawn from a generator seeded with ``seed``.
+
+    With ``strata: (N,)`` (e.g. the labels) every replicate draws, within each stratum, as many
+    samples as it has, with replacement: the strata keep their sizes in every replicate.
 
     Example:
         >>> [chunk.shape for chunk in resample_indices(4, 3, seed=0)]
         [torch.Size([3, 4])]
+        >>> strata = torch.tensor([0, 1, 1, 1])
+        >>> all(bool((strata[chunk] == 0).sum(1).eq(1).all()) for chunk in resample_indices(4, 50, 0, strata))
+        True
     """
     generator = torch.Generator().manual_seed(seed)
+    groups = None if strata is None else [(strata.cpu() == s).nonzero().flatten() for s in strata.cpu().unique()]
     chunk = max(1, CHUNK_ELEMENTS // num_samples)
     for start in range(0, num_replicates, chunk):
         size = min(chunk, num_replicates - start)
-        yield torch.randint(num_samples, (size, num_samples), generator=generator)
+        if groups is None:
+            yield torch.randint(num_samples, (size, num_samples), generator=generator)
+        else:
+            yield torch.cat([g[torch.randint(g.shape[0], (size, g.shape[0]), generator=generator)] for g in groups], dim=1)
+
+
+def _weighs_classes(metric_fn: Callable[..., Any], metric_kwargs: dict[str, Any]) -> bool:
+    """Whether ``metric_fn`` combines per-class means with priors the data do not set (``priors=``
+    given, or ``balanced_error_rate``): the metrics whose bootstrap is stratified by class."""
+    fn, keywords = (metric_fn.func, metric_fn.keywords) if isinstance(metric_fn, partial) else (metric_fn, {})
+    return fn is balanced_error_rate or {**keywords, **metric_kwargs}.get("priors") is not None
 
 
 def _sums_per_replicate(keys: Tensor, values: list[Tensor], num_keys: int, index: Tensor) -> Tensor:
@@ -156,8 +179,9 @@ def _sums_per_replicate(keys: Tensor, values: list[Tensor], num_keys: int, index
     return sums
 
 
-def _replicates(terms: SumDecomposition | BinDecomposition, num_replicates: int, seed: int) -> Tensor:
+def _replicates(terms: SumDecomposition | BinDecomposition, num_replicates: int, seed: int, strata: Tensor | None) -> Tensor:
     """The metric on each of ``num_replicates`` resamples, from the sums of their decompositions."""
+    shape: tuple[int, ...]
     if isinstance(terms, SumDecomposition):  # reduce(sums, counts), each (b, K)
         keys, shape = terms.labels, (terms.num_classes,)
         values = [terms.per_sample, torch.ones_like(terms.per_sample)]
@@ -165,7 +189,7 @@ def _replicates(terms: SumDecomposition | BinDecomposition, num_replicates: int,
         keys, shape = terms.keys, terms.shape
         values = [torch.ones_like(terms.scores), terms.scores, terms.targets]
     replicates = []
-    for index in resample_indices(keys.shape[0], num_replicates, seed):
+    for index in resample_indices(keys.shape[0], num_replicates, seed, strata):
         sums = _sums_per_replicate(keys, values, math.prod(shape), index.to(keys.device))
         replicates.append(terms.reduce(*sums.reshape(len(values), index.shape[0], *shape)))
     return torch.cat(replicates)
@@ -186,6 +210,7 @@ def bootstrap(
     confidence: float = 0.95,
     seed: int = 0,
     calibrator: Any | None = None,
+    stratify: bool | None = None,
     **metric_kwargs: Any,
 ) -> BootstrapResult:
     """Percentile bootstrap interval of ``metric_fn(logits, labels, **metric_kwargs)``.
@@ -202,6 +227,8 @@ def bootstrap(
         calibrator: if given, every call of ``metric_fn`` receives ``calibrator=`` a fresh deep
             copy of it, e.g. with ``cross_validated_calibration_loss`` to refit the calibrator
             inside each replicate.
+        stratify: resample within each class, keeping the class counts (see the module docs).
+            ``None``: stratified exactly when the metric weighs classes by priors.
         **metric_kwargs: passed to ``metric_fn`` (e.g. ``priors=``, ``normalize=``, ``costs=``).
 
     Example:
@@ -223,11 +250,14 @@ def bootstrap(
             f"{tuple(logits.shape)} and {tuple(labels.shape)}."
         )
 
+    if stratify is None:
+        stratify = _weighs_classes(metric_fn, metric_kwargs)
+    strata = labels if stratify else None
     terms = _decomposition(metric_fn, metric_kwargs) if calibrator is None else None
     if terms is not None:
         decomposition = terms(logits, labels, **metric_kwargs)
         estimate = decomposition.evaluate()
-        replicates = _replicates(decomposition, num_replicates, seed)
+        replicates = _replicates(decomposition, num_replicates, seed, strata)
     else:
 
         def call(x: Tensor, y: Tensor) -> Tensor:
@@ -238,7 +268,7 @@ def bootstrap(
         replicates = torch.stack(
             [
                 call(logits[index.to(logits.device)], labels[index.to(labels.device)])
-                for chunk in resample_indices(labels.shape[0], num_replicates, seed)
+                for chunk in resample_indices(labels.shape[0], num_replicates, seed, strata)
                 for index in chunk
             ]
         )

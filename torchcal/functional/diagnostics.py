@@ -12,10 +12,12 @@ Bins. ``strategy="uniform"``: equal-width bins, right-closed with the first bin 
 ``[0, 1/M], (1/M, 2/M], ..., ((M-1)/M, 1]``, so a score of exactly 1.0 is in the last bin.
 ``strategy="quantile"``: equal-mass bins whose interior edges are the k/M quantiles of each
 column's scores (linear interpolation, as ``numpy.quantile``), again right-closed; the outer edges
-are 0 and 1. Ties make equal-mass bins unequal, or empty. Either way, a score above an interior
-edge by less than a relative 1e-12 counts as on the edge, so a score that is k/M up to the
-round-off of ``softmax(log(p))`` lands in the same bin as k/M itself. Empty bins contribute 0 to every sum
-and are left out of the maximum. Bin sums are accumulated in float64.
+are 0 and 1. Ties make equal-mass bins unequal, or empty. A score above an equal-width edge by
+less than the relative :func:`edge_tolerance` of the logits' precision (1e-12 for float64, 64 units
+in the last place otherwise: 7.6e-6 for float32) counts as on the edge, so a score that is k/M up
+to the round-off of ``softmax(log(p))`` (measured up to 6 units in the last place) lands in the
+same bin as k/M itself; equal-mass edges, taken from the scores themselves, use 1e-12. Empty bins contribute 0 to every sum and are left out of the maximum. Bin sums are
+accumulated in float64.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from torchcal._validation import check_logits_and_labels
+from torchcal._validation import check_logits_and_labels, compute_dtype
 from torchcal.functional.scoring import to_log_probs
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "calibration_error_from_bins",
     "calibration_error_terms",
     "ecd_per_sample",
+    "edge_tolerance",
     "entropic_calibration_difference",
     "expected_calibration_error",
     "quantile_edges",
@@ -56,6 +59,19 @@ Norm = Literal["l1", "l2", "max"]
 Reduction = Literal["mean", "sum", "max", "none"]
 
 EDGE_TOLERANCE = 1e-12
+EDGE_ULPS = 64
+
+
+def edge_tolerance(*dtypes: torch.dtype) -> float:
+    """Relative tolerance of the interior bin edges for scores computed from tensors of ``dtypes``
+    (e.g. the logits' and the scores'): ``EDGE_ULPS`` units in the last place of the least precise
+    (float32 for half precision, which is computed in float32), and at least ``EDGE_TOLERANCE``.
+
+    Example:
+        >>> edge_tolerance(torch.float64), edge_tolerance(torch.float32, torch.float64)
+        (1e-12, 7.62939453125e-06)
+    """
+    return max(EDGE_TOLERANCE, *(EDGE_ULPS * torch.finfo(compute_dtype(d)).eps for d in dtypes))
 
 
 @dataclass(frozen=True)
@@ -135,11 +151,12 @@ def quantile_edges(scores: Tensor, n_bins: int) -> Tensor:
     return edges.T.contiguous()
 
 
-def bin_indices(scores: Tensor, edges: Tensor) -> Tensor:
+def bin_indices(scores: Tensor, edges: Tensor, tolerance: float | None = None) -> Tensor:
     """Bin index in [0, M) of each score; ``scores: (N, C)``, ``edges: (M + 1,)`` or (C, M + 1).
 
     Right-closed bins, the first closed at 0 (``torch.bucketize(..., right=False)`` on the interior
-    edges, raised by a relative ``EDGE_TOLERANCE``).
+    edges, raised by the relative ``tolerance``; by default ``edge_tolerance(scores.dtype)``, but
+    scores computed in float64 from float32 logits need ``edge_tolerance(logits.dtype)``).
 
     Example:
         >>> bin_indices(torch.tensor([[0.0], [0.25], [0.2500001], [1.0]], dtype=torch.float64), uniform_edges(4))
@@ -148,16 +165,16 @@ def bin_indices(scores: Tensor, edges: Tensor) -> Tensor:
                 [1],
                 [3]])
     """
-    interior = edges[..., 1:-1] * (1 + EDGE_TOLERANCE)
+    interior = edges[..., 1:-1] * (1 + (edge_tolerance(scores.dtype) if tolerance is None else tolerance))
     if interior.ndim == 1:
         return torch.bucketize(scores.contiguous(), interior, right=False)
     return torch.searchsorted(interior.contiguous(), scores.T.contiguous(), right=False).T
 
 
-def uniform_bin_indices(scores: Tensor, n_bins: int) -> Tensor:
+def uniform_bin_indices(scores: Tensor, n_bins: int, tolerance: float | None = None) -> Tensor:
     """``bin_indices(scores, uniform_edges(n_bins))``, by arithmetic instead of a binary search.
 
-    The candidate ``ceil(M s / (1 + EDGE_TOLERANCE)) - 1`` can be one off within round-off of an
+    The candidate ``ceil(M s / (1 + tolerance)) - 1`` can be one off within round-off of an
     edge, so it is checked against the edges themselves: the result is exactly that of
     ``bin_indices``, about ten times faster on the CPU (the streaming metrics' hot loop). Other
     devices use the binary search.
@@ -169,11 +186,12 @@ def uniform_bin_indices(scores: Tensor, n_bins: int) -> Tensor:
                 [1],
                 [3]])
     """
-    lower, upper = _uniform_bin_bounds(n_bins, scores.device)
+    tolerance = edge_tolerance(scores.dtype) if tolerance is None else tolerance
+    lower, upper = _uniform_bin_bounds(n_bins, scores.device, tolerance)
     if scores.device.type != "cpu":  # there the search is one cheap kernel, the arithmetic a dozen
         return torch.bucketize(scores.contiguous(), upper[:-1], right=False)
     flat = scores.reshape(-1)
-    candidate = (flat * (n_bins / (1 + EDGE_TOLERANCE))).ceil_().sub_(1)
+    candidate = (flat * (n_bins / (1 + tolerance))).ceil_().sub_(1)
     index = candidate.nan_to_num_(nan=n_bins - 1).clamp_(0, n_bins - 1).long()  # NaN last, as bucketize
     step = (flat > upper.index_select(0, index)).long()
     step -= (flat <= lower.index_select(0, index)).long()
@@ -181,19 +199,22 @@ def uniform_bin_indices(scores: Tensor, n_bins: int) -> Tensor:
 
 
 @lru_cache(maxsize=16)
-def _uniform_bin_bounds(n_bins: int, device: torch.device) -> tuple[Tensor, Tensor]:
+def _uniform_bin_bounds(n_bins: int, device: torch.device, tolerance: float) -> tuple[Tensor, Tensor]:
     """Lower and upper bounds (M,) of ``uniform_bin_indices``' bins, as ``bin_indices`` draws them:
     bin m is ``(lower[m], upper[m]]``. Cached: building them costs as much as using them."""
-    interior = (uniform_edges(n_bins)[1:-1] * (1 + EDGE_TOLERANCE)).to(device)
+    interior = (uniform_edges(n_bins)[1:-1] * (1 + tolerance)).to(device)
     infinity = interior.new_full((1,), float("inf"))
     return torch.cat([-infinity, interior]), torch.cat([interior, infinity])
 
 
-def bin_statistics(scores: Tensor, targets: Tensor, edges: Tensor | int) -> tuple[Tensor, Tensor, Tensor]:
+def bin_statistics(
+    scores: Tensor, targets: Tensor, edges: Tensor | int, tolerance: float | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """Per-bin ``counts``, ``score_sums`` and ``target_sums`` of each column, each (C, M) float64.
 
     ``scores: (N, C)`` in [0, 1], ``targets: (N, C)`` bool, ``edges: (M + 1,)`` or (C, M + 1),
-    or the number M of equal-width bins (``uniform_edges(M)``, located by ``uniform_bin_indices``).
+    or the number M of equal-width bins (``uniform_edges(M)``, located by ``uniform_bin_indices``);
+    ``tolerance`` as in :func:`bin_indices`.
 
     Example:
         >>> scores = torch.tensor([[0.2], [0.4], [0.9]], dtype=torch.float64)
@@ -202,9 +223,9 @@ def bin_statistics(scores: Tensor, targets: Tensor, edges: Tensor | int) -> tupl
         (tensor([[2., 1.]], dtype=torch.float64), tensor([[0.6000, 0.9000]], dtype=torch.float64), tensor([[1., 1.]], dtype=torch.float64))
     """
     if isinstance(edges, int):
-        n_bins, index = edges, uniform_bin_indices(scores, edges)
+        n_bins, index = edges, uniform_bin_indices(scores, edges, tolerance)
     else:
-        n_bins, index = edges.shape[-1] - 1, bin_indices(scores, edges)
+        n_bins, index = edges.shape[-1] - 1, bin_indices(scores, edges, tolerance)
     num_columns = scores.shape[1]
     sums = _sums_by_key(_bin_keys(index, n_bins), scores, targets, num_columns * n_bins)
     return tuple(x.reshape(num_columns, n_bins) for x in sums)
@@ -268,9 +289,9 @@ def calibration_error_terms(
             f"sample), got {strategy!r}."
         )
     _check_calibration_error_kind(kind)
-    _, _, scores, targets, edges = _binned(logits, labels, n_bins, "uniform", kind)
+    _, _, scores, targets, edges, tolerance = _binned(logits, labels, n_bins, "uniform", kind)
     return BinDecomposition(
-        _bin_keys(bin_indices(scores, edges), n_bins),
+        _bin_keys(bin_indices(scores, edges, tolerance), n_bins),
         scores,
         targets,
         (scores.shape[1], n_bins),
@@ -338,13 +359,16 @@ def _edges(scores: Tensor, n_bins: int, strategy: Strategy) -> Tensor:
 
 def _binned(
     logits: Tensor, labels: Tensor, n_bins: int, strategy: Strategy, kind: Kind, class_index: int | None = None
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Validate, then return log-posteriors, labels, binning scores and targets, and the edges."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, float]:
+    """Validate, then return log-posteriors, labels, binning scores and targets, the edges, and
+    their tolerance: that of the logits' precision for the fixed equal-width edges (the scores are
+    float64 whatever it is), ``EDGE_TOLERANCE`` for equal-mass edges taken from the scores."""
     logits, labels = check_logits_and_labels(logits, labels)
     log_probs = to_log_probs(logits)
     scores, targets = binning_scores(log_probs, labels, kind, class_index)
     edges = _edges(scores, n_bins, strategy)
-    return log_probs, labels, scores, targets, edges
+    tolerance = edge_tolerance(logits.dtype) if strategy == "uniform" else EDGE_TOLERANCE
+    return log_probs, labels, scores, targets, edges, tolerance
 
 
 def reliability_bins(
@@ -375,8 +399,8 @@ def reliability_bins(
     """
     if kind == "classwise":
         raise ValueError('reliability_bins describes one binary problem: use kind="class" with a class_index.')
-    _, _, scores, targets, edges = _binned(logits, labels, n_bins, strategy, kind, class_index)
-    counts, score_sums, target_sums = (x[0] for x in bin_statistics(scores, targets, edges))
+    _, _, scores, targets, edges, tolerance = _binned(logits, labels, n_bins, strategy, kind, class_index)
+    counts, score_sums, target_sums = (x[0] for x in bin_statistics(scores, targets, edges, tolerance))
     return reliability_bins_from_sums(edges.reshape(-1, n_bins + 1)[0], counts, score_sums, target_sums)
 
 
@@ -428,8 +452,8 @@ def expected_calibration_error(
         0.8
     """
     _check_calibration_error_kind(kind)
-    _, _, scores, targets, edges = _binned(logits, labels, n_bins, strategy, kind)
-    return calibration_error_from_bins(*bin_statistics(scores, targets, edges), norm=norm, reduction=reduction)
+    _, _, scores, targets, edges, tolerance = _binned(logits, labels, n_bins, strategy, kind)
+    return calibration_error_from_bins(*bin_statistics(scores, targets, edges, tolerance), norm=norm, reduction=reduction)
 
 
 def signed_calibration_error(
@@ -507,7 +531,7 @@ def entropic_calibration_difference(
         return ecd_per_sample(to_log_probs(logits), labels).mean()
     if kind not in ("top-label", "binary"):
         raise ValueError(f'kind must be "top-label" or "binary", got {kind!r}.')
-    log_probs, labels, scores, _, edges = _binned(logits, labels, n_bins, strategy, kind)
-    index = bin_indices(scores, edges).squeeze(1)
+    log_probs, labels, scores, _, edges, tolerance = _binned(logits, labels, n_bins, strategy, kind)
+    index = bin_indices(scores, edges, tolerance).squeeze(1)
     sums = torch.bincount(index, weights=ecd_per_sample(log_probs, labels), minlength=n_bins)
     return sums / torch.bincount(index, minlength=n_bins).clamp_min(1)

@@ -26,6 +26,7 @@ from torchcal.functional.diagnostics import (
     binning_scores,
     calibration_error_from_bins,
     ecd_per_sample,
+    edge_tolerance,
     quantile_edges,
     reliability_bins_from_sums,
     uniform_edges,
@@ -134,7 +135,7 @@ class ExpectedCalibrationError(ScoreMetric):
         else:
             scores, targets = binning_scores(to_log_probs(logits), labels, self.kind)
         if self.strategy == "uniform":
-            counts, score_sums, target_sums = bin_statistics(scores, targets, self.n_bins)
+            counts, score_sums, target_sums = bin_statistics(scores, targets, self.n_bins, edge_tolerance(logits.dtype))
             self.counts += counts
             self.score_sums += score_sums
             self.target_sums += target_sums

@@ -20,7 +20,12 @@ from torch import Tensor
 from torchmetrics import Metric, MetricCollection
 
 from torchcal._validation import check_priors
-from torchcal.functional.diagnostics import calibration_error_from_bins, uniform_bin_indices, uniform_edges
+from torchcal.functional.diagnostics import (
+    calibration_error_from_bins,
+    edge_tolerance,
+    uniform_bin_indices,
+    uniform_edges,
+)
 from torchcal.functional.posterior_quality import STATISTICS, Statistic
 from torchcal.functional.scoring import (
     epsr_from_class_sums,
@@ -101,7 +106,7 @@ class PosteriorStatistic(ScoreMetric):
         # (correct, count, confidence): one stack, two index_add_ calls.
         terms = torch.stack([log_loss, brier, rows.correct.to(torch.float64), torch.ones_like(confidence), confidence])
         self.class_sums.index_add_(1, labels, terms[:4])
-        self.bin_sums.index_add_(1, uniform_bin_indices(confidence, self.n_bins), terms[2:])
+        self.bin_sums.index_add_(1, uniform_bin_indices(confidence, self.n_bins, edge_tolerance(logits.dtype, confidence.dtype)), terms[2:])
 
     def compute(self) -> Tensor:
         """The statistic, a float64 scalar."""
@@ -164,7 +169,7 @@ class PosteriorQuality(MetricCollection):
         >>> metric.update(probs[:1].log(), torch.tensor([0]))
         >>> metric.update(probs[1:].log(), torch.tensor([1, 1, 1]))
         >>> {name: round(float(value), 6) for name, value in metric.compute().items()}  # sorted by name
-        {'brier': 0.25, 'cross_entropy': 0.400367, 'ece': 0.15, 'error_rate': 0.25, 'nbs': 0.666667, 'nce': 0.711973}
+        {'brier': 0.25, 'cross_entropy': 0.400367, 'ece': 0.3, 'error_rate': 0.25, 'nbs': 0.666667, 'nce': 0.711973}
     """
 
     def __init__(

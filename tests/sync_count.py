@@ -1,4 +1,7 @@
-"""Counting the host synchronisations a piece of CUDA code makes (for the tests and benchmarks)."""
+"""Counting the host synchronisations a piece of CUDA code makes: a measuring instrument of the
+tests (tests/test_cuda.py asserts counts) that benchmarks/bench_gpu.py also reports with. It lives
+with the tests, its main user, and not in the package; the tests import it as ``sync_count`` (like
+``conftest``), the benchmark, which puts the repository root on ``sys.path``, as ``tests.sync_count``."""
 
 from __future__ import annotations
 

@@ -3,42 +3,57 @@
 Scores are logits in the wide sense throughout: any unnormalised log-posteriors of shape (N, K),
 so ``log(probs)`` works too. Calibrators return calibrated log-posteriors.
 
-``torchcal.metrics``, ``torchcal.report``, ``torchcal.plots``, ``torchcal.lightning`` and
-``torchcal.data`` are attributes of the package, imported on first use: they pull in torchmetrics,
-Lightning or matplotlib, which ``import torchcal`` does not need.
+Every name, and the submodules ``torchcal.metrics``, ``torchcal.report``, ``torchcal.plots``,
+``torchcal.lightning`` and ``torchcal.data``, is an attribute of the package imported on first
+use, so ``import torchcal`` (and ``torchcal --help``) costs nothing until something is used.
 """
 
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from torchcal import functional, label_shift
-from torchcal.calibrators import (
-    AffineCalibration,
-    BetaCalibration,
-    Calibrator,
-    DirichletCalibration,
-    HistogramBinning,
-    IsotonicCalibration,
-    MatrixScaling,
-    PlattScaling,
-    TemperatureScaling,
-    VectorScaling,
-    VennAbersCalibration,
-)
-from torchcal.fit import ConvergenceWarning, FitRecord, cross_validate
-from torchcal.heads import CalibratedModel, attach
-
-if TYPE_CHECKING:
-    # for type checkers and IDEs; the redundant aliases mark them as re-exported
-    from torchcal import data as data
-    from torchcal import lightning as lightning
-    from torchcal import metrics as metrics
-    from torchcal import plots as plots
-    from torchcal import report as report
+if TYPE_CHECKING:  # for type checkers and IDEs; names in __all__ count as re-exported
+    from torchcal import data, functional, label_shift, lightning, metrics, plots, report
+    from torchcal.calibrators import (
+        AffineCalibration,
+        BetaCalibration,
+        Calibrator,
+        DirichletCalibration,
+        HistogramBinning,
+        IsotonicCalibration,
+        MatrixScaling,
+        PlattScaling,
+        TemperatureScaling,
+        VectorScaling,
+        VennAbersCalibration,
+    )
+    from torchcal.fit import ConvergenceWarning, FitRecord, cross_validate
+    from torchcal.heads import CalibratedModel, attach
 
 __version__ = "0.1.0"
 
-_LAZY_SUBMODULES = frozenset({"data", "lightning", "metrics", "plots", "report"})
+# Everything is imported on first access (PEP 562), so that ``import torchcal`` and the command
+# line's ``--help`` do not pay for torch, torchmetrics, Lightning or matplotlib.
+_SUBMODULES = frozenset({"data", "functional", "label_shift", "lightning", "metrics", "plots", "report"})
+_EXPORTS = {
+    **dict.fromkeys(
+        [
+            "AffineCalibration",
+            "BetaCalibration",
+            "Calibrator",
+            "DirichletCalibration",
+            "HistogramBinning",
+            "IsotonicCalibration",
+            "MatrixScaling",
+            "PlattScaling",
+            "TemperatureScaling",
+            "VectorScaling",
+            "VennAbersCalibration",
+        ],
+        "torchcal.calibrators",
+    ),
+    **dict.fromkeys(["ConvergenceWarning", "FitRecord", "cross_validate"], "torchcal.fit"),
+    **dict.fromkeys(["CalibratedModel", "attach"], "torchcal.heads"),
+}
 
 __all__ = [
     "AffineCalibration",
@@ -57,17 +72,27 @@ __all__ = [
     "VennAbersCalibration",
     "attach",
     "cross_validate",
+    "data",
     "functional",
     "label_shift",
+    "lightning",
+    "metrics",
+    "plots",
+    "report",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    """Import a lazy submodule on first access (``torchcal.metrics.CrossEntropy`` after ``import torchcal``)."""
-    if name in _LAZY_SUBMODULES:
+    """Import an exported name or a submodule on first access (``torchcal.TemperatureScaling``,
+    ``torchcal.metrics.CrossEntropy`` after ``import torchcal``)."""
+    if name in _SUBMODULES:
         return importlib.import_module(f"torchcal.{name}")  # also binds it on the package
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'torchcal' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY_SUBMODULES})
+    return sorted({*globals(), *_SUBMODULES, *_EXPORTS})

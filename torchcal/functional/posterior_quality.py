@@ -52,7 +52,7 @@ def posterior_quality(
         >>> probs = torch.tensor([[.8, .2], [.3, .7], [.6, .4], [.1, .9]])
         >>> result = posterior_quality(probs.log(), torch.tensor([0, 1, 1, 1]), n_bins=10)
         >>> {name: round(float(value), 6) for name, value in result._asdict().items()}
-        {'cross_entropy': 0.400367, 'nce': 0.711973, 'brier': 0.25, 'nbs': 0.666667, 'error_rate': 0.25, 'ece': 0.15}
+        {'cross_entropy': 0.400367, 'nce': 0.711973, 'brier': 0.25, 'nbs': 0.666667, 'error_rate': 0.25, 'ece': 0.3}
     """
     logits, labels = check_logits_and_labels(logits, labels)
     if priors is not None:

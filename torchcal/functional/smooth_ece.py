@@ -148,10 +148,9 @@ def smooth_ece_from_grid(
         >>> round(float(value), 4), sigma
         (0.1753, 0.17578125)
     """
-    fixed = isinstance(grid_sums, Tensor)
 
     def at(sigma: float) -> Tensor:
-        grid = grid_sums if fixed else grid_sums(grid_points_for_bandwidth(sigma))  # type: ignore[operator]
+        grid = grid_sums if isinstance(grid_sums, Tensor) else grid_sums(grid_points_for_bandwidth(sigma))
         return _smooth_ece_at(grid, sigma)
 
     if bandwidth is None:

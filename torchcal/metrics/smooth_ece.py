@@ -18,7 +18,7 @@ from torchmetrics import Metric
 from torchcal._validation import check_logits_and_labels
 from torchcal.functional.diagnostics import binning_scores
 from torchcal.functional.scoring import to_log_probs
-from torchcal.functional.smooth_ece import round_to_grid, smooth_ece_from_grid
+from torchcal.functional.smooth_ece import SmoothKind, round_to_grid, smooth_ece_from_grid
 from torchcal.metrics._common import add_sum_state, check_num_classes
 
 __all__ = ["SmoothCalibrationError"]
@@ -51,11 +51,12 @@ class SmoothCalibrationError(Metric):
     full_state_update = False
     plot_lower_bound = 0.0
     plot_upper_bound = 1.0
+    grid: Tensor  # (C, 2, G) grid sums of ones and residuals
 
     def __init__(
         self,
         num_classes: int,
-        kind: str = "top-label",
+        kind: SmoothKind = "top-label",
         bandwidth: float | None = None,
         grid_points: int = 1001,
         validate_args: bool = True,

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from torchcal._validation import check_logits_and_labels, check_priors
 from torchcal.functional import ReliabilityBins, reliability_bins
+from torchcal.functional.reliability_intervals import reliability_intervals
 from torchcal.functional.scoring import class_frequencies
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ __all__ = [
     "classwise_reliability",
     "pyplot",
     "reliability_diagram",
+    "smooth_reliability_diagram",
 ]
 
 Systems = Tensor | Mapping[str, Tensor]
@@ -100,6 +102,7 @@ def reliability_diagram(
     strategy: str = "uniform",
     ax: Axes | None = None,
     show_histogram: bool = True,
+    intervals: str | None = None,
 ) -> tuple[Figure, Axes]:
     """Observed frequency against mean predicted probability, per bin, with the bin counts.
 
@@ -118,6 +121,8 @@ def reliability_diagram(
         n_bins, strategy: binning, as :func:`torchcal.functional.reliability_bins`.
         ax: draw into these axes instead of a new figure.
         show_histogram: draw the bin counts.
+        intervals: ``"clopper-pearson"`` or ``"wilson"`` draws each bin's 95 % binomial interval
+            (:func:`torchcal.functional.reliability_intervals.reliability_intervals`) as an error bar.
 
     Returns:
         ``(fig, ax)``; ``ax`` holds the reliability curves (the histogram is on a twin axis).
@@ -140,6 +145,10 @@ def reliability_diagram(
         ax.plot(x[full], y[full], linewidth=1.5, color=colors[name], label=name or None)
         ax.plot(x[full & ~sparse], y[full & ~sparse], "o", markersize=4, color=colors[name])
         ax.plot(x[full & sparse], y[full & sparse], "o", markersize=4, color=colors[name], markerfacecolor="white")
+        if intervals is not None:
+            lower, upper = (v.cpu().numpy() for v in reliability_intervals(bins, method=intervals))  # type: ignore[arg-type]
+            ax.errorbar(x[full], y[full], yerr=[y[full] - lower[full], upper[full] - y[full]], fmt="none",
+                        ecolor=colors[name], elinewidth=1, capsize=2)
         if histogram is not None:
             histogram.stairs(bins.counts.numpy(), bins.edges.numpy(), color=colors[name], alpha=0.8,
                              linewidth=1, baseline=0.5)
@@ -354,3 +363,47 @@ def bayes_risk_curves(
         bayes_risk_curve(logits, labels, class_index=k, priors=priors, ax=ax)
     _tidy_grid(axes, len(classes))
     return fig, axes
+
+
+# --- smoothed reliability diagram (Błasiok & Nakkiran 2023) ----------------------------------------
+
+def smooth_reliability_diagram(
+    logits: Systems,
+    labels: Tensor,
+    *,
+    kind: str = "top-label",
+    num_replicates: int = 200,
+    ax: Axes | None = None,
+) -> tuple[Figure, Axes]:
+    """The kernel-smoothed reliability curve with its 95 % bootstrap band and smECE in the legend.
+
+    Args:
+        logits: (N, K) scores, or ``{name: (N, K) scores}`` for several systems on one plot.
+        labels: (N,) class indices.
+        kind: ``"top-label"`` or ``"binary"`` (class 1 of K = 2).
+        num_replicates: bootstrap replicates of the band.
+        ax: draw into these axes instead of a new figure.
+
+    Example:
+        >>> import torch
+        >>> fig, ax = smooth_reliability_diagram(3 * torch.randn(500, 3), torch.randint(0, 3, (500,)), num_replicates=20)
+    """
+    from torchcal.functional.smooth_ece import smooth_reliability_curve
+
+    fig, ax = _figure_and_axes(ax, (5.0, 4.6))
+    systems = _systems(logits)
+    colors = _colors(list(systems))
+    ax.plot([0, 1], [0, 1], color="0.6", linestyle="--", linewidth=1, label="perfect calibration")
+    for name, scores in systems.items():
+        curve = smooth_reliability_curve(scores, labels, kind=kind, num_replicates=num_replicates)  # type: ignore[arg-type]
+        mesh, frequency = curve.mesh.cpu().numpy(), curve.frequency.cpu().numpy()
+        label = f"{name + ': ' if name else ''}smECE {float(curve.smooth_ece):.4f} (σ = {float(curve.bandwidth):.3f})"
+        ax.plot(mesh, frequency, color=colors[name], linewidth=1.5, label=label)
+        ax.fill_between(mesh, curve.lower.cpu().numpy(), curve.upper.cpu().numpy(), color=colors[name], alpha=0.2,
+                        linewidth=0)
+    xlabel, ylabel = {"binary": ("predicted probability of class 1", "frequency of class 1")}.get(
+        kind, ("confidence (top-label probability)", "accuracy"))
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel=xlabel, ylabel=ylabel)
+    ax.set_title(f"smoothed reliability, {kind} (95 % bootstrap band)", fontsize="medium")
+    ax.legend(loc="upper left", fontsize="small", frameon=False)
+    return fig, ax

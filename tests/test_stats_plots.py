@@ -1,0 +1,44 @@
+"""Plots of the statistics: what is drawn is what the functions compute."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from torchcal.functional import reliability_bins
+from torchcal.functional.reliability_intervals import reliability_intervals
+from torchcal.functional.smooth_ece import smooth_reliability_curve
+from torchcal.plots import reliability_diagram, smooth_reliability_diagram
+
+pytest.importorskip("matplotlib")
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    yield
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+def test_error_bars_are_the_binomial_intervals(synthetic):
+    scores, y = synthetic(3, 1500, seed=0)
+    logits, labels = torch.from_numpy(scores), torch.from_numpy(y)
+    _, ax = reliability_diagram(logits, labels, n_bins=10, intervals="wilson")
+    bins = reliability_bins(logits, labels, n_bins=10)
+    lower, upper = reliability_intervals(bins, method="wilson")
+    full = bins.counts > 0
+    (bars,) = [c for c in ax.collections if c.__class__.__name__ == "LineCollection" and len(c.get_segments()) == int(full.sum())]
+    drawn = np.array([[segment[0][1], segment[1][1]] for segment in bars.get_segments()])
+    np.testing.assert_allclose(np.sort(drawn, axis=1), np.stack([lower[full], upper[full]], 1), atol=1e-12)
+
+
+def test_smooth_diagram_draws_the_curve_and_names_smece(real):
+    data = real("sst2_gpt2-0shot_ferrer")
+    logits, labels = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
+    _, ax = smooth_reliability_diagram({"gpt2": logits}, labels, kind="binary", num_replicates=20)
+    curve = smooth_reliability_curve(logits, labels, kind="binary", num_replicates=20)
+    line = next(line for line in ax.lines if line.get_label().startswith("gpt2"))
+    np.testing.assert_allclose(line.get_ydata(), curve.frequency.numpy(), atol=1e-12)
+    assert f"{float(curve.smooth_ece):.4f}" in line.get_label()

@@ -45,7 +45,7 @@ def test_corp_matches_sklearn_isotonic(real, name, score):
 def test_corp_takes_any_proper_score_and_ignores_row_order(synthetic):
     scores, y = synthetic(2, 700, seed=3)
     logits, labels = torch.from_numpy(scores) / 3, torch.from_numpy(y)
-    spherical = lambda p, t: -(t * p + (1 - t) * (1 - p)) / torch.sqrt(p**2 + (1 - p) ** 2)  # noqa: E731
+    spherical = lambda p, t: -(t * p + (1 - t) * (1 - p)) / torch.sqrt(p**2 + (1 - p) ** 2)
     result = corp_decomposition(logits, labels, score=spherical, kind="binary")
     assert float(result.score) == pytest.approx(float(result.miscalibration - result.discrimination + result.uncertainty), abs=1e-12)
     permutation = torch.randperm(700)

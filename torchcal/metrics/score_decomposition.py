@@ -35,7 +35,7 @@ class MurphyDecomposition(CalibrationError):
         tensor([0.1450, 0.0000, 0.5000], dtype=torch.float64)
     """
 
-    higher_is_better = None  # a decomposition, not one score
+    higher_is_better = None  # type: ignore[assignment]  # a decomposition, not one score
 
     def __init__(
         self, num_classes: int, n_bins: int = 15, strategy: str = "uniform", kind: str = "classwise", **kwargs: Any

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -48,7 +49,7 @@ def _rocch_eer_numpy(scores: np.ndarray, target: np.ndarray) -> float:
         while len(hull) >= 2 and (hull[-1][0] - hull[-2][0]) * (p[1] - hull[-2][1]) - (hull[-1][1] - hull[-2][1]) * (p[0] - hull[-2][0]) <= 0:
             hull.pop()
         hull.append(p)
-    for (x1, y1), (x2, y2) in zip(hull[:-1], hull[1:]):
+    for (x1, y1), (x2, y2) in itertools.pairwise(hull):
         if (x1 - y1) * (x2 - y2) <= 0:  # the segment meets the diagonal
             if (x2 - y2) == (x1 - y1):
                 return x1

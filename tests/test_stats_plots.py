@@ -42,3 +42,18 @@ def test_smooth_diagram_draws_the_curve_and_names_smece(real):
     line = next(line for line in ax.lines if line.get_label().startswith("gpt2"))
     np.testing.assert_allclose(line.get_ydata(), curve.frequency.numpy(), atol=1e-12)
     assert f"{float(curve.smooth_ece):.4f}" in line.get_label()
+
+
+def test_det_plot_draws_the_det_curve_on_probit_axes(real):
+    from torchcal.functional.detection import det_curve, equal_error_rate
+    from torchcal.plots import det_plot
+
+    data = real("adrenalmnist3d_resnet50_ferrer")
+    logits, labels = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
+    _, ax = det_plot({"resnet": logits}, labels)
+    curve = det_curve(logits, labels)
+    inside = (curve.false_alarm > 0) & (curve.miss > 0)
+    line = next(line for line in ax.lines if line.get_label().startswith("resnet"))
+    np.testing.assert_allclose(line.get_xdata(), torch.special.ndtri(curve.false_alarm[inside]).numpy())
+    np.testing.assert_allclose(line.get_ydata(), torch.special.ndtri(curve.miss[inside]).numpy())
+    assert f"{100 * float(equal_error_rate(logits, labels)):.2f} %" in line.get_label()

@@ -45,6 +45,7 @@ __all__ = [
     "bayes_risk_curves",
     "bayes_risk_sweep",
     "classwise_reliability",
+    "det_plot",
     "pyplot",
     "reliability_diagram",
     "smooth_reliability_diagram",
@@ -406,4 +407,49 @@ def smooth_reliability_diagram(
     ax.set(xlim=(0, 1), ylim=(0, 1), xlabel=xlabel, ylabel=ylabel)
     ax.set_title(f"smoothed reliability, {kind} (95 % bootstrap band)", fontsize="medium")
     ax.legend(loc="upper left", fontsize="small", frameon=False)
+    return fig, ax
+
+
+# --- DET curves (binary detection) ----------------------------------------------------------------
+
+def det_plot(logits: Systems, labels: Tensor, *, ax: Axes | None = None) -> tuple[Figure, Axes]:
+    """Detection-error-tradeoff curves on probit axes, with each system's ROC-convex-hull EER.
+
+    Args:
+        logits: (N, 2) scores (class 1 is the target), or ``{name: (N, 2) scores}``.
+        labels: (N,) 0/1 labels.
+        ax: draw into these axes instead of a new figure.
+
+    Example:
+        >>> import torch
+        >>> labels = torch.randint(0, 2, (400,))
+        >>> fig, ax = det_plot(torch.stack([torch.zeros(400), 2 * labels + torch.randn(400)], 1), labels)
+    """
+    from torchcal.functional.detection import det_curve, equal_error_rate
+
+    fig, ax = _figure_and_axes(ax, (5.0, 4.6))
+    systems = _systems(logits)
+    colors = _colors(list(systems))
+    probit = torch.special.ndtri
+    lowest = 1.0
+    for name, scores in systems.items():
+        false_alarm, miss = det_curve(scores, labels)
+        inside = (false_alarm > 0) & (miss > 0)
+        eer = float(equal_error_rate(scores, labels))
+        ax.plot(probit(false_alarm[inside]).cpu().numpy(), probit(miss[inside]).cpu().numpy(), color=colors[name],
+                linewidth=1.5, label=f"{name + ': ' if name else ''}EER {100 * eer:.2f} %")
+        if eer > 0:
+            ax.plot([float(probit(torch.tensor(eer)))] * 2, [float(probit(torch.tensor(eer)))] * 2, "o",
+                    color=colors[name], markersize=5)
+        lowest = min(lowest, float(false_alarm[inside].min()), float(miss[inside].min()))
+    ticks = [t for t in (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4) if t >= lowest / 2]
+    positions = probit(torch.tensor(ticks, dtype=torch.float64)).tolist()
+    labels_text = [f"{100 * t:g}" for t in ticks]
+    ax.set_xticks(positions, labels_text)
+    ax.set_yticks(positions, labels_text)
+    limits = (positions[0], float(probit(torch.tensor(0.5))))
+    ax.plot(limits, limits, color="0.6", linestyle="--", linewidth=1)
+    ax.set(xlim=limits, ylim=limits, xlabel="false-alarm rate (%)", ylabel="miss rate (%)")
+    ax.set_title("detection error tradeoff", fontsize="medium")
+    ax.legend(loc="upper right", fontsize="small", frameon=False)
     return fig, ax

@@ -56,6 +56,9 @@ BinnedSystems = Tensor | ReliabilityBins | Mapping[str, Tensor | ReliabilityBins
 
 #: Reliability-diagram bins with fewer samples than this get open markers.
 SPARSE_BIN = 30
+#: The smoothed reliability curve is drawn where the score density is at least this fraction of the
+#: uniform density on [0, 1] (elsewhere too few scores fall for the kernel regression to mean much).
+SPARSE_DENSITY = 0.05
 
 
 
@@ -397,11 +400,12 @@ def smooth_reliability_diagram(
     ax.plot([0, 1], [0, 1], color="0.6", linestyle="--", linewidth=1, label="perfect calibration")
     for name, scores in systems.items():
         curve = smooth_reliability_curve(scores, labels, kind=kind, num_replicates=num_replicates)  # type: ignore[arg-type]
-        mesh, frequency = curve.mesh.cpu().numpy(), curve.frequency.cpu().numpy()
+        shown = curve.density >= SPARSE_DENSITY * curve.density.mean()
+        mesh = curve.mesh.cpu().numpy()
+        frequency, lower, upper = (v.where(shown, float("nan")).cpu().numpy() for v in (curve.frequency, curve.lower, curve.upper))
         label = f"{name + ': ' if name else ''}smECE {float(curve.smooth_ece):.4f} (σ = {float(curve.bandwidth):.3f})"
         ax.plot(mesh, frequency, color=colors[name], linewidth=1.5, label=label)
-        ax.fill_between(mesh, curve.lower.cpu().numpy(), curve.upper.cpu().numpy(), color=colors[name], alpha=0.2,
-                        linewidth=0)
+        ax.fill_between(mesh, lower, upper, color=colors[name], alpha=0.2, linewidth=0)
     xlabel, ylabel = {"binary": ("predicted probability of class 1", "frequency of class 1")}.get(
         kind, ("confidence (top-label probability)", "accuracy"))
     ax.set(xlim=(0, 1), ylim=(0, 1), xlabel=xlabel, ylabel=ylabel)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Literal, NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -54,11 +55,12 @@ def binomial_interval(successes: Tensor, trials: Tensor, confidence: float = 0.9
     alpha = 1 - confidence
     empty = trials <= 0
     if method == "clopper-pearson":
-        from scipy.stats import beta  # imported only here
+        from scipy.special import betaincinv  # the beta quantile; scipy.special imports quickly
 
         k, m = successes.cpu().numpy(), trials.cpu().numpy()
-        lower = torch.from_numpy(beta.ppf(alpha / 2, k, m - k + 1)).to(successes.device)
-        upper = torch.from_numpy(beta.ppf(1 - alpha / 2, k + 1, m - k)).to(successes.device)
+        with np.errstate(invalid="ignore"):  # k = 0 and k = n give NaN, replaced below
+            lower = torch.from_numpy(betaincinv(k, m - k + 1, alpha / 2)).to(successes.device)
+            upper = torch.from_numpy(betaincinv(k + 1, m - k, 1 - alpha / 2)).to(successes.device)
         lower = torch.where(successes <= 0, torch.zeros_like(lower), lower)
         upper = torch.where(successes >= trials, torch.ones_like(upper), upper)
     elif method == "wilson":

@@ -50,9 +50,6 @@ from torchcal import (
 )
 from torchcal._validation import check_costs, check_logits_and_labels, check_priors
 from torchcal.data import Scores
-from torchcal.functional.consistency_resampling import consistency_resampling_test
-from torchcal.functional.detection import cllr, equal_error_rate, min_cllr
-from torchcal.functional.smooth_ece import smooth_ece
 from torchcal.functional import (
     bayes_risk,
     brier_score,
@@ -66,6 +63,9 @@ from torchcal.functional import (
 from torchcal.functional import (
     bootstrap as bootstrap_metric,
 )
+from torchcal.functional.consistency_resampling import consistency_resampling_test
+from torchcal.functional.detection import cllr, equal_error_rate, min_cllr
+from torchcal.functional.smooth_ece import smooth_ece
 
 __all__ = [
     "METHODS",

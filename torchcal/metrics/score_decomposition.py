@@ -10,10 +10,10 @@ from torch import Tensor
 from torchcal.functional.score_decomposition import murphy_from_bins
 from torchcal.metrics.diagnostics import CalibrationError
 
-__all__ = ["MurphyDecomposition"]
+__all__ = ["BrierDecomposition"]
 
 
-class MurphyDecomposition(CalibrationError):
+class BrierDecomposition(CalibrationError):
     """Murphy's REL, RES and UNC, as ``functional.score_decomposition.murphy_decomposition``.
 
     ``compute()`` returns the (3,) tensor ``[reliability, resolution, uncertainty]``. With
@@ -27,7 +27,7 @@ class MurphyDecomposition(CalibrationError):
 
     Example:
         >>> import torch
-        >>> metric = MurphyDecomposition(num_classes=2, n_bins=2)
+        >>> metric = BrierDecomposition(num_classes=2, n_bins=2)
         >>> probs = torch.tensor([[.9, .1], [.8, .2], [.4, .6], [.3, .7]], dtype=torch.float64)
         >>> metric.update(probs[:3].log(), torch.tensor([0, 1, 1]))
         >>> metric.update(probs[3:].log(), torch.tensor([0]))

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from torchcal.functional import bootstrap
+from torchcal.functional.bootstrap import resample_indices
 from torchcal.functional.smooth_ece import smooth_ece, smooth_ece_bandwidth, smooth_reliability_curve
 from torchcal.metrics.smooth_ece import SmoothCalibrationError
 
@@ -116,3 +118,14 @@ def test_bad_input():
         SmoothCalibrationError(3, grid_points=2)
     with pytest.raises(ValueError, match="K = 2"):
         SmoothCalibrationError(3, kind="binary")
+
+
+def test_bootstrap_interval_of_smooth_ece(real):
+    data = real("adrenalmnist3d_resnet50_ferrer")
+    logits, labels = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
+    result = bootstrap(smooth_ece, logits, labels, num_replicates=30, kind="binary")
+    assert float(result.estimate) == pytest.approx(relplot.smECE(torch.softmax(logits.double(), 1)[:, 1].numpy(), data["labels"].astype(float)), abs=1e-6)
+    assert float(result.lower) < float(result.estimate) < float(result.upper)
+    # the replicates are smooth_ece of the resampled rows (the bootstrap's general path)
+    first = next(resample_indices(len(labels), 30, seed=0))[0]
+    assert float(result.replicates[0]) == pytest.approx(float(smooth_ece(logits[first], labels[first], kind="binary")), abs=1e-12)

@@ -141,6 +141,8 @@ def _vectorised_null(
             targets = table.targets[picked].to(torch.float64)  # (b, N, C)
             target_sums = targets.new_zeros(b, num_columns * n_bins)
             target_sums.scatter_add_(1, keys.expand(b, n, num_columns).reshape(b, -1), targets.reshape(b, -1))
-            fixed = (x.expand(b, -1).reshape(b, num_columns, n_bins) for x in (counts, score_sums))
-            replicates.append(table.reduce(*fixed, target_sums.reshape(b, num_columns, n_bins)))
+            shape = (b, num_columns, n_bins)
+            replicates.append(table.reduce(
+                counts.expand(b, -1).reshape(shape), score_sums.expand(b, -1).reshape(shape), target_sums.reshape(shape)
+            ))
     return torch.cat(replicates)

@@ -60,3 +60,19 @@ def test_det_plot_draws_the_det_curve_on_probit_axes(real):
     np.testing.assert_allclose(line.get_xdata(), torch.special.ndtri(curve.false_alarm[inside]).numpy())
     np.testing.assert_allclose(line.get_ydata(), torch.special.ndtri(curve.miss[inside]).numpy())
     assert f"{100 * float(equal_error_rate(logits, labels)):.2f} %" in line.get_label()
+
+
+def test_corp_diagram_draws_the_pav_step_function(real):
+    from sklearn.isotonic import IsotonicRegression
+
+    from torchcal.plots import corp_reliability_diagram
+
+    data = real("sst2_gpt2-4shot_ferrer")
+    logits, labels = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
+    _, ax = corp_reliability_diagram({"gpt2": logits}, labels, kind="binary")
+    line = next(line for line in ax.lines if line.get_label().startswith("gpt2"))
+    p = torch.softmax(logits.double(), 1)[:, 1].numpy()
+    order = np.argsort(p, kind="stable")
+    expected = IsotonicRegression(y_min=0, y_max=1).fit(p, data["labels"].astype(float)).predict(p)[order]
+    np.testing.assert_allclose(line.get_xdata(), p[order], atol=1e-12)
+    np.testing.assert_allclose(line.get_ydata(), expected, atol=1e-12)

@@ -45,6 +45,7 @@ __all__ = [
     "bayes_risk_curves",
     "bayes_risk_sweep",
     "classwise_reliability",
+    "corp_reliability_diagram",
     "det_plot",
     "pyplot",
     "reliability_diagram",
@@ -456,4 +457,43 @@ def det_plot(logits: Systems, labels: Tensor, *, ax: Axes | None = None) -> tupl
     ax.set(xlim=limits, ylim=limits, xlabel="false-alarm rate (%)", ylabel="miss rate (%)")
     ax.set_title("detection error tradeoff", fontsize="medium")
     ax.legend(loc="upper right", fontsize="small", frameon=False)
+    return fig, ax
+
+
+# --- CORP reliability diagram (Dimitriadis, Gneiting & Jordan 2021) -------------------------------
+
+def corp_reliability_diagram(
+    logits: Systems, labels: Tensor, *, kind: str = "top-label", ax: Axes | None = None
+) -> tuple[Figure, Axes]:
+    """The PAV-recalibrated probabilities against the scores, with the CORP Brier decomposition
+    (miscalibration MCB, discrimination DSC, uncertainty UNC) in the legend.
+
+    Args:
+        logits: (N, K) scores, or ``{name: (N, K) scores}`` for several systems on one plot.
+        labels: (N,) class indices.
+        kind: ``"top-label"`` or ``"binary"`` (class 1 of K = 2).
+        ax: draw into these axes instead of a new figure.
+
+    Example:
+        >>> import torch
+        >>> fig, ax = corp_reliability_diagram(3 * torch.randn(500, 3), torch.randint(0, 3, (500,)))
+    """
+    from torchcal.functional.score_decomposition import corp_decomposition, corp_reliability_curve
+
+    fig, ax = _figure_and_axes(ax, (5.0, 4.6))
+    systems = _systems(logits)
+    colors = _colors(list(systems))
+    ax.plot([0, 1], [0, 1], color="0.6", linestyle="--", linewidth=1, label="perfect calibration")
+    for name, scores in systems.items():
+        x, recalibrated = corp_reliability_curve(scores, labels, kind=kind)  # type: ignore[arg-type]
+        parts = corp_decomposition(scores, labels, kind=kind)  # type: ignore[arg-type]
+        label = (f"{name + ': ' if name else ''}MCB {float(parts.miscalibration):.4f}, DSC "
+                 f"{float(parts.discrimination):.4f}, UNC {float(parts.uncertainty):.4f}")
+        ax.step(x.cpu().numpy(), recalibrated.cpu().numpy(), where="post", color=colors[name], linewidth=1.5,
+                label=label)
+    xlabel, ylabel = {"binary": ("predicted probability of class 1", "CORP recalibrated probability")}.get(
+        kind, ("confidence (top-label probability)", "CORP recalibrated accuracy"))
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel=xlabel, ylabel=ylabel)
+    ax.set_title(f"CORP reliability, {kind} (Brier decomposition)", fontsize="medium")
+    ax.legend(loc="upper left", fontsize="small", frameon=False)
     return fig, ax

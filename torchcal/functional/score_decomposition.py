@@ -33,6 +33,7 @@ __all__ = [
     "MurphyDecomposition",
     "corp_decomposition",
     "corp_recalibration",
+    "corp_reliability_curve",
     "murphy_decomposition",
     "murphy_from_bins",
 ]
@@ -87,6 +88,23 @@ def corp_recalibration(scores: Tensor, targets: Tensor) -> Tensor:
     boundaries, values = pool_adjacent_violators(x, targets.detach().to(torch.float64).cpu().numpy(), np.ones_like(x))
     fitted = values[np.searchsorted(boundaries, x, side="right") - 1]
     return torch.from_numpy(fitted).to(scores.device)
+
+
+def corp_reliability_curve(
+    logits: Tensor, labels: Tensor, kind: Literal["top-label", "binary"] = "top-label"
+) -> tuple[Tensor, Tensor]:
+    """The CORP reliability diagram: the scores (N,) in increasing order and their PAV
+    recalibration (N,), a non-decreasing step function to draw against the diagonal.
+
+    Example:
+        >>> probs = torch.tensor([[.9, .1], [.8, .2], [.4, .6], [.3, .7]], dtype=torch.float64)
+        >>> scores, recalibrated = corp_reliability_curve(probs.log(), torch.tensor([0, 1, 1, 0]), kind="binary")
+        >>> scores.round(decimals=4).tolist(), recalibrated.round(decimals=4).tolist()
+        ([0.1, 0.2, 0.6, 0.7], [0.0, 0.6667, 0.6667, 0.6667])
+    """
+    x, y = _binary_problem(logits, labels, kind)
+    order = x.argsort()
+    return x[order], corp_recalibration(x, y)[order]
 
 
 def corp_decomposition(

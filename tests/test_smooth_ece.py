@@ -129,3 +129,18 @@ def test_bootstrap_interval_of_smooth_ece(real):
     # the replicates are smooth_ece of the resampled rows (the bootstrap's general path)
     first = next(resample_indices(len(labels), 30, seed=0))[0]
     assert float(result.replicates[0]) == pytest.approx(float(smooth_ece(logits[first], labels[first], kind="binary")), abs=1e-12)
+
+
+def test_small_bandwidth_uses_relplots_finer_grid():
+    # 100k calibrated binary samples: the bandwidth falls below 0.01 and relplot's grid grows past 1001
+    generator = torch.Generator().manual_seed(0)
+    q = torch.rand(100_000, generator=generator, dtype=torch.float64)
+    labels = torch.bernoulli(q, generator=generator).long()
+    logits = torch.stack([(1 - q).log(), q.log()], 1)
+    expected, width = relplot.smECE(q.numpy(), labels.numpy().astype(float), return_width=True)
+    assert width < 0.01
+    assert float(smooth_ece(logits, labels, kind="binary")) == pytest.approx(expected, abs=1e-9)
+    # the streaming metric's fixed 1001-point grid rounds the scores more coarsely: close, not equal
+    metric = SmoothCalibrationError(2, kind="binary")
+    metric.update(logits, labels)
+    assert float(metric.compute()) == pytest.approx(expected, abs=5e-5)

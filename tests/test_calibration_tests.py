@@ -10,7 +10,7 @@ import pytest
 import scipy.stats
 import torch
 
-from torchcal.functional import brier_score, cross_entropy, expected_calibration_error
+from torchcal.functional import balanced_error_rate, bayes_risk, brier_score, cross_entropy, expected_calibration_error
 from torchcal.functional.calibration_tests import (
     hosmer_lemeshow_test,
     kolmogorov_smirnov_test,
@@ -174,6 +174,8 @@ def test_resampling_test_reproduces_the_survey_example():
         (expected_calibration_error, {"norm": "l2"}),
         (cross_entropy, {}),
         (brier_score, {"priors": torch.full((4,), 0.25)}),
+        (bayes_risk, {"costs": torch.tensor([[0.0, 1, 1, 1], [5, 0, 1, 1], [1, 1, 0, 1], [1, 1, 2, 0]]), "normalize": True}),
+        (balanced_error_rate, {}),
     ],
 )
 def test_resampling_test_vectorised_path_equals_the_loop(metric, kwargs):

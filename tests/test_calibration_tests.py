@@ -215,5 +215,9 @@ def test_bad_input():
         spiegelhalter_test(logits, labels, kind="binary")
     with pytest.raises(ValueError, match="alternative"):
         spiegelhalter_test(logits, labels, alternative="bigger")
+    saturated = torch.tensor([[80.0, 0.0], [0.0, 90.0]], dtype=torch.float64)  # scores exactly 1.0
+    for test in (kolmogorov_smirnov_test, kuiper_test, spiegelhalter_test):
+        with pytest.raises(ValueError, match="exactly 0 or 1"):
+            test(saturated, torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="num_resamples"):
         consistency_resampling_test(cross_entropy, logits, labels, num_resamples=0)

@@ -59,7 +59,13 @@ def _binary_problem(logits: Tensor, labels: Tensor, kind: str) -> tuple[Tensor, 
         raise ValueError(f'kind must be "top-label" or "binary", got {kind!r}.')
     logits, labels = check_logits_and_labels(logits, labels)
     scores, targets = binning_scores(to_log_probs(logits), labels, kind)  # type: ignore[arg-type]
-    return scores[:, 0].to(torch.float64), targets[:, 0].to(torch.float64)
+    scores = scores[:, 0].to(torch.float64)
+    if not bool((scores * (1 - scores)).sum() > 0):
+        raise ValueError(
+            "every score is exactly 0 or 1, so the targets have no variance under calibration and the test is "
+            "undefined; such posteriors are calibrated only if every target matches its score (check the logits' scale)."
+        )
+    return scores, targets[:, 0].to(torch.float64)
 
 
 def hosmer_lemeshow_test(

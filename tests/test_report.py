@@ -102,7 +102,7 @@ def test_table_json_csv_and_calibrator_files(small, tmp_path):
     report = evaluate(test, ["temperature", "affine"], calibration=cal, bootstrap=50)
     written = {p.name for p in report.save(tmp_path)}
     assert written == {"report.txt", "report.json", "report.csv", "calibrator.pt", "reliability_top_label.png",
-                       "reliability_per_class.png", "bayes_risk.png"}
+                       "reliability_per_class.png", "bayes_risk.png", "reliability_smooth.png"}
     for png in tmp_path.glob("*.png"):
         assert png.read_bytes()[:4] == b"\x89PNG"
     saved = json.loads((tmp_path / "report.json").read_text())

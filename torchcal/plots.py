@@ -34,6 +34,7 @@ from torch import Tensor
 from torchcal._validation import check_logits_and_labels, check_priors
 from torchcal.functional import ReliabilityBins, reliability_bins
 from torchcal.functional.diagnostics import Strategy
+from torchcal.functional.reliability_intervals import reliability_intervals
 from torchcal.functional.scoring import class_frequencies
 
 if TYPE_CHECKING:
@@ -45,8 +46,11 @@ __all__ = [
     "bayes_risk_curves",
     "bayes_risk_sweep",
     "classwise_reliability",
+    "corp_reliability_diagram",
+    "det_plot",
     "pyplot",
     "reliability_diagram",
+    "smooth_reliability_diagram",
 ]
 
 Systems = Tensor | Mapping[str, Tensor]
@@ -54,6 +58,9 @@ BinnedSystems = Tensor | ReliabilityBins | Mapping[str, Tensor | ReliabilityBins
 
 #: Reliability-diagram bins with fewer samples than this get open markers.
 SPARSE_BIN = 30
+#: The smoothed reliability curve is drawn where the score density is at least this fraction of the
+#: uniform density on [0, 1] (elsewhere too few scores fall for the kernel regression to mean much).
+SPARSE_DENSITY = 0.05
 
 
 
@@ -101,6 +108,7 @@ def reliability_diagram(
     strategy: Strategy = "uniform",
     ax: Axes | None = None,
     show_histogram: bool = True,
+    intervals: str | None = None,
 ) -> tuple[Figure, Axes]:
     """Observed frequency against mean predicted probability, per bin, with the bin counts.
 
@@ -119,6 +127,8 @@ def reliability_diagram(
         n_bins, strategy: binning, as :func:`torchcal.functional.reliability_bins`.
         ax: draw into these axes instead of a new figure.
         show_histogram: draw the bin counts.
+        intervals: ``"clopper-pearson"`` or ``"wilson"`` draws each bin's 95 % binomial interval
+            (:func:`torchcal.functional.reliability_intervals.reliability_intervals`) as an error bar.
 
     Returns:
         ``(fig, ax)``; ``ax`` holds the reliability curves (the histogram is on a twin axis).
@@ -141,6 +151,10 @@ def reliability_diagram(
         ax.plot(x[full], y[full], linewidth=1.5, color=colors[name], label=name or None)
         ax.plot(x[full & ~sparse], y[full & ~sparse], "o", markersize=4, color=colors[name])
         ax.plot(x[full & sparse], y[full & sparse], "o", markersize=4, color=colors[name], markerfacecolor="white")
+        if intervals is not None:
+            lower, upper = (v.cpu().numpy() for v in reliability_intervals(bins, method=intervals))  # type: ignore[arg-type]
+            ax.errorbar(x[full], y[full], yerr=[y[full] - lower[full], upper[full] - y[full]], fmt="none",
+                        ecolor=colors[name], elinewidth=1, capsize=2)
         if histogram is not None:
             histogram.stairs(bins.counts.numpy(), bins.edges.numpy(), color=colors[name], alpha=0.8,
                              linewidth=1, baseline=0.5)
@@ -371,3 +385,132 @@ def bayes_risk_curves(
         bayes_risk_curve(logits, labels, class_index=k, priors=priors, ax=ax)
     _tidy_grid(axes, len(classes))
     return fig, axes
+
+
+# --- smoothed reliability diagram (Błasiok & Nakkiran 2023) ----------------------------------------
+
+def smooth_reliability_diagram(
+    logits: Systems,
+    labels: Tensor,
+    *,
+    kind: str = "top-label",
+    num_replicates: int = 200,
+    ax: Axes | None = None,
+) -> tuple[Figure, Axes]:
+    """The kernel-smoothed reliability curve with its 95 % bootstrap band and smECE in the legend.
+
+    Args:
+        logits: (N, K) scores, or ``{name: (N, K) scores}`` for several systems on one plot.
+        labels: (N,) class indices.
+        kind: ``"top-label"`` or ``"binary"`` (class 1 of K = 2).
+        num_replicates: bootstrap replicates of the band.
+        ax: draw into these axes instead of a new figure.
+
+    Example:
+        >>> import torch
+        >>> fig, ax = smooth_reliability_diagram(3 * torch.randn(500, 3), torch.randint(0, 3, (500,)), num_replicates=20)
+    """
+    from torchcal.functional.smooth_ece import smooth_reliability_curve
+
+    fig, ax = _figure_and_axes(ax, (5.0, 4.6))
+    systems = _systems(logits)
+    colors = _colors(list(systems))
+    ax.plot([0, 1], [0, 1], color="0.6", linestyle="--", linewidth=1, label="perfect calibration")
+    for name, scores in systems.items():
+        curve = smooth_reliability_curve(scores, labels, kind=kind, num_replicates=num_replicates)  # type: ignore[arg-type]
+        shown = curve.density >= SPARSE_DENSITY * curve.density.mean()
+        mesh = curve.mesh.cpu().numpy()
+        frequency, lower, upper = (v.where(shown, float("nan")).cpu().numpy() for v in (curve.frequency, curve.lower, curve.upper))
+        label = f"{name + ': ' if name else ''}smECE {float(curve.smooth_ece):.4f} (σ = {float(curve.bandwidth):.3f})"
+        ax.plot(mesh, frequency, color=colors[name], linewidth=1.5, label=label)
+        ax.fill_between(mesh, lower, upper, color=colors[name], alpha=0.2, linewidth=0)
+    xlabel, ylabel = {"binary": ("predicted probability of class 1", "frequency of class 1")}.get(
+        kind, ("confidence (top-label probability)", "accuracy"))
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel=xlabel, ylabel=ylabel)
+    ax.set_title(f"smoothed reliability, {kind} (95 % bootstrap band)", fontsize="medium")
+    ax.legend(loc="upper left", fontsize="small", frameon=False)
+    return fig, ax
+
+
+# --- DET curves (binary detection) ----------------------------------------------------------------
+
+def det_plot(logits: Systems, labels: Tensor, *, ax: Axes | None = None) -> tuple[Figure, Axes]:
+    """Detection-error-tradeoff curves on probit axes, with each system's ROC-convex-hull EER.
+
+    Args:
+        logits: (N, 2) scores (class 1 is the target), or ``{name: (N, 2) scores}``.
+        labels: (N,) 0/1 labels.
+        ax: draw into these axes instead of a new figure.
+
+    Example:
+        >>> import torch
+        >>> labels = torch.randint(0, 2, (400,))
+        >>> fig, ax = det_plot(torch.stack([torch.zeros(400), 2 * labels + torch.randn(400)], 1), labels)
+    """
+    from torchcal.functional.detection import det_curve, equal_error_rate
+
+    fig, ax = _figure_and_axes(ax, (5.0, 4.6))
+    systems = _systems(logits)
+    colors = _colors(list(systems))
+    probit = torch.special.ndtri
+    lowest = 1.0
+    for name, scores in systems.items():
+        false_alarm, miss = det_curve(scores, labels)
+        inside = (false_alarm > 0) & (miss > 0)
+        eer = float(equal_error_rate(scores, labels))
+        ax.plot(probit(false_alarm[inside]).cpu().numpy(), probit(miss[inside]).cpu().numpy(), color=colors[name],
+                linewidth=1.5, label=f"{name + ': ' if name else ''}EER {100 * eer:.2f} %")
+        if eer > 0:
+            ax.plot([float(probit(torch.tensor(eer)))] * 2, [float(probit(torch.tensor(eer)))] * 2, "o",
+                    color=colors[name], markersize=5)
+        lowest = min(lowest, float(false_alarm[inside].min()), float(miss[inside].min()))
+    ticks = [t for t in (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4) if t >= lowest / 2]
+    positions = probit(torch.tensor(ticks, dtype=torch.float64)).tolist()
+    labels_text = [f"{100 * t:g}" for t in ticks]
+    ax.set_xticks(positions, labels_text)
+    ax.set_yticks(positions, labels_text)
+    limits = (positions[0], float(probit(torch.tensor(0.5))))
+    ax.plot(limits, limits, color="0.6", linestyle="--", linewidth=1)
+    ax.set(xlim=limits, ylim=limits, xlabel="false-alarm rate (%)", ylabel="miss rate (%)")
+    ax.set_title("detection error tradeoff", fontsize="medium")
+    ax.legend(loc="upper right", fontsize="small", frameon=False)
+    return fig, ax
+
+
+# --- CORP reliability diagram (Dimitriadis, Gneiting & Jordan 2021) -------------------------------
+
+def corp_reliability_diagram(
+    logits: Systems, labels: Tensor, *, kind: str = "top-label", ax: Axes | None = None
+) -> tuple[Figure, Axes]:
+    """The PAV-recalibrated probabilities against the scores, with the CORP Brier decomposition
+    (miscalibration MCB, discrimination DSC, uncertainty UNC) in the legend.
+
+    Args:
+        logits: (N, K) scores, or ``{name: (N, K) scores}`` for several systems on one plot.
+        labels: (N,) class indices.
+        kind: ``"top-label"`` or ``"binary"`` (class 1 of K = 2).
+        ax: draw into these axes instead of a new figure.
+
+    Example:
+        >>> import torch
+        >>> fig, ax = corp_reliability_diagram(3 * torch.randn(500, 3), torch.randint(0, 3, (500,)))
+    """
+    from torchcal.functional.score_decomposition import corp_decomposition, corp_reliability_curve
+
+    fig, ax = _figure_and_axes(ax, (5.0, 4.6))
+    systems = _systems(logits)
+    colors = _colors(list(systems))
+    ax.plot([0, 1], [0, 1], color="0.6", linestyle="--", linewidth=1, label="perfect calibration")
+    for name, scores in systems.items():
+        x, recalibrated = corp_reliability_curve(scores, labels, kind=kind)  # type: ignore[arg-type]
+        parts = corp_decomposition(scores, labels, kind=kind)  # type: ignore[arg-type]
+        label = (f"{name + ': ' if name else ''}MCB {float(parts.miscalibration):.4f}, DSC "
+                 f"{float(parts.discrimination):.4f}, UNC {float(parts.uncertainty):.4f}")
+        ax.step(x.cpu().numpy(), recalibrated.cpu().numpy(), where="post", color=colors[name], linewidth=1.5,
+                label=label)
+    xlabel, ylabel = {"binary": ("predicted probability of class 1", "CORP recalibrated probability")}.get(
+        kind, ("confidence (top-label probability)", "CORP recalibrated accuracy"))
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel=xlabel, ylabel=ylabel)
+    ax.set_title(f"CORP reliability, {kind} (Brier decomposition)", fontsize="medium")
+    ax.legend(loc="upper left", fontsize="small", frameon=False)
+    return fig, ax

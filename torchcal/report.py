@@ -74,6 +74,8 @@ from torchcal.functional import (
 from torchcal.functional import (
     bootstrap as bootstrap_metric,
 )
+from torchcal.functional.consistency_resampling import consistency_resampling_test
+from torchcal.functional.detection import cllr, equal_error_rate, min_cllr
 from torchcal.functional.scoring import (
     class_frequencies,
     class_sums,
@@ -82,6 +84,7 @@ from torchcal.functional.scoring import (
     prior_weighted_mean,
     to_log_probs,
 )
+from torchcal.functional.smooth_ece import smooth_ece
 
 __all__ = [
     "METHODS",
@@ -112,6 +115,8 @@ METHODS: dict[str, Callable[..., Calibrator]] = {
 }
 
 ECE_BINS = 15
+#: Label resamples of the calibration test in the report (p-values in steps of 1/200, the smallest 0.005).
+CALIBRATION_TEST_RESAMPLES = 199
 
 
 def make_calibrator(method: str, **options: Any) -> Calibrator:
@@ -175,7 +180,10 @@ class Quality:
     ``error_rate``; ``nec``: normalised expected cost of the Bayes decisions for the cost matrix;
     ``ece``: top-label ECE in %, 15 equal-width bins; ``ecd``: entropic calibration difference
     (> 0 over-confident, < 0 under-confident); ``cross_entropy`` (nats) and ``brier`` (summed
-    over classes, 0 to 2) unnormalised, in the units papers report.
+    over classes, 0 to 2) unnormalised, in the units papers report; ``smooth_ece``: top-label smooth
+    ECE in %; ``calibration_p_value``: p-value of the consistency-resampling test of calibration with
+    the top-label ECE (small: the posteriors are not calibrated); for K = 2 only, ``cllr`` and
+    ``min_cllr`` in bits and the ROC-convex-hull ``eer`` in % (else None).
     """
 
     nce: Estimate
@@ -186,6 +194,11 @@ class Quality:
     ecd: float
     cross_entropy: float
     brier: float
+    smooth_ece: float = float("nan")
+    calibration_p_value: float = float("nan")
+    cllr: float | None = None
+    min_cllr: float | None = None
+    eer: float | None = None
 
 
 @dataclass(frozen=True)
@@ -277,7 +290,8 @@ class Report:
         header = ["system", "nce", "nce_lower", "nce_upper", "nbs", "nbs_lower", "nbs_upper",
                   "error_rate", "error_rate_lower", "error_rate_upper", "nec", "nec_lower", "nec_upper",
                   "ece_percent", "ecd", "calibration_loss_nce", "rcl_percent", "rcl_brier_percent",
-                  "cross_entropy_nats", "brier"]
+                  "cross_entropy_nats", "brier",
+                  "smooth_ece_percent", "calibration_p_value", "cllr", "min_cllr", "eer_percent"]
         rows = [_csv_row("raw", self.raw, None)] + [_csv_row(m.method, m.quality, m) for m in self.methods]
         return "\n".join(",".join(map(str, row)) for row in [header, *rows]) + "\n"
 
@@ -289,10 +303,13 @@ class Report:
         systems = {"raw": logits} | self.calibrated
         best = {"raw": logits} | ({self.best: self.calibrated[self.best]} if self.best else {})
         drawings = {
-            "reliability_top_label.png": lambda: plots.reliability_diagram(systems, labels),
+            "reliability_top_label.png": lambda: plots.reliability_diagram(systems, labels, intervals="clopper-pearson"),
+            "reliability_smooth.png": lambda: plots.smooth_reliability_diagram(best, labels),
             "reliability_per_class.png": lambda: plots.classwise_reliability(best, labels),
             "bayes_risk.png": lambda: plots.bayes_risk_curves(best, labels, priors=self._priors_tensor()),
         }
+        if self.num_classes == 2:
+            drawings["det.png"] = lambda: plots.det_plot(best, labels)
         written = []
         for name, draw in tqdm(drawings.items(), desc="figures", disable=None if progress else True, leave=False):
             fig, _ = draw()
@@ -322,20 +339,22 @@ def _raw_section(r: Report) -> list[str]:
     for name, e in rows:
         interval = "" if e.lower is None else f"  [{e.lower:.3f}, {e.upper:.3f}]"
         lines.append(f"   {name:<{max(len(n) for n, _ in rows)}}  {e.value:.3f}{interval}")
-    return [
-        *lines,
+    lines += [
         f"   cross-entropy {r.raw.cross_entropy:.4f} nats, Brier {r.raw.brier:.4f} (summed over classes, 0-2): "
         f"unnormalised, as papers report them",
-        f"   ECE {r.raw.ece:.2f} % (top label, {ECE_BINS} equal-width bins), ECD {r.raw.ecd:+.3f} (diagnostics; "
-        f"ECD > 0: over-confident)",
-        "",
+        f"   ECE {r.raw.ece:.2f} % (top label, {ECE_BINS} equal-width bins), smooth ECE {r.raw.smooth_ece:.2f} %, "
+        f"ECD {r.raw.ecd:+.3f} (diagnostics; ECD > 0: over-confident)",
+        f"   calibration test (ECE, label resampling): p = {r.raw.calibration_p_value:.3g}",
     ]
+    if r.raw.cllr is not None:
+        lines.append(f"   Cllr {r.raw.cllr:.3f} bits, minCllr {r.raw.min_cllr:.3f} bits, EER {r.raw.eer:.2f} % (detection)")
+    return [*lines, ""]
 
 
 def _methods_section(r: Report) -> list[str]:
     if not r.methods:
         return []
-    header = ["system", "NCE", "NBS", "error", "NEC", "CalLoss", "RCL %", "RCL-BS %", "ECE %", "ECD"]
+    header = ["system", "NCE", "NBS", "error", "NEC", "CalLoss", "RCL %", "RCL-BS %", "ECE %", "smECE %", "ECD", "p cal"]
     rows = [["raw", *_scores_cells(r.raw), "", "", "", *_diagnostic_cells(r.raw)]]
     for m in r.methods:
         losses = [f"{m.calibration_loss:.3f}", f"{m.relative_calibration_loss:.1f}", f"{m.relative_calibration_loss_brier:.1f}"]
@@ -353,7 +372,7 @@ def _scores_cells(q: Quality) -> list[str]:
 
 
 def _diagnostic_cells(q: Quality) -> list[str]:
-    return [f"{q.ece:.1f}", f"{q.ecd:+.3f}"]
+    return [f"{q.ece:.1f}", f"{q.smooth_ece:.1f}", f"{q.ecd:+.3f}", f"{q.calibration_p_value:.3g}"]
 
 
 def _legend(r: Report) -> list[str]:
@@ -364,7 +383,9 @@ def _legend(r: Report) -> list[str]:
         "     (1: no better than the priors; lower is better). NEC: expected cost of the Bayes decisions divided",
         "     by that of the best decision made without looking at the input. CalLoss: NCE(raw) - NCE(calibrated),",
         "     the part of the raw cross-entropy that the method removes; RCL: CalLoss in % of NCE(raw) (RCL-BS: the",
-        f"     same with NBS). ECE: top-label expected calibration error, {ECE_BINS} bins, in %. ECD > 0: over-confident.",
+        f"     same with NBS). ECE: top-label expected calibration error, {ECE_BINS} bins, in %; smECE: smooth ECE",
+        "     (kernel-smoothed, no bins), in %. ECD > 0: over-confident. p cal: p-value of a test of calibration",
+        "     (label resampling, ECE); small means miscalibrated.",
         "",
     ]
 
@@ -401,8 +422,9 @@ def _csv_row(name: str, q: Quality, m: MethodResult | None) -> list[Any]:
 
     losses = ["", "", ""] if m is None else [m.calibration_loss, m.relative_calibration_loss,
                                              m.relative_calibration_loss_brier]
+    detection = ["" if v is None else v for v in (q.cllr, q.min_cllr, q.eer)]
     return [name, *triple(q.nce), *triple(q.nbs), *triple(q.error_rate), *triple(q.nec), q.ece, q.ecd, *losses,
-            q.cross_entropy, q.brier]
+            q.cross_entropy, q.brier, q.smooth_ece, q.calibration_p_value, *detection]
 
 
 # --- the workflow ----------------------------------------------------------------------------------
@@ -569,6 +591,11 @@ class _Metrics:
             ecd=float(entropic_calibration_difference(logits, self.labels)),
             cross_entropy=float(cross_entropy(logits, self.labels, priors=p)),
             brier=float(brier_score(logits, self.labels, priors=p)),
+            smooth_ece=100 * float(smooth_ece(logits, self.labels)),
+            calibration_p_value=float(consistency_resampling_test(
+                expected_calibration_error, logits, self.labels, CALIBRATION_TEST_RESAMPLES, self.seed, n_bins=ECE_BINS
+            ).p_value),
+            **self._detection(logits),
         )
 
     def nce_difference(self, a: Tensor, b: Tensor) -> Estimate:
@@ -585,6 +612,12 @@ class _Metrics:
         result = bootstrap_metric(difference, losses, self.labels, num_replicates=self.replicates, seed=self.seed,
                                   stratify=self.priors is not None)
         return Estimate(float(result.estimate), float(result.lower), float(result.upper))
+
+    def _detection(self, logits: Tensor) -> dict[str, float]:
+        if logits.shape[1] != 2 or bool((self.labels == 1).all()) or not bool((self.labels == 1).any()):
+            return {}
+        return {"cllr": float(cllr(logits, self.labels, self.priors)), "min_cllr": float(min_cllr(logits, self.labels)),
+                "eer": 100 * float(equal_error_rate(logits, self.labels))}
 
     def _estimate(self, metric: Callable[..., Tensor], logits: Tensor, with_interval: bool, **kwargs: Any) -> Estimate:
         if not (with_interval and self.replicates):

@@ -19,6 +19,7 @@ Inputs, the same for every class (``torchcal.metrics._common``):
 """
 
 from torchcal.metrics.calibration_loss import CalibrationLoss
+from torchcal.metrics.debiased_ece import DebiasedCalibrationError
 from torchcal.metrics.decisions import BalancedErrorRate, BayesRisk, ErrorRate, ExpectedCost
 from torchcal.metrics.diagnostics import (
     ECD,
@@ -29,16 +30,20 @@ from torchcal.metrics.diagnostics import (
 )
 from torchcal.metrics.fused import PosteriorQuality, PosteriorStatistic
 from torchcal.metrics.refinement import RefinementLoss
+from torchcal.metrics.score_decomposition import BrierDecomposition
 from torchcal.metrics.scoring import BrierScore, CrossEntropy
+from torchcal.metrics.smooth_ece import SmoothCalibrationError
 
 __all__ = [
     "ECD",
     "BalancedErrorRate",
     "BayesRisk",
+    "BrierDecomposition",
     "BrierScore",
     "CalibrationError",
     "CalibrationLoss",
     "CrossEntropy",
+    "DebiasedCalibrationError",
     "EntropicCalibrationDifference",
     "ErrorRate",
     "ExpectedCalibrationError",
@@ -47,4 +52,5 @@ __all__ = [
     "PosteriorStatistic",
     "RefinementLoss",
     "SignedCalibrationError",
+    "SmoothCalibrationError",
 ]

@@ -1,0 +1,223 @@
+"""Calibration tests: the survey's HL example, MAPIE side by side, NumPy/SciPy references, and
+simulations (p-values uniform under a calibrated generator, power on an over-confident one)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+
+from torchcal.functional import balanced_error_rate, bayes_risk, brier_score, cross_entropy, expected_calibration_error
+from torchcal.functional.calibration_tests import (
+    hosmer_lemeshow_test,
+    kolmogorov_smirnov_test,
+    kuiper_test,
+    spiegelhalter_test,
+)
+from torchcal.functional.consistency_resampling import consistency_resampling_test
+from torchcal.functional.smooth_ece import smooth_ece
+
+mapie = pytest.importorskip("mapie.metrics.calibration")
+
+# The survey's Table 3 (K = 3, N = 30; rows s1 s2 s3 and the class 1..3)
+TABLE3 = """1 0 0 1; .9 .1 0 1; .8 .1 .1 1; .7 .1 .2 1; .6 .3 .1 1; .4 .1 .5 1; t t t 1; t t t 1; .2 .4 .4 1; .1 .5 .4 1;
+.8 .2 0 2; .7 0 .3 2; .5 .2 .3 2; .4 .4 .2 2; .4 .2 .4 2; .3 .4 .3 2; .2 .3 .5 2; .1 .6 .3 2; .1 .3 .6 2; 0 .2 .8 2;
+.8 .2 0 3; .8 .1 .1 3; .8 0 .2 3; .6 0 .4 3; .3 0 .7 3; .2 .6 .2 3; .2 .4 .4 3; 0 .4 .6 3; 0 .3 .7 3; 0 .3 .7 3"""
+
+
+def _table3() -> tuple[torch.Tensor, torch.Tensor]:
+    rows = [[1 / 3 if v == "t" else float(v) for v in row.split()] for row in TABLE3.replace("\n", " ").split(";")]
+    data = torch.tensor(rows, dtype=torch.float64)
+    return data[:, :3].log().clamp_min(-1e4), data[:, 3].long() - 1  # log 0 -> a large negative logit
+
+
+def _binary_real(real, name):
+    data = real(name)
+    logits, labels = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
+    return logits, labels, torch.softmax(logits.double(), 1)[:, 1].numpy(), labels.numpy().astype(float)
+
+
+def _binary_logits(q: torch.Tensor) -> torch.Tensor:
+    return torch.stack([(1 - q).log(), q.log()], -1)
+
+
+def test_multinomial_hosmer_lemeshow_reproduces_the_survey():
+    result = hosmer_lemeshow_test(*_table3(), n_groups=5)
+    assert float(result.statistic) == pytest.approx(25.3004, abs=5e-5)
+    assert float(result.p_value) == pytest.approx(scipy.stats.chi2.sf(25.3004, 6), rel=1e-3)
+    assert float(result.p_value) == pytest.approx(0.000300, abs=5e-6)
+
+
+def _hosmer_lemeshow_numpy(probs: np.ndarray, labels: np.ndarray, groups: int, df: int) -> tuple[float, float]:
+    """Independent float64 reference: numpy percentiles, right-closed bins, one term per bin and class."""
+    u = 1 - probs[:, 0]
+    edges = np.quantile(u, np.linspace(0, 1, groups + 1))
+    edges[0], edges[-1] = 0.0, 1.0
+    group = np.clip(np.searchsorted(edges[1:-1], u, side="left"), 0, groups - 1)
+    total = 0.0
+    for m in range(groups):
+        inside = group == m
+        for j in range(probs.shape[1]):
+            expected = probs[inside, j].sum()
+            if expected > 0:
+                total += ((labels[inside] == j).sum() - expected) ** 2 / expected
+    return total, scipy.stats.chi2.sf(total, df)
+
+
+@pytest.mark.parametrize("name", ["adrenalmnist3d_resnet50_ferrer", "sst2_gpt2-0shot_ferrer"])
+def test_binary_hosmer_lemeshow_matches_numpy_on_real_data(real, name):
+    logits, labels, _, _ = _binary_real(real, name)
+    probs = torch.softmax(logits.double(), 1).numpy()
+    statistic, p_value = _hosmer_lemeshow_numpy(probs, labels.numpy(), 10, 8)
+    result = hosmer_lemeshow_test(logits, labels)
+    assert float(result.statistic) == pytest.approx(statistic, rel=1e-9)
+    assert float(result.p_value) == pytest.approx(p_value, rel=1e-6, abs=1e-300)
+    external = hosmer_lemeshow_test(logits, labels, degrees_of_freedom="external")
+    assert float(external.p_value) == pytest.approx(scipy.stats.chi2.sf(statistic, 10), rel=1e-6, abs=1e-300)
+
+
+def test_multinomial_hosmer_lemeshow_matches_numpy_on_cifar10(real):
+    data = real("cifar10_resnet110_kangsepp")
+    logits, labels = torch.from_numpy(data["logits"]) / 2.395, torch.from_numpy(data["labels"])
+    statistic, p_value = _hosmer_lemeshow_numpy(torch.softmax(logits.double(), 1).numpy(), labels.numpy(), 10, 8 * 9)
+    result = hosmer_lemeshow_test(logits, labels)
+    assert float(result.statistic) == pytest.approx(statistic, rel=1e-9)
+    assert float(result.p_value) == pytest.approx(p_value, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["adrenalmnist3d_resnet50_ferrer", "sst2_gpt2-0shot_ferrer", "sst2_gpt2-4shot_ferrer"])
+def test_ks_and_spiegelhalter_match_mapie(real, name):
+    logits, labels, s, y = _binary_real(real, name)
+    ks = kolmogorov_smirnov_test(logits, labels, kind="binary")
+    assert float(ks.statistic) == pytest.approx(mapie.kolmogorov_smirnov_statistic(y, s), rel=1e-6)
+    assert float(ks.p_value) == pytest.approx(max(mapie.kolmogorov_smirnov_p_value(y, s), 0.0), abs=1e-9)
+    z = spiegelhalter_test(logits, labels, kind="binary", alternative="greater")
+    assert float(z.statistic) == pytest.approx(mapie.spiegelhalter_statistic(y, s), rel=1e-9)
+    assert float(z.p_value) == pytest.approx(mapie.spiegelhalter_p_value(y, s), abs=1e-12)
+    two_sided = spiegelhalter_test(logits, labels, kind="binary")
+    assert float(two_sided.p_value) == pytest.approx(2 * scipy.stats.norm.sf(abs(float(z.statistic))), abs=1e-12)
+
+
+def test_kuiper_matches_mapie_when_the_walk_changes_sign_and_numpy_otherwise(real):
+    generator = torch.Generator().manual_seed(5)
+    q = torch.rand(400, generator=generator, dtype=torch.float64) * 0.9 + 0.05
+    labels = torch.bernoulli(q, generator=generator).long()
+    s, y = q.numpy(), labels.numpy().astype(float)
+    walk = mapie.cumulative_differences(y, s)
+    assert walk.min() < 0 < walk.max()
+    result = kuiper_test(_binary_logits(q), labels, kind="binary")
+    assert float(result.statistic) == pytest.approx(mapie.kuiper_statistic(y, s), rel=1e-6)
+    assert float(result.p_value) == pytest.approx(mapie.kuiper_p_value(y, s), abs=1e-7)
+    # over-confident GPT-2: the walk stays on one side; the range includes its start at 0
+    logits, labels, s, y = _binary_real(real, "adrenalmnist3d_resnet50_ferrer")
+    order = np.argsort(s, kind="stable")
+    walk = np.concatenate([[0.0], np.cumsum(y[order] - s[order])]) / np.sqrt(np.sum(s * (1 - s)))
+    assert float(kuiper_test(logits, labels, kind="binary").statistic) == pytest.approx(walk.max() - walk.min(), rel=1e-9)
+
+
+def test_statistics_ignore_row_order_and_dtype(synthetic):
+    scores, y = synthetic(3, 800, seed=4)
+    logits, labels = torch.from_numpy(scores) / 3, torch.from_numpy(y)
+    permutation = torch.randperm(labels.shape[0])
+    for test in (hosmer_lemeshow_test, spiegelhalter_test, kolmogorov_smirnov_test, kuiper_test):
+        reference = test(logits, labels)
+        for x, t in ((logits[permutation], labels[permutation]), (logits.float(), labels)):
+            other = test(x, t)
+            assert float(other.statistic) == pytest.approx(float(reference.statistic), rel=1e-5)
+            assert float(other.p_value) == pytest.approx(float(reference.p_value), rel=1e-4, abs=1e-12)
+
+
+def _calibrated(generator: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    q = torch.rand(n, generator=generator, dtype=torch.float64) * 0.9 + 0.05
+    return _binary_logits(q), torch.bernoulli(q, generator=generator).long()
+
+
+# test and sample size of the null simulation: the walk of N steps has a slightly smaller maximum
+# and range than the Brownian motion of the asymptotic p-values (conservative at finite N, by
+# about 0.6 N^-1/2 on each side), which a KS test on 1,000 p-values sees at N = 1000 for Kuiper
+TESTS = {
+    "hosmer-lemeshow": (partial(hosmer_lemeshow_test, degrees_of_freedom="external"), 1000),
+    "spiegelhalter": (partial(spiegelhalter_test, kind="binary"), 1000),
+    "kolmogorov-smirnov": (partial(kolmogorov_smirnov_test, kind="binary"), 4000),
+    "kuiper": (partial(kuiper_test, kind="binary"), 4000),
+}
+
+
+@pytest.mark.parametrize("name", TESTS)
+def test_p_values_are_uniform_under_calibration_and_powerful_against_over_confidence(name):
+    test, n = TESTS[name]
+    generator = torch.Generator().manual_seed(11)
+    p_values = [float(test(*_calibrated(generator, n)).p_value) for _ in range(1000)]
+    assert scipy.stats.kstest(p_values, "uniform").pvalue > 0.01
+    rejected = 0
+    for _ in range(50):
+        logits, labels = _calibrated(generator, 500)
+        rejected += float(test(2 * logits, labels).p_value) < 0.05  # sharpened: over-confident
+    assert rejected >= 48
+
+
+def test_resampling_test_reproduces_the_survey_example():
+    # survey E.4.3: classwise-ECE, M = 5, L = 1000 gives p of about 0.016 (0.007-0.019 over seeds)
+    result = consistency_resampling_test(expected_calibration_error, *_table3(), num_resamples=1000, kind="classwise", n_bins=5)
+    assert 0.003 < float(result.p_value) < 0.04
+    assert float(result.statistic) == pytest.approx(241 / 1350, abs=1e-12)
+    assert float(result.null_statistics.mean()) == pytest.approx(0.110, abs=0.01)
+
+
+@pytest.mark.parametrize(
+    ("metric", "kwargs"),
+    [
+        (expected_calibration_error, {"kind": "classwise", "n_bins": 5}),
+        (expected_calibration_error, {"norm": "l2"}),
+        (cross_entropy, {}),
+        (brier_score, {"priors": torch.full((4,), 0.25)}),
+        (bayes_risk, {"costs": torch.tensor([[0.0, 1, 1, 1], [5, 0, 1, 1], [1, 1, 0, 1], [1, 1, 2, 0]]), "normalize": True}),
+        (balanced_error_rate, {}),
+    ],
+)
+def test_resampling_test_vectorised_path_equals_the_loop(metric, kwargs):
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(300, 4, generator=generator, dtype=torch.float64)
+    labels = torch.distributions.Categorical(logits=logits).sample()
+    fast = consistency_resampling_test(metric, 1.3 * logits, labels, num_resamples=200, **kwargs)
+    slow = consistency_resampling_test(lambda x, y, **k: metric(x, y, **k), 1.3 * logits, labels, num_resamples=200, **kwargs)
+    torch.testing.assert_close(fast.null_statistics, slow.null_statistics, rtol=1e-12, atol=1e-12)
+    assert float(fast.p_value) == float(slow.p_value)
+    assert float(fast.p_value) == (1 + int((slow.null_statistics >= slow.statistic).sum())) / 201
+
+
+def test_resampling_p_values_are_uniform_under_calibration_and_powerful():
+    generator = torch.Generator().manual_seed(3)
+    p_values = []
+    for seed in range(1000):
+        logits, labels = _calibrated(generator, 200)
+        p_values.append(float(consistency_resampling_test(expected_calibration_error, logits, labels, 199, seed).p_value))
+    assert scipy.stats.kstest(p_values, "uniform").pvalue > 0.01
+    over = [consistency_resampling_test(expected_calibration_error, 2 * x, y, 99, seed).p_value for seed, (x, y) in enumerate(_calibrated(generator, 500) for _ in range(50))]
+    assert sum(float(p) < 0.05 for p in over) >= 48
+    # any metric, through the loop over resamples
+    x, y = _calibrated(generator, 500)
+    assert float(consistency_resampling_test(smooth_ece, 2 * x, y, 39).p_value) == 1 / 40
+
+
+def test_bad_input():
+    logits, labels = _table3()
+    with pytest.raises(ValueError, match="degrees_of_freedom"):
+        hosmer_lemeshow_test(logits, labels, degrees_of_freedom="both")
+    with pytest.raises(ValueError, match="n_groups >= 3"):
+        hosmer_lemeshow_test(logits, labels, n_groups=2)
+    with pytest.raises(ValueError, match="kind"):
+        kuiper_test(logits, labels, kind="classwise")
+    with pytest.raises(ValueError, match="K = 2"):
+        spiegelhalter_test(logits, labels, kind="binary")
+    with pytest.raises(ValueError, match="alternative"):
+        spiegelhalter_test(logits, labels, alternative="bigger")
+    saturated = torch.tensor([[80.0, 0.0], [0.0, 90.0]], dtype=torch.float64)  # scores exactly 1.0
+    for test in (kolmogorov_smirnov_test, kuiper_test, spiegelhalter_test):
+        with pytest.raises(ValueError, match="exactly 0 or 1"):
+            test(saturated, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="num_resamples"):
+        consistency_resampling_test(cross_entropy, logits, labels, num_resamples=0)

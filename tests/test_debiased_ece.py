@@ -1,0 +1,118 @@
+"""Debiased ECE and the monotonic-sweep ECE against independent NumPy float64 references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from torchcal.functional import expected_calibration_error
+from torchcal.functional.debiased_ece import debiased_calibration_error, sweep_calibration_error, sweep_n_bins
+
+
+def _equal_mass_bins(s: np.ndarray, n_bins: int) -> list[np.ndarray]:
+    """Masks of numpy-quantile bins, right-closed, outer edges 0 and 1 (torchcal's convention)."""
+    edges = np.quantile(s, np.linspace(0, 1, n_bins + 1))
+    index = np.searchsorted(edges[1:-1] * (1 + 1e-12), s, side="left")
+    return [index == m for m in range(n_bins)]
+
+
+def _debiased_numpy(s: np.ndarray, y: np.ndarray, n_bins: int) -> float:
+    """Kumar et al.'s unbiased l2 estimate, bin by bin, as in their ``calibration`` package."""
+    total = 0.0
+    for inside in _equal_mass_bins(s, n_bins):
+        n = inside.sum()
+        if n < 2:
+            continue
+        frequency = y[inside].mean()
+        total += n / len(s) * ((s[inside].mean() - frequency) ** 2 - frequency * (1 - frequency) / (n - 1))
+    return max(total, 0.0) ** 0.5
+
+
+def _sweep_numpy(s: np.ndarray, y: np.ndarray, p: int) -> tuple[int, float]:
+    chosen = 1
+    for n_bins in range(2, len(s) + 1):
+        frequency = [y[inside].mean() for inside in _equal_mass_bins(s, n_bins) if inside.any()]
+        if np.any(np.diff(frequency) < 0):
+            break
+        chosen = n_bins
+    gaps = [(inside.mean(), abs(y[inside].mean() - s[inside].mean())) for inside in _equal_mass_bins(s, chosen) if inside.any()]
+    return chosen, sum(w * g**p for w, g in gaps) ** (1 / p)
+
+
+def _top_label(logits: torch.Tensor, labels: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    probs = torch.softmax(logits.double(), 1).numpy()
+    return probs.max(1), (probs.argmax(1) == labels.numpy()).astype(float)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.395])
+def test_on_cifar10_before_and_after_temperature_scaling(real, temperature):
+    data = real("cifar10_resnet110_kangsepp")
+    logits, labels = torch.from_numpy(data["logits"]) / temperature, torch.from_numpy(data["labels"])
+    s, y = _top_label(logits, labels)
+    assert float(debiased_calibration_error(logits, labels)) == pytest.approx(_debiased_numpy(s, y, 15), rel=1e-9)
+    n_bins, value = _sweep_numpy(s, y, 2)
+    assert sweep_n_bins(torch.from_numpy(s), torch.from_numpy(y)) == n_bins
+    assert float(sweep_calibration_error(logits, labels)) == pytest.approx(value, rel=1e-9)
+    assert float(sweep_calibration_error(logits, labels, norm="l1")) == pytest.approx(_sweep_numpy(s, y, 1)[1], rel=1e-9)
+
+
+def test_classwise_and_binary(real, synthetic):
+    scores, y = synthetic(3, 900, seed=6)
+    logits, labels = torch.from_numpy(scores) / 4, torch.from_numpy(y)
+    probs = torch.softmax(logits, 1).numpy()
+    columns = [(probs[:, k], (y == k).astype(float)) for k in range(3)]
+    expected = np.mean([_debiased_numpy(s, t, 10) for s, t in columns])
+    assert float(debiased_calibration_error(logits, labels, n_bins=10, kind="classwise")) == pytest.approx(expected, rel=1e-9)
+    expected = np.max([_sweep_numpy(s, t, 2)[1] for s, t in columns])
+    assert float(sweep_calibration_error(logits, labels, kind="classwise", reduction="max")) == pytest.approx(expected, rel=1e-9)
+    data = real("adrenalmnist3d_resnet50_ferrer")
+    logits, labels = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
+    s, t = torch.softmax(logits.double(), 1)[:, 1].numpy(), data["labels"].astype(float)
+    assert float(debiased_calibration_error(logits, labels, n_bins=5, kind="binary")) == pytest.approx(_debiased_numpy(s, t, 5), rel=1e-9)
+
+
+def test_debiasing_removes_most_of_the_plug_in_bias_on_calibrated_data():
+    generator = torch.Generator().manual_seed(0)
+    plug_in, debiased = [], []
+    for _ in range(20):
+        q = torch.rand(500, generator=generator, dtype=torch.float64)
+        logits, labels = torch.stack([(1 - q).log(), q.log()], 1), torch.bernoulli(q, generator=generator).long()
+        plug_in.append(float(expected_calibration_error(logits, labels, strategy="quantile", kind="binary", norm="l2")))
+        debiased.append(float(debiased_calibration_error(logits, labels, kind="binary")))
+    assert np.mean(debiased) < 0.5 * np.mean(plug_in)  # true l2 error is 0
+
+
+def test_row_order_and_dtype(synthetic):
+    scores, y = synthetic(4, 1000, seed=7)
+    logits, labels = torch.from_numpy(scores) / 3, torch.from_numpy(y)
+    permutation = torch.randperm(1000)
+    for fn in (debiased_calibration_error, sweep_calibration_error):
+        reference = float(fn(logits, labels))
+        assert float(fn(logits[permutation], labels[permutation])) == pytest.approx(reference, rel=1e-12)
+        assert float(fn(logits.float(), labels)) == pytest.approx(reference, rel=1e-5)
+
+
+def test_bad_input():
+    logits, labels = torch.randn(20, 3), torch.randint(0, 3, (20,))
+    with pytest.raises(ValueError, match="norm"):
+        sweep_calibration_error(logits, labels, norm="max")
+    with pytest.raises(ValueError, match="kind"):
+        debiased_calibration_error(logits, labels, kind="class")
+    with pytest.raises(ValueError, match="n_bins"):
+        sweep_calibration_error(logits, labels, max_bins=0)
+    with pytest.raises(ValueError, match="reduction"):
+        debiased_calibration_error(logits, labels, reduction="median")
+
+
+@pytest.mark.parametrize("strategy", ["uniform", "quantile"])
+def test_streaming_metric_equals_functional(synthetic, strategy):
+    from torchcal.metrics.debiased_ece import DebiasedCalibrationError
+
+    scores, y = synthetic(3, 1200, seed=8)
+    logits, labels = torch.from_numpy(scores) / 3, torch.from_numpy(y)
+    metric = DebiasedCalibrationError(3, n_bins=10, strategy=strategy, kind="classwise")
+    for chunk in torch.arange(1200).split(500):
+        metric.update(logits[chunk], labels[chunk])
+    expected = debiased_calibration_error(logits, labels, n_bins=10, strategy=strategy, kind="classwise")
+    assert float(metric.compute()) == pytest.approx(float(expected), rel=1e-12)

@@ -1,0 +1,129 @@
+"""Detection metrics on the real binary sets against NumPy/scikit-learn computations."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from sklearn.isotonic import IsotonicRegression
+from sklearn.metrics import det_curve as sklearn_det_curve
+from sklearn.metrics import roc_curve
+
+from torchcal.functional import cross_entropy
+from torchcal.functional.detection import (
+    cllr,
+    det_curve,
+    detection_cost,
+    equal_error_rate,
+    log_likelihood_ratios,
+    min_cllr,
+    min_detection_cost,
+)
+from torchcal.plots import bayes_risk_sweep
+
+NAMES = ["fvcaus_xvector-plda_ferrer", "adrenalmnist3d_resnet50_ferrer", "sst2_gpt2-0shot_ferrer"]
+
+
+def _load(real, name):
+    data = real(name)
+    logits, labels = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
+    log_probs = torch.log_softmax(logits.double(), 1).numpy()
+    prior = labels.double().mean().item()
+    llr = log_probs[:, 1] - log_probs[:, 0] - math.log(prior / (1 - prior))
+    return logits, labels, llr, data["labels"] == 1
+
+
+def _cllr_numpy(llr: np.ndarray, target: np.ndarray) -> float:
+    return (np.mean(np.logaddexp(0, -llr[target])) + np.mean(np.logaddexp(0, llr[~target]))) / (2 * np.log(2))
+
+
+def _rocch_eer_numpy(scores: np.ndarray, target: np.ndarray) -> float:
+    """Lower convex hull of sklearn's ROC points in (Pfa, Pmiss), crossed with Pfa = Pmiss."""
+    fpr, tpr, _ = roc_curve(target, scores, drop_intermediate=False)
+    points = sorted(set(zip(fpr, 1 - tpr)))
+    hull: list[tuple[float, float]] = []
+    for p in points:  # monotone chain, lower hull
+        while len(hull) >= 2 and (hull[-1][0] - hull[-2][0]) * (p[1] - hull[-2][1]) - (hull[-1][1] - hull[-2][1]) * (p[0] - hull[-2][0]) <= 0:
+            hull.pop()
+        hull.append(p)
+    for (x1, y1), (x2, y2) in itertools.pairwise(hull):
+        if (x1 - y1) * (x2 - y2) <= 0:  # the segment meets the diagonal
+            if (x2 - y2) == (x1 - y1):
+                return x1
+            u = (x1 - y1) / ((x1 - y1) - (x2 - y2))
+            return x1 + u * (x2 - x1)
+    raise AssertionError("the hull always crosses the diagonal")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cllr_and_min_cllr(real, name):
+    logits, labels, llr, target = _load(real, name)
+    assert float(cllr(logits, labels)) == pytest.approx(_cllr_numpy(llr, target), rel=1e-9)
+    # Cllr is the cross-entropy at flat priors of the LLRs, in bits
+    flat = torch.stack([torch.zeros(len(llr), dtype=torch.float64), torch.from_numpy(llr)], 1)
+    assert float(cllr(logits, labels)) == pytest.approx(float(cross_entropy(flat, labels, priors=torch.tensor([0.5, 0.5]))) / math.log(2), rel=1e-9)
+    fitted = IsotonicRegression(y_min=0, y_max=1).fit(llr, target.astype(float)).predict(llr)
+    prior = target.mean()
+    with np.errstate(divide="ignore"):
+        optimal = np.log(fitted) - np.log1p(-fitted) - np.log(prior / (1 - prior))
+    assert float(min_cllr(logits, labels)) == pytest.approx(_cllr_numpy(optimal, target), rel=1e-9)
+    assert 0 <= float(min_cllr(logits, labels)) <= float(cllr(logits, labels))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_equal_error_rate_is_that_of_the_roc_convex_hull(real, name):
+    logits, labels, llr, target = _load(real, name)
+    assert float(equal_error_rate(logits, labels)) == pytest.approx(_rocch_eer_numpy(llr, target), abs=1e-12)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dcf_actual_minimum_and_the_bayes_risk_curve(real, name):
+    logits, labels, llr, target = _load(real, name)
+    fpr, tpr, _ = roc_curve(target, llr, drop_intermediate=False)
+    for p_target, c_miss, c_fa in ((0.5, 1, 1), (0.01, 1, 1), (0.2, 10, 1)):
+        accept = llr > math.log(c_fa * (1 - p_target) / (c_miss * p_target))
+        actual = c_miss * p_target * np.mean(~accept[target]) + c_fa * (1 - p_target) * np.mean(accept[~target])
+        norm = min(c_miss * p_target, c_fa * (1 - p_target))
+        assert float(detection_cost(logits, labels, p_target, c_miss, c_fa)) == pytest.approx(actual / norm, rel=1e-12)
+        assert float(detection_cost(logits, labels, p_target, c_miss, c_fa, normalize=False)) == pytest.approx(actual, rel=1e-12)
+        minimum = np.min(c_miss * p_target * (1 - tpr) + c_fa * (1 - p_target) * fpr) / norm
+        assert float(min_detection_cost(logits, labels, p_target, c_miss, c_fa)) == pytest.approx(minimum, rel=1e-12)
+    # the normalised actual DCF at effective prior P is the Bayes-risk curve at logit(P)
+    t = torch.tensor([-3.0, -1.0, 0.0, 2.0], dtype=torch.float64)
+    _, nec = bayes_risk_sweep(logits, labels, class_index=1, log_odds=t)
+    dcf = [float(detection_cost(logits, labels, float(torch.sigmoid(x)))) for x in t]
+    np.testing.assert_allclose(dcf, nec.numpy(), rtol=1e-9)
+
+
+def test_det_curve_contains_sklearns_points(real):
+    logits, labels, llr, target = _load(real, "adrenalmnist3d_resnet50_ferrer")
+    curve = det_curve(logits, labels)
+    ours = set(zip(np.round(curve.false_alarm.numpy(), 12), np.round(curve.miss.numpy(), 12)))
+    fpr, fnr, _ = sklearn_det_curve(target, llr)
+    assert set(zip(np.round(fpr, 12), np.round(fnr, 12))) <= ours
+    assert (curve.false_alarm[0], curve.miss[0], curve.false_alarm[-1], curve.miss[-1]) == (1, 0, 0, 1)
+
+
+def test_priors_shift_the_llrs_and_order_and_dtype_do_not_matter(real):
+    logits, labels, llr, _ = _load(real, "sst2_gpt2-0shot_ferrer")
+    shifted = log_likelihood_ratios(logits, labels, priors=torch.tensor([0.5, 0.5]))
+    np.testing.assert_allclose(shifted.numpy() - llr, math.log(labels.double().mean().item() / (1 - labels.double().mean().item())), atol=1e-9)
+    permutation = torch.randperm(labels.shape[0])
+    for fn in (cllr, min_cllr, equal_error_rate, detection_cost, min_detection_cost):
+        reference = float(fn(logits, labels))
+        assert float(fn(logits[permutation], labels[permutation])) == pytest.approx(reference, rel=1e-12)
+        assert float(fn(logits.double(), labels)) == pytest.approx(reference, rel=1e-6)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="K = 2"):
+        cllr(torch.randn(5, 3), torch.tensor([0, 1, 2, 0, 1]))
+    with pytest.raises(ValueError, match="both target"):
+        equal_error_rate(torch.randn(4, 2), torch.ones(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="target_prior"):
+        detection_cost(torch.randn(4, 2), torch.tensor([0, 1, 0, 1]), target_prior=1.0)
+    with pytest.raises(ValueError, match="positive"):
+        min_detection_cost(torch.randn(4, 2), torch.tensor([0, 1, 0, 1]), cost_miss=0)

@@ -1,0 +1,91 @@
+"""Per-bin binomial intervals against SciPy, and the coverage of the consistency bands."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+
+from torchcal.functional import reliability_bins
+from torchcal.functional.reliability_intervals import binomial_interval, consistency_bands, reliability_intervals
+
+SCIPY_METHOD = {"clopper-pearson": "exact", "wilson": "wilson"}
+
+
+@pytest.mark.parametrize("method", ["clopper-pearson", "wilson"])
+def test_binomial_interval_matches_scipy(method):
+    trials = torch.tensor([1, 5, 10, 10, 10, 37, 200, 1000])
+    successes = torch.tensor([0, 5, 0, 3, 10, 20, 199, 512])
+    lower, upper = binomial_interval(successes, trials, confidence=0.9, method=method)
+    for k, n, lo, hi in zip(successes.tolist(), trials.tolist(), lower.tolist(), upper.tolist()):
+        expected = scipy.stats.binomtest(k, n).proportion_ci(confidence_level=0.9, method=SCIPY_METHOD[method])
+        assert (lo, hi) == pytest.approx((expected.low, expected.high), abs=1e-10)
+
+
+def test_reliability_intervals_on_cifar10_bins(real):
+    data = real("cifar10_resnet110_kangsepp")
+    logits, labels = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
+    bins = reliability_bins(logits, labels, n_bins=15)
+    intervals = reliability_intervals(bins)
+    full = bins.counts > 0
+    assert bool(torch.isnan(intervals.lower[~full]).all())
+    assert bool(((intervals.lower[full] <= bins.frequency[full]) & (bins.frequency[full] <= intervals.upper[full])).all())
+    # the over-confident ResNet-110: its fullest bin (confidence ~1) lies above the interval
+    fullest = int(bins.counts.argmax())
+    assert float(bins.mean_score[fullest]) > float(intervals.upper[fullest])
+
+
+def _binary(q: torch.Tensor) -> torch.Tensor:
+    return torch.stack([(1 - q).log(), q.log()], 1)
+
+
+def test_consistency_bands_cover_calibrated_frequencies_and_flag_over_confidence():
+    generator = torch.Generator().manual_seed(0)
+    inside, total = 0, 0
+    for seed in range(40):
+        q = torch.rand(1000, generator=generator, dtype=torch.float64)
+        labels = torch.bernoulli(q, generator=generator).long()
+        bins = reliability_bins(_binary(q), labels, n_bins=10, kind="binary")
+        band = consistency_bands(_binary(q), labels, n_bins=10, kind="binary", num_resamples=300, confidence=0.9, seed=seed)
+        inside += int(((band.lower <= bins.frequency) & (bins.frequency <= band.upper)).sum())
+        total += 10
+    assert 0.85 < inside / total < 0.95  # 90 % bands
+    # sharpened scores: the extreme bins' frequencies fall outside
+    q = torch.rand(2000, generator=generator, dtype=torch.float64)
+    labels = torch.bernoulli(q, generator=generator).long()
+    sharp = torch.sigmoid(3 * torch.logit(q))
+    bins = reliability_bins(_binary(sharp), labels, n_bins=10, kind="binary")
+    band = consistency_bands(_binary(sharp), labels, n_bins=10, kind="binary", num_resamples=300)
+    outside = (bins.frequency < band.lower) | (bins.frequency > band.upper)
+    assert bool(outside[[0, 1, 8, 9]].all())
+
+
+def test_consistency_band_width_matches_the_binomial_approximation():
+    generator = torch.Generator().manual_seed(1)
+    q = torch.rand(5000, generator=generator, dtype=torch.float64)
+    labels = torch.bernoulli(q, generator=generator).long()
+    band = consistency_bands(_binary(q), labels, n_bins=5, kind="binary", num_resamples=2000)
+    s = q.numpy()
+    for m in range(5):
+        inside = (s > m / 5) & (s <= (m + 1) / 5)
+        half = 1.96 * np.sqrt(np.sum(s[inside] * (1 - s[inside]))) / inside.sum()
+        assert float(band.upper[m] - band.lower[m]) / 2 == pytest.approx(half, rel=0.15)
+
+
+def test_row_order_does_not_change_the_bands():
+    generator = torch.Generator().manual_seed(2)
+    logits, labels = torch.randn(500, 3, generator=generator), torch.randint(0, 3, (500,), generator=generator)
+    band = consistency_bands(logits, labels, n_bins=5, num_resamples=4000)
+    permutation = torch.randperm(500, generator=generator)
+    other = consistency_bands(logits[permutation], labels[permutation], n_bins=5, num_resamples=4000)
+    torch.testing.assert_close(band.lower, other.lower, atol=0.03, rtol=0, equal_nan=True)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="method"):
+        binomial_interval(torch.tensor([1.0]), torch.tensor([2.0]), method="agresti")
+    with pytest.raises(ValueError, match="confidence"):
+        binomial_interval(torch.tensor([1.0]), torch.tensor([2.0]), confidence=1.0)
+    with pytest.raises(ValueError, match="class_index"):
+        consistency_bands(torch.randn(10, 3), torch.randint(0, 3, (10,)), kind="classwise")

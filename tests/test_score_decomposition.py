@@ -1,0 +1,99 @@
+"""CORP and Murphy decompositions against scikit-learn's isotonic regression and NumPy loops."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from sklearn.isotonic import IsotonicRegression
+
+from torchcal.functional import brier_score
+from torchcal.functional.score_decomposition import corp_decomposition, murphy_decomposition
+from torchcal.metrics.score_decomposition import BrierDecomposition
+
+
+def _score(name: str, p: np.ndarray, y: np.ndarray) -> float:
+    if name == "brier":
+        return float(np.mean((p - y) ** 2))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.where(y == 1, -np.log(p), -np.log(1 - p))
+    return float(np.mean(np.where(((y == 1) & (p == 1)) | ((y == 0) & (p == 0)), 0.0, terms)))
+
+
+def _corp_numpy(p: np.ndarray, y: np.ndarray, name: str) -> tuple[float, float, float, float]:
+    recalibrated = IsotonicRegression(y_min=0, y_max=1).fit(p, y).predict(p)
+    s, s_hat, unc = _score(name, p, y), _score(name, recalibrated, y), _score(name, np.full_like(p, y.mean()), y)
+    return s, s - s_hat, unc - s_hat, unc
+
+
+@pytest.mark.parametrize("score", ["brier", "log"])
+@pytest.mark.parametrize("name", ["adrenalmnist3d_resnet50_ferrer", "sst2_gpt2-4shot_ferrer", "cifar10_resnet110_kangsepp"])
+def test_corp_matches_sklearn_isotonic(real, name, score):
+    data = real(name)
+    logits, labels = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
+    probs = torch.softmax(logits.double(), 1).numpy()
+    if probs.shape[1] == 2:
+        kind, p, y = "binary", probs[:, 1], (data["labels"] == 1).astype(float)
+    else:
+        kind, p, y = "top-label", probs.max(1), (probs.argmax(1) == data["labels"]).astype(float)
+    result = corp_decomposition(logits, labels, score=score, kind=kind)
+    np.testing.assert_allclose([float(v) for v in result], _corp_numpy(p, y, score), rtol=1e-9, atol=1e-12)
+    assert float(result.miscalibration) >= 0 and float(result.discrimination) >= 0
+    assert float(result.score) == pytest.approx(float(result.miscalibration - result.discrimination + result.uncertainty), abs=1e-12)
+
+
+def test_corp_takes_any_proper_score_and_ignores_row_order(synthetic):
+    scores, y = synthetic(2, 700, seed=3)
+    logits, labels = torch.from_numpy(scores) / 3, torch.from_numpy(y)
+    spherical = lambda p, t: -(t * p + (1 - t) * (1 - p)) / torch.sqrt(p**2 + (1 - p) ** 2)
+    result = corp_decomposition(logits, labels, score=spherical, kind="binary")
+    assert float(result.score) == pytest.approx(float(result.miscalibration - result.discrimination + result.uncertainty), abs=1e-12)
+    permutation = torch.randperm(700)
+    other = corp_decomposition(logits[permutation], labels[permutation], score=spherical, kind="binary")
+    torch.testing.assert_close(torch.stack(list(result)), torch.stack(list(other)), rtol=1e-12, atol=1e-12)
+    assert float(corp_decomposition(logits.float(), labels, kind="binary").miscalibration) == pytest.approx(
+        float(corp_decomposition(logits, labels, kind="binary").miscalibration), rel=1e-5)
+
+
+def test_murphy_matches_numpy_and_equals_brier_for_binned_forecasts(real):
+    data = real("cifar10_resnet110_kangsepp")
+    logits, labels = torch.from_numpy(data["logits"]) / 2.395, torch.from_numpy(data["labels"])
+    probs, y = torch.softmax(logits.double(), 1).numpy(), data["labels"]
+    rel = res = unc = 0.0
+    for k in range(10):
+        p, t = probs[:, k], (y == k).astype(float)
+        index = np.clip(np.ceil(p * 15 * (1 - 1e-13)).astype(int) - 1, 0, 14)
+        for m in range(15):
+            inside = index == m
+            if inside.any():
+                rel += inside.mean() * (p[inside].mean() - t[inside].mean()) ** 2
+                res += inside.mean() * (t[inside].mean() - t.mean()) ** 2
+        unc += t.mean() * (1 - t.mean())
+    result = murphy_decomposition(logits, labels)
+    np.testing.assert_allclose([float(v) for v in result], [rel, res, unc], rtol=1e-9)
+    # forecasts constant within bins: REL - RES + UNC is exactly the Brier score
+    generator = torch.Generator().manual_seed(0)
+    q = (torch.randint(0, 10, (3000,), generator=generator).double() + 0.5) / 10
+    binary = torch.stack([(1 - q).log(), q.log()], 1)
+    targets = torch.bernoulli(q, generator=generator).long()
+    rel, res, unc = murphy_decomposition(binary, targets, n_bins=10)
+    assert float(rel - res + unc) == pytest.approx(float(brier_score(binary, targets)), abs=1e-12)
+
+
+def test_streaming_murphy_equals_functional(synthetic):
+    scores, y = synthetic(4, 1000, seed=5)
+    logits, labels = torch.from_numpy(scores) / 3, torch.from_numpy(y)
+    metric = BrierDecomposition(4, n_bins=10)
+    for chunk in torch.arange(1000).split(300):
+        metric.update(logits[chunk], labels[chunk])
+    torch.testing.assert_close(metric.compute(), torch.stack(list(murphy_decomposition(logits, labels, n_bins=10))))
+
+
+def test_bad_input():
+    logits, labels = torch.randn(10, 3), torch.randint(0, 3, (10,))
+    with pytest.raises(ValueError, match="score"):
+        corp_decomposition(logits, labels, score="spherical")
+    with pytest.raises(ValueError, match="kind"):
+        corp_decomposition(logits, labels, kind="classwise")
+    with pytest.raises(ValueError, match="kind"):
+        murphy_decomposition(logits, labels, kind="class")

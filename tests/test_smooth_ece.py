@@ -1,0 +1,146 @@
+"""Smooth ECE against the relplot package (Błasiok & Nakkiran's reference code), side by side."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from torchcal.functional import bootstrap
+from torchcal.functional.bootstrap import resample_indices
+from torchcal.functional.smooth_ece import smooth_ece, smooth_ece_bandwidth, smooth_reliability_curve
+from torchcal.metrics.smooth_ece import SmoothCalibrationError
+
+relplot = pytest.importorskip("relplot")
+from relplot.estimators import KernelSmoother  # noqa: E402
+from relplot.kernels import ReflectedGaussianKernel  # noqa: E402
+
+TEMPERATURE = 2.395  # SOURCES.md: temperature scaling fitted on the validation split
+
+
+def _cifar(real, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    data = real("cifar10_resnet110_kangsepp")
+    return torch.from_numpy(data["logits"]) / temperature, torch.from_numpy(data["labels"])
+
+
+@pytest.mark.parametrize("temperature", [1.0, TEMPERATURE])
+def test_top_label_matches_relplot_on_cifar10(real, temperature):
+    logits, labels = _cifar(real, temperature)
+    f, y = relplot.multiclass_logits_to_confidences(logits.double().numpy(), labels.numpy())
+    expected, width = relplot.smECE(f, y, return_width=True)
+    assert float(smooth_ece(logits, labels)) == pytest.approx(expected, abs=1e-6)
+    assert float(smooth_ece_bandwidth(logits, labels)[0]) == width
+
+
+@pytest.mark.parametrize("name", ["sst2_gpt2-0shot_ferrer", "adrenalmnist3d_resnet50_ferrer"])
+def test_binary_matches_relplot(real, name):
+    data = real(name)
+    logits, labels = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
+    probs = torch.softmax(logits.double(), dim=1)[:, 1].numpy()
+    assert float(smooth_ece(logits, labels, kind="binary")) == pytest.approx(
+        relplot.smECE(probs, labels.numpy().astype(float)), abs=1e-6
+    )
+
+
+def test_classwise_is_the_mean_of_one_vs_rest_relplot(real):
+    logits, labels = _cifar(real)
+    logits, labels = logits[:3000], labels[:3000]
+    probs = torch.softmax(logits.double(), dim=1).numpy()
+    expected = np.mean([relplot.smECE(probs[:, k], (labels.numpy() == k).astype(float)) for k in range(10)])
+    assert float(smooth_ece(logits, labels, kind="classwise")) == pytest.approx(expected, abs=1e-6)
+
+
+def test_fixed_bandwidth_matches_relplot(real):
+    logits, labels = _cifar(real)
+    f, y = relplot.multiclass_logits_to_confidences(logits.double().numpy(), labels.numpy())
+    for sigma in (0.004, 0.05, 0.3):
+        assert float(smooth_ece(logits, labels, bandwidth=sigma)) == pytest.approx(relplot.smECE_sigma(f, y, sigma), abs=1e-6)
+
+
+def test_streaming_equals_functional_on_its_grid_and_relplot_when_bandwidth_is_large(real):
+    logits, labels = _cifar(real)
+    metric = SmoothCalibrationError(num_classes=10)
+    for chunk in torch.arange(labels.shape[0]).split(3333):
+        metric.update(logits[chunk], labels[chunk])
+    streamed = float(metric.compute())
+    assert streamed == pytest.approx(float(smooth_ece(logits, labels, grid_points=1001)), abs=1e-12)
+    # relplot's grid is 1001 points for a bandwidth >= 0.01 (here 0.071)
+    f, y = relplot.multiclass_logits_to_confidences(logits.double().numpy(), labels.numpy())
+    assert streamed == pytest.approx(relplot.smECE(f, y), abs=1e-6)
+
+
+def test_streaming_classwise_merges_states(synthetic):
+    scores, y = synthetic(3, 600, seed=1)
+    logits, labels = torch.from_numpy(scores), torch.from_numpy(y)
+    first, second = SmoothCalibrationError(3, kind="classwise"), SmoothCalibrationError(3, kind="classwise")
+    first.update(logits[:250], labels[:250])
+    second.update(logits[250:], labels[250:])
+    first.grid += second.grid  # what the "sum" reduction does across processes
+    assert float(first.compute()) == pytest.approx(float(smooth_ece(logits, labels, "classwise", grid_points=1001)), abs=1e-12)
+
+
+def test_float32_float64_and_row_order_agree(synthetic):
+    scores, y = synthetic(4, 2000, seed=2)
+    logits, labels = torch.from_numpy(scores), torch.from_numpy(y)
+    reference = float(smooth_ece(logits, labels))
+    permutation = torch.randperm(labels.shape[0])
+    assert float(smooth_ece(logits[permutation], labels[permutation])) == pytest.approx(reference, abs=1e-12)
+    assert float(smooth_ece(logits.float(), labels)) == pytest.approx(reference, abs=1e-6)
+
+
+def test_curve_matches_relplot_kernel_smoother_and_band_brackets_it(real):
+    data = real("sst2_gpt2-0shot_ferrer")
+    logits, labels = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
+    curve = smooth_reliability_curve(logits, labels, kind="binary", num_replicates=100)
+    probs = torch.softmax(logits.double(), dim=1)[:, 1].numpy().reshape(-1, 1)
+    smoother = KernelSmoother(ReflectedGaussianKernel(float(curve.bandwidth))).fit(probs, labels.numpy().astype(float))
+    np.testing.assert_allclose(curve.frequency.numpy(), smoother.predict(curve.mesh.numpy().reshape(-1, 1)), atol=1e-9)
+    assert bool((curve.lower <= curve.upper).all())
+    inside = ((curve.lower <= curve.frequency + 1e-12) & (curve.frequency <= curve.upper + 1e-12)).double().mean()
+    assert float(inside) > 0.9
+    # a calibrated generator's band covers the diagonal where the scores are dense
+    generator = torch.Generator().manual_seed(3)
+    q = torch.rand(4000, generator=generator, dtype=torch.float64)
+    y = torch.bernoulli(q, generator=generator).long()
+    calibrated = smooth_reliability_curve(torch.stack([(1 - q).log(), q.log()], 1), y, kind="binary", num_replicates=100)
+    middle = (calibrated.mesh > 0.1) & (calibrated.mesh < 0.9)
+    covered = (calibrated.lower <= calibrated.mesh) & (calibrated.mesh <= calibrated.upper)
+    assert float(covered[middle].double().mean()) > 0.8
+
+
+def test_bad_input():
+    logits, labels = torch.randn(10, 3), torch.randint(0, 3, (10,))
+    with pytest.raises(ValueError, match="kind"):
+        smooth_ece(logits, labels, kind="class")
+    with pytest.raises(ValueError, match="bandwidth"):
+        smooth_ece(logits, labels, bandwidth=0.0)
+    with pytest.raises(ValueError, match="grid_points"):
+        SmoothCalibrationError(3, grid_points=2)
+    with pytest.raises(ValueError, match="K = 2"):
+        SmoothCalibrationError(3, kind="binary")
+
+
+def test_bootstrap_interval_of_smooth_ece(real):
+    data = real("adrenalmnist3d_resnet50_ferrer")
+    logits, labels = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
+    result = bootstrap(smooth_ece, logits, labels, num_replicates=30, kind="binary")
+    assert float(result.estimate) == pytest.approx(relplot.smECE(torch.softmax(logits.double(), 1)[:, 1].numpy(), data["labels"].astype(float)), abs=1e-6)
+    assert float(result.lower) < float(result.estimate) < float(result.upper)
+    # the replicates are smooth_ece of the resampled rows (the bootstrap's general path)
+    first = next(resample_indices(len(labels), 30, seed=0))[0]
+    assert float(result.replicates[0]) == pytest.approx(float(smooth_ece(logits[first], labels[first], kind="binary")), abs=1e-12)
+
+
+def test_small_bandwidth_uses_relplots_finer_grid():
+    # 100k calibrated binary samples: the bandwidth falls below 0.01 and relplot's grid grows past 1001
+    generator = torch.Generator().manual_seed(0)
+    q = torch.rand(100_000, generator=generator, dtype=torch.float64)
+    labels = torch.bernoulli(q, generator=generator).long()
+    logits = torch.stack([(1 - q).log(), q.log()], 1)
+    expected, width = relplot.smECE(q.numpy(), labels.numpy().astype(float), return_width=True)
+    assert width < 0.01
+    assert float(smooth_ece(logits, labels, kind="binary")) == pytest.approx(expected, abs=1e-9)
+    # the streaming metric's fixed 1001-point grid rounds the scores more coarsely: close, not equal
+    metric = SmoothCalibrationError(2, kind="binary")
+    metric.update(logits, labels)
+    assert float(metric.compute()) == pytest.approx(expected, abs=5e-5)

@@ -1,0 +1,67 @@
+"""The new statistics on a CUDA device: same values as on the CPU, results on the device (skipped
+without a GPU)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+from torchcal.data import EXAMPLE_PATH, load_scores
+from torchcal.functional import (
+    aurc,
+    cllr,
+    consistency_bands,
+    consistency_resampling_test,
+    corp_decomposition,
+    debiased_calibration_error,
+    equal_error_rate,
+    expected_calibration_error,
+    hosmer_lemeshow_test,
+    kuiper_test,
+    min_detection_cost,
+    murphy_decomposition,
+    smooth_ece,
+    smooth_reliability_curve,
+    spiegelhalter_test,
+)
+from torchcal.metrics import SmoothCalibrationError
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = torch.device("cuda")
+
+STATISTICS = {
+    "smooth_ece": smooth_ece,
+    "smooth_ece_classwise": partial(smooth_ece, kind="classwise"),
+    "debiased": debiased_calibration_error,
+    "hosmer_lemeshow": lambda x, y: hosmer_lemeshow_test(x, y).statistic,
+    "spiegelhalter": lambda x, y: spiegelhalter_test(x, y).statistic,
+    "kuiper": lambda x, y: kuiper_test(x, y).statistic,
+    "resampling": lambda x, y: consistency_resampling_test(expected_calibration_error, x, y, num_resamples=99).p_value,
+    "corp": lambda x, y: torch.stack(list(corp_decomposition(x, y))),
+    "murphy": lambda x, y: torch.stack(list(murphy_decomposition(x, y))),
+    "aurc": aurc,
+    "curve": lambda x, y: smooth_reliability_curve(x, y, num_replicates=50).upper,
+    "bands": lambda x, y: consistency_bands(x, y, num_resamples=100).upper,
+}
+
+
+@pytest.mark.parametrize("name", STATISTICS)
+def test_statistics_agree_with_the_cpu(name):
+    scores = load_scores(EXAMPLE_PATH)
+    cpu = STATISTICS[name](scores.logits, scores.labels)
+    gpu = STATISTICS[name](scores.logits.to(CUDA), scores.labels.to(CUDA))
+    assert gpu.device.type == "cuda"
+    torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-6, atol=1e-9, equal_nan=True)
+
+
+def test_detection_and_streaming_smooth_ece_on_the_gpu():
+    scores = load_scores(EXAMPLE_PATH)
+    keep = scores.labels < 2
+    logits, labels = scores.logits[keep][:, :2], scores.labels[keep]
+    for fn in (cllr, equal_error_rate, min_detection_cost):
+        torch.testing.assert_close(fn(logits.to(CUDA), labels.to(CUDA)).cpu(), fn(logits, labels), rtol=1e-9, atol=1e-12)
+    metric = SmoothCalibrationError(10).to(CUDA)
+    metric.update(scores.logits.to(CUDA), scores.labels.to(CUDA))
+    torch.testing.assert_close(metric.compute().cpu(), smooth_ece(scores.logits, scores.labels, grid_points=1001))

@@ -1,0 +1,219 @@
+"""Hypothesis tests of calibration with analytic null distributions.
+
+H0 is "the posteriors are calibrated"; a small p-value is evidence against it.
+
+- ``hosmer_lemeshow_test``: binary and multinomial Hosmer–Lemeshow (Fagerland et al. 2008; the
+  survey's eq. 20–21 with its erratum: one term per bin and class, and 0/0 terms count 0).
+- ``spiegelhalter_test``: Spiegelhalter's (1986) Z of the Brier score, normal under H0.
+- ``kolmogorov_smirnov_test`` and ``kuiper_test``: the maximum absolute value and the range of the
+  cumulative differences ``sum_{k <= i} (y_k - s_k) / N`` over the samples sorted by score, scaled
+  by ``sqrt(sum_i s_i (1 - s_i)) / N``; under H0 they behave as the maximum and the range of a
+  standard Brownian motion on [0, 1] (Arrieta-Ibarra, Gujral, Tannen, Tygert & Xu 2022; Tygert 2022).
+
+The last three test one binary problem: ``kind="top-label"`` (confidence vs correctness) or
+``"binary"`` (``q_1`` vs ``[y == 1]`` for K = 2), as ``functional.diagnostics``. Tied scores are
+one point of the cumulative differences, so the statistics do not depend on the order of the rows
+(MAPIE breaks ties by a random jitter instead; without ties the two agree). The Kuiper range
+includes the walk's start at 0, as the Brownian motion's does; MAPIE's leaves it out, which
+matters when the walk never changes sign (a clearly mis-calibrated model). Both p-values are one
+minus a series for the null distribution function, so those below about 1e-15 come out as 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+from torchcal._validation import check_logits_and_labels
+from torchcal.functional.diagnostics import _check_n_bins, bin_indices, binning_scores, quantile_edges
+from torchcal.functional.scoring import to_log_probs
+
+__all__ = [
+    "CalibrationTestResult",
+    "cumulative_differences",
+    "hosmer_lemeshow_test",
+    "kolmogorov_smirnov_test",
+    "kuiper_test",
+    "spiegelhalter_test",
+]
+
+#: Relative accuracy the series of the Brownian-motion distributions are truncated at.
+_SERIES_EPSILON = torch.finfo(torch.float64).eps
+
+Alternative = Literal["two-sided", "greater", "less"]
+
+
+class CalibrationTestResult(NamedTuple):
+    """A test's statistic and p-value (scalar float64 tensors)."""
+
+    statistic: Tensor
+    p_value: Tensor
+
+
+def _binary_problem(logits: Tensor, labels: Tensor, kind: str) -> tuple[Tensor, Tensor]:
+    """Validated scores and float64 targets (N,) of the one binary problem ``kind`` selects."""
+    if kind not in ("top-label", "binary"):
+        raise ValueError(f'kind must be "top-label" or "binary", got {kind!r}.')
+    logits, labels = check_logits_and_labels(logits, labels)
+    scores, targets = binning_scores(to_log_probs(logits), labels, kind)  # type: ignore[arg-type]
+    scores = scores[:, 0].to(torch.float64)
+    if not bool((scores * (1 - scores)).sum() > 0):
+        raise ValueError(
+            "every score is exactly 0 or 1, so the targets have no variance under calibration and the test is "
+            "undefined; such posteriors are calibrated only if every target matches its score (check the logits' scale)."
+        )
+    return scores, targets[:, 0].to(torch.float64)
+
+
+def hosmer_lemeshow_test(
+    logits: Tensor,
+    labels: Tensor,
+    n_groups: int = 10,
+    degrees_of_freedom: Literal["fitted", "external"] = "fitted",
+) -> CalibrationTestResult:
+    """Hosmer–Lemeshow test: binary for K = 2, multinomial (Fagerland et al. 2008) for K > 2.
+
+    The samples are grouped into ``n_groups`` = M equal-mass groups by ``1 - q_0`` (for K = 2 that
+    is the positive-class probability ``q_1``), with the quantile edges of
+    ``functional.diagnostics.quantile_edges`` (right-closed). With ``O_mj`` the number of samples
+    of class j in group m and ``E_mj`` the sum of their ``q_j``,
+    ``C = sum_m sum_j (O_mj - E_mj)^2 / E_mj`` (terms with ``E_mj = 0`` count 0), compared with a
+    chi-square distribution with ``(M - 2)(K - 1)`` degrees of freedom when the posteriors were
+    fitted on these samples (``"fitted"``, the survey's and Hosmer & Lemeshow's rule) or
+    ``M (K - 1)`` when they come from a model fitted elsewhere (``"external"``, a held-out test set).
+    The chi-square approximation needs groups with expected counts of about 5 or more.
+
+    Example (on the survey's Table 3 data it gives its C = 25.3, p = 0.0003; see the tests):
+        >>> probs = torch.tensor([[.7, .2, .1], [.3, .3, .4], [.2, .5, .3], [.6, .3, .1], [.1, .1, .8]] * 4)
+        >>> result = hosmer_lemeshow_test(probs.log(), torch.tensor([0, 2, 1, 1, 2] * 4), n_groups=4)
+        >>> round(float(result.statistic), 4), round(float(result.p_value), 4)
+        (14.0769, 0.0071)
+    """
+    _check_n_bins(n_groups)
+    if degrees_of_freedom not in ("fitted", "external"):
+        raise ValueError(f'degrees_of_freedom must be "fitted" or "external", got {degrees_of_freedom!r}.')
+    logits, labels = check_logits_and_labels(logits, labels)
+    probs = to_log_probs(logits).exp()
+    num_classes = probs.shape[1]
+    if degrees_of_freedom == "fitted" and n_groups <= 2:
+        raise ValueError(f'degrees_of_freedom="fitted" needs n_groups >= 3 (df = (M - 2)(K - 1)), got {n_groups}.')
+    grouping = 1 - probs[:, :1]
+    group = bin_indices(grouping, quantile_edges(grouping, n_groups))[:, 0]
+    observed = probs.new_zeros(n_groups, num_classes).index_add_(
+        0, group, torch.nn.functional.one_hot(labels, num_classes).to(probs.dtype)
+    )
+    expected = probs.new_zeros(n_groups, num_classes).index_add_(0, group, probs)
+    terms = (observed - expected).square() / expected
+    statistic = torch.where(expected > 0, terms, torch.zeros_like(terms)).sum()
+    df = (n_groups - 2 if degrees_of_freedom == "fitted" else n_groups) * (num_classes - 1)
+    return CalibrationTestResult(statistic, _chi2_sf(statistic, df))
+
+
+def _chi2_sf(x: Tensor, df: int) -> Tensor:
+    """Survival function of the chi-square distribution, ``Q(df / 2, x / 2)``."""
+    return torch.special.gammaincc(x.new_tensor(df / 2), x / 2)
+
+
+def spiegelhalter_test(
+    logits: Tensor, labels: Tensor, kind: Literal["top-label", "binary"] = "top-label", alternative: Alternative = "two-sided"
+) -> CalibrationTestResult:
+    """Spiegelhalter's Z test: ``Z = sum_i (y_i - s_i)(1 - 2 s_i) / sqrt(sum_i (1 - 2 s_i)^2 s_i (1 - s_i))``.
+
+    Z is the standardised Brier score, asymptotically standard normal under H0. ``alternative``:
+    ``"two-sided"`` (default), ``"greater"`` (p = P(N(0,1) >= Z), MAPIE's p-value) or ``"less"``.
+
+    Example:
+        >>> probs = torch.tensor([[.9, .1], [.8, .2], [.3, .7], [.4, .6]])
+        >>> result = spiegelhalter_test(probs.log(), torch.tensor([0, 1, 1, 0]), kind="binary")
+        >>> round(float(result.statistic), 4), round(float(result.p_value), 4)
+        (1.005, 0.3149)
+    """
+    scores, targets = _binary_problem(logits, labels, kind)
+    slope = 1 - 2 * scores
+    statistic = ((targets - scores) * slope).sum() / (slope.square() * scores * (1 - scores)).sum().sqrt()
+    normal = torch.distributions.Normal(statistic.new_tensor(0.0), statistic.new_tensor(1.0))
+    if alternative == "two-sided":
+        p_value = 2 * normal.cdf(-statistic.abs())
+    elif alternative == "greater":
+        p_value = normal.cdf(-statistic)
+    elif alternative == "less":
+        p_value = normal.cdf(statistic)
+    else:
+        raise ValueError(f'alternative must be "two-sided", "greater" or "less", got {alternative!r}.')
+    return CalibrationTestResult(statistic, p_value)
+
+
+def cumulative_differences(scores: Tensor, targets: Tensor) -> Tensor:
+    """``sum_{k <= i} (y_k - s_k) / N`` over the samples sorted by score, at the last sample of
+    each group of tied scores, scaled by ``sqrt(sum_i s_i (1 - s_i)) / N``; (number of distinct scores,).
+
+    ``scores`` and ``targets``: (N,) float64. Under H0 the result is close to a standard Brownian
+    motion on [0, 1] observed at the cumulative variance fractions.
+
+    Example:
+        >>> cumulative_differences(torch.tensor([0.5, 0.5, 0.2], dtype=torch.float64), torch.tensor([1., 0., 1.], dtype=torch.float64))
+        tensor([0.9847, 0.9847], dtype=torch.float64)
+    """
+    order = scores.argsort(stable=True)
+    ordered = scores[order]
+    walk = (targets[order] - ordered).cumsum(0)
+    last_of_tie = torch.ones_like(ordered, dtype=torch.bool)
+    last_of_tie[:-1] = ordered[1:] != ordered[:-1]
+    return walk[last_of_tie] / (scores * (1 - scores)).sum().sqrt()
+
+
+def kolmogorov_smirnov_test(
+    logits: Tensor, labels: Tensor, kind: Literal["top-label", "binary"] = "top-label"
+) -> CalibrationTestResult:
+    """Kolmogorov–Smirnov test of calibration (Tygert): the statistic is the maximum absolute
+    scaled cumulative difference (ECCE-MAD); the p-value that of the maximum of |B| on [0, 1].
+
+    Example:
+        >>> probs = torch.tensor([[.9, .1], [.8, .2], [.3, .7], [.4, .6]])
+        >>> result = kolmogorov_smirnov_test(probs.log(), torch.tensor([0, 1, 1, 0]), kind="binary")
+        >>> round(float(result.statistic), 4), round(float(result.p_value), 4)
+        (0.8367, 0.7815)
+    """
+    walk = cumulative_differences(*_binary_problem(logits, labels, kind))
+    statistic = walk.abs().max()
+    return CalibrationTestResult(statistic, (1 - _max_abs_brownian_cdf(statistic)).clamp(0, 1))
+
+
+def kuiper_test(logits: Tensor, labels: Tensor, kind: Literal["top-label", "binary"] = "top-label") -> CalibrationTestResult:
+    """Kuiper test of calibration (Tygert): the statistic is the range of the scaled cumulative
+    differences (ECCE-R, with the walk's start 0 included); the p-value that of the range of a
+    Brownian motion on [0, 1].
+
+    Example:
+        >>> probs = torch.tensor([[.9, .1], [.8, .2], [.3, .7], [.4, .6]])
+        >>> result = kuiper_test(probs.log(), torch.tensor([0, 1, 1, 0]), kind="binary")
+        >>> round(float(result.statistic), 4), round(float(result.p_value), 4)
+        (0.9562, 0.9567)
+    """
+    walk = cumulative_differences(*_binary_problem(logits, labels, kind))
+    statistic = walk.max().clamp_min(0) - walk.min().clamp_max(0)
+    return CalibrationTestResult(statistic, (1 - _brownian_range_cdf(statistic)).clamp(0, 1))
+
+
+def _max_abs_brownian_cdf(x: Tensor) -> Tensor:
+    """``P(max_{t <= 1} |B_t| <= x)`` by its series, truncated at float64 accuracy (as MAPIE)."""
+    if float(x) <= 0:
+        return x.new_tensor(0.0)
+    terms = math.ceil(0.5 + float(x) * math.sqrt(2) / math.pi * math.sqrt(math.log(4 / (math.pi * _SERIES_EPSILON))))
+    k = torch.arange(terms, dtype=torch.float64, device=x.device) + 0.5
+    signs = 1 - 2 * (torch.arange(terms, device=x.device) % 2)
+    return 2 / math.pi * (signs / k * torch.exp(-(k**2) * math.pi**2 / (2 * x**2))).sum()
+
+
+def _brownian_range_cdf(x: Tensor) -> Tensor:
+    """``P(max B - min B <= x)`` over [0, 1] by its series (Feller 1951), truncated as MAPIE."""
+    if float(x) <= 0:
+        return x.new_tensor(0.0)
+    value = float(x)
+    inside = 4 / (math.sqrt(2 * math.pi) * _SERIES_EPSILON) * (1 / value + value / math.pi**2)
+    terms = math.ceil(0.5 + value / (math.pi * math.sqrt(2)) * math.sqrt(math.log(inside)))
+    k = torch.arange(terms, dtype=torch.float64, device=x.device) + 0.5
+    return ((8 / x**2 + 2 / (k**2 * math.pi**2)) * torch.exp(-2 * k**2 * math.pi**2 / x**2)).sum()

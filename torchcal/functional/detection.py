@@ -1,0 +1,249 @@
+"""Binary detection metrics of speaker recognition and forensics: Cllr, minCllr, EER, DCF, DET.
+
+Class 1 is the target class. The detection score is the log-likelihood ratio
+``llr = log(q_1 / q_0) - log(P_1 / P_0)``: the posterior log-odds minus the prior log-odds ``P``
+the posteriors were computed with (``priors``; the evaluation data's class frequencies unless
+given, the convention of the rest of torchcal). With ``Pmiss(theta)`` the fraction of targets with
+``llr <= theta`` and ``Pfa(theta)`` the fraction of non-targets with ``llr > theta``:
+
+- ``cllr`` (Brümmer & du Preez 2006): ``(mean_targets log2(1 + e^-llr) + mean_nontargets
+  log2(1 + e^llr)) / 2``, the cross-entropy at flat priors in bits; 1 for a system that always
+  says ``llr = 0``. ``min_cllr``: its value after the best monotonic recalibration of the scores
+  (PAV, ``calibrators.nonparametric.pool_adjacent_violators``); ``cllr - min_cllr`` is the
+  calibration loss.
+- ``equal_error_rate``: the EER of the ROC convex hull (BOSARIS' ``rocch2eer``): where the hull,
+  whose vertices are the PAV blocks, crosses ``Pmiss = Pfa``.
+- ``detection_cost``: the actual DCF ``C_miss P_tar Pmiss + C_fa (1 - P_tar) Pfa`` of the Bayes
+  threshold ``theta = log(C_fa (1 - P_tar) / (C_miss P_tar))``, normalised by default by the cost
+  of the best fixed decision; ``min_detection_cost``: the minimum over all thresholds. The
+  normalised actual DCF is the binary normalised expected cost of ``plots.bayes_risk_sweep`` at
+  the effective prior (its log-odds ``t = logit(P_eff)``).
+- ``det_curve``: ``(Pfa, Pmiss)`` at every threshold, for DET plots on probit axes.
+
+The PAV and the sorting run on the CPU (NumPy) where noted; results return to the logits' device.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from torchcal._validation import check_logits_and_labels, check_priors
+from torchcal.calibrators.nonparametric import pool_adjacent_violators
+from torchcal.functional.scoring import class_frequencies, to_log_probs
+
+__all__ = [
+    "DetectionCurve",
+    "cllr",
+    "det_curve",
+    "detection_cost",
+    "equal_error_rate",
+    "log_likelihood_ratios",
+    "min_cllr",
+    "min_detection_cost",
+    "roc_convex_hull",
+]
+
+
+class DetectionCurve(NamedTuple):
+    """False-alarm and miss rates (T,) float64, from accepting everything to rejecting everything."""
+
+    false_alarm: Tensor
+    miss: Tensor
+
+
+def _binary(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    logits, labels = check_logits_and_labels(logits, labels)
+    if logits.shape[1] != 2:
+        raise ValueError(f"detection metrics need K = 2 classes (class 1 the target), got K = {logits.shape[1]}.")
+    is_target = labels == 1
+    if bool(is_target.all()) or not bool(is_target.any()):
+        raise ValueError("detection metrics need both target (label 1) and non-target (label 0) samples.")
+    return logits, labels
+
+
+def log_likelihood_ratios(logits: Tensor, labels: Tensor, priors: Tensor | None = None) -> Tensor:
+    """``llr = log(q_1 / q_0) - log(P_1 / P_0)`` (N,) float64; ``P`` = ``priors`` or the class frequencies.
+
+    Example:
+        >>> probs = torch.tensor([[.8, .2], [.2, .8]], dtype=torch.float64)
+        >>> log_likelihood_ratios(probs.log(), torch.tensor([0, 1])).round(decimals=4)
+        tensor([-1.3863,  1.3863], dtype=torch.float64)
+    """
+    logits, labels = _binary(logits, labels)
+    log_probs = to_log_probs(logits)
+    p = class_frequencies(labels, 2) if priors is None else check_priors(priors, 2, device=logits.device)
+    return log_probs[:, 1] - log_probs[:, 0] - (p[1].log() - p[0].log())
+
+
+def _cllr_of(llr: Tensor, is_target: Tensor) -> Tensor:
+    softplus = torch.nn.functional.softplus
+    return (softplus(-llr[is_target]).mean() + softplus(llr[~is_target]).mean()) / (2 * math.log(2))
+
+
+def cllr(logits: Tensor, labels: Tensor, priors: Tensor | None = None) -> Tensor:
+    """Cllr in bits (Brümmer & du Preez 2006) of the LLRs of ``log_likelihood_ratios``.
+
+    Example:
+        >>> probs = torch.tensor([[.8, .2], [.3, .7], [.6, .4], [.1, .9]], dtype=torch.float64)
+        >>> round(float(cllr(probs.log(), torch.tensor([0, 1, 1, 1]))), 4)
+        0.7356
+    """
+    llr = log_likelihood_ratios(logits, labels, priors)
+    return _cllr_of(llr, labels.to(llr.device) == 1)
+
+
+def _pav_blocks(scores: Tensor, is_target: Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """PAV of the targets on the scores (CPU): per-sample block value, and per-block target and
+    non-target counts in increasing score order."""
+    x = scores.detach().to(torch.float64).cpu().numpy()
+    t = is_target.detach().cpu().numpy().astype(np.float64)
+    boundaries, values = pool_adjacent_violators(x, t, np.ones_like(x))
+    block = np.searchsorted(boundaries, x, side="right") - 1
+    targets = np.bincount(block, weights=t, minlength=len(values))
+    totals = np.bincount(block, minlength=len(values)).astype(np.float64)
+    return values[block], targets, totals - targets
+
+
+def min_cllr(logits: Tensor, labels: Tensor) -> Tensor:
+    """minCllr: the Cllr of the PAV-recalibrated scores, the best any monotonic map can reach.
+
+    The PAV posteriors ``p`` (at the data's class frequencies ``P``) become LLRs
+    ``logit(p) - logit(P_1)``; blocks of only targets or only non-targets get infinite LLRs of the
+    right sign, which cost 0.
+
+    Example:
+        >>> probs = torch.tensor([[.8, .2], [.3, .7], [.6, .4], [.1, .9]], dtype=torch.float64)
+        >>> round(float(min_cllr(probs.log(), torch.tensor([0, 1, 1, 1]))), 4)
+        0.0
+    """
+    llr = log_likelihood_ratios(logits, labels)
+    is_target = labels.to(llr.device) == 1
+    fitted = torch.from_numpy(_pav_blocks(llr, is_target)[0]).to(llr.device)
+    prior = is_target.to(torch.float64).mean()
+    optimal = fitted.log() - (-fitted).log1p() - (prior.log() - (-prior).log1p())
+    return _cllr_of(optimal, is_target)
+
+
+def roc_convex_hull(logits: Tensor, labels: Tensor) -> DetectionCurve:
+    """Vertices of the ROC convex hull, from ``(Pfa, Pmiss) = (1, 0)`` to ``(0, 1)`` (PAV blocks; CPU).
+
+    Example:
+        >>> probs = torch.tensor([[.8, .2], [.3, .7], [.6, .4], [.1, .9]], dtype=torch.float64)
+        >>> roc_convex_hull(probs.log(), torch.tensor([0, 1, 0, 1]))
+        DetectionCurve(false_alarm=tensor([1., 0., 0.], dtype=torch.float64), miss=tensor([0., 0., 1.], dtype=torch.float64))
+    """
+    logits, labels = _binary(logits, labels)
+    scores = to_log_probs(logits)
+    _, targets, nontargets = _pav_blocks(scores[:, 1] - scores[:, 0], labels == 1)
+    miss = np.r_[0.0, np.cumsum(targets)] / targets.sum()
+    false_alarm = 1 - np.r_[0.0, np.cumsum(nontargets)] / nontargets.sum()
+    return DetectionCurve(*(torch.from_numpy(v).to(logits.device) for v in (false_alarm, miss)))
+
+
+def equal_error_rate(logits: Tensor, labels: Tensor) -> Tensor:
+    """The ROC-convex-hull EER (BOSARIS ``rocch2eer``): a scalar in [0, 0.5].
+
+    Each hull segment's line ``s . (Pfa, Pmiss) = 1`` crosses the diagonal at ``1 / (s_1 + s_2)``;
+    the EER is the largest such crossing (0 for axis-parallel segments).
+
+    Example:
+        >>> probs = torch.tensor([[.8, .2], [.3, .7], [.6, .4], [.1, .9], [.4, .6]], dtype=torch.float64)
+        >>> round(float(equal_error_rate(probs.log(), torch.tensor([0, 1, 1, 1, 0]))), 4)
+        0.2
+    """
+    false_alarm, miss = roc_convex_hull(logits, labels)
+    x1, x2, y1, y2 = false_alarm[:-1], false_alarm[1:], miss[:-1], miss[1:]
+    determinant = x1 * y2 - x2 * y1
+    denominator = (y2 - y1) + (x1 - x2)
+    flat = (x1 == x2) | (y1 == y2) | (determinant == 0)
+    crossing = torch.where(flat, torch.zeros_like(determinant), determinant / torch.where(flat, torch.ones_like(denominator), denominator))
+    return crossing.max()
+
+
+def det_curve(logits: Tensor, labels: Tensor) -> DetectionCurve:
+    """``(Pfa, Pmiss)`` at every threshold between distinct LLRs, plus both ends; (T,) each.
+
+    Example:
+        >>> probs = torch.tensor([[.8, .2], [.3, .7], [.6, .4], [.1, .9]], dtype=torch.float64)
+        >>> det_curve(probs.log(), torch.tensor([0, 1, 0, 1])).miss.tolist()
+        [0.0, 0.0, 0.0, 0.5, 1.0]
+    """
+    logits, labels = _binary(logits, labels)
+    log_probs = to_log_probs(logits)
+    scores = log_probs[:, 1] - log_probs[:, 0]
+    order = scores.argsort()
+    ordered, is_target = scores[order], (labels[order] == 1).to(torch.float64)
+    last_of_tie = torch.ones_like(ordered, dtype=torch.bool)
+    last_of_tie[:-1] = ordered[1:] != ordered[:-1]
+    zero = ordered.new_zeros(1)
+    targets_below = torch.cat([zero, is_target.cumsum(0)[last_of_tie]])
+    nontargets_below = torch.cat([zero, (1 - is_target).cumsum(0)[last_of_tie]])
+    return DetectionCurve(1 - nontargets_below / nontargets_below[-1], targets_below / targets_below[-1])
+
+
+def _check_operating_point(target_prior: float, cost_miss: float, cost_false_alarm: float) -> None:
+    if not 0 < target_prior < 1:
+        raise ValueError(f"target_prior must lie strictly between 0 and 1, got {target_prior}.")
+    if cost_miss <= 0 or cost_false_alarm <= 0:
+        raise ValueError(f"cost_miss and cost_false_alarm must be positive, got {cost_miss} and {cost_false_alarm}.")
+
+
+def _dcf(miss: Tensor, false_alarm: Tensor, target_prior: float, cost_miss: float, cost_false_alarm: float, normalize: bool) -> Tensor:
+    cost = cost_miss * target_prior * miss + cost_false_alarm * (1 - target_prior) * false_alarm
+    return cost / min(cost_miss * target_prior, cost_false_alarm * (1 - target_prior)) if normalize else cost
+
+
+def detection_cost(
+    logits: Tensor,
+    labels: Tensor,
+    target_prior: float = 0.5,
+    cost_miss: float = 1.0,
+    cost_false_alarm: float = 1.0,
+    priors: Tensor | None = None,
+    normalize: bool = True,
+) -> Tensor:
+    """Actual DCF of the Bayes decisions ``llr > log(C_fa (1 - P_tar) / (C_miss P_tar))``.
+
+    Args:
+        logits: (N, 2) scores; class 1 is the target. labels: (N,) 0/1.
+        target_prior, cost_miss, cost_false_alarm: the operating point.
+        priors: the priors the posteriors assume (for the LLRs); the class frequencies by default.
+        normalize: divide by ``min(C_miss P_tar, C_fa (1 - P_tar))``, the best fixed decision.
+
+    Example:
+        >>> probs = torch.tensor([[.8, .2], [.3, .7], [.6, .4], [.1, .9]], dtype=torch.float64)
+        >>> round(float(detection_cost(probs.log(), torch.tensor([0, 1, 1, 1]), target_prior=0.75)), 4)
+        1.0
+    """
+    _check_operating_point(target_prior, cost_miss, cost_false_alarm)
+    llr = log_likelihood_ratios(logits, labels, priors)
+    is_target = labels.to(llr.device) == 1
+    accept = llr > math.log(cost_false_alarm * (1 - target_prior) / (cost_miss * target_prior))
+    miss = (~accept[is_target]).to(torch.float64).mean()
+    false_alarm = accept[~is_target].to(torch.float64).mean()
+    return _dcf(miss, false_alarm, target_prior, cost_miss, cost_false_alarm, normalize)
+
+
+def min_detection_cost(
+    logits: Tensor,
+    labels: Tensor,
+    target_prior: float = 0.5,
+    cost_miss: float = 1.0,
+    cost_false_alarm: float = 1.0,
+    normalize: bool = True,
+) -> Tensor:
+    """Minimum DCF over all thresholds (the DCF after the best monotonic recalibration).
+
+    Example:
+        >>> probs = torch.tensor([[.8, .2], [.3, .7], [.6, .4], [.1, .9]], dtype=torch.float64)
+        >>> round(float(min_detection_cost(probs.log(), torch.tensor([0, 1, 1, 1]), target_prior=0.75)), 4)
+        0.0
+    """
+    _check_operating_point(target_prior, cost_miss, cost_false_alarm)
+    false_alarm, miss = det_curve(logits, labels)
+    return _dcf(miss, false_alarm, target_prior, cost_miss, cost_false_alarm, normalize).min()

@@ -1,0 +1,307 @@
+"""Smooth ECE and the smoothed reliability curve (Błasiok & Nakkiran 2023).
+
+For one binary problem with scores ``f`` in [0, 1] and 0/1 targets ``y``, the smooth ECE at
+bandwidth sigma is ``sum_t |r(t)| d(t) / sum_t d(t)`` over a mesh t of [0, 1], where ``d`` is the
+kernel density of the scores and ``r`` the kernel regression of the residuals ``f - y`` on them,
+with a Gaussian kernel reflected at 0 and 1. The automatic bandwidth is the fixed point
+``sigma = smECE(sigma)`` found by bisection.
+
+The computation follows the ``relplot`` package step by step, so that the two agree to round-off:
+each sample's weight is split linearly between the two nearest points of a grid of G points on
+[0, 1] ("rounding to the grid"), the grid is convolved with the reflected kernel (here by FFT),
+and the result is interpolated linearly onto the mesh. relplot picks
+``G = max(2000, round(20 / sigma)) // 2 + 1`` (1001 for sigma >= 0.01) and adds 1e-4 to the
+density. Because the grid sums are sums over samples, they accumulate batch by batch and across
+processes (``torchcal.metrics.SmoothCalibrationError``), on a fixed grid of ``grid_points``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+from torchcal._validation import check_logits_and_labels
+from torchcal.functional.bootstrap import resample_indices
+from torchcal.functional.diagnostics import binning_scores
+from torchcal.functional.scoring import to_log_probs
+
+__all__ = [
+    "SmoothReliabilityCurve",
+    "grid_points_for_bandwidth",
+    "round_to_grid",
+    "smooth_ece",
+    "smooth_ece_bandwidth",
+    "smooth_ece_from_grid",
+    "smooth_reliability_curve",
+]
+
+#: Added to the smoothed density before dividing by it (relplot's ``eps``).
+DENSITY_FLOOR = 1e-4
+#: Bandwidths below this stop the bisection (relplot's ``eps``).
+MIN_BANDWIDTH = 1e-3
+#: Halvings of the bandwidth interval in the fixed-point search (relplot's ``refine``).
+BISECTION_STEPS = 10
+
+SmoothKind = Literal["top-label", "binary", "classwise"]
+
+
+class SmoothReliabilityCurve(NamedTuple):
+    """The kernel-smoothed reliability curve of one binary problem on a mesh of [0, 1].
+
+    ``frequency`` is the smoothed fraction of positives at each mesh point, ``density`` the
+    smoothed score density (up to a constant), and ``lower``/``upper`` the percentile band of the
+    bootstrap replicates of ``frequency`` (all (T,)).
+    """
+
+    mesh: Tensor
+    frequency: Tensor
+    density: Tensor
+    lower: Tensor
+    upper: Tensor
+    bandwidth: Tensor
+    smooth_ece: Tensor
+
+
+def grid_points_for_bandwidth(bandwidth: float) -> int:
+    """relplot's grid size for a bandwidth: ``max(2000, round(20 / sigma)) // 2 + 1``.
+
+    Example:
+        >>> grid_points_for_bandwidth(0.05), grid_points_for_bandwidth(0.002)
+        (1001, 5001)
+    """
+    return max(2000, round(20 / bandwidth)) // 2 + 1
+
+
+def round_to_grid(scores: Tensor, weights: Tensor, grid_points: int) -> Tensor:
+    """Split each weight between the two grid points around its score; sums (..., G) float64.
+
+    ``scores: (N,)`` in [0, 1], ``weights: (..., N)``. The grid is ``linspace(0, 1, G)``.
+
+    Example:
+        >>> round_to_grid(torch.tensor([0.25, 1.0], dtype=torch.float64), torch.ones(2, dtype=torch.float64), 3)
+        tensor([0.5000, 0.5000, 1.0000], dtype=torch.float64)
+    """
+    position = scores.to(torch.float64) * (grid_points - 1)
+    lower = position.floor().clamp_(0, grid_points - 2)
+    fraction = position - lower
+    index = lower.long()
+    weights = weights.to(torch.float64)
+    sums = weights.new_zeros(*weights.shape[:-1], grid_points)
+    index = index.expand_as(weights)
+    sums.scatter_add_(-1, index, weights * (1 - fraction))
+    sums.scatter_add_(-1, index + 1, weights * fraction)
+    return sums
+
+
+def _reflected_gaussian_smooth(values: Tensor, bandwidth: float) -> Tensor:
+    """Convolve grid sums (..., G) with a Gaussian reflected at both ends of [0, 1] (relplot's
+    ``ReflectedGaussianKernel.convolve``: kernel values at the grid offsets, not normalised)."""
+    g = values.shape[-1]
+    offsets = torch.linspace(0, 1, g, dtype=torch.float64, device=values.device) - 0.5
+    kernel = torch.exp(-offsets * offsets / (2 * bandwidth**2)) / (math.sqrt(2 * math.pi) * bandwidth)
+    extended = torch.cat([values.flip(-1)[..., :-1], values, values.flip(-1)[..., 1:]], dim=-1)
+    size = extended.shape[-1] + g - 1
+    full = torch.fft.irfft(torch.fft.rfft(extended, size) * torch.fft.rfft(kernel, size), size)
+    start = g - 1 + g // 2  # numpy.convolve's "valid" part starts at g - 1
+    return full[..., start : start + g]
+
+
+def _interpolate(mesh: Tensor, values: Tensor) -> Tensor:
+    """Piecewise-linear interpolation of grid values (..., G) on ``linspace(0, 1, G)`` at ``mesh``."""
+    g = values.shape[-1]
+    index = (mesh * (g - 1)).floor().long().clamp(0, g - 2)
+    fraction = mesh * (g - 1) - index
+    return values[..., index] * (1 - fraction) + values[..., index + 1] * fraction
+
+
+def _mesh(bandwidth: float, device: torch.device) -> Tensor:
+    return torch.linspace(0, 1, max(round(10 / bandwidth), 200), dtype=torch.float64, device=device)
+
+
+def _smooth_ece_at(grid: Tensor, bandwidth: float) -> Tensor:
+    """smECE at one bandwidth from grid sums (..., 2, G) of ones and residuals ``f - y``; (...)."""
+    mesh = _mesh(bandwidth, grid.device)
+    smoothed = _interpolate(mesh, _reflected_gaussian_smooth(grid, bandwidth))
+    density = smoothed[..., 0, :] + DENSITY_FLOOR
+    return (smoothed[..., 1, :] / density).abs().mul(density).sum(-1) / density.sum(-1)
+
+
+def smooth_ece_from_grid(
+    grid_sums: Callable[[int], Tensor] | Tensor, bandwidth: float | None = None
+) -> tuple[Tensor, float]:
+    """smECE of one binary problem and its bandwidth, from grid sums of ones and residuals.
+
+    Args:
+        grid_sums: a (2, G) tensor (rows: ones and ``f - y`` rounded to a grid of G points), or a
+            function ``G -> (2, G)`` for relplot's bandwidth-dependent grid size.
+        bandwidth: the kernel bandwidth; None finds relplot's fixed point ``sigma = smECE(sigma)``
+            by bisection on [0, 1] (one read-back to the host per step).
+
+    Example:
+        >>> scores = torch.tensor([0.2, 0.7, 0.9], dtype=torch.float64)
+        >>> grid = round_to_grid(scores, torch.stack([torch.ones(3), scores - torch.tensor([0., 1., 1.])]), 1001)
+        >>> value, sigma = smooth_ece_from_grid(grid)
+        >>> round(float(value), 4), sigma
+        (0.1753, 0.17578125)
+    """
+
+    def at(sigma: float) -> Tensor:
+        grid = grid_sums if isinstance(grid_sums, Tensor) else grid_sums(grid_points_for_bandwidth(sigma))
+        return _smooth_ece_at(grid, sigma)
+
+    if bandwidth is None:
+        bandwidth = _fixed_point(lambda sigma: sigma < MIN_BANDWIDTH or sigma < float(at(sigma)))
+    elif not 0 < bandwidth <= 1:
+        raise ValueError(f"bandwidth must lie in (0, 1], got {bandwidth}.")
+    return at(bandwidth), bandwidth
+
+
+def _fixed_point(too_small: Callable[[float], bool]) -> float:
+    """relplot's ``search_param``: 1 if even 1 is too small, else bisect [0, 1] and return the upper end."""
+    if too_small(1.0):
+        return 1.0
+    upper, lower = 1.0, 0.0
+    for _ in range(BISECTION_STEPS):
+        middle = (upper + lower) / 2
+        if too_small(middle):
+            lower = middle
+        else:
+            upper = middle
+    return upper
+
+
+def _columns(logits: Tensor, labels: Tensor, kind: SmoothKind) -> tuple[Tensor, Tensor]:
+    """Validated scores and float64 targets (N, C) of the binary problems of ``kind``."""
+    if kind not in ("top-label", "binary", "classwise"):
+        raise ValueError(f'kind must be "top-label", "binary" or "classwise", got {kind!r}.')
+    logits, labels = check_logits_and_labels(logits, labels)
+    scores, targets = binning_scores(to_log_probs(logits), labels, kind)
+    return scores.to(torch.float64), targets.to(torch.float64)
+
+
+def _column_grid(scores: Tensor, targets: Tensor) -> Callable[[int], Tensor]:
+    """``G -> (2, G)`` grid sums of ones and residuals of one column, cached per G."""
+    cache: dict[int, Tensor] = {}
+
+    def grid(points: int) -> Tensor:
+        if points not in cache:
+            cache[points] = round_to_grid(scores, torch.stack([torch.ones_like(scores), scores - targets]), points)
+        return cache[points]
+
+    return grid
+
+
+def _per_column(
+    logits: Tensor, labels: Tensor, kind: SmoothKind, bandwidth: float | None, grid_points: int | None
+) -> list[tuple[Tensor, float]]:
+    scores, targets = _columns(logits, labels, kind)
+    results = []
+    for f, y in zip(scores.T, targets.T):
+        grid = _column_grid(f, y)
+        results.append(smooth_ece_from_grid(grid if grid_points is None else grid(grid_points), bandwidth))
+    return results
+
+
+def smooth_ece(
+    logits: Tensor,
+    labels: Tensor,
+    kind: SmoothKind = "top-label",
+    bandwidth: float | None = None,
+    grid_points: int | None = None,
+) -> Tensor:
+    """Smooth ECE (smECE) of Błasiok & Nakkiran, as ``relplot.smECE``; a scalar float64 tensor.
+
+    Args:
+        logits: (N, K) scores; any unnormalised log-posteriors.
+        labels: (N,) class indices in [0, K).
+        kind: ``"top-label"`` (confidence vs correctness, relplot's multiclass reduction),
+            ``"binary"`` (``q_1`` vs ``[y == 1]`` for K = 2) or ``"classwise"`` (the mean over
+            classes of the one-vs-rest smECE, each at its own bandwidth).
+        bandwidth: the kernel bandwidth sigma in (0, 1]; None (default) takes the fixed point
+            ``sigma = smECE(sigma)``, as the paper and relplot do.
+        grid_points: size G of the grid the scores are rounded to; None (default) takes relplot's
+            ``max(2000, round(20 / sigma)) // 2 + 1``, which the streaming metric cannot know in
+            advance: it uses a fixed G, and so does this function when given one.
+
+    Example:
+        >>> import torch
+        >>> probs = torch.tensor([[.9, .1], [.8, .2], [.4, .6], [.3, .7]], dtype=torch.float64)
+        >>> round(float(smooth_ece(probs.log(), torch.tensor([0, 1, 1, 0]))), 6)
+        0.257774
+    """
+    results = _per_column(logits, labels, kind, bandwidth, grid_points)
+    return torch.stack([value for value, _ in results]).mean()
+
+
+def smooth_ece_bandwidth(logits: Tensor, labels: Tensor, kind: SmoothKind = "top-label") -> Tensor:
+    """The automatic bandwidths (C,) of ``smooth_ece`` (C = K for ``"classwise"``, else 1).
+
+    Example:
+        >>> probs = torch.tensor([[.9, .1], [.8, .2], [.4, .6], [.3, .7]], dtype=torch.float64)
+        >>> smooth_ece_bandwidth(probs.log(), torch.tensor([0, 1, 1, 0]))
+        tensor([0.2578], dtype=torch.float64)
+    """
+    results = _per_column(logits, labels, kind, None, None)
+    return torch.tensor([sigma for _, sigma in results], dtype=torch.float64, device=logits.device)
+
+
+def smooth_reliability_curve(
+    logits: Tensor,
+    labels: Tensor,
+    kind: Literal["top-label", "binary"] = "top-label",
+    bandwidth: float | None = None,
+    mesh_points: int = 200,
+    num_replicates: int = 200,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> SmoothReliabilityCurve:
+    """The kernel-smoothed reliability curve with a percentile bootstrap band (relplot's diagram).
+
+    The curve is the Nadaraya–Watson regression of the targets on the scores with the reflected
+    Gaussian kernel at the smECE bandwidth (relplot's ``KernelSmoother``), on ``mesh_points``
+    equally spaced scores; the band holds the bandwidth fixed and resamples the samples, all
+    replicates at once on the logits' device. Seeds as ``functional.bootstrap``.
+
+    Example:
+        >>> import torch
+        >>> logits, labels = torch.randn(300, 3), torch.randint(0, 3, (300,))
+        >>> curve = smooth_reliability_curve(logits, labels, num_replicates=50)
+        >>> curve.frequency.shape, bool((curve.lower <= curve.upper).all())
+        (torch.Size([200]), True)
+    """
+    if kind not in ("top-label", "binary"):
+        raise ValueError(f'kind must be "top-label" or "binary", got {kind!r}.')
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must lie strictly between 0 and 1, got {confidence}.")
+    scores, targets = (x[:, 0] for x in _columns(logits, labels, kind))
+    value, sigma = smooth_ece_from_grid(_column_grid(scores, targets), bandwidth)
+    points = grid_points_for_bandwidth(sigma)
+    mesh = torch.linspace(0, 1, mesh_points, dtype=torch.float64, device=scores.device)
+
+    def smoothed(weights: Tensor, draws: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Density and frequency on the mesh, of all data or of the resamples ``draws: (b, N)``."""
+        f = scores if draws is None else scores[draws]
+        grid = _scatter_rows(f, weights if draws is None else weights[:, draws], points)
+        ones, positives = _interpolate(mesh, _reflected_gaussian_smooth(grid, sigma)).unbind(-2)
+        return ones, positives / (ones + DENSITY_FLOOR)
+
+    weights = torch.stack([torch.ones_like(scores), targets])
+    density, frequency = smoothed(weights, None)
+    replicates = torch.cat(
+        [smoothed(weights, draws.to(scores.device))[1] for draws in resample_indices(scores.shape[0], num_replicates, seed)]
+    )
+    alpha = (1 - confidence) / 2
+    levels = torch.tensor([alpha, 1 - alpha], dtype=torch.float64, device=scores.device)
+    lower, upper = torch.quantile(replicates, levels, dim=0)
+    return SmoothReliabilityCurve(mesh, frequency, density, lower, upper, scores.new_tensor(sigma), value)
+
+
+def _scatter_rows(scores: Tensor, weights: Tensor, grid_points: int) -> Tensor:
+    """``round_to_grid`` of scores (N,) or (b, N) with weights (W, N) or (W, b, N); (..., W, G)."""
+    if scores.ndim == 1:
+        return round_to_grid(scores, weights, grid_points)
+    return round_to_grid(scores.unsqueeze(0), weights, grid_points).transpose(0, 1)

@@ -14,8 +14,9 @@ from torch import Tensor
 from torchcal._validation import compute_dtype
 from torchcal.calibrators.base import Calibrator
 from torchcal.fit import FitRecord
+from torchcal.functional.isotonic import pool_adjacent_violators
 
-__all__ = ["HistogramBinning", "IsotonicCalibration", "pool_adjacent_violators"]
+__all__ = ["HistogramBinning", "IsotonicCalibration"]
 
 
 class _OneVsRest(Calibrator):
@@ -116,38 +117,6 @@ class HistogramBinning(_OneVsRest):
 
     def extra_repr(self) -> str:
         return f"n_bins={self.n_bins}, strategy={self.strategy!r}, " + super().extra_repr()
-
-
-def pool_adjacent_violators(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Weighted isotonic (non-decreasing) regression of ``y`` on ``x`` by PAV.
-
-    Tied ``x`` are pooled first. Returns ``(boundaries, values)``: block ``j`` holds the scores
-    above ``boundaries[j]`` (``-inf`` for the first block; later boundaries lie halfway between
-    neighbouring blocks, so no training score sits on a step) and its fitted value ``values[j]``.
-    """
-    order = np.argsort(x, kind="stable")
-    x, y, w = x[order], y[order], w[order]
-    starts = np.flatnonzero(np.r_[True, x[1:] != x[:-1]])
-    unique_x = x[starts].tolist()
-    sums, weights = np.add.reduceat(w * y, starts).tolist(), np.add.reduceat(w, starts).tolist()
-    lowest: list[float] = []
-    highest: list[float] = []
-    block_sum: list[float] = []
-    block_w: list[float] = []
-    for xi, si, wi in zip(unique_x, sums, weights):
-        lowest.append(xi)
-        highest.append(xi)
-        block_sum.append(si)
-        block_w.append(wi)
-        while len(block_w) > 1 and block_sum[-2] * block_w[-1] >= block_sum[-1] * block_w[-2]:
-            lowest.pop()
-            top = highest.pop()
-            highest[-1] = top
-            last_sum, last_w = block_sum.pop(), block_w.pop()
-            block_sum[-1] += last_sum
-            block_w[-1] += last_w
-    boundaries = np.r_[-np.inf, (np.asarray(highest[:-1]) + np.asarray(lowest[1:])) / 2]
-    return boundaries, np.asarray(block_sum) / np.asarray(block_w)
 
 
 class IsotonicCalibration(_OneVsRest):

@@ -9,7 +9,7 @@ given, the convention of the rest of torchcal). With ``Pmiss(theta)`` the fracti
 - ``cllr`` (Brümmer & du Preez 2006): ``(mean_targets log2(1 + e^-llr) + mean_nontargets
   log2(1 + e^llr)) / 2``, the cross-entropy at flat priors in bits; 1 for a system that always
   says ``llr = 0``. ``min_cllr``: its value after the best monotonic recalibration of the scores
-  (PAV, ``calibrators.nonparametric.pool_adjacent_violators``); ``cllr - min_cllr`` is the
+  (PAV, ``functional.isotonic.pool_adjacent_violators``); ``cllr - min_cllr`` is the
   calibration loss.
 - ``equal_error_rate``: the EER of the ROC convex hull (BOSARIS' ``rocch2eer``): where the hull,
   whose vertices are the PAV blocks, crosses ``Pmiss = Pfa``.
@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from torchcal._validation import check_logits_and_labels, check_priors
-from torchcal.calibrators.nonparametric import pool_adjacent_violators
+from torchcal.functional.isotonic import pool_adjacent_violators
 from torchcal.functional.scoring import class_frequencies, to_log_probs
 
 __all__ = [

@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from torchcal._validation import check_logits_and_labels
-from torchcal.calibrators.nonparametric import pool_adjacent_violators
 from torchcal.functional.diagnostics import Strategy, _binned, bin_statistics, binning_scores
+from torchcal.functional.isotonic import pool_adjacent_violators
 from torchcal.functional.scoring import to_log_probs
 
 __all__ = [
@@ -77,7 +77,7 @@ def _binary_problem(logits: Tensor, labels: Tensor, kind: str) -> tuple[Tensor, 
 def corp_recalibration(scores: Tensor, targets: Tensor) -> Tensor:
     """The PAV recalibration ``x_hat`` (N,) of 0/1 ``targets`` on ``scores`` (N,), tied scores pooled.
 
-    Computed on the CPU by ``calibrators.nonparametric.pool_adjacent_violators`` and returned on
+    Computed on the CPU by ``functional.isotonic.pool_adjacent_violators`` and returned on
     the scores' device.
 
     Example:

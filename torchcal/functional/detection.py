@@ -20,6 +20,11 @@ given, the convention of the rest of torchcal). With ``Pmiss(theta)`` the fracti
   the effective prior (its log-odds ``t = logit(P_eff)``).
 - ``det_curve``: ``(Pfa, Pmiss)`` at every threshold, for DET plots on probit axes.
 
+Cllr and the actual DCF are prior-weighted means of a per-sample value of the LLR (``cllr_per_sample``,
+a false alarm or a miss), so they also stream as ``metrics.Cllr`` and ``metrics.DetectionCost``
+from per-class sums (``cllr_from_class_sums``, ``detection_cost_from_class_sums``). minCllr, the
+EER, the minimum DCF and the DET curve need every score at once.
+
 The PAV and the sorting run on the CPU (NumPy) where noted; results return to the logits' device.
 """
 

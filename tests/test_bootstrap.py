@@ -57,7 +57,7 @@ FAST_CASES = [
 @pytest.mark.parametrize("metric_fn, kwargs", FAST_CASES)
 def test_fast_path_equals_the_loop(data, metric_fn, kwargs):
     logits, labels = data
-    assert bootstrap_module._decomposition(metric_fn, kwargs) is not None
+    assert bootstrap_module.metric_decomposition(metric_fn, kwargs) is not None
     fast = bootstrap(metric_fn, logits, labels, num_replicates=40, seed=3, **kwargs)
     stratify = bootstrap_module._weighs_classes(metric_fn, kwargs)  # a lambda hides what it computes
     loop = bootstrap(lambda z, y, **kw: metric_fn(z, y, **kw), logits, labels, num_replicates=40, seed=3, stratify=stratify, **kwargs)
@@ -114,7 +114,7 @@ def test_interval_width_of_an_error_rate():
 def test_general_path_any_metric_and_tuples(data):
     logits, labels = data
     # equal-mass edges move with the resample: recomputed every time
-    assert bootstrap_module._decomposition(expected_calibration_error, {"strategy": "quantile"}) is None
+    assert bootstrap_module.metric_decomposition(expected_calibration_error, {"strategy": "quantile"}) is None
     ece = bootstrap(expected_calibration_error, logits, labels, num_replicates=20, n_bins=5, strategy="quantile")
     assert ece.estimate.item() == pytest.approx(expected_calibration_error(logits, labels, n_bins=5, strategy="quantile").item())
     assert ece.replicates.shape == (20,) and ece.replicates.std() > 0

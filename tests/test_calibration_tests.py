@@ -18,7 +18,8 @@ from torchcal.functional.calibration_tests import (
     spiegelhalter_test,
 )
 from torchcal.functional.consistency_resampling import consistency_resampling_test
-from torchcal.functional.smooth_ece import smooth_ece
+from torchcal.functional.smooth_ece import smooth_calibration_error
+from torchcal.metrics import SpiegelhalterTest
 
 mapie = pytest.importorskip("mapie.metrics.calibration")
 
@@ -99,6 +100,30 @@ def test_ks_and_spiegelhalter_match_mapie(real, name):
     assert float(z.p_value) == pytest.approx(mapie.spiegelhalter_p_value(y, s), abs=1e-12)
     two_sided = spiegelhalter_test(logits, labels, kind="binary")
     assert float(two_sided.p_value) == pytest.approx(2 * scipy.stats.norm.sf(abs(float(z.statistic))), abs=1e-12)
+
+
+@pytest.mark.parametrize("name", ["adrenalmnist3d_resnet50_ferrer", "sst2_gpt2-4shot_ferrer"])
+def test_streaming_spiegelhalter_equals_mapie_and_the_functional(real, name):
+    """Z from three sums: batches, row order and float32 change nothing; ``compute()`` is Z and
+    ``result()`` adds the p-value of the chosen alternative."""
+    logits, labels, s, y = _binary_real(real, name)
+    expected = spiegelhalter_test(logits.double(), labels, kind="binary", alternative="greater")
+    assert float(expected.statistic) == pytest.approx(mapie.spiegelhalter_statistic(y, s), rel=1e-9)
+    permutation = torch.randperm(labels.shape[0], generator=torch.Generator().manual_seed(2))
+    for x, t, rel in ((logits.double(), labels, 1e-12), (logits.double()[permutation], labels[permutation], 1e-12),
+                      (logits.float(), labels, 1e-6)):
+        metric = SpiegelhalterTest(2, kind="binary", alternative="greater")
+        for part in torch.arange(labels.shape[0]).tensor_split(4):
+            metric.update(x[part], t[part])
+        z = metric.compute()
+        assert z.dtype == torch.float64 and float(z) == pytest.approx(float(expected.statistic), rel=rel)
+        assert float(metric.result().p_value) == pytest.approx(mapie.spiegelhalter_p_value(y, s), rel=1e-6, abs=1e-12)
+    with pytest.raises(ValueError, match="alternative"):
+        SpiegelhalterTest(alternative="bigger")
+    degenerate = SpiegelhalterTest(2, kind="binary")
+    degenerate.update(torch.tensor([[0.0, -1e4], [-1e4, 0.0]], dtype=torch.float64), torch.tensor([0, 1]))  # q in {0, 1}
+    with pytest.raises(ValueError, match="exactly 0 or 1"):
+        degenerate.compute()
 
 
 def test_kuiper_matches_mapie_when_the_walk_changes_sign_and_numpy_otherwise(real):
@@ -200,7 +225,7 @@ def test_resampling_p_values_are_uniform_under_calibration_and_powerful():
     assert sum(float(p) < 0.05 for p in over) >= 48
     # any metric, through the loop over resamples
     x, y = _calibrated(generator, 500)
-    assert float(consistency_resampling_test(smooth_ece, 2 * x, y, 39).p_value) == 1 / 40
+    assert float(consistency_resampling_test(smooth_calibration_error, 2 * x, y, 39).p_value) == 1 / 40
 
 
 def test_bad_input():

@@ -22,6 +22,7 @@ from torchcal.functional.detection import (
     min_cllr,
     min_detection_cost,
 )
+from torchcal.metrics import Cllr, DetectionCost
 from torchcal.plots import bayes_risk_sweep
 
 NAMES = ["fvcaus_xvector-plda_ferrer", "adrenalmnist3d_resnet50_ferrer", "sst2_gpt2-0shot_ferrer"]
@@ -116,6 +117,41 @@ def test_priors_shift_the_llrs_and_order_and_dtype_do_not_matter(real):
         reference = float(fn(logits, labels))
         assert float(fn(logits[permutation], labels[permutation])) == pytest.approx(reference, rel=1e-12)
         assert float(fn(logits.double(), labels)) == pytest.approx(reference, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_streaming_cllr_and_dcf_equal_numpy_and_the_functional(real, name):
+    """Given the priors the posteriors assume, the classes keep per-class sums; without, the data's
+    class frequencies, as the functional form. Batches, row order and float32 change nothing."""
+    logits, labels, _, target = _load(real, name)
+    log_probs = torch.log_softmax(logits.double(), 1).numpy()
+    priors = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    llr = log_probs[:, 1] - log_probs[:, 0] - math.log(0.7 / 0.3)
+    accept = llr > math.log(1 * 0.8 / (10 * 0.2))  # target prior 0.2, C_miss 10, C_fa 1
+    actual_dcf = (10 * 0.2 * np.mean(~accept[target]) + 0.8 * np.mean(accept[~target])) / min(10 * 0.2, 0.8)
+    cases = [
+        (lambda: Cllr(priors=priors), _cllr_numpy(llr, target), cllr(logits.double(), labels, priors)),
+        (lambda: DetectionCost(0.2, 10.0, priors=priors), actual_dcf, detection_cost(logits.double(), labels, 0.2, 10.0, priors=priors)),
+        (Cllr, None, cllr(logits.double(), labels)),
+        (lambda: DetectionCost(0.2, 10.0), None, detection_cost(logits.double(), labels, 0.2, 10.0)),
+    ]
+    permutation = torch.randperm(labels.shape[0], generator=torch.Generator().manual_seed(1))
+    for make, reference, functional in cases:
+        if reference is not None:
+            assert float(functional) == pytest.approx(reference, rel=1e-12)
+        for x, y, rel in ((logits.double(), labels, 1e-12), (logits.double()[permutation], labels[permutation], 1e-12),
+                          (logits.float(), labels, 1e-6)):
+            metric = make()
+            for part in torch.arange(labels.shape[0]).tensor_split(3):
+                metric.update(x[part], y[part])
+            value = metric.compute()
+            assert value.dtype == torch.float64 and float(value) == pytest.approx(float(functional), rel=rel), name
+    one_class = Cllr(priors=priors)
+    one_class.update(logits[labels == 1], labels[labels == 1])
+    with pytest.raises(ValueError, match="both target"):
+        one_class.compute()
+    with pytest.raises(ValueError, match="target_prior"):
+        DetectionCost(target_prior=0.0)
 
 
 def test_bad_input():

@@ -9,7 +9,7 @@ from sklearn.isotonic import IsotonicRegression
 
 from torchcal.functional import brier_score
 from torchcal.functional.score_decomposition import corp_decomposition, murphy_decomposition
-from torchcal.metrics.score_decomposition import BrierDecomposition
+from torchcal.metrics.score_decomposition import MurphyDecomposition
 
 
 def _score(name: str, p: np.ndarray, y: np.ndarray) -> float:
@@ -83,7 +83,7 @@ def test_murphy_matches_numpy_and_equals_brier_for_binned_forecasts(real):
 def test_streaming_murphy_equals_functional(synthetic):
     scores, y = synthetic(4, 1000, seed=5)
     logits, labels = torch.from_numpy(scores) / 3, torch.from_numpy(y)
-    metric = BrierDecomposition(4, n_bins=10)
+    metric = MurphyDecomposition(4, n_bins=10)
     for chunk in torch.arange(1000).split(300):
         metric.update(logits[chunk], labels[chunk])
     torch.testing.assert_close(metric.compute(), torch.stack(list(murphy_decomposition(logits, labels, n_bins=10))))

@@ -8,7 +8,7 @@ import torch
 
 from torchcal.functional import bootstrap
 from torchcal.functional.bootstrap import resample_indices
-from torchcal.functional.smooth_ece import smooth_ece, smooth_ece_bandwidth, smooth_reliability_curve
+from torchcal.functional.smooth_ece import smooth_calibration_error, smooth_ece_bandwidth, smooth_reliability_curve
 from torchcal.metrics.smooth_ece import SmoothCalibrationError
 
 relplot = pytest.importorskip("relplot")
@@ -28,7 +28,7 @@ def test_top_label_matches_relplot_on_cifar10(real, temperature):
     logits, labels = _cifar(real, temperature)
     f, y = relplot.multiclass_logits_to_confidences(logits.double().numpy(), labels.numpy())
     expected, width = relplot.smECE(f, y, return_width=True)
-    assert float(smooth_ece(logits, labels)) == pytest.approx(expected, abs=1e-6)
+    assert float(smooth_calibration_error(logits, labels)) == pytest.approx(expected, abs=1e-6)
     assert float(smooth_ece_bandwidth(logits, labels)[0]) == width
 
 
@@ -37,7 +37,7 @@ def test_binary_matches_relplot(real, name):
     data = real(name)
     logits, labels = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
     probs = torch.softmax(logits.double(), dim=1)[:, 1].numpy()
-    assert float(smooth_ece(logits, labels, kind="binary")) == pytest.approx(
+    assert float(smooth_calibration_error(logits, labels, kind="binary")) == pytest.approx(
         relplot.smECE(probs, labels.numpy().astype(float)), abs=1e-6
     )
 
@@ -47,14 +47,14 @@ def test_classwise_is_the_mean_of_one_vs_rest_relplot(real):
     logits, labels = logits[:3000], labels[:3000]
     probs = torch.softmax(logits.double(), dim=1).numpy()
     expected = np.mean([relplot.smECE(probs[:, k], (labels.numpy() == k).astype(float)) for k in range(10)])
-    assert float(smooth_ece(logits, labels, kind="classwise")) == pytest.approx(expected, abs=1e-6)
+    assert float(smooth_calibration_error(logits, labels, kind="classwise")) == pytest.approx(expected, abs=1e-6)
 
 
 def test_fixed_bandwidth_matches_relplot(real):
     logits, labels = _cifar(real)
     f, y = relplot.multiclass_logits_to_confidences(logits.double().numpy(), labels.numpy())
     for sigma in (0.004, 0.05, 0.3):
-        assert float(smooth_ece(logits, labels, bandwidth=sigma)) == pytest.approx(relplot.smECE_sigma(f, y, sigma), abs=1e-6)
+        assert float(smooth_calibration_error(logits, labels, bandwidth=sigma)) == pytest.approx(relplot.smECE_sigma(f, y, sigma), abs=1e-6)
 
 
 def test_streaming_equals_functional_on_its_grid_and_relplot_when_bandwidth_is_large(real):
@@ -63,7 +63,7 @@ def test_streaming_equals_functional_on_its_grid_and_relplot_when_bandwidth_is_l
     for chunk in torch.arange(labels.shape[0]).split(3333):
         metric.update(logits[chunk], labels[chunk])
     streamed = float(metric.compute())
-    assert streamed == pytest.approx(float(smooth_ece(logits, labels, grid_points=1001)), abs=1e-12)
+    assert streamed == pytest.approx(float(smooth_calibration_error(logits, labels, grid_points=1001)), abs=1e-12)
     # relplot's grid is 1001 points for a bandwidth >= 0.01 (here 0.071)
     f, y = relplot.multiclass_logits_to_confidences(logits.double().numpy(), labels.numpy())
     assert streamed == pytest.approx(relplot.smECE(f, y), abs=1e-6)
@@ -76,16 +76,16 @@ def test_streaming_classwise_merges_states(synthetic):
     first.update(logits[:250], labels[:250])
     second.update(logits[250:], labels[250:])
     first.grid += second.grid  # what the "sum" reduction does across processes
-    assert float(first.compute()) == pytest.approx(float(smooth_ece(logits, labels, "classwise", grid_points=1001)), abs=1e-12)
+    assert float(first.compute()) == pytest.approx(float(smooth_calibration_error(logits, labels, "classwise", grid_points=1001)), abs=1e-12)
 
 
 def test_float32_float64_and_row_order_agree(synthetic):
     scores, y = synthetic(4, 2000, seed=2)
     logits, labels = torch.from_numpy(scores), torch.from_numpy(y)
-    reference = float(smooth_ece(logits, labels))
+    reference = float(smooth_calibration_error(logits, labels))
     permutation = torch.randperm(labels.shape[0])
-    assert float(smooth_ece(logits[permutation], labels[permutation])) == pytest.approx(reference, abs=1e-12)
-    assert float(smooth_ece(logits.float(), labels)) == pytest.approx(reference, abs=1e-6)
+    assert float(smooth_calibration_error(logits[permutation], labels[permutation])) == pytest.approx(reference, abs=1e-12)
+    assert float(smooth_calibration_error(logits.float(), labels)) == pytest.approx(reference, abs=1e-6)
 
 
 def test_curve_matches_relplot_kernel_smoother_and_band_brackets_it(real):
@@ -111,9 +111,9 @@ def test_curve_matches_relplot_kernel_smoother_and_band_brackets_it(real):
 def test_bad_input():
     logits, labels = torch.randn(10, 3), torch.randint(0, 3, (10,))
     with pytest.raises(ValueError, match="kind"):
-        smooth_ece(logits, labels, kind="class")
+        smooth_calibration_error(logits, labels, kind="class")
     with pytest.raises(ValueError, match="bandwidth"):
-        smooth_ece(logits, labels, bandwidth=0.0)
+        smooth_calibration_error(logits, labels, bandwidth=0.0)
     with pytest.raises(ValueError, match="grid_points"):
         SmoothCalibrationError(3, grid_points=2)
     with pytest.raises(ValueError, match="K = 2"):
@@ -123,12 +123,12 @@ def test_bad_input():
 def test_bootstrap_interval_of_smooth_ece(real):
     data = real("adrenalmnist3d_resnet50_ferrer")
     logits, labels = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
-    result = bootstrap(smooth_ece, logits, labels, num_replicates=30, kind="binary")
+    result = bootstrap(smooth_calibration_error, logits, labels, num_replicates=30, kind="binary")
     assert float(result.estimate) == pytest.approx(relplot.smECE(torch.softmax(logits.double(), 1)[:, 1].numpy(), data["labels"].astype(float)), abs=1e-6)
     assert float(result.lower) < float(result.estimate) < float(result.upper)
-    # the replicates are smooth_ece of the resampled rows (the bootstrap's general path)
+    # the replicates are smooth_calibration_error of the resampled rows (the bootstrap's general path)
     first = next(resample_indices(len(labels), 30, seed=0))[0]
-    assert float(result.replicates[0]) == pytest.approx(float(smooth_ece(logits[first], labels[first], kind="binary")), abs=1e-12)
+    assert float(result.replicates[0]) == pytest.approx(float(smooth_calibration_error(logits[first], labels[first], kind="binary")), abs=1e-12)
 
 
 def test_small_bandwidth_uses_relplots_finer_grid():
@@ -139,7 +139,7 @@ def test_small_bandwidth_uses_relplots_finer_grid():
     logits = torch.stack([(1 - q).log(), q.log()], 1)
     expected, width = relplot.smECE(q.numpy(), labels.numpy().astype(float), return_width=True)
     assert width < 0.01
-    assert float(smooth_ece(logits, labels, kind="binary")) == pytest.approx(expected, abs=1e-9)
+    assert float(smooth_calibration_error(logits, labels, kind="binary")) == pytest.approx(expected, abs=1e-9)
     # the streaming metric's fixed 1001-point grid rounds the scores more coarsely: close, not equal
     metric = SmoothCalibrationError(2, kind="binary")
     metric.update(logits, labels)

@@ -16,24 +16,25 @@ from torchcal.functional import (
     consistency_resampling_test,
     corp_decomposition,
     debiased_calibration_error,
+    detection_cost,
     equal_error_rate,
     expected_calibration_error,
     hosmer_lemeshow_test,
     kuiper_test,
     min_detection_cost,
     murphy_decomposition,
-    smooth_ece,
+    smooth_calibration_error,
     smooth_reliability_curve,
     spiegelhalter_test,
 )
-from torchcal.metrics import SmoothCalibrationError
+from torchcal.metrics import Cllr, DetectionCost, SmoothCalibrationError, SpiegelhalterTest
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")
 
 STATISTICS = {
-    "smooth_ece": smooth_ece,
-    "smooth_ece_classwise": partial(smooth_ece, kind="classwise"),
+    "smooth_ece": smooth_calibration_error,
+    "smooth_ece_classwise": partial(smooth_calibration_error, kind="classwise"),
     "debiased": debiased_calibration_error,
     "hosmer_lemeshow": lambda x, y: hosmer_lemeshow_test(x, y).statistic,
     "spiegelhalter": lambda x, y: spiegelhalter_test(x, y).statistic,
@@ -64,4 +65,14 @@ def test_detection_and_streaming_smooth_ece_on_the_gpu():
         torch.testing.assert_close(fn(logits.to(CUDA), labels.to(CUDA)).cpu(), fn(logits, labels), rtol=1e-9, atol=1e-12)
     metric = SmoothCalibrationError(10).to(CUDA)
     metric.update(scores.logits.to(CUDA), scores.labels.to(CUDA))
-    torch.testing.assert_close(metric.compute().cpu(), smooth_ece(scores.logits, scores.labels, grid_points=1001))
+    torch.testing.assert_close(metric.compute().cpu(), smooth_calibration_error(scores.logits, scores.labels, grid_points=1001))
+    priors = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    for streaming, fn in ((Cllr(priors), partial(cllr, priors=priors)), (Cllr(), cllr),
+                          (DetectionCost(0.3, priors=priors), partial(detection_cost, target_prior=0.3, priors=priors)),
+                          (SpiegelhalterTest(2, kind="binary"), lambda x, y: spiegelhalter_test(x, y, kind="binary").statistic)):
+        streaming = streaming.to(CUDA)
+        for part in torch.arange(labels.shape[0]).tensor_split(3):
+            streaming.update(logits[part].to(CUDA), labels[part].to(CUDA))
+        value = streaming.compute()
+        assert value.device.type == "cuda"
+        torch.testing.assert_close(value.cpu(), fn(logits, labels), rtol=1e-9, atol=1e-12)

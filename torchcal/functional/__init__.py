@@ -48,7 +48,7 @@ from torchcal.functional.scoring import (
     cross_entropy,
 )
 from torchcal.functional.selective import aurc, risk_coverage_curve
-from torchcal.functional.smooth_ece import smooth_ece, smooth_reliability_curve
+from torchcal.functional.smooth_ece import smooth_calibration_error, smooth_ece, smooth_reliability_curve
 
 __all__ = [
     "BootstrapResult",
@@ -91,6 +91,7 @@ __all__ = [
     "reliability_intervals",
     "risk_coverage_curve",
     "signed_calibration_error",
+    "smooth_calibration_error",
     "smooth_ece",
     "smooth_reliability_curve",
     "spiegelhalter_test",

@@ -56,7 +56,15 @@ from torchcal.functional.scoring import (
     naive_cross_entropy,
 )
 
-__all__ = ["BootstrapResult", "bootstrap", "resample_indices", "sum_decomposition", "sum_reduction"]
+__all__ = [
+    "BootstrapResult",
+    "bootstrap",
+    "float64_metric_value",
+    "metric_decomposition",
+    "resample_indices",
+    "sum_decomposition",
+    "sum_reduction",
+]
 
 #: Index elements generated per chunk of replicates (bounds the memory of the fast path).
 CHUNK_ELEMENTS = 1 << 22
@@ -97,11 +105,19 @@ def sum_decomposition(metric_fn: Callable[..., Any]) -> Callable[..., SumDecompo
     return _SUM_DECOMPOSITIONS.get(metric_fn)
 
 
-def _decomposition(
+def metric_decomposition(
     metric_fn: Callable[..., Any], metric_kwargs: dict[str, Any]
 ) -> Callable[..., SumDecomposition | BinDecomposition] | None:
-    """The function returning the decomposition of ``metric_fn`` called with ``metric_kwargs``, or
-    None when the bootstrap must recompute it on every resample."""
+    """The function returning the decomposition of ``metric_fn`` called with ``metric_kwargs`` (a
+    ``SumDecomposition``, or a ``BinDecomposition`` for equal-width ECE), or None when a resampling
+    method (the bootstrap, consistency resampling) must recompute the metric on every resample.
+
+    Example:
+        >>> metric_decomposition(expected_calibration_error, {"n_bins": 10}) is not None
+        True
+        >>> metric_decomposition(expected_calibration_error, {"strategy": "quantile"}) is None
+        True
+    """
     terms = sum_decomposition(metric_fn)
     if terms is not None:
         return terms
@@ -195,8 +211,13 @@ def _replicates(terms: SumDecomposition | BinDecomposition, num_replicates: int,
     return torch.cat(replicates)
 
 
-def _as_float64(value: Any) -> Tensor:
-    """A metric's value as a float64 tensor; tuples (e.g. ``CalibrationLossResult``) are stacked."""
+def float64_metric_value(value: Any) -> Tensor:
+    """A metric's value as a float64 tensor; tuples (e.g. ``CalibrationLossResult``) are stacked.
+
+    Example:
+        >>> float64_metric_value((torch.tensor(1.0), 2.0))
+        tensor([1., 2.], dtype=torch.float64)
+    """
     if isinstance(value, tuple):
         return torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in value])
     return torch.as_tensor(value, dtype=torch.float64)
@@ -253,7 +274,7 @@ def bootstrap(
     if stratify is None:
         stratify = _weighs_classes(metric_fn, metric_kwargs)
     strata = labels if stratify else None
-    terms = _decomposition(metric_fn, metric_kwargs) if calibrator is None else None
+    terms = metric_decomposition(metric_fn, metric_kwargs) if calibrator is None else None
     if terms is not None:
         decomposition = terms(logits, labels, **metric_kwargs)
         estimate = decomposition.evaluate()
@@ -262,7 +283,7 @@ def bootstrap(
 
         def call(x: Tensor, y: Tensor) -> Tensor:
             extra = {} if calibrator is None else {"calibrator": copy.deepcopy(calibrator)}
-            return _as_float64(metric_fn(x, y, **metric_kwargs, **extra))
+            return float64_metric_value(metric_fn(x, y, **metric_kwargs, **extra))
 
         estimate = call(logits, labels)
         replicates = torch.stack(

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from torchcal._validation import check_logits_and_labels
-from torchcal.functional.diagnostics import _check_n_bins, bin_indices, binning_scores, quantile_edges
+from torchcal.functional.diagnostics import bin_indices, binning_scores, check_n_bins, quantile_edges
 from torchcal.functional.scoring import to_log_probs
 
 __all__ = [
@@ -37,7 +37,9 @@ __all__ = [
     "hosmer_lemeshow_test",
     "kolmogorov_smirnov_test",
     "kuiper_test",
+    "spiegelhalter_sums",
     "spiegelhalter_test",
+    "spiegelhalter_test_from_sums",
 ]
 
 #: Relative accuracy the series of the Brownian-motion distributions are truncated at.
@@ -60,12 +62,17 @@ def _binary_problem(logits: Tensor, labels: Tensor, kind: str) -> tuple[Tensor, 
     logits, labels = check_logits_and_labels(logits, labels)
     scores, targets = binning_scores(to_log_probs(logits), labels, kind)  # type: ignore[arg-type]
     scores = scores[:, 0].to(torch.float64)
-    if not bool((scores * (1 - scores)).sum() > 0):
+    _check_variance((scores * (1 - scores)).sum())
+    return scores, targets[:, 0].to(torch.float64)
+
+
+def _check_variance(variance: Tensor) -> None:
+    """``ValueError`` unless the targets' variance under calibration, ``sum_i s_i (1 - s_i)``, is positive."""
+    if not bool(variance > 0):
         raise ValueError(
             "every score is exactly 0 or 1, so the targets have no variance under calibration and the test is "
             "undefined; such posteriors are calibrated only if every target matches its score (check the logits' scale)."
         )
-    return scores, targets[:, 0].to(torch.float64)
 
 
 def hosmer_lemeshow_test(
@@ -92,7 +99,7 @@ def hosmer_lemeshow_test(
         >>> round(float(result.statistic), 4), round(float(result.p_value), 4)
         (14.0769, 0.0071)
     """
-    _check_n_bins(n_groups)
+    check_n_bins(n_groups)
     if degrees_of_freedom not in ("fitted", "external"):
         raise ValueError(f'degrees_of_freedom must be "fitted" or "external", got {degrees_of_freedom!r}.')
     logits, labels = check_logits_and_labels(logits, labels)
@@ -117,6 +124,41 @@ def _chi2_sf(x: Tensor, df: int) -> Tensor:
     return torch.special.gammaincc(x.new_tensor(df / 2), x / 2)
 
 
+def spiegelhalter_sums(scores: Tensor, targets: Tensor) -> Tensor:
+    """The sums Spiegelhalter's Z is made of, (3,) float64: ``sum_i (y_i - s_i)(1 - 2 s_i)``,
+    ``sum_i (1 - 2 s_i)^2 s_i (1 - s_i)`` and ``sum_i s_i (1 - s_i)`` of scores and targets (N,).
+
+    Example:
+        >>> spiegelhalter_sums(torch.tensor([0.25, 0.5], dtype=torch.float64), torch.tensor([1.0, 0.0], dtype=torch.float64))
+        tensor([0.3750, 0.0469, 0.4375], dtype=torch.float64)
+    """
+    scores, targets = scores.to(torch.float64), targets.to(torch.float64)
+    slope, variance = 1 - 2 * scores, scores * (1 - scores)
+    return torch.stack([((targets - scores) * slope).sum(), (slope.square() * variance).sum(), variance.sum()])
+
+
+def spiegelhalter_test_from_sums(sums: Tensor, alternative: Alternative = "two-sided") -> CalibrationTestResult:
+    """Spiegelhalter's Z and its p-value from the (3,) ``spiegelhalter_sums`` (summed over batches).
+
+    Example:
+        >>> result = spiegelhalter_test_from_sums(torch.tensor([0.3, 0.09, 0.5], dtype=torch.float64))
+        >>> round(float(result.statistic), 4), round(float(result.p_value), 4)
+        (1.0, 0.3173)
+    """
+    if alternative not in ("two-sided", "greater", "less"):
+        raise ValueError(f'alternative must be "two-sided", "greater" or "less", got {alternative!r}.')
+    _check_variance(sums[2])
+    statistic = sums[0] / sums[1].sqrt()
+    normal = torch.distributions.Normal(statistic.new_tensor(0.0), statistic.new_tensor(1.0))
+    if alternative == "two-sided":
+        p_value = 2 * normal.cdf(-statistic.abs())
+    elif alternative == "greater":
+        p_value = normal.cdf(-statistic)
+    else:
+        p_value = normal.cdf(statistic)
+    return CalibrationTestResult(statistic, p_value)
+
+
 def spiegelhalter_test(
     logits: Tensor, labels: Tensor, kind: Literal["top-label", "binary"] = "top-label", alternative: Alternative = "two-sided"
 ) -> CalibrationTestResult:
@@ -124,6 +166,7 @@ def spiegelhalter_test(
 
     Z is the standardised Brier score, asymptotically standard normal under H0. ``alternative``:
     ``"two-sided"`` (default), ``"greater"`` (p = P(N(0,1) >= Z), MAPIE's p-value) or ``"less"``.
+    Z is a function of sums, so it also streams: ``metrics.SpiegelhalterTest``.
 
     Example:
         >>> probs = torch.tensor([[.9, .1], [.8, .2], [.3, .7], [.4, .6]])
@@ -131,19 +174,7 @@ def spiegelhalter_test(
         >>> round(float(result.statistic), 4), round(float(result.p_value), 4)
         (1.005, 0.3149)
     """
-    scores, targets = _binary_problem(logits, labels, kind)
-    slope = 1 - 2 * scores
-    statistic = ((targets - scores) * slope).sum() / (slope.square() * scores * (1 - scores)).sum().sqrt()
-    normal = torch.distributions.Normal(statistic.new_tensor(0.0), statistic.new_tensor(1.0))
-    if alternative == "two-sided":
-        p_value = 2 * normal.cdf(-statistic.abs())
-    elif alternative == "greater":
-        p_value = normal.cdf(-statistic)
-    elif alternative == "less":
-        p_value = normal.cdf(statistic)
-    else:
-        raise ValueError(f'alternative must be "two-sided", "greater" or "less", got {alternative!r}.')
-    return CalibrationTestResult(statistic, p_value)
+    return spiegelhalter_test_from_sums(spiegelhalter_sums(*_binary_problem(logits, labels, kind)), alternative)
 
 
 def cumulative_differences(scores: Tensor, targets: Tensor) -> Tensor:

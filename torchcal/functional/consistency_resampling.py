@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from torchcal._validation import check_logits_and_labels
-from torchcal.functional.bootstrap import CHUNK_ELEMENTS, _as_float64, _decomposition
-from torchcal.functional.diagnostics import BinDecomposition, _sums_by_key
+from torchcal.functional.bootstrap import CHUNK_ELEMENTS, float64_metric_value, metric_decomposition
+from torchcal.functional.diagnostics import BinDecomposition, sums_by_key
 from torchcal.functional.scoring import SumDecomposition, to_log_probs
 
 __all__ = ["ResamplingTestResult", "consistency_resampling_test", "resample_labels"]
@@ -68,7 +68,7 @@ def consistency_resampling_test(
 
     Args:
         metric_fn: ``metric_fn(logits, labels, **metric_kwargs)`` returning a scalar where larger
-            means less calibrated (an ECE, ``cross_entropy``, ``brier_score``, ``smooth_ece``...).
+            means less calibrated (an ECE, ``cross_entropy``, ``brier_score``, ``smooth_calibration_error``...).
         logits: (N, K) scores; any unnormalised log-posteriors. They are the null's posteriors.
         labels: (N,) the observed class indices.
         num_resamples: L.
@@ -90,15 +90,15 @@ def consistency_resampling_test(
         raise ValueError(f"num_resamples must be a positive integer, got {num_resamples!r}.")
     logits, labels = check_logits_and_labels(logits, labels)
     log_probs = to_log_probs(logits)
-    terms = _decomposition(metric_fn, metric_kwargs)
+    terms = metric_decomposition(metric_fn, metric_kwargs)
     if terms is not None:
         statistic = terms(logits, labels, **metric_kwargs).evaluate()
         null = _vectorised_null(terms, logits, log_probs, num_resamples, seed, metric_kwargs)
     else:
-        statistic = _as_float64(metric_fn(logits, labels, **metric_kwargs))
+        statistic = float64_metric_value(metric_fn(logits, labels, **metric_kwargs))
         null = torch.stack(
             [
-                _as_float64(metric_fn(logits, drawn, **metric_kwargs))
+                float64_metric_value(metric_fn(logits, drawn, **metric_kwargs))
                 for chunk in resample_labels(log_probs, num_resamples, seed)
                 for drawn in chunk
             ]
@@ -127,7 +127,7 @@ def _vectorised_null(
         num_columns, n_bins = table.shape
         width = num_columns
         keys = table.keys[rows]  # the bins do not depend on the label
-        counts, score_sums, _ = _sums_by_key(keys, table.scores[rows], table.targets[rows], num_columns * n_bins)
+        counts, score_sums, _ = sums_by_key(keys, table.scores[rows], table.targets[rows], num_columns * n_bins)
     replicates = []
     for drawn in resample_labels(log_probs, num_resamples, seed, max(1, CHUNK_ELEMENTS // (n * width))):
         picked = rows + drawn  # (b, N) rows of the table

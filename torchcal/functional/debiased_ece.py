@@ -25,11 +25,11 @@ from torch import Tensor
 
 from torchcal.functional.diagnostics import (
     Strategy,
-    _binned,
-    _check_calibration_error_kind,
-    _check_n_bins,
     bin_statistics,
+    binned_scores,
     calibration_error_from_bins,
+    check_calibration_error_kind,
+    check_n_bins,
     quantile_edges,
 )
 
@@ -98,9 +98,10 @@ def debiased_calibration_error(
         >>> bool(debiased_calibration_error(logits, labels) < 0.05 < debiased_calibration_error(3 * logits, labels))
         True
     """
-    _check_calibration_error_kind(kind)
-    _, _, scores, targets, edges = _binned(logits, labels, n_bins, strategy, kind)
-    return debiased_calibration_error_from_bins(*bin_statistics(scores, targets, edges), reduction=reduction)
+    check_calibration_error_kind(kind)
+    binned = binned_scores(logits, labels, n_bins, strategy, kind)
+    statistics = bin_statistics(binned.scores, binned.targets, binned.edges, binned.tolerance)
+    return debiased_calibration_error_from_bins(*statistics, reduction=reduction)
 
 
 def sweep_n_bins(scores: Tensor, targets: Tensor, max_bins: int | None = None) -> int:
@@ -143,12 +144,12 @@ def sweep_calibration_error(
         >>> round(float(sweep_calibration_error(probs.log(), torch.tensor([0, 0, 1, 0, 1, 1, 0, 1]), kind="binary")), 6)
         0.11547
     """
-    _check_calibration_error_kind(kind)
+    check_calibration_error_kind(kind)
     if norm not in ("l1", "l2"):
         raise ValueError(f'norm must be "l1" or "l2", got {norm!r}.')
     if max_bins is not None:
-        _check_n_bins(max_bins)
-    _, _, scores, targets, _ = _binned(logits, labels, 1, "uniform", kind)
+        check_n_bins(max_bins)
+    _, _, scores, targets, _, _ = binned_scores(logits, labels, 1, "uniform", kind)
     per_column = []
     for column, target in zip(scores.T, targets.T):
         n_bins = sweep_n_bins(column, target, max_bins)

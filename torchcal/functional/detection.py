@@ -20,6 +20,11 @@ given, the convention of the rest of torchcal). With ``Pmiss(theta)`` the fracti
   the effective prior (its log-odds ``t = logit(P_eff)``).
 - ``det_curve``: ``(Pfa, Pmiss)`` at every threshold, for DET plots on probit axes.
 
+Cllr and the actual DCF are prior-weighted means of a per-sample value of the LLR (``cllr_per_sample``,
+a false alarm or a miss), so they also stream as ``metrics.Cllr`` and ``metrics.DetectionCost``
+from per-class sums (``cllr_from_class_sums``, ``detection_cost_from_class_sums``). minCllr, the
+EER, the minimum DCF and the DET curve need every score at once.
+
 The PAV and the sorting run on the CPU (NumPy) where noted; results return to the logits' device.
 """
 
@@ -34,13 +39,17 @@ from torch import Tensor
 
 from torchcal._validation import check_logits_and_labels, check_priors
 from torchcal.functional.isotonic import pool_adjacent_violators
-from torchcal.functional.scoring import class_frequencies, to_log_probs
+from torchcal.functional.scoring import class_frequencies, class_sums, to_log_probs
 
 __all__ = [
     "DetectionCurve",
+    "bayes_threshold",
     "cllr",
+    "cllr_from_class_sums",
+    "cllr_per_sample",
     "det_curve",
     "detection_cost",
+    "detection_cost_from_class_sums",
     "equal_error_rate",
     "log_likelihood_ratios",
     "min_cllr",
@@ -56,13 +65,18 @@ class DetectionCurve(NamedTuple):
     miss: Tensor
 
 
+def _check_both_classes(counts: Tensor) -> None:
+    """``ValueError`` unless the (2,) class counts are both positive."""
+    if not bool((counts > 0).all()):
+        raise ValueError("detection metrics need both target (label 1) and non-target (label 0) samples.")
+
+
 def _binary(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     logits, labels = check_logits_and_labels(logits, labels)
     if logits.shape[1] != 2:
         raise ValueError(f"detection metrics need K = 2 classes (class 1 the target), got K = {logits.shape[1]}.")
     is_target = labels == 1
-    if bool(is_target.all()) or not bool(is_target.any()):
-        raise ValueError("detection metrics need both target (label 1) and non-target (label 0) samples.")
+    _check_both_classes(torch.stack([(~is_target).sum(), is_target.sum()]))
     return logits, labels
 
 
@@ -80,13 +94,29 @@ def log_likelihood_ratios(logits: Tensor, labels: Tensor, priors: Tensor | None 
     return log_probs[:, 1] - log_probs[:, 0] - (p[1].log() - p[0].log())
 
 
-def _cllr_of(llr: Tensor, is_target: Tensor) -> Tensor:
-    softplus = torch.nn.functional.softplus
-    return (softplus(-llr[is_target]).mean() + softplus(llr[~is_target]).mean()) / (2 * math.log(2))
+def cllr_per_sample(llr: Tensor, labels: Tensor) -> Tensor:
+    """Each sample's cost in nats, ``log(1 + e^-llr)`` for targets and ``log(1 + e^llr)`` for non-targets; (N,)."""
+    return torch.nn.functional.softplus(torch.where(labels == 1, -llr, llr))
+
+
+def cllr_from_class_sums(sums: Tensor, counts: Tensor) -> Tensor:
+    """Cllr in bits from per-class sums of ``cllr_per_sample`` and class counts, (2,) each: the
+    mean of the two class means (flat priors), over ``log 2``.
+
+    Example:
+        >>> cllr_from_class_sums(torch.tensor([2.0, 6.0]) * math.log(2), torch.tensor([2.0, 3.0]))
+        tensor(1.5000)
+    """
+    _check_both_classes(counts)
+    return (sums / counts).mean() / math.log(2)
 
 
 def cllr(logits: Tensor, labels: Tensor, priors: Tensor | None = None) -> Tensor:
     """Cllr in bits (Brümmer & du Preez 2006) of the LLRs of ``log_likelihood_ratios``.
+
+    Args:
+        logits: (N, 2) scores; class 1 is the target. labels: (N,) 0/1.
+        priors: the priors the posteriors assume (for the LLRs); the class frequencies by default.
 
     Example:
         >>> probs = torch.tensor([[.8, .2], [.3, .7], [.6, .4], [.1, .9]], dtype=torch.float64)
@@ -94,7 +124,8 @@ def cllr(logits: Tensor, labels: Tensor, priors: Tensor | None = None) -> Tensor
         0.7356
     """
     llr = log_likelihood_ratios(logits, labels, priors)
-    return _cllr_of(llr, labels.to(llr.device) == 1)
+    labels = labels.to(llr.device)
+    return cllr_from_class_sums(*class_sums(cllr_per_sample(llr, labels), labels, 2))
 
 
 def _pav_blocks(scores: Tensor, is_target: Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -126,7 +157,8 @@ def min_cllr(logits: Tensor, labels: Tensor) -> Tensor:
     fitted = torch.from_numpy(_pav_blocks(llr, is_target)[0]).to(llr.device)
     prior = is_target.to(torch.float64).mean()
     optimal = fitted.log() - (-fitted).log1p() - (prior.log() - (-prior).log1p())
-    return _cllr_of(optimal, is_target)
+    labels = is_target.long()
+    return cllr_from_class_sums(*class_sums(cllr_per_sample(optimal, labels), labels, 2))
 
 
 def roc_convex_hull(logits: Tensor, labels: Tensor) -> DetectionCurve:
@@ -198,6 +230,31 @@ def _dcf(miss: Tensor, false_alarm: Tensor, target_prior: float, cost_miss: floa
     return cost / min(cost_miss * target_prior, cost_false_alarm * (1 - target_prior)) if normalize else cost
 
 
+def bayes_threshold(target_prior: float, cost_miss: float, cost_false_alarm: float) -> float:
+    """The LLR above which the Bayes decision accepts: ``log(C_fa (1 - P_tar) / (C_miss P_tar))``."""
+    _check_operating_point(target_prior, cost_miss, cost_false_alarm)
+    return math.log(cost_false_alarm * (1 - target_prior) / (cost_miss * target_prior))
+
+
+def detection_cost_from_class_sums(
+    errors: Tensor,
+    counts: Tensor,
+    target_prior: float = 0.5,
+    cost_miss: float = 1.0,
+    cost_false_alarm: float = 1.0,
+    normalize: bool = True,
+) -> Tensor:
+    """Actual DCF from per-class error counts ``[false alarms, misses]`` and class counts, (2,) each.
+
+    Example:
+        >>> float(detection_cost_from_class_sums(torch.tensor([1.0, 0.0]), torch.tensor([4.0, 2.0])))
+        0.25
+    """
+    _check_both_classes(counts)
+    false_alarm, miss = errors / counts
+    return _dcf(miss, false_alarm, target_prior, cost_miss, cost_false_alarm, normalize)
+
+
 def detection_cost(
     logits: Tensor,
     labels: Tensor,
@@ -220,13 +277,11 @@ def detection_cost(
         >>> round(float(detection_cost(probs.log(), torch.tensor([0, 1, 1, 1]), target_prior=0.75)), 4)
         1.0
     """
-    _check_operating_point(target_prior, cost_miss, cost_false_alarm)
+    threshold = bayes_threshold(target_prior, cost_miss, cost_false_alarm)
     llr = log_likelihood_ratios(logits, labels, priors)
-    is_target = labels.to(llr.device) == 1
-    accept = llr > math.log(cost_false_alarm * (1 - target_prior) / (cost_miss * target_prior))
-    miss = (~accept[is_target]).to(torch.float64).mean()
-    false_alarm = accept[~is_target].to(torch.float64).mean()
-    return _dcf(miss, false_alarm, target_prior, cost_miss, cost_false_alarm, normalize)
+    labels = labels.to(llr.device)
+    errors, counts = class_sums((llr > threshold) != (labels == 1), labels, 2)
+    return detection_cost_from_class_sums(errors, counts, target_prior, cost_miss, cost_false_alarm, normalize)
 
 
 def min_detection_cost(

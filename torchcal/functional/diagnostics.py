@@ -35,12 +35,16 @@ from torchcal.functional.scoring import to_log_probs
 
 __all__ = [
     "BinDecomposition",
+    "BinnedScores",
     "ReliabilityBins",
     "bin_indices",
     "bin_statistics",
+    "binned_scores",
     "binning_scores",
     "calibration_error_from_bins",
     "calibration_error_terms",
+    "check_calibration_error_kind",
+    "check_n_bins",
     "ecd_per_sample",
     "edge_tolerance",
     "entropic_calibration_difference",
@@ -49,6 +53,7 @@ __all__ = [
     "reliability_bins",
     "reliability_bins_from_sums",
     "signed_calibration_error",
+    "sums_by_key",
     "uniform_bin_indices",
     "uniform_edges",
 ]
@@ -126,7 +131,7 @@ def uniform_edges(n_bins: int) -> Tensor:
         >>> uniform_edges(4)
         tensor([0.0000, 0.2500, 0.5000, 0.7500, 1.0000], dtype=torch.float64)
     """
-    _check_n_bins(n_bins)
+    check_n_bins(n_bins)
     return torch.arange(n_bins + 1, dtype=torch.float64) / n_bins
 
 
@@ -140,7 +145,7 @@ def quantile_edges(scores: Tensor, n_bins: int) -> Tensor:
         >>> quantile_edges(torch.tensor([[0.1], [0.2], [0.4], [0.9]]), 2)
         tensor([[0.0000, 0.3000, 1.0000]], dtype=torch.float64)
     """
-    _check_n_bins(n_bins)
+    check_n_bins(n_bins)
     ordered = scores.to(torch.float64).sort(dim=0).values
     position = torch.arange(n_bins + 1, dtype=torch.float64, device=scores.device) * (scores.shape[0] - 1) / n_bins
     lower = position.floor().long()
@@ -227,7 +232,7 @@ def bin_statistics(
     else:
         n_bins, index = edges.shape[-1] - 1, bin_indices(scores, edges, tolerance)
     num_columns = scores.shape[1]
-    sums = _sums_by_key(_bin_keys(index, n_bins), scores, targets, num_columns * n_bins)
+    sums = sums_by_key(_bin_keys(index, n_bins), scores, targets, num_columns * n_bins)
     return tuple(x.reshape(num_columns, n_bins) for x in sums)
 
 
@@ -236,7 +241,7 @@ def _bin_keys(index: Tensor, n_bins: int) -> Tensor:
     return index + n_bins * torch.arange(index.shape[1], device=index.device)
 
 
-def _sums_by_key(keys: Tensor, scores: Tensor, targets: Tensor, num_keys: int) -> Tensor:
+def sums_by_key(keys: Tensor, scores: Tensor, targets: Tensor, num_keys: int) -> Tensor:
     """Counts and sums of ``scores`` and ``targets`` (N, C) per key in [0, num_keys): (3, num_keys)."""
     flat = keys.flatten()
     # index_add_ rather than bincount, which reads the largest index back to the host on a GPU
@@ -261,7 +266,7 @@ class BinDecomposition(NamedTuple):
     reduce: Callable[[Tensor, Tensor, Tensor], Tensor]  # three (..., C, M) sums -> (...)
 
     def evaluate(self) -> Tensor:
-        sums = _sums_by_key(self.keys, self.scores, self.targets, self.shape[0] * self.shape[1])
+        sums = sums_by_key(self.keys, self.scores, self.targets, self.shape[0] * self.shape[1])
         return self.reduce(*sums.reshape(3, *self.shape))
 
 
@@ -288,8 +293,8 @@ def calibration_error_terms(
             f'only strategy="uniform" has a BinDecomposition (equal-mass edges depend on the whole '
             f"sample), got {strategy!r}."
         )
-    _check_calibration_error_kind(kind)
-    _, _, scores, targets, edges, tolerance = _binned(logits, labels, n_bins, "uniform", kind)
+    check_calibration_error_kind(kind)
+    _, _, scores, targets, edges, tolerance = binned_scores(logits, labels, n_bins, "uniform", kind)
     return BinDecomposition(
         _bin_keys(bin_indices(scores, edges, tolerance), n_bins),
         scores,
@@ -339,12 +344,12 @@ def calibration_error_from_bins(
     raise ValueError(f'reduction must be "mean", "sum", "max" or "none", got {reduction!r}.')
 
 
-def _check_calibration_error_kind(kind: str) -> None:
+def check_calibration_error_kind(kind: str) -> None:
     if kind not in ("top-label", "binary", "classwise"):
         raise ValueError(f'kind must be "top-label", "binary" or "classwise", got {kind!r}.')
 
 
-def _check_n_bins(n_bins: int) -> None:
+def check_n_bins(n_bins: int) -> None:
     if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
         raise ValueError(f"n_bins must be a positive integer, got {n_bins!r}.")
 
@@ -357,18 +362,36 @@ def _edges(scores: Tensor, n_bins: int, strategy: Strategy) -> Tensor:
     raise ValueError(f'strategy must be "uniform" or "quantile", got {strategy!r}.')
 
 
-def _binned(
+class BinnedScores(NamedTuple):
+    """The validated inputs of a binned statistic (``binned_scores``)."""
+
+    log_probs: Tensor  # (N, K) float64 normalised log-posteriors
+    labels: Tensor  # (N,) int64
+    scores: Tensor  # (N, C) float64 binning scores
+    targets: Tensor  # (N, C) bool
+    edges: Tensor  # (M + 1,) or (C, M + 1)
+    tolerance: float  # for bin_indices / bin_statistics with these edges
+
+
+def binned_scores(
     logits: Tensor, labels: Tensor, n_bins: int, strategy: Strategy, kind: Kind, class_index: int | None = None
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, float]:
+) -> BinnedScores:
     """Validate, then return log-posteriors, labels, binning scores and targets, the edges, and
     their tolerance: that of the logits' precision for the fixed equal-width edges (the scores are
-    float64 whatever it is), ``EDGE_TOLERANCE`` for equal-mass edges taken from the scores."""
+    float64 whatever it is), ``EDGE_TOLERANCE`` for equal-mass edges taken from the scores.
+
+    Example:
+        >>> probs = torch.tensor([[.9, .1], [.4, .6]], dtype=torch.float64)
+        >>> binned = binned_scores(probs.log(), torch.tensor([0, 0]), 2, "uniform", "binary")
+        >>> binned.scores.flatten().round(decimals=6).tolist(), binned.edges.tolist()
+        ([0.1, 0.6], [0.0, 0.5, 1.0])
+    """
     logits, labels = check_logits_and_labels(logits, labels)
     log_probs = to_log_probs(logits)
     scores, targets = binning_scores(log_probs, labels, kind, class_index)
     edges = _edges(scores, n_bins, strategy)
     tolerance = edge_tolerance(logits.dtype) if strategy == "uniform" else EDGE_TOLERANCE
-    return log_probs, labels, scores, targets, edges, tolerance
+    return BinnedScores(log_probs, labels, scores, targets, edges, tolerance)
 
 
 def reliability_bins(
@@ -399,7 +422,7 @@ def reliability_bins(
     """
     if kind == "classwise":
         raise ValueError('reliability_bins describes one binary problem: use kind="class" with a class_index.')
-    _, _, scores, targets, edges, tolerance = _binned(logits, labels, n_bins, strategy, kind, class_index)
+    _, _, scores, targets, edges, tolerance = binned_scores(logits, labels, n_bins, strategy, kind, class_index)
     counts, score_sums, target_sums = (x[0] for x in bin_statistics(scores, targets, edges, tolerance))
     return reliability_bins_from_sums(edges.reshape(-1, n_bins + 1)[0], counts, score_sums, target_sums)
 
@@ -451,8 +474,8 @@ def expected_calibration_error(
         >>> round(float(expected_calibration_error(probs.log(), labels, n_bins=10, norm="max")), 6)
         0.8
     """
-    _check_calibration_error_kind(kind)
-    _, _, scores, targets, edges, tolerance = _binned(logits, labels, n_bins, strategy, kind)
+    check_calibration_error_kind(kind)
+    _, _, scores, targets, edges, tolerance = binned_scores(logits, labels, n_bins, strategy, kind)
     return calibration_error_from_bins(*bin_statistics(scores, targets, edges, tolerance), norm=norm, reduction=reduction)
 
 
@@ -531,7 +554,7 @@ def entropic_calibration_difference(
         return ecd_per_sample(to_log_probs(logits), labels).mean()
     if kind not in ("top-label", "binary"):
         raise ValueError(f'kind must be "top-label" or "binary", got {kind!r}.')
-    log_probs, labels, scores, _, edges, tolerance = _binned(logits, labels, n_bins, strategy, kind)
+    log_probs, labels, scores, _, edges, tolerance = binned_scores(logits, labels, n_bins, strategy, kind)
     index = bin_indices(scores, edges, tolerance).squeeze(1)
     sums = torch.bincount(index, weights=ecd_per_sample(log_probs, labels), minlength=n_bins)
     return sums / torch.bincount(index, minlength=n_bins).clamp_min(1)

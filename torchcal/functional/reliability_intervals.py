@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from torchcal.functional.bootstrap import resample_indices
-from torchcal.functional.diagnostics import ReliabilityBins, Strategy, _binned, bin_indices
+from torchcal.functional.diagnostics import ReliabilityBins, Strategy, bin_indices, binned_scores
 
 __all__ = ["BinIntervals", "binomial_interval", "consistency_bands", "reliability_intervals"]
 
@@ -118,9 +118,9 @@ def consistency_bands(
     _check_confidence(confidence)
     if kind == "classwise":
         raise ValueError('consistency_bands describes one binary problem: use kind="class" with a class_index.')
-    _, _, scores, _, edges = _binned(logits, labels, n_bins, strategy, kind, class_index)
-    scores = scores[:, 0]
-    index = bin_indices(scores.unsqueeze(1), edges.reshape(-1, n_bins + 1)[:1])[:, 0]
+    binned = binned_scores(logits, labels, n_bins, strategy, kind, class_index)
+    scores = binned.scores[:, 0]
+    index = bin_indices(binned.scores, binned.edges.reshape(-1, n_bins + 1)[:1], binned.tolerance)[:, 0]
     counts = torch.zeros(n_bins, dtype=torch.float64, device=scores.device).index_add_(0, index, torch.ones_like(scores))
     observed_mean = torch.zeros_like(counts).index_add_(0, index, scores) / counts.clamp_min(1)
     generator = torch.Generator().manual_seed(seed)

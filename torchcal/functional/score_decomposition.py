@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from torchcal._validation import check_logits_and_labels
-from torchcal.functional.diagnostics import Strategy, _binned, bin_statistics, binning_scores
+from torchcal.functional.diagnostics import Strategy, bin_statistics, binned_scores, binning_scores
 from torchcal.functional.isotonic import pool_adjacent_violators
 from torchcal.functional.scoring import to_log_probs
 
@@ -178,5 +178,5 @@ def murphy_decomposition(
     """
     if kind not in ("top-label", "binary", "classwise"):
         raise ValueError(f'kind must be "top-label", "binary" or "classwise", got {kind!r}.')
-    _, _, scores, targets, edges = _binned(logits, labels, n_bins, strategy, kind)
-    return murphy_from_bins(*bin_statistics(scores, targets, edges))
+    binned = binned_scores(logits, labels, n_bins, strategy, kind)
+    return murphy_from_bins(*bin_statistics(binned.scores, binned.targets, binned.edges, binned.tolerance))

@@ -4,7 +4,9 @@ For one binary problem with scores ``f`` in [0, 1] and 0/1 targets ``y``, the sm
 bandwidth sigma is ``sum_t |r(t)| d(t) / sum_t d(t)`` over a mesh t of [0, 1], where ``d`` is the
 kernel density of the scores and ``r`` the kernel regression of the residuals ``f - y`` on them,
 with a Gaussian kernel reflected at 0 and 1. The automatic bandwidth is the fixed point
-``sigma = smECE(sigma)`` found by bisection.
+``sigma = smECE(sigma)`` found by bisection. ``smooth_calibration_error`` computes it (named like
+``expected_calibration_error`` and its class ``metrics.SmoothCalibrationError``; ``smooth_ece`` is
+an alias).
 
 The computation follows the ``relplot`` package step by step, so that the two agree to round-off:
 each sample's weight is split linearly between the two nearest points of a grid of G points on
@@ -33,6 +35,7 @@ __all__ = [
     "SmoothReliabilityCurve",
     "grid_points_for_bandwidth",
     "round_to_grid",
+    "smooth_calibration_error",
     "smooth_ece",
     "smooth_ece_bandwidth",
     "smooth_ece_from_grid",
@@ -206,7 +209,7 @@ def _per_column(
     return results
 
 
-def smooth_ece(
+def smooth_calibration_error(
     logits: Tensor,
     labels: Tensor,
     kind: SmoothKind = "top-label",
@@ -230,15 +233,19 @@ def smooth_ece(
     Example:
         >>> import torch
         >>> probs = torch.tensor([[.9, .1], [.8, .2], [.4, .6], [.3, .7]], dtype=torch.float64)
-        >>> round(float(smooth_ece(probs.log(), torch.tensor([0, 1, 1, 0]))), 6)
+        >>> round(float(smooth_calibration_error(probs.log(), torch.tensor([0, 1, 1, 0]))), 6)
         0.257774
     """
     results = _per_column(logits, labels, kind, bandwidth, grid_points)
     return torch.stack([value for value, _ in results]).mean()
 
 
+#: The paper's name, kept as an alias.
+smooth_ece = smooth_calibration_error
+
+
 def smooth_ece_bandwidth(logits: Tensor, labels: Tensor, kind: SmoothKind = "top-label") -> Tensor:
-    """The automatic bandwidths (C,) of ``smooth_ece`` (C = K for ``"classwise"``, else 1).
+    """The automatic bandwidths (C,) of ``smooth_calibration_error`` (C = K for ``"classwise"``, else 1).
 
     Example:
         >>> probs = torch.tensor([[.9, .1], [.8, .2], [.4, .6], [.3, .7]], dtype=torch.float64)

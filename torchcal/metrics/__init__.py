@@ -1,7 +1,8 @@
 """torchmetrics ``Metric`` classes: streaming, mergeable versions of ``torchcal.functional``.
 
 Every class is named after its functional twin (``ExpectedCalibrationError`` /
-``expected_calibration_error``) and behaves as a torchmetrics citizen: ``compute()`` returns one
+``expected_calibration_error``; the former names ``CalibrationError``, ``ECD`` and
+``BrierDecomposition`` are aliases) and behaves as a torchmetrics citizen: ``compute()`` returns one
 float64 tensor (a scalar, or per-class values where asked), so it works with ``self.log``,
 ``MetricCollection`` (and its compute groups), ``BootStrapper``, ``MetricTracker``,
 ``ClasswiseWrapper`` and ``MultitaskWrapper``; ``plot(val=None, ax=None)`` plots a value.
@@ -19,8 +20,10 @@ Inputs, the same for every class (``torchcal.metrics._common``):
 """
 
 from torchcal.metrics.calibration_loss import CalibrationLoss
+from torchcal.metrics.calibration_tests import SpiegelhalterTest
 from torchcal.metrics.debiased_ece import DebiasedCalibrationError
 from torchcal.metrics.decisions import BalancedErrorRate, BayesRisk, ErrorRate, ExpectedCost
+from torchcal.metrics.detection import Cllr, DetectionCost
 from torchcal.metrics.diagnostics import (
     ECD,
     CalibrationError,
@@ -30,7 +33,7 @@ from torchcal.metrics.diagnostics import (
 )
 from torchcal.metrics.fused import PosteriorQuality, PosteriorStatistic
 from torchcal.metrics.refinement import RefinementLoss
-from torchcal.metrics.score_decomposition import BrierDecomposition
+from torchcal.metrics.score_decomposition import BrierDecomposition, MurphyDecomposition
 from torchcal.metrics.scoring import BrierScore, CrossEntropy
 from torchcal.metrics.smooth_ece import SmoothCalibrationError
 
@@ -42,15 +45,19 @@ __all__ = [
     "BrierScore",
     "CalibrationError",
     "CalibrationLoss",
+    "Cllr",
     "CrossEntropy",
     "DebiasedCalibrationError",
+    "DetectionCost",
     "EntropicCalibrationDifference",
     "ErrorRate",
     "ExpectedCalibrationError",
     "ExpectedCost",
+    "MurphyDecomposition",
     "PosteriorQuality",
     "PosteriorStatistic",
     "RefinementLoss",
     "SignedCalibrationError",
     "SmoothCalibrationError",
+    "SpiegelhalterTest",
 ]

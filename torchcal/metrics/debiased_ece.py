@@ -7,11 +7,12 @@ With equal-width bins the state is the per-bin sums (sum-reducible); with equal-
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from torch import Tensor
 
-from torchcal.functional.debiased_ece import debiased_calibration_error_from_bins
+from torchcal.functional.debiased_ece import Reduction, debiased_calibration_error_from_bins
+from torchcal.functional.diagnostics import Strategy
 from torchcal.metrics.diagnostics import CalibrationError
 
 __all__ = ["DebiasedCalibrationError"]
@@ -26,6 +27,7 @@ class DebiasedCalibrationError(CalibrationError):
         strategy: ``"quantile"`` (equal mass, O(N) state) or ``"uniform"`` (equal width, O(M) state).
         kind: ``"top-label"``, ``"binary"`` (class 1 of K = 2) or ``"classwise"``.
         reduction: how ``"classwise"`` combines classes: ``"mean"``, ``"sum"`` or ``"max"``.
+        input, ignore_index, validate_args: see ``torchcal.metrics``.
 
     Example:
         >>> import torch
@@ -41,13 +43,15 @@ class DebiasedCalibrationError(CalibrationError):
         self,
         num_classes: int,
         n_bins: int = 15,
-        strategy: str = "quantile",
-        kind: str = "top-label",
-        reduction: str = "mean",
+        strategy: Strategy = "quantile",
+        kind: Literal["top-label", "binary", "classwise"] = "top-label",
+        reduction: Reduction = "mean",
         **kwargs: Any,
     ) -> None:
+        if reduction not in ("mean", "sum", "max"):
+            raise ValueError(f'reduction must be "mean", "sum" or "max", got {reduction!r}.')
         super().__init__(num_classes, n_bins=n_bins, strategy=strategy, kind=kind, norm="l2", reduction=reduction, **kwargs)
 
     def compute(self) -> Tensor:
         _, statistics = self._binned()
-        return debiased_calibration_error_from_bins(*statistics, reduction=self.reduction)  # type: ignore[arg-type]
+        return debiased_calibration_error_from_bins(*statistics, reduction=self.reduction)  # type: ignore[arg-type]  # "none" refused in __init__

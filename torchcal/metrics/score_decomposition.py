@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
+from torchcal.functional.diagnostics import Strategy
 from torchcal.functional.score_decomposition import murphy_from_bins
 from torchcal.metrics.diagnostics import CalibrationError
 
-__all__ = ["BrierDecomposition"]
+__all__ = ["BrierDecomposition", "MurphyDecomposition"]
 
 
-class BrierDecomposition(CalibrationError):
+class MurphyDecomposition(CalibrationError):
     """Murphy's REL, RES and UNC, as ``functional.score_decomposition.murphy_decomposition``.
 
     ``compute()`` returns the (3,) tensor ``[reliability, resolution, uncertainty]``. With
@@ -24,10 +25,11 @@ class BrierDecomposition(CalibrationError):
         n_bins: number of bins M.
         strategy: ``"uniform"`` (equal width, O(M) state) or ``"quantile"`` (equal mass, O(N) state).
         kind: ``"classwise"`` (the multiclass Brier score, default), ``"top-label"`` or ``"binary"``.
+        input, ignore_index, validate_args: see ``torchcal.metrics``.
 
     Example:
         >>> import torch
-        >>> metric = BrierDecomposition(num_classes=2, n_bins=2)
+        >>> metric = MurphyDecomposition(num_classes=2, n_bins=2)
         >>> probs = torch.tensor([[.9, .1], [.8, .2], [.4, .6], [.3, .7]], dtype=torch.float64)
         >>> metric.update(probs[:3].log(), torch.tensor([0, 1, 1]))
         >>> metric.update(probs[3:].log(), torch.tensor([0]))
@@ -38,10 +40,19 @@ class BrierDecomposition(CalibrationError):
     higher_is_better = None  # type: ignore[assignment]  # a decomposition, not one score
 
     def __init__(
-        self, num_classes: int, n_bins: int = 15, strategy: str = "uniform", kind: str = "classwise", **kwargs: Any
+        self,
+        num_classes: int,
+        n_bins: int = 15,
+        strategy: Strategy = "uniform",
+        kind: Literal["top-label", "binary", "classwise"] = "classwise",
+        **kwargs: Any,
     ) -> None:
         super().__init__(num_classes, n_bins=n_bins, strategy=strategy, kind=kind, reduction="sum", **kwargs)
 
     def compute(self) -> Tensor:
         _, statistics = self._binned()
         return torch.stack(murphy_from_bins(*statistics))
+
+
+#: The former name, kept as an alias.
+BrierDecomposition = MurphyDecomposition

@@ -14,19 +14,19 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
 
-from torchcal._validation import check_logits_and_labels
 from torchcal.functional.diagnostics import binning_scores
 from torchcal.functional.scoring import to_log_probs
 from torchcal.functional.smooth_ece import SmoothKind, round_to_grid, smooth_ece_from_grid
-from torchcal.metrics._common import add_sum_state, check_num_classes
+from torchcal.metrics._common import ScoreMetric, add_sum_state
 
 __all__ = ["SmoothCalibrationError"]
 
 
-class SmoothCalibrationError(Metric):
-    """Smooth ECE (Błasiok & Nakkiran 2023), as ``functional.smooth_ece(..., grid_points=G)``.
+class SmoothCalibrationError(ScoreMetric):
+    """Smooth ECE (Błasiok & Nakkiran 2023), as ``functional.smooth_calibration_error(..., grid_points=G)``.
+
+    ``compute()`` returns a float64 scalar.
 
     Args:
         num_classes: K.
@@ -34,8 +34,8 @@ class SmoothCalibrationError(Metric):
             classes of the one-vs-rest smECE).
         bandwidth: fixed kernel bandwidth; None (default) takes the fixed point of each column.
         grid_points: size G of the grid the scores are rounded to (at least 3).
-        validate_args: check every batch with ``torchcal._validation``; ``False`` skips it.
-        kwargs: passed to ``torchmetrics.Metric``.
+        input, ignore_index, validate_args: see ``torchcal.metrics``; ``kwargs`` go to
+            ``torchmetrics.Metric``.
 
     Example:
         >>> import torch
@@ -52,6 +52,8 @@ class SmoothCalibrationError(Metric):
     full_state_update = False
     plot_lower_bound = 0.0
     plot_upper_bound = 1.0
+
+    num_classes: int
     grid: Tensor  # (C, 2, G) grid sums of ones and residuals
 
     def __init__(
@@ -60,11 +62,9 @@ class SmoothCalibrationError(Metric):
         kind: SmoothKind = "top-label",
         bandwidth: float | None = None,
         grid_points: int = 1001,
-        validate_args: bool = True,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
-        self.num_classes = check_num_classes(num_classes)
+        super().__init__(num_classes, **kwargs)
         if kind not in ("top-label", "binary", "classwise"):
             raise ValueError(f'kind must be "top-label", "binary" or "classwise", got {kind!r}.')
         if kind == "binary" and num_classes != 2:
@@ -73,21 +73,20 @@ class SmoothCalibrationError(Metric):
             raise ValueError(f"grid_points must be an integer >= 3, got {grid_points!r}.")
         if bandwidth is not None and not 0 < bandwidth <= 1:
             raise ValueError(f"bandwidth must lie in (0, 1], got {bandwidth}.")
-        self.kind, self.bandwidth, self.grid_points, self.validate_args = kind, bandwidth, grid_points, validate_args
+        self.kind, self.bandwidth, self.grid_points = kind, bandwidth, grid_points
         add_sum_state(self, "grid", num_classes if kind == "classwise" else 1, 2, grid_points)
 
-    def update(self, logits: Tensor, labels: Tensor) -> None:
-        """Accumulate ``logits: (N, K)`` and ``labels: (N,)``."""
-        if self.validate_args:
-            logits, labels = check_logits_and_labels(logits, labels, num_classes=self.num_classes)
+    def update(self, scores: Tensor, labels: Tensor) -> None:
+        """Accumulate ``scores: (N, K)`` or ``(N, K, d1, ...)`` and ``labels: (N,)`` or ``(N, d1, ...)``."""
+        batch = self._scores(scores, labels)
+        if batch is None:
+            return
+        logits, labels = batch
         scores, targets = binning_scores(to_log_probs(logits), labels, self.kind)
-        scores = scores.T.to(torch.float64)  # (C, N)
+        scores = scores.T  # (C, N) float64
         weights = torch.stack([torch.ones_like(scores), scores - targets.T.to(torch.float64)])  # (2, C, N)
         self.grid += round_to_grid(scores, weights, self.grid_points).transpose(0, 1)
 
     def compute(self) -> Tensor:
+        """The smooth ECE, a float64 scalar (the mean over classes for ``"classwise"``)."""
         return torch.stack([smooth_ece_from_grid(column, self.bandwidth)[0] for column in self.grid]).mean()
-
-    def plot(self, val: Tensor | None = None, ax: Any = None) -> Any:
-        """Plot the value (or ``val``, one or a list of values) as torchmetrics does; ``(fig, ax)``."""
-        return self._plot(val, ax)

@@ -33,7 +33,7 @@ from torchcal.functional.consistency_resampling import consistency_resampling_te
 from torchcal.functional.debiased_ece import debiased_calibration_error, sweep_calibration_error
 from torchcal.functional.score_decomposition import corp_decomposition, murphy_decomposition
 from torchcal.functional.selective import aurc
-from torchcal.functional.smooth_ece import smooth_ece, smooth_ece_bandwidth
+from torchcal.functional.smooth_ece import smooth_calibration_error, smooth_ece_bandwidth
 
 
 def statistics(logits: Tensor, labels: Tensor, resamples: int = 999) -> dict[str, float]:
@@ -52,9 +52,9 @@ def statistics(logits: Tensor, labels: Tensor, resamples: int = 999) -> dict[str
         "debiased l2 ECE, equal-mass (%)": 100 * debiased_calibration_error(logits, labels),
         "ECE sweep, l2 (%)": 100 * sweep_calibration_error(logits, labels),
         "ECE sweep, l1 (%)": 100 * sweep_calibration_error(logits, labels, norm="l1"),
-        "smooth ECE top-label (%)": 100 * smooth_ece(logits, labels),
+        "smooth ECE top-label (%)": 100 * smooth_calibration_error(logits, labels),
         "smooth ECE bandwidth": smooth_ece_bandwidth(logits, labels)[0],
-        "smooth ECE classwise (%)": 100 * smooth_ece(logits, labels, kind="classwise"),
+        "smooth ECE classwise (%)": 100 * smooth_calibration_error(logits, labels, kind="classwise"),
         "Hosmer-Lemeshow C (multinomial)": hl.statistic,
         "Hosmer-Lemeshow p": hl.p_value,
     }

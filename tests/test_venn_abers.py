@@ -10,8 +10,8 @@ from conftest import load_real
 from torch import nn
 
 from torchcal import CalibratedModel, TemperatureScaling, VennAbersCalibration
-from torchcal.functional.isotonic import pool_adjacent_violators
 from torchcal.calibrators.venn_abers import venn_abers_table
+from torchcal.functional.isotonic import pool_adjacent_violators
 from torchcal.functional.scoring import cross_entropy
 from torchcal.label_shift import adapt_to_priors
 

@@ -84,7 +84,7 @@ from torchcal.functional.scoring import (
     prior_weighted_mean,
     to_log_probs,
 )
-from torchcal.functional.smooth_ece import smooth_ece
+from torchcal.functional.smooth_ece import smooth_calibration_error
 
 __all__ = [
     "METHODS",
@@ -591,7 +591,7 @@ class _Metrics:
             ecd=float(entropic_calibration_difference(logits, self.labels)),
             cross_entropy=float(cross_entropy(logits, self.labels, priors=p)),
             brier=float(brier_score(logits, self.labels, priors=p)),
-            smooth_ece=100 * float(smooth_ece(logits, self.labels)),
+            smooth_ece=100 * float(smooth_calibration_error(logits, self.labels)),
             calibration_p_value=float(consistency_resampling_test(
                 expected_calibration_error, logits, self.labels, CALIBRATION_TEST_RESAMPLES, self.seed, n_bins=ECE_BINS
             ).p_value),

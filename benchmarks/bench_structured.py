@@ -7,6 +7,7 @@ Usage:
     python benchmarks/bench_structured.py --n 10000 --k 100 --repeat 1
     python benchmarks/bench_structured.py --n 10000 --k 1000 --repeat 1 --problem sms
     python benchmarks/bench_structured.py --smoke
+    python benchmarks/bench_structured.py --real          # test log-loss on the real logits
 
 Data and measurement: see ``bench_common.py``. Both implementations preprocess with ts-mix
 (temperature scaling, then mixing with the uniform distribution at weight 1 / (N + 1)); their
@@ -20,8 +21,10 @@ numba installed a stub decorator stands in for ``numba.njit``.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import torch
@@ -114,7 +117,88 @@ ROWS = {
 }
 
 
+# ------------------------------------------------------------------------ real logits (--real)
+REAL = Path(os.environ.get("TORCHCAL_REAL_DATA", Path(__file__).resolve().parents[2] / "shared" / "data" / "real"))
+
+
+def _probmetrics_method(name: str):
+    """A torchcal-style calibrator factory around probmetrics' ``get_calibrator(name)``: fit on
+    posteriors, predict log-posteriors."""
+
+    class Wrapped:
+        def fit(self, logits, labels):
+            probmetrics_fit("svs")  # installs the numba stub when needed
+            from probmetrics.calibrators import get_calibrator
+
+            self.model = get_calibrator(name).fit(torch.softmax(logits.double(), 1).numpy(), labels.numpy())
+            return self
+
+        def __call__(self, logits):
+            probs = self.model.predict_proba(torch.softmax(logits.double(), 1).numpy())
+            return torch.from_numpy(probs).log()
+
+    return Wrapped
+
+
+def real_table(folds: int = 5, with_odir_at_100: bool = False) -> None:
+    """Test log-loss on real logits: CIFAR-10 ResNet-110 fitted on its validation split and
+    scored on its test split; the CIFAR-100 files by ``folds``-fold cross-validation."""
+    import time
+
+    import numpy as np
+
+    import torchcal
+    from torchcal.fit import fold_indices
+
+    methods = {
+        "uncalibrated": None,
+        "TS": torchcal.TemperatureScaling,
+        "Dir-ODIR (CV lambda)": lambda: torchcal.DirichletCalibration(reg="odir"),
+        "MS-ODIR (CV lambda)": lambda: torchcal.MatrixScaling(reg="odir"),
+        "SVS": torchcal.StructuredVectorScaling,
+        "SMS": torchcal.StructuredMatrixScaling,
+        "SMS (CV lambda)": lambda: torchcal.StructuredMatrixScaling(reg_lambda=None),
+        "probmetrics ts-mix": _probmetrics_method("ts-mix"),
+        "probmetrics svs": _probmetrics_method("svs"),
+        "probmetrics sms": _probmetrics_method("sms"),
+    }
+    files = ["cifar10_resnet110_kangsepp", "cifar100_resnet20_ferrer", "cifar100_vgg19bn_ferrer",
+             "cifar100_repvgg-a2_ferrer", "cifar100_lenet5_netcal"]
+    print(f"| method | {' | '.join(files)} |")
+    print("|---|" + "---:|" * len(files))
+    rows = {name: [] for name in methods}
+    for file in files:
+        with np.load(REAL / f"{file}.npz") as d:
+            data = {k: torch.from_numpy(d[k]) for k in d.files if k.startswith(("logits", "labels"))}
+        for name, make in methods.items():
+            if "ODIR" in name and file.startswith("cifar100") and not with_odir_at_100:
+                rows[name].append("(--odir-at-100)")
+                continue
+            start = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if "logits_val" in data:  # the published calibration / test split
+                    logits, labels = data["logits"], data["labels"]
+                    out = torch.log_softmax(logits.double(), 1) if make is None else make().fit(data["logits_val"], data["labels_val"])(logits)
+                else:
+                    logits, labels = data["logits"], data["labels"]
+                    out = torch.empty(logits.shape, dtype=torch.float64)
+                    for test in fold_indices(labels, folds, 0):
+                        train = torch.ones(len(labels), dtype=torch.bool)
+                        train[test] = False
+                        out[test] = (torch.log_softmax(logits[test].double(), 1) if make is None
+                                     else make().fit(logits[train], labels[train])(logits[test]).detach().double())
+            nll = -out.detach().double()[torch.arange(len(labels)), labels].mean().item()
+            rows[name].append(f"{nll:.4f} ({time.perf_counter() - start:.1f} s)")
+            print(f"  ... {file} {name}: {rows[name][-1]}", file=sys.stderr, flush=True)
+    for name, cells in rows.items():
+        print(f"| {name} | {' | '.join(cells)} |")
+
+
 if __name__ == "__main__":
+    if "--real" in sys.argv:
+        real_table(with_odir_at_100="--odir-at-100" in sys.argv)
+        sys.exit()
     n = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--n=")), None)
     if n is None and "--n" in sys.argv:
         n = int(sys.argv[sys.argv.index("--n") + 1])

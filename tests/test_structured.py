@@ -102,10 +102,11 @@ def test_reaches_the_optimum_of_an_independent_scipy_fit(name, reg_lambda):
     assert model.fit_record_.converged
     assert model.fit_record_.loss == pytest.approx(best, abs=1e-10)
     assert objective(name, ours, x, y, weights)[0] <= best + 1e-10
-    np.testing.assert_allclose(ours, theta, atol=2e-5)
-    # and the calibrated posteriors are those of the reference map
+    # Parameters and posteriors agree as far as the flattest direction allows: its curvature is
+    # about twice the weakest penalty (8e-4 at lambda = 0.02), so gradients of 1e-7 leave ~1e-4.
+    np.testing.assert_allclose(ours, theta, atol=1e-4)
     scores = x * (1 + theta[0]) + theta[1] if name == "svs" else x + x @ theta[:, :-1].T + theta[:, -1]
-    np.testing.assert_allclose(model(logits).detach().numpy(), log_softmax(scores, axis=1), atol=1e-5)
+    np.testing.assert_allclose(model(logits.double()).detach().numpy(), log_softmax(scores, axis=1), atol=5e-5)
 
 
 def test_quadratic_scaling_is_logistic_regression_on_llr_and_its_square():

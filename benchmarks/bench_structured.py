@@ -8,6 +8,7 @@ Usage:
     python benchmarks/bench_structured.py --n 10000 --k 1000 --repeat 1 --problem sms
     python benchmarks/bench_structured.py --smoke
     python benchmarks/bench_structured.py --real          # test log-loss on the real logits
+    python benchmarks/bench_structured.py --real sst2_gpt2-0shot_ferrer --methods uncalibrated Platt quadratic
 
 Data and measurement: see ``bench_common.py``. Both implementations preprocess with ts-mix
 (temperature scaling, then mixing with the uniform distribution at weight 1 / (N + 1)); their
@@ -89,16 +90,22 @@ def torchcal_fit(name: str):
     return fit
 
 
+def _get_calibrator():
+    """probmetrics' factory, with a stub ``numba.njit`` when numba is missing (see above)."""
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        stub = types.ModuleType("numba")
+        stub.njit = lambda *args, **kwargs: args[0] if args and callable(args[0]) else (lambda f: f)
+        sys.modules["numba"] = stub
+    from probmetrics.calibrators import get_calibrator
+
+    return get_calibrator
+
+
 def probmetrics_fit(name: str):
     def fit(logits, labels):
-        try:
-            import numba  # noqa: F401
-        except ImportError:
-            stub = types.ModuleType("numba")
-            stub.njit = lambda *args, **kwargs: args[0] if args and callable(args[0]) else (lambda f: f)
-            sys.modules["numba"] = stub
-        from probmetrics.calibrators import get_calibrator
-
+        get_calibrator = _get_calibrator()
         probs = torch.softmax(logits.double(), dim=1).numpy()
         model = get_calibrator(name).fit(probs, labels.numpy())
         if name == "sms":
@@ -127,10 +134,7 @@ def _probmetrics_method(name: str):
 
     class Wrapped:
         def fit(self, logits, labels):
-            probmetrics_fit("svs")  # installs the numba stub when needed
-            from probmetrics.calibrators import get_calibrator
-
-            self.model = get_calibrator(name).fit(torch.softmax(logits.double(), 1).numpy(), labels.numpy())
+            self.model = _get_calibrator()(name).fit(torch.softmax(logits.double(), 1).numpy(), labels.numpy())
             return self
 
         def __call__(self, logits):
@@ -140,9 +144,11 @@ def _probmetrics_method(name: str):
     return Wrapped
 
 
-def real_table(folds: int = 5, with_odir_at_100: bool = False) -> None:
+def real_table(files: list[str], methods: list[str] | None = None, folds: int = 5) -> None:
     """Test log-loss on real logits: CIFAR-10 ResNet-110 fitted on its validation split and
-    scored on its test split; the CIFAR-100 files by ``folds``-fold cross-validation."""
+    scored on its test split; the other files by ``folds``-fold cross-validation. At K = 100 the
+    ODIR rows use a fixed lambda = mu = 10 (their cross-validation takes hours with the current
+    full-matrix solver, issue 14)."""
     import time
 
     import numpy as np
@@ -150,29 +156,35 @@ def real_table(folds: int = 5, with_odir_at_100: bool = False) -> None:
     import torchcal
     from torchcal.fit import fold_indices
 
-    methods = {
+    odir = {"reg": "odir", "reg_lambda": 10.0}
+    every = {
         "uncalibrated": None,
         "TS": torchcal.TemperatureScaling,
         "Dir-ODIR (CV lambda)": lambda: torchcal.DirichletCalibration(reg="odir"),
         "MS-ODIR (CV lambda)": lambda: torchcal.MatrixScaling(reg="odir"),
+        "Dir-ODIR (lambda = mu = 10)": lambda: torchcal.DirichletCalibration(**odir),
+        "MS-ODIR (lambda = mu = 10)": lambda: torchcal.MatrixScaling(**odir),
         "SVS": torchcal.StructuredVectorScaling,
         "SMS": torchcal.StructuredMatrixScaling,
         "SMS (CV lambda)": lambda: torchcal.StructuredMatrixScaling(reg_lambda=None),
         "probmetrics ts-mix": _probmetrics_method("ts-mix"),
         "probmetrics svs": _probmetrics_method("svs"),
         "probmetrics sms": _probmetrics_method("sms"),
+        "Platt": torchcal.PlattScaling,
+        "quadratic": torchcal.QuadraticScaling,
+        "probmetrics quadratic-scaling": _probmetrics_method("quadratic-scaling"),
     }
-    files = ["cifar10_resnet110_kangsepp", "cifar100_resnet20_ferrer", "cifar100_vgg19bn_ferrer",
-             "cifar100_repvgg-a2_ferrer", "cifar100_lenet5_netcal"]
+    methods = methods or [m for m in every if "lambda = mu" not in m and "uadratic" not in m and m != "Platt"]
     print(f"| method | {' | '.join(files)} |")
     print("|---|" + "---:|" * len(files))
-    rows = {name: [] for name in methods}
+    rows: dict[str, list[str]] = {name: [] for name in methods}
     for file in files:
         with np.load(REAL / f"{file}.npz") as d:
             data = {k: torch.from_numpy(d[k]) for k in d.files if k.startswith(("logits", "labels"))}
-        for name, make in methods.items():
-            if "ODIR" in name and file.startswith("cifar100") and not with_odir_at_100:
-                rows[name].append("(--odir-at-100)")
+        for name in methods:
+            make = every[name]
+            if "CV lambda)" in name and "ODIR" in name and data["logits"].shape[1] >= 100:
+                rows[name].append("hours (issue 14)")
                 continue
             start = time.perf_counter()
             with warnings.catch_warnings():
@@ -196,8 +208,11 @@ def real_table(folds: int = 5, with_odir_at_100: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    if "--real" in sys.argv:
-        real_table(with_odir_at_100="--odir-at-100" in sys.argv)
+    if "--real" in sys.argv:  # --real [FILE ...] [--methods NAME ...]
+        args = sys.argv[sys.argv.index("--real") + 1 :]
+        cut = args.index("--methods") if "--methods" in args else len(args)
+        real_table(args[:cut] or ["cifar10_resnet110_kangsepp", "cifar100_resnet20_ferrer", "cifar100_vgg19bn_ferrer",
+                                  "cifar100_repvgg-a2_ferrer", "cifar100_lenet5_netcal"], args[cut + 1 :] or None)
         sys.exit()
     n = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--n=")), None)
     if n is None and "--n" in sys.argv:

@@ -213,8 +213,7 @@ class _StructuredScaling(Calibrator):
                 data = sample_w @ per_sample(torch.log_softmax(scores, dim=1), labels)
             return data + (penalty_share * theta.square()).sum()
 
-        # Stopping at loss changes of 1e-12 leaves gradients ~1e-6; 1e-13 gets below that.
-        record = minimize(objective, [phi], max_iter=max_iter, tol_change=1e-13, process_group=process_group)
+        record = minimize(objective, [phi], max_iter=max_iter, process_group=process_group)
         with torch.no_grad():
             self._set_theta(to_theta(phi.detach()))
         return record

@@ -17,11 +17,12 @@ data insist; that is what keeps matrix scaling from diverging at K = 100. ``reg_
 lambda by cross-validation instead.
 
 The fits are L-BFGS in coordinates in which the curvature is close to the identity: exact 2 x 2
-blocks per class for SVS, and for SMS the Kronecker-factored curvature of a softmax layer
-(class covariance x feature second moments, as K-FAC), whose eigenvectors diagonalise both factors
-at the cost of two K x K eigendecompositions. The ts-mix features share a large negative offset
-(every unlikely class sits near ``log(eps / K)``), which makes plain L-BFGS crawl along that
-direction; the feature factor takes it out.
+blocks per class for SVS; for SMS the Kronecker-factored curvature of a softmax layer (class
+covariance x feature second moments, as K-FAC; two K x K eigendecompositions) plus the exact
+per-class blocks of the diagonal and the bias, whose penalty is K - 1 times weaker than that of
+the off-diagonal entries. The ts-mix features share a large negative offset (every unlikely class
+sits near ``log(eps / K)``), which makes plain L-BFGS crawl along that direction; the feature
+factor takes it out. Measured at K = 100: about 30 passes over the data instead of 500.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ DEFAULT_LAMBDA_GRID: tuple[float, ...] = tuple(4.0**e for e in range(-3, 4))
 
 class _WeightedLogLoss(torch.autograd.Function):
     """``sum_i w_i (logsumexp(s_i) - s_i[y_i])`` for scores ``s: (n, K)``, with the gradient
-    ``w_i (softmax(s_i) - e_{y_i})`` formed in the forward pass: one exponential per entry and no
-    log-softmax kept for autograd, a third of the time of ``log_softmax`` + ``gather`` + backward."""
+    ``w_i (softmax(s_i) - e_{y_i})`` formed in the forward pass from the same exponentials, so the
+    backward pass is one product instead of a softmax over the scores again."""
 
     @staticmethod
     def forward(ctx, scores: Tensor, labels: Tensor, sample_w: Tensor) -> Tensor:
@@ -447,11 +448,13 @@ class QuadraticScaling(Calibrator):
     Example:
         >>> import torch
         >>> from torchcal import QuadraticScaling
-        >>> llr = 3 * torch.randn(2000)
-        >>> labels = torch.bernoulli(torch.sigmoid(llr / 3 + 0.5)).long()
+        >>> gen = torch.Generator().manual_seed(0)
+        >>> llr = 3 * torch.randn(4000, generator=gen)
+        >>> labels = torch.bernoulli(torch.sigmoid(llr / 3 + 0.5), generator=gen).long()
         >>> qs = QuadraticScaling().fit(torch.stack([torch.zeros_like(llr), llr], 1), labels)
-        >>> [round(v, 1) for v in qs.coefficients.tolist()]  # doctest: +SKIP
-        [0.5, 0.3, 0.0]
+        >>> a, b, c = qs.coefficients.tolist()  # true map: a = 0.5, b = 1/3, c = 0
+        >>> abs(a - 0.5) < 0.15 and abs(b - 1 / 3) < 0.05 and abs(c) < 0.02
+        True
     """
 
     supported_num_classes = 2

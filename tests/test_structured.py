@@ -198,7 +198,8 @@ def test_cross_validated_lambda_matches_a_cold_started_grid():
             fold = torchcal.StructuredMatrixScaling(reg_lambda=reg_lambda).fit(logits[train], labels[train])
             log_q = fold(logits[test]).detach()
             totals[i] -= log_q[torch.arange(len(test)), labels[test]].sum().item()
-    np.testing.assert_allclose(model.cv_losses_, totals / len(labels), rtol=1e-7)
+    # the selection fits stop at a looser tolerance than the cold, final ones
+    np.testing.assert_allclose(model.cv_losses_, totals / len(labels), rtol=1e-6)
     assert model.reg_lambda_ == grid[int(np.argmin(totals))]
     refit = torchcal.StructuredMatrixScaling(reg_lambda=model.reg_lambda_).fit(logits, labels)
     torch.testing.assert_close(model.weight, refit.weight, atol=1e-7, rtol=0)

@@ -284,7 +284,6 @@ def test_cli_methods_list_them():
 
     assert isinstance(make_calibrator("sms"), torchcal.StructuredMatrixScaling)
     assert isinstance(make_calibrator("svs", reg_lambda=None), torchcal.StructuredVectorScaling)
-    assert isinstance(make_calibrator("quadratic"), torchcal.QuadraticScaling)
 
 
 # ------------------------------------------------------------------------------- data-parallel

@@ -83,7 +83,7 @@ def torchcal_fit(name: str):
         import torchcal
 
         cls = torchcal.StructuredMatrixScaling if name == "sms" else torchcal.StructuredVectorScaling
-        model = cls().fit(logits, labels)
+        model = cls(reg_lambda=1.0).fit(logits, labels)
         if name == "sms":
             return torch.cat([model.weight.detach(), model.bias.detach().unsqueeze(1)], dim=1).flatten()
         return torch.cat([model.weight.detach(), model.bias.detach()])
@@ -165,9 +165,10 @@ def real_table(files: list[str], methods: list[str] | None = None, folds: int = 
         "MS-ODIR (CV lambda)": lambda: torchcal.MatrixScaling(reg="odir"),
         "Dir-ODIR (lambda = mu = 10)": lambda: torchcal.DirichletCalibration(**odir),
         "MS-ODIR (lambda = mu = 10)": lambda: torchcal.MatrixScaling(**odir),
-        "SVS": torchcal.StructuredVectorScaling,
-        "SMS": torchcal.StructuredMatrixScaling,
-        "SMS (CV lambda)": lambda: torchcal.StructuredMatrixScaling(reg_lambda=None),
+        "SVS (lambda = 1)": lambda: torchcal.StructuredVectorScaling(reg_lambda=1.0),
+        "SMS (lambda = 1)": lambda: torchcal.StructuredMatrixScaling(reg_lambda=1.0),
+        "SVS (CV lambda)": torchcal.StructuredVectorScaling,
+        "SMS (CV lambda)": torchcal.StructuredMatrixScaling,
         "probmetrics ts-mix": _probmetrics_method("ts-mix"),
         "probmetrics svs": _probmetrics_method("svs"),
         "probmetrics sms": _probmetrics_method("sms"),

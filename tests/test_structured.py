@@ -162,7 +162,7 @@ def test_agrees_with_probmetrics_on_real_logits(real, name, data):
     reference = get_calibrator(name).fit(softmax(fit[0].astype(np.float64), axis=1), fit[1])
     ref_test = reference.predict_proba(softmax(test[0].astype(np.float64), axis=1))
 
-    model = MODELS[name]().fit(torch.from_numpy(fit[0]), torch.from_numpy(fit[1]))
+    model = MODELS[name](reg_lambda=1.0).fit(torch.from_numpy(fit[0]), torch.from_numpy(fit[1]))
     ours_test = model.predict_proba(torch.from_numpy(test[0]).double()).detach().numpy()
     assert model.inverse_temperature.item() == pytest.approx(reference.ts_.cal_.invtemp_, rel=1e-6)
 
@@ -227,10 +227,11 @@ def test_state_dict_round_trip_and_head(name):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_dtype_and_row_order_invariance(name):
     logits, labels = _data(500, 5, seed=2)
-    model = MODELS[name]().fit(logits, labels)
-    wide = MODELS[name]().fit(logits.double(), labels)
+    # a fixed lambda: cross-validation's folds follow the row order
+    model = MODELS[name](reg_lambda=1.0).fit(logits, labels)
+    wide = MODELS[name](reg_lambda=1.0).fit(logits.double(), labels)
     perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
-    permuted = MODELS[name]().fit(logits[perm], labels[perm])
+    permuted = MODELS[name](reg_lambda=1.0).fit(logits[perm], labels[perm])
     for other in (wide, permuted):
         torch.testing.assert_close(other.weight, model.weight, atol=1e-5, rtol=0)
         torch.testing.assert_close(other.bias, model.bias, atol=1e-5, rtol=0)
@@ -246,13 +247,14 @@ def test_fits_on_the_logits_device(name):
     logits, labels = _data()
     cpu = MODELS[name]().fit(logits, labels)
     gpu = MODELS[name]().fit(logits.cuda(), labels.cuda())
+    assert gpu.reg_lambda_ == cpu.reg_lambda_
     assert gpu.weight.device.type == "cuda"
     torch.testing.assert_close(gpu.weight.cpu(), cpu.weight, atol=1e-5, rtol=0)
 
 
 def test_brier_fit_is_stationary_for_the_brier_objective():
     logits, labels = _data()
-    model = torchcal.StructuredMatrixScaling().fit(logits, labels, loss="brier")
+    model = torchcal.StructuredMatrixScaling(reg_lambda=1.0).fit(logits, labels, loss="brier")
     x = model._ts_mix(torch.log_softmax(logits.double(), 1))
     theta = model._theta().detach().clone().requires_grad_(True)
     weights = torch.from_numpy(penalty_weights("sms", 4, len(labels), 1.0))

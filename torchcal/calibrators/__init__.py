@@ -5,6 +5,7 @@ from torchcal.calibrators.base import Calibrator
 from torchcal.calibrators.beta import BetaCalibration
 from torchcal.calibrators.matrix import DirichletCalibration, MatrixScaling
 from torchcal.calibrators.nonparametric import HistogramBinning, IsotonicCalibration
+from torchcal.calibrators.structured import QuadraticScaling, StructuredMatrixScaling, StructuredVectorScaling
 from torchcal.calibrators.temperature import TemperatureScaling
 from torchcal.calibrators.venn_abers import VennAbersCalibration
 
@@ -17,6 +18,9 @@ __all__ = [
     "IsotonicCalibration",
     "MatrixScaling",
     "PlattScaling",
+    "QuadraticScaling",
+    "StructuredMatrixScaling",
+    "StructuredVectorScaling",
     "TemperatureScaling",
     "VectorScaling",
     "VennAbersCalibration",

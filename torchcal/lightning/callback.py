@@ -38,7 +38,6 @@ from torchcal.functional import (
     error_rate,
     expected_calibration_error,
     refinement_loss,
-    zero_one_costs,
 )
 from torchcal.heads import (
     CHECKPOINT_KEY,
@@ -53,7 +52,7 @@ from torchcal.heads import (
     scores_from_outputs,
     select_logits,
 )
-from torchcal.metrics import BayesRisk, BrierScore, CalibrationError, CrossEntropy
+from torchcal.metrics import CrossEntropy, PosteriorQuality
 
 __all__ = ["DEFAULT_METRICS", "METRIC_NAMES", "CalibrationCallback", "calibration_metrics"]
 
@@ -61,6 +60,8 @@ __all__ = ["DEFAULT_METRICS", "METRIC_NAMES", "CalibrationCallback", "calibratio
 METRIC_NAMES = ("nce", "nbs", "ece", "rcl", "error", "refinement")
 #: Logged by default; ``"rcl"`` (``folds`` calibrator fits) is in the end-of-fit report anyway.
 DEFAULT_METRICS = ("nce", "nbs", "ece", "refinement")
+# the callback's names of PosteriorQuality's statistics
+_FUSED_STATISTICS = {"nce": "nce", "nbs": "nbs", "ece": "ece", "error": "error_rate"}
 
 
 def _check_metric_names(names: Sequence[str]) -> None:
@@ -244,6 +245,7 @@ class CalibrationCallback(Callback):
         self._batches: list[tuple[Tensor, Tensor]] = []
         # the latest validation epoch's scores, labels and process group, and whether the head was fitted on it
         self._latest: tuple[Tensor, Tensor, ProcessGroup | None] | None = None
+        self._latest_values: dict[str, float] = {}
         self._head_is_current = False
         self._trainer: Trainer | None = None
         self._hook: torch.utils.hooks.RemovableHandle | None = None
@@ -337,7 +339,10 @@ class CalibrationCallback(Callback):
             fit, names = self.fit_on_validate, self.metrics
         if fit:
             self._fit_head(scores, labels, group)
-        for name, value in self._metrics(scores, labels, names, group, head_fitted_here=fit).items():
+        values = self._metrics(scores, labels, names, group, head_fitted_here=fit)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._latest_values = values  # the end-of-fit report reuses them
+        for name, value in values.items():
             # identical on every process; sync_dist averages identical values (exactly)
             pl_module.log(self.prefix + name, value, sync_dist=True)
 
@@ -366,28 +371,27 @@ class CalibrationCallback(Callback):
     ) -> dict[str, float]:
         """:func:`calibration_metrics` of the union of the processes' scores, from per-process sums.
 
-        ``head_fitted_here``: the head was just fitted on these scores; a plain temperature-scaling
-        head is then the refinement loss's own fit, which is not repeated."""
-        num_classes, sync = scores.shape[1], group is not None
-        streaming: dict[str, Callable[[], Metric]] = {
-            "nce": lambda: CrossEntropy(num_classes, normalize=True, sync_on_compute=sync),
-            "nbs": lambda: BrierScore(num_classes, normalize=True, sync_on_compute=sync),
-            "ece": lambda: CalibrationError(num_classes, n_bins=self.n_bins, sync_on_compute=sync),
-            "error": lambda: BayesRisk(zero_one_costs(num_classes), sync_on_compute=sync),
-        }
-        values = {}
-        for name in names:
-            if name in streaming:
-                values[name] = float(_evaluate(streaming[name](), scores, labels))
-            elif name == "refinement" and head_fitted_here and self._head_is_plain_temperature_scaling():
-                with torch.no_grad():  # the head is that temperature-scaling fit: no second fit
-                    refined = self._calibrator(scores.to(torch.float64))
-                values[name] = float(_evaluate(CrossEntropy(num_classes, sync_on_compute=sync), refined, labels))
-            elif name == "refinement":
-                values[name] = float(refinement_loss(scores, labels, process_group=group))
-            elif name == "rcl":
-                values[name] = self._relative_calibration_loss(scores, self._out_of_fold(scores, labels, group), labels, group)
-        return values
+        NCE, NBS, ECE and the error rate come from one fused softmax pass (:class:`PosteriorQuality`).
+        The refinement loss is the minimised objective of a temperature-scaling fit, so it costs
+        that fit and no pass after it; ``head_fitted_here``: the head was just fitted on these
+        scores, and a plain temperature-scaling head is then that fit, which is not repeated."""
+        values: dict[str, float] = {}
+        fused = [name for name in names if name in _FUSED_STATISTICS]
+        if fused:
+            quality = PosteriorQuality(scores.shape[1], n_bins=self.n_bins, sync_on_compute=group is not None).to(scores.device)
+            quality.update(scores, labels)
+            computed = quality.compute()
+            values.update({name: float(computed[_FUSED_STATISTICS[name]]) for name in fused})
+        if "refinement" in names:
+            if head_fitted_here and self._head_is_plain_temperature_scaling():
+                scaling = self._calibrator
+            else:
+                scaling = TemperatureScaling().fit(scores, labels, process_group=group)
+            assert scaling.fit_record_ is not None
+            values["refinement"] = scaling.fit_record_.loss  # the mean log-loss at the fitted T, over all processes
+        if "rcl" in names:
+            values["rcl"] = self._relative_calibration_loss(scores, self._out_of_fold(scores, labels, group), labels, group)
+        return {name: values[name] for name in names}
 
     def _out_of_fold(self, scores: Tensor, labels: Tensor, group: ProcessGroup | None) -> Tensor:
         """Out-of-fold calibrated scores; under DDP each fold is the union of the processes' folds,
@@ -494,7 +498,8 @@ class CalibrationCallback(Callback):
             return
         names = [m for m in self.metrics if m not in ("rcl", "refinement")]
         out_of_fold = self._out_of_fold(scores, labels, group)
-        before = self._metrics(scores, labels, names, group)
+        computed = self._metrics(scores, labels, [m for m in names if m not in self._latest_values], group)
+        before = {name: self._latest_values[name] if name in self._latest_values else computed[name] for name in names}
         before["rcl"] = self._relative_calibration_loss(scores, out_of_fold, labels, group)
         self._report = {"before": before, "after": self._metrics(out_of_fold, labels, names, group)}
         flat = {f"{self.prefix}{when}/{name}": v for when, values in self._report.items() for name, v in values.items()}

@@ -9,9 +9,12 @@ over-confident and temperature scaling has something to fit.
 Rows: no callback (the epoch), then the callback with
 
 - ``refinement`` only: what an epoch between fits costs (``every_n_epochs`` > 1), one
-  temperature-scaling fit for the refinement loss that EarlyStopping monitors;
-- the default metrics (NCE, NBS, ECE, refinement) and the temperature-scaling head fit;
-- the same with the 5-fold cross-validated RCL (five more fits).
+  temperature-scaling fit (a few Newton passes over the logits) whose minimised objective is the
+  refinement loss that EarlyStopping monitors;
+- the default metrics (NCE, NBS, ECE, refinement) and the temperature-scaling head fit: that fit,
+  which is also the refinement loss's, and one fused softmax pass for NCE, NBS and ECE
+  (before this was fused, each metric and the refinement loss made their own passes: five);
+- the same with the 5-fold cross-validated RCL (five more fits and one more fused pass).
 
 Every row runs once as a warm-up, then the timed repetitions go round-robin over the rows so load
 from other processes affects all alike; medians are reported, and the callback's overhead as

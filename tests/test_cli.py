@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -242,3 +243,45 @@ def test_help_imports_no_heavy_module():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('numpy', 'yaml', 'torchcal', 'torch', 'tqdm')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "evaluate" in result.stdout and result.stdout.strip().splitlines()[-1] == "['torchcal', 'torchcal.cli']"
+
+
+def test_calibrate_estimates_the_priors_of_unlabelled_target_scores(capsys, tmp_path):
+    """Label shift from the command line: calibrate on the bundled ResNet-110 validation split, with
+    --target its test split resampled to shifted priors (labels dropped). The printed priors are a
+    NumPy EM (Saerens et al. 2002) on the saved head's calibrated target posteriors, and recover the
+    drawn class proportions within four printed standard errors; --save stores them with the head."""
+    from torchcal.data import EXAMPLE_PATH
+
+    example = np.load(EXAMPLE_PATH)
+    calibration = tmp_path / "cal.npz"
+    np.savez(calibration, logits=example["logits_val"], labels=example["labels_val"])
+    shifted = np.array([0.3, 0.2, 0.1, 0.1, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05])
+    rng = np.random.default_rng(0)
+    counts = (shifted * 2000).astype(int)
+    rows = np.concatenate([rng.choice(np.flatnonzero(example["labels"] == k), n, replace=False) for k, n in enumerate(counts)])
+    target = tmp_path / "target.npy"
+    np.save(target, example["logits"][rng.permutation(rows)])  # scores only
+
+    head = tmp_path / "head.pt"
+    code, out, _ = run(capsys, "calibrate", calibration, "--method", "affine", "--target", target, "--save", head)
+    assert code == 0 and "estimated from 2000 unlabelled samples" in out
+    printed = np.array([[float(x) for x in re.findall(r"class \d+: ([\d.]+) \+- ([\d.]+)", line)[0]]
+                        for line in out.splitlines() if line.strip().startswith("class ")])
+    priors, stderr = printed.T
+
+    _, calibrator = load_calibrator(head)
+    with torch.no_grad():
+        posteriors = calibrator(torch.from_numpy(np.load(target))).exp().double().numpy()
+    source = np.bincount(example["labels_val"], minlength=10) / len(example["labels_val"])
+    reference = source.copy()
+    for _ in range(5000):  # EM: the mean of the posteriors adapted to the current priors
+        adapted = posteriors * reference / source
+        reference = (adapted / adapted.sum(1, keepdims=True)).mean(0)
+    np.testing.assert_allclose(priors, reference, atol=6e-5)
+    assert np.all(np.abs(priors - counts / counts.sum()) < 4 * stderr) and np.all(stderr > 0)
+    stored = torch.load(head, weights_only=True)["label_shift"]
+    np.testing.assert_allclose(stored["target_priors"].numpy(), priors, atol=6e-5)
+    np.testing.assert_allclose(stored["source_priors"].numpy(), source)
+
+    code, _, err = run(capsys, "calibrate", calibration, "--method", "affine")
+    assert code == 2 and "--save PATH, --target" in err

@@ -313,3 +313,22 @@ def test_docstring_examples():
 
     result = doctest.testmod(torchcal.heads)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_outputs_that_look_like_probabilities_as_the_metrics_define_it():
+    """scores_from_outputs warns exactly when torchcal._validation.looks_like_probs says so: half
+    precision probabilities (rows within 1e-3 of one, as check_probs accepts them) warn, log-domain
+    outputs and an empty batch do not."""
+    from torchcal._validation import looks_like_probs
+    from torchcal.heads import scores_from_outputs
+
+    logits = 3 * torch.randn(64, 5, generator=torch.Generator().manual_seed(0))
+    half = logits.softmax(1).half()
+    assert (half.double().sum(1) - 1).abs().max() > 1e-4 and looks_like_probs(half)  # beyond float32's tolerance
+    for probs in (logits.softmax(1), logits.double().softmax(1), half):
+        with pytest.warns(UserWarning, match="look like probabilities"):
+            scores_from_outputs(probs, "logits")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for outputs in (logits, logits.log_softmax(1), logits[:0]):
+            assert scores_from_outputs(outputs, "log_probs") is outputs

@@ -681,3 +681,35 @@ def test_docstring_examples():
 
     result = doctest.testmod(torchcal.lightning.callback)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_a_fit_epoch_costs_one_fused_pass_and_one_temperature_fit(trained, monkeypatch):
+    """trainer.validate with a refit: NCE, NBS and ECE from one softmax pass, and the refinement
+    loss from the head's own temperature fit (no second fit, no pass after it); values as the
+    functional forms."""
+    import torchcal.calibrators.temperature as temperature
+    import torchcal.metrics.fused as fused
+
+    _, model, _, _ = trained
+    calls = {"passes": 0, "fits": 0}
+
+    def counted(name, function):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(fused, "softmax_rows", counted("passes", fused.softmax_rows))
+    monkeypatch.setattr(temperature, "fit_inverse_temperature", counted("fits", temperature.fit_inverse_temperature))
+    callback = CalibrationCallback(torchcal.TemperatureScaling(), fit_on_validate=True)
+    trainer = Trainer(**TRAINER_DEFAULTS, callbacks=[callback])
+    data = make_data(300, seed=5)
+    trainer.validate(model, DataLoader(data, batch_size=64), verbose=False)
+    assert calls == {"passes": 1, "fits": 1}
+    logits, labels = raw_outputs(model, data), data.tensors[1]
+    logged = trainer.callback_metrics
+    assert float(logged["calibration/nce"]) == pytest.approx(float(cross_entropy(logits, labels, normalize=True)), rel=1e-6)
+    assert float(logged["calibration/nbs"]) == pytest.approx(float(brier_score(logits, labels, normalize=True)), rel=1e-6)
+    assert float(logged["calibration/ece"]) == pytest.approx(float(expected_calibration_error(logits, labels)), rel=1e-5)
+    assert float(logged["calibration/refinement"]) == pytest.approx(float(refinement_loss(logits, labels)), rel=1e-6)

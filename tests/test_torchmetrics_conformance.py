@@ -57,7 +57,10 @@ CASES = {
     "DebiasedCalibrationError": (lambda **kw: M.DebiasedCalibrationError(K, **kw), F.debiased_calibration_error),
     "MurphyDecomposition": (lambda **kw: M.MurphyDecomposition(K, **kw), lambda x, y: torch.stack(list(F.murphy_decomposition(x, y)))),
     "SpiegelhalterTest": (lambda **kw: M.SpiegelhalterTest(K, **kw), lambda x, y: F.spiegelhalter_test(x, y).statistic),
+    "RefinementLoss": (lambda **kw: M.RefinementLoss(K, **kw), F.refinement_loss),
 }
+# Streamed by interpolation over a temperature grid: within 4e-7 of the exact fit (its module docs).
+RTOL = {"RefinementLoss": 1e-6}
 PRIORS = torch.tensor([0.9, 0.1], dtype=torch.float64)  # the training priors of "cat or not" on CIFAR-10
 # the same conventions for the K = 2 detection metrics, on the binary problem "cat or not" (``binary``)
 BINARY_CASES = {
@@ -154,7 +157,7 @@ def test_every_input_kind_gives_the_functional_value(cifar, binary, name):
     expected = fn(logits.double(), labels)
     probs = logits.double().softmax(1)
     for kind, scores in (("logits", logits), ("log_probs", probs.log()), ("probs", probs)):
-        _close(_streamed(make(input=kind), scores, labels), expected)
+        _close(_streamed(make(input=kind), scores, labels), expected, RTOL.get(name, 1e-10))
 
 
 def test_posterior_quality_and_its_functional(cifar):
@@ -243,7 +246,7 @@ def test_segmentation_shapes_ignore_index_and_empty_batches(cifar, binary, name)
         metric.update(images[start : start + 20], ignored[start : start + 20])
     metric.update(images[:0], ignored[:0])
     metric.update(images[:3], torch.full_like(ignored[:3], 255))
-    _close(metric.compute(), fn(logits[:1800][kept].double(), labels[:1800][kept]))
+    _close(metric.compute(), fn(logits[:1800][kept].double(), labels[:1800][kept]), RTOL.get(name, 1e-10))
 
 
 @pytest.mark.parametrize("kind", ["logits", "probs", "log_probs"])
@@ -294,6 +297,14 @@ def test_wrappers(cifar):
     spread = boot.compute()
     value = float(F.cross_entropy(logits, labels))
     assert 0 < float(spread["std"]) < 0.5 * value and abs(float(spread["mean"]) - value) < 4 * float(spread["std"])
+    boot = BootStrapper(M.RefinementLoss(K), num_bootstraps=10)
+    boot.update(logits, labels)
+    spread, value = boot.compute(), float(F.refinement_loss(logits, labels))
+    assert 0 < float(spread["std"]) < 0.5 * value and abs(float(spread["mean"]) - value) < 4 * float(spread["std"])
+    collection = MetricCollection({"nll": M.CrossEntropy(K), "refinement": M.RefinementLoss(K)})
+    result = _streamed(collection, logits, labels)
+    _close(result["refinement"], F.refinement_loss(logits, labels), rtol=1e-6)
+    assert float(result["refinement"]) < float(result["nll"])
 
     tracker = MetricTracker(MetricCollection({"nll": M.CrossEntropy(K), "ece": M.ExpectedCalibrationError(K)}), maximize=False)
     for epoch in range(2):

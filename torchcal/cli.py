@@ -3,7 +3,7 @@
     torchcal demo [--out DIR]
     torchcal evaluate SCORES [--calibration CAL | --cv K] [--method M,M] [--priors P] [--costs C]
                              [--bootstrap B] [--config NAME] [--out DIR]
-    torchcal calibrate CAL_SCORES --method M --save head.pt
+    torchcal calibrate CAL_SCORES --method M --save head.pt [--target TARGET_SCORES]
     torchcal apply head.pt SCORES --out calibrated.npz
 
 Bad files and bad options end with one line on stderr, ``torchcal: error: ...``, and exit code 2.
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from torchcal.calibrators import Calibrator
     from torchcal.data import Scores
 
 __all__ = ["CONFIG_DIR", "load_config", "main", "parse_costs", "parse_priors"]
@@ -216,6 +217,31 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return _evaluate(args, str(EXAMPLE_PATH), calibration, DEMO_METHODS)
 
 
+def _estimate_target_priors(
+    args: argparse.Namespace, scores: Scores, calibrator: Calibrator, method: str, priors: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """Label shift: the class priors of the unlabelled ``--target`` scores, by EM on their calibrated
+    posteriors (``torchcal.label_shift.estimate_priors``), printed with their standard errors."""
+    import torch
+
+    from torchcal.data import load_scores
+    from torchcal.functional import class_frequencies
+    from torchcal.label_shift import estimate_priors
+
+    target = load_scores(args.target, input=args.input, priors=_binary_priors(_settings(args).get("priors")), require_labels=False)
+    if target.num_classes != scores.num_classes:
+        raise ValueError(f"{args.target}: {target.num_classes} classes, but {args.scores} has {scores.num_classes}.")
+    assert scores.labels is not None  # calibration data always have labels
+    source = class_frequencies(scores.labels, scores.num_classes) if priors is None else priors
+    with torch.no_grad():
+        estimate = estimate_priors(calibrator(target.logits), source)
+    print(f"target priors estimated from {target.num_samples} unlabelled samples of {args.target} "
+          f"(EM on the {method}-calibrated scores; +- one standard error):")
+    for k, (p, se, s) in enumerate(zip(estimate.priors.tolist(), estimate.stderr.tolist(), source.tolist())):
+        print(f"  class {k}: {p:.4f} +- {se:.4f}   (calibration data: {s:.4f})")
+    return {"source_priors": source, "target_priors": estimate.priors, "stderr": estimate.stderr}
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch
 
@@ -230,10 +256,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     labels = scores.labels
     assert labels is not None  # load_scores requires them here
     priors = parse_priors(settings.get("priors"), scores.num_classes)
+    if args.save is None and args.target is None:
+        raise UsageError("calibrate needs --save PATH, --target TARGET_SCORES, or both (see torchcal calibrate --help)")
     if not args.quiet:
         print(f"fitting {method} on {scores.num_samples} samples ...", file=sys.stderr, flush=True)
     calibrator = fit_calibrator(method, options, scores.logits, labels, priors=priors)
-    save_calibrator(args.save, method, calibrator, options)
+    label_shift = _estimate_target_priors(args, scores, calibrator, method, priors) if args.target else None
+    if args.save is None:
+        return 0
+    save_calibrator(args.save, method, calibrator, options, label_shift)
     if not args.quiet:
         with torch.no_grad():
             after = cross_entropy(calibrator(scores.logits), labels, priors=priors, normalize=True)
@@ -361,7 +392,9 @@ def _calibrate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("scores", metavar="CAL_SCORES")
     _input_options(p)
     p.add_argument("--method", required=True, metavar="M", help=f"one of: {_method_names()}")
-    p.add_argument("--save", required=True, metavar="PATH", help="where to write the fitted calibrator (.pt)")
+    p.add_argument("--save", metavar="PATH", help="where to write the fitted calibrator (.pt), with the --target priors")
+    p.add_argument("--target", metavar="TARGET_SCORES", help="unlabelled deployment scores: estimate their class "
+                   "priors (label shift) and print them with standard errors")
     p.add_argument("--priors", help="deployment priors the fit weights the classes to")
     p.add_argument("--config", metavar="NAME|FILE", help="YAML configuration supplying method options")
     p.add_argument("--quiet", action="store_true")

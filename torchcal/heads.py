@@ -33,7 +33,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import Tensor, nn
 
-from torchcal._validation import check_probs
+from torchcal._validation import check_probs, looks_like_probs
 from torchcal.calibrators.base import Calibrator
 
 __all__ = [
@@ -204,9 +204,7 @@ def scores_from_outputs(outputs: Tensor, output: OutputKind = "logits") -> Tenso
     _check_output_kind(output)
     if output == "probs":
         check_probs(outputs, "network outputs")
-    elif outputs.ndim == 2 and bool(((outputs >= 0) & (outputs <= 1)).all()) and torch.allclose(
-        outputs.sum(dim=1, dtype=torch.float64), torch.ones((), dtype=torch.float64), atol=1e-4
-    ):
+    elif outputs.ndim == 2 and outputs.numel() > 0 and looks_like_probs(outputs):
         warnings.warn(
             f"the network outputs look like probabilities (rows in [0, 1] summing to one) but "
             f"output={output!r}; pass output='probs' if they are.",

@@ -660,13 +660,18 @@ def _parameters(model: Calibrator, max_size: int = 20) -> dict[str, Any]:
 _FORMAT = "torchcal-calibrator/1"
 
 
-def save_calibrator(path: str | Path, method: str, calibrator: Calibrator, options: Mapping[str, Any] | None = None) -> Path:
+def save_calibrator(
+    path: str | Path, method: str, calibrator: Calibrator, options: Mapping[str, Any] | None = None,
+    label_shift: Mapping[str, torch.Tensor] | None = None,
+) -> Path:
     """Save a fitted calibrator with what is needed to rebuild it: ``torch.save`` of a dict with the
-    method name, its constructor options and the ``state_dict``."""
+    method name, its constructor options and the ``state_dict``; ``label_shift``, if given (the
+    ``source_priors``, estimated ``target_priors`` and their ``stderr``), under that key."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    extra = {} if label_shift is None else {"label_shift": dict(label_shift)}
     torch.save({"format": _FORMAT, "method": method, "options": dict(options or {}),
-                "state_dict": calibrator.state_dict()}, path)
+                "state_dict": calibrator.state_dict(), **extra}, path)
     return path
 
 

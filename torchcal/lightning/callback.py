@@ -25,7 +25,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.data.distributed import DistributedSampler
-from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 from torchcal.calibrators import Calibrator, TemperatureScaling
@@ -38,7 +37,6 @@ from torchcal.functional import (
     error_rate,
     expected_calibration_error,
     refinement_loss,
-    zero_one_costs,
 )
 from torchcal.heads import (
     CHECKPOINT_KEY,
@@ -53,7 +51,7 @@ from torchcal.heads import (
     scores_from_outputs,
     select_logits,
 )
-from torchcal.metrics import BayesRisk, BrierScore, CalibrationError, CrossEntropy
+from torchcal.metrics import PosteriorQuality
 
 __all__ = ["DEFAULT_METRICS", "METRIC_NAMES", "CalibrationCallback", "calibration_metrics"]
 
@@ -61,6 +59,8 @@ __all__ = ["DEFAULT_METRICS", "METRIC_NAMES", "CalibrationCallback", "calibratio
 METRIC_NAMES = ("nce", "nbs", "ece", "rcl", "error", "refinement")
 #: Logged by default; ``"rcl"`` (``folds`` calibrator fits) is in the end-of-fit report anyway.
 DEFAULT_METRICS = ("nce", "nbs", "ece", "refinement")
+# the callback's names of PosteriorQuality's statistics
+_FUSED_STATISTICS = {"nce": "nce", "nbs": "nbs", "ece": "ece", "error": "error_rate"}
 
 
 def _check_metric_names(names: Sequence[str]) -> None:
@@ -244,6 +244,7 @@ class CalibrationCallback(Callback):
         self._batches: list[tuple[Tensor, Tensor]] = []
         # the latest validation epoch's scores, labels and process group, and whether the head was fitted on it
         self._latest: tuple[Tensor, Tensor, ProcessGroup | None] | None = None
+        self._latest_quality: dict[str, float] | None = None  # posterior_quality of those scores
         self._head_is_current = False
         self._trainer: Trainer | None = None
         self._hook: torch.utils.hooks.RemovableHandle | None = None
@@ -337,7 +338,10 @@ class CalibrationCallback(Callback):
             fit, names = self.fit_on_validate, self.metrics
         if fit:
             self._fit_head(scores, labels, group)
-        for name, value in self._metrics(scores, labels, names, group, head_fitted_here=fit).items():
+        quality = self._quality(scores, labels, group) if any(n in _FUSED_STATISTICS or n == "rcl" for n in names) else None
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._latest_quality = quality  # the end-of-fit report reuses it
+        for name, value in self._metrics(scores, labels, names, group, quality, head_fitted_here=fit).items():
             # identical on every process; sync_dist averages identical values (exactly)
             pl_module.log(self.prefix + name, value, sync_dist=True)
 
@@ -362,42 +366,53 @@ class CalibrationCallback(Callback):
         return scores_from_outputs(outputs, self.output), labels, group
 
     def _metrics(
-        self, scores: Tensor, labels: Tensor, names: Sequence[str], group: ProcessGroup | None, head_fitted_here: bool = False
+        self,
+        scores: Tensor,
+        labels: Tensor,
+        names: Sequence[str],
+        group: ProcessGroup | None,
+        quality: Mapping[str, float] | None,
+        head_fitted_here: bool = False,
     ) -> dict[str, float]:
         """:func:`calibration_metrics` of the union of the processes' scores, from per-process sums.
 
-        ``head_fitted_here``: the head was just fitted on these scores; a plain temperature-scaling
-        head is then the refinement loss's own fit, which is not repeated."""
-        num_classes, sync = scores.shape[1], group is not None
-        streaming: dict[str, Callable[[], Metric]] = {
-            "nce": lambda: CrossEntropy(num_classes, normalize=True, sync_on_compute=sync),
-            "nbs": lambda: BrierScore(num_classes, normalize=True, sync_on_compute=sync),
-            "ece": lambda: CalibrationError(num_classes, n_bins=self.n_bins, sync_on_compute=sync),
-            "error": lambda: BayesRisk(zero_one_costs(num_classes), sync_on_compute=sync),
-        }
-        values = {}
-        for name in names:
-            if name in streaming:
-                values[name] = float(_evaluate(streaming[name](), scores, labels))
-            elif name == "refinement" and head_fitted_here and self._head_is_plain_temperature_scaling():
-                with torch.no_grad():  # the head is that temperature-scaling fit: no second fit
-                    refined = self._calibrator(scores.to(torch.float64))
-                values[name] = float(_evaluate(CrossEntropy(num_classes, sync_on_compute=sync), refined, labels))
-            elif name == "refinement":
-                values[name] = float(refinement_loss(scores, labels, process_group=group))
-            elif name == "rcl":
-                values[name] = self._relative_calibration_loss(scores, self._out_of_fold(scores, labels, group), labels, group)
-        return values
+        NCE, NBS, ECE, the error rate and the RCL's cross-entropy come from ``quality``, the one
+        fused pass over these scores (:meth:`_quality`; needed for those names). The refinement
+        loss is the minimised objective of a temperature-scaling fit, so it costs that fit and no
+        pass after it; ``head_fitted_here``: the head was just fitted on these scores, and a plain
+        temperature-scaling head is then that fit, which is not repeated."""
+        values: dict[str, float] = {}
+        if quality is not None:
+            values.update({name: quality[_FUSED_STATISTICS[name]] for name in names if name in _FUSED_STATISTICS})
+            if "rcl" in names:
+                calibrated = self._quality(self._out_of_fold(scores, labels, group), labels, group)
+                values["rcl"] = _relative_calibration_loss(quality, calibrated)
+        if "refinement" in names:
+            if head_fitted_here and self._head_is_plain_temperature_scaling():
+                scaling = self._calibrator
+            else:
+                scaling = TemperatureScaling().fit(scores, labels, process_group=group)
+            assert scaling.fit_record_ is not None
+            values["refinement"] = scaling.fit_record_.loss  # the mean log-loss at the fitted T, over all processes
+        return {name: values[name] for name in names}
+
+    def _quality(self, scores: Tensor, labels: Tensor, group: ProcessGroup | None) -> dict[str, float]:
+        """:func:`posterior_quality` of the union of the processes' scores: one fused pass in the
+        precision of the scores, as the fits run (float32 terms summed in float64: ~1e-7
+        relative, and four times faster than float64 exponentials on the CPU)."""
+        quality = PosteriorQuality(
+            scores.shape[1],
+            n_bins=self.n_bins,
+            precision="float64" if scores.dtype == torch.float64 else "float32",
+            sync_on_compute=group is not None,
+        ).to(scores.device)
+        quality.update(scores, labels)
+        return {name: float(value) for name, value in quality.compute().items()}
 
     def _out_of_fold(self, scores: Tensor, labels: Tensor, group: ProcessGroup | None) -> Tensor:
         """Out-of-fold calibrated scores; under DDP each fold is the union of the processes' folds,
         and every fold's calibrator is fitted data-parallel."""
         return cross_validate(self._calibrator, scores, labels, folds=self.folds, process_group=group, **self.fit_options)
-
-    def _relative_calibration_loss(self, raw: Tensor, calibrated: Tensor, labels: Tensor, group: ProcessGroup | None) -> float:
-        sync = group is not None
-        losses = [float(_evaluate(CrossEntropy(raw.shape[1], sync_on_compute=sync), s, labels)) for s in (raw, calibrated)]
-        return 100 * (1 - losses[1] / losses[0])
 
     def _head_is_plain_temperature_scaling(self) -> bool:
         """Whether the head's fit is the one :func:`refinement_loss` makes."""
@@ -493,10 +508,12 @@ class CalibrationCallback(Callback):
         if not self.report:
             return
         names = [m for m in self.metrics if m not in ("rcl", "refinement")]
-        out_of_fold = self._out_of_fold(scores, labels, group)
-        before = self._metrics(scores, labels, names, group)
-        before["rcl"] = self._relative_calibration_loss(scores, out_of_fold, labels, group)
-        self._report = {"before": before, "after": self._metrics(out_of_fold, labels, names, group)}
+        # the last fit epoch's pass on these scores, or a new one when the last epoch fitted nothing
+        raw = self._latest_quality if self._latest_quality is not None else self._quality(scores, labels, group)
+        calibrated = self._quality(self._out_of_fold(scores, labels, group), labels, group)
+        before = {name: raw[_FUSED_STATISTICS[name]] for name in names}
+        before["rcl"] = _relative_calibration_loss(raw, calibrated)
+        self._report = {"before": before, "after": {name: calibrated[_FUSED_STATISTICS[name]] for name in names}}
         flat = {f"{self.prefix}{when}/{name}": v for when, values in self._report.items() for name, v in values.items()}
         for logger in trainer.loggers:
             logger.log_metrics(flat, step=trainer.global_step)
@@ -535,7 +552,6 @@ def _cell(values: Mapping[str, float], name: str) -> str:
     return f"{values[name]:>10.4f}" if name in values else f"{'-':>10}"
 
 
-def _evaluate(metric: Metric, scores: Tensor, labels: Tensor) -> Tensor:
-    metric = metric.to(scores.device)
-    metric.update(scores, labels)
-    return metric.compute()
+def _relative_calibration_loss(raw: Mapping[str, float], calibrated: Mapping[str, float]) -> float:
+    """RCL in %: the share of the raw cross-entropy that calibration removes."""
+    return 100 * (1 - calibrated["cross_entropy"] / raw["cross_entropy"])

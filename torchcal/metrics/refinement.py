@@ -28,15 +28,13 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
 
-from torchcal._validation import check_logits_and_labels
-from torchcal.metrics._common import add_sum_state
+from torchcal.metrics._common import ScoreMetric, add_sum_state
 
 __all__ = ["RefinementLoss"]
 
 
-class RefinementLoss(Metric):
+class RefinementLoss(ScoreMetric):
     """Log-loss after temperature scaling fitted on the accumulated data (Berta et al. 2025), as
     ``torchcal.functional.refinement_loss``; a float64 scalar from ``compute()``.
 
@@ -44,9 +42,12 @@ class RefinementLoss(Metric):
     state and its accuracy).
 
     Args:
+        num_classes: K, checked against every batch; None takes any K >= 2.
         num_temperatures: grid points of the state (O(h^6) interpolation error in their spacing).
         temperature_range: ``(T_min, T_max)`` covered by the grid.
-        validate_args: check the inputs' shapes and values in ``update`` (turn off for speed).
+        input, ignore_index, validate_args: see ``torchcal.metrics``; ``validate_args=False``
+            skips the checks in trusted hot loops.
+        kwargs: passed to ``torchmetrics.Metric``.
 
     Example:
         >>> import torch
@@ -74,18 +75,17 @@ class RefinementLoss(Metric):
 
     def __init__(
         self,
+        num_classes: int | None = None,
         num_temperatures: int = 49,
         temperature_range: tuple[float, float] = (0.02, 200.0),
-        validate_args: bool = True,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(num_classes, **kwargs)
         low, high = temperature_range
         if not (isinstance(num_temperatures, int) and num_temperatures >= 3):
             raise ValueError(f"num_temperatures must be an integer >= 3, got {num_temperatures!r}.")
         if not 0 < low < high < math.inf:
             raise ValueError(f"temperature_range must be (T_min, T_max) with 0 < T_min < T_max, got {temperature_range!r}.")
-        self.validate_args = validate_args
         self.temperature_range = (float(low), float(high))
         # u = log(1/T), increasing; buffers follow the metric's device
         grid = torch.linspace(-math.log(high), -math.log(low), num_temperatures, dtype=torch.float64)
@@ -95,13 +95,13 @@ class RefinementLoss(Metric):
         add_sum_state(self, "curvature_sums", num_temperatures)
         add_sum_state(self, "count")
 
-    def update(self, logits: Tensor, labels: Tensor) -> None:
-        """Accumulate ``logits: (N, K)`` and ``labels: (N,)``; an empty batch is a no-op."""
-        if logits.ndim == 2 and logits.shape[0] == 0 and labels.numel() == 0:
+    def update(self, scores: Tensor, labels: Tensor) -> None:
+        """Accumulate ``scores: (N, K)`` or ``(N, K, d1, ...)`` and ``labels: (N,)`` or ``(N, d1, ...)``."""
+        batch = self._scores(scores, labels)
+        if batch is None:
             return
-        if self.validate_args:
-            logits, labels = check_logits_and_labels(logits, labels)
-        z = logits.detach().to(torch.float64)
+        logits, labels = batch
+        z = logits.to(torch.float64)
         z = z - z.max(dim=1, keepdim=True).values  # logsumexp is shift-invariant; keeps e^u z small
         z_true = z.gather(1, labels.unsqueeze(1)).squeeze(1)
         for i, beta in enumerate(self.log_inverse_temperatures.exp()):
@@ -133,10 +133,6 @@ class RefinementLoss(Metric):
             )
             return f[0] if j == 0 else f[-1]
         return _quintic_minimum(f[j - 1 : j + 1], df[j - 1 : j + 1], d2f[j - 1 : j + 1], grid[j] - grid[j - 1])
-
-    def plot(self, val: Tensor | None = None, ax: Any = None) -> Any:
-        """Plot the value (or a sequence of values) as torchmetrics does; returns ``(fig, ax)``."""
-        return self._plot(val, ax)
 
 
 def _quintic_minimum(f: Tensor, df: Tensor, d2f: Tensor, h: Tensor) -> Tensor:

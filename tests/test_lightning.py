@@ -461,6 +461,11 @@ def test_tuple_outputs_in_validation_test_and_predict(trained):
 
 
 class ProbsClassifier(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.val_nce = CrossEntropy(num_classes=K, normalize=True, input="probs")
+        self.val_ece = CalibrationError(num_classes=K, input="probs")
+
     def forward(self, x: Tensor) -> Tensor:
         return torch.softmax(self.net(x), dim=1)
 

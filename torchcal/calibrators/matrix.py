@@ -10,24 +10,14 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from torchcal.calibrators._linear import FullDesign, fit_linear_newton
+from torchcal.calibrators._multinomial import fit_multinomial_logistic
 from torchcal.calibrators.base import Calibrator, sample_weights
 from torchcal.calibrators.temperature import inverse_temperature_start
-from torchcal.distributed import ProcessGroup, all_reduce_, world_size
-from torchcal.fit import FitRecord, fold_indices, minimize
+from torchcal.distributed import all_reduce_
+from torchcal.fit import FitRecord, fold_indices
 from torchcal.functional.scoring import PER_SAMPLE_SCORES, weighted_mean
 
 __all__ = ["DEFAULT_REG_GRID", "DirichletCalibration", "MatrixScaling"]
-
-#: Up to this many parameters K (K + 1), the log-loss fit uses Newton's method with the exact
-#: Hessian (a few dense solves) instead of L-BFGS, which crawls on these ill-conditioned problems.
-NEWTON_MAX_PARAMETERS = 1200
-
-#: Rows used to form the preconditioner of the L-BFGS path, and the largest preconditioner
-#: (K (K+1)^2 entries; 1 GiB in float64, K of about 500) before it falls back to plain L-BFGS.
-_PRECONDITIONER_ROWS = 8192
-_PRECONDITIONER_MAX_ENTRIES = 1 << 27
-_CHUNK_ELEMENTS = 1 << 22
 
 #: Regularisation strengths tried by cross-validation when none is given (mu = lambda). Wide on
 #: purpose: on the ResNet-110 CIFAR-10 logits the best ODIR lambda is about 10.
@@ -123,79 +113,19 @@ class MatrixScaling(Calibrator):
             self.reg_mu_ = self.reg_lambda if self.reg_mu is None else self.reg_mu
         return self._fit_fixed_penalty(features, labels, weights, loss, max_iter, process_group)
 
-    def _fit_fixed_penalty(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
-        k = features.shape[1]
+    def _fit_fixed_penalty(
+        self, features, labels, weights, loss, max_iter, process_group=None, tol_grad: float = 1e-9
+    ) -> FitRecord:
         if loss != "log":
             return Calibrator._fit(self, features, labels, weights, loss, max_iter, process_group)
-        if k * (k + 1) ** 2 > _PRECONDITIONER_MAX_ENTRIES:
-            return Calibrator._fit(self, features, labels, weights, loss, max_iter, process_group)
-        if k * (k + 1) > NEWTON_MAX_PARAMETERS:
-            return self._fit_preconditioned_lbfgs(features, labels, weights, max_iter, process_group)
-        start = torch.cat([self.weight.detach(), self.bias.detach().unsqueeze(1)], dim=1).flatten()
-        penalty = self._penalty_weights(k).to(features.device).flatten()
-        theta, record = fit_linear_newton(
-            FullDesign(), features, labels, weights, start, penalty, max_iter=min(max_iter, 100), process_group=process_group
+        k = features.shape[1]
+        start = torch.cat([self.weight.detach(), self.bias.detach().unsqueeze(1)], dim=1)
+        theta, record = fit_multinomial_logistic(
+            features, labels, sample_weights(labels, weights, process_group), start, self._penalty_weights(k),
+            tol_grad=tol_grad, max_iter=min(max_iter, 100), process_group=process_group,
         )
-        if not record.converged:  # Newton stalled (degenerate curvature): the L-BFGS driver
+        if not record.converged:  # Newton-CG stalled (degenerate curvature): the L-BFGS driver
             return Calibrator._fit(self, features, labels, weights, loss, max_iter, process_group)
-        theta = theta.view(k, k + 1)
-        with torch.no_grad():
-            self.weight.copy_(theta[:, :k])
-            self.bias.copy_(theta[:, k])
-        return record
-
-    def _fit_preconditioned_lbfgs(
-        self, features: Tensor, labels: Tensor, weights: Tensor | None, max_iter: int, process_group: ProcessGroup | None
-    ) -> FitRecord:
-        """L-BFGS on the log-loss in preconditioned coordinates, for maps too large for Newton.
-
-        Row ``k`` of ``[W | b]`` (class ``k``'s scores) has curvature close to the diagonal block
-        of the Hessian, ``P_k = mean(q_k (1 - q_k) x x^T) + 2 diag(penalty_k)`` over the augmented
-        features ``x = [features, 1]`` (K+1, K+1), taken at the start on a subsample. These blocks
-        are badly conditioned (log-posterior features all share the row's ``-logsumexp``), which
-        is why plain L-BFGS needs thousands of iterations at K = 100.
-        With ``P_k = L_k L_k^T``, the substitution ``row_k = phi_k L_k^-1`` gives L-BFGS a problem
-        whose curvature is close to the identity; mapping ``phi`` back costs K small products per
-        evaluation, nothing next to the pass over the data.
-        """
-        n, k = features.shape
-        sample_w = sample_weights(labels, weights, process_group)
-        augmented = torch.cat([features, features.new_ones(n, 1)], dim=1)
-        theta = torch.cat([self.weight.detach(), self.bias.detach().unsqueeze(1)], dim=1)
-        # The blocks from an evenly spaced subsample: a preconditioner only needs to be roughly right.
-        rows = slice(None, None, max(1, n // _PRECONDITIONER_ROWS))
-        sub, sub_w = augmented[rows], sample_w[rows] * (sample_w.sum() / sample_w[rows].sum())
-        q = torch.softmax(sub @ theta.T, dim=1)
-        curvature = sub_w.unsqueeze(1) * q * (1 - q)  # (n_sub, K)
-        del q
-        step = max(1, _CHUNK_ELEMENTS // (k * (k + 1)))  # the einsum holds (rows, K, K+1)
-        blocks = sum(
-            torch.einsum("nk,na,nb->kab", curvature[i : i + step], sub[i : i + step], sub[i : i + step])
-            for i in range(0, sub.shape[0], step)
-        )
-        blocks = all_reduce_(blocks, process_group)
-        del curvature
-        penalty = self._penalty_weights(k).to(features.device)
-        blocks += torch.diag_embed(2 * penalty)  # P_k: (K, K+1, K+1)
-        jitter = 1e-12 * blocks.diagonal(dim1=1, dim2=2).mean(1).view(k, 1, 1) * torch.eye(k + 1, dtype=features.dtype, device=features.device)
-        chol = torch.linalg.cholesky(blocks + jitter)
-        eye = torch.eye(k + 1, dtype=chol.dtype, device=chol.device).expand_as(chol)
-        inv_chol = torch.linalg.solve_triangular(chol, eye, upper=False)  # L_k^-1: (K, K+1, K+1)
-        phi = torch.bmm(theta.unsqueeze(1), chol).squeeze(1).requires_grad_(True)
-        penalty = penalty / world_size(process_group)
-
-        def to_theta(phi: Tensor) -> Tensor:
-            return torch.bmm(phi.unsqueeze(1), inv_chol).squeeze(1)
-
-        def objective() -> Tensor:
-            theta = to_theta(phi)
-            log_q = torch.log_softmax(augmented @ theta.T, dim=1)
-            data = -(sample_w * log_q.gather(1, labels.unsqueeze(1)).squeeze(1)).sum()
-            return data + (penalty * theta.square()).sum()
-
-        # Stopping at loss changes of 1e-12 leaves gradients ~1e-6; 1e-13 gets below that.
-        record = minimize(objective, [phi], max_iter=max_iter, tol_change=1e-13, process_group=process_group)
-        theta = to_theta(phi.detach())
         with torch.no_grad():
             self.weight.copy_(theta[:, :k])
             self.bias.copy_(theta[:, k])

@@ -72,7 +72,8 @@ def fit_multinomial_logistic(
             :func:`torchcal.calibrators.base.sample_weights`).
         theta: (K, F + 1) starting ``[W | b]``.
         penalty: (K, F + 1) non-negative penalty weights (e.g. ODIR: zero on the diagonal of W).
-        tol_grad: converged when the largest absolute gradient entry is below this.
+        tol_grad: converged when the largest absolute gradient entry is below this, both as it is
+            and for the features scaled to unit root mean square.
         max_iter: Newton iterations at most.
         process_group: data-parallel fit; every process passes its shard (and weights that sum
             to 1 over the group), sums over samples are all-reduced, the penalty counted once.
@@ -101,7 +102,14 @@ def fit_multinomial_logistic(
     x = torch.cat([features, features.new_ones(n, 1)], dim=1)  # (N, D), D = F + 1
     w = sample_w.to(dtype)
     rows = torch.arange(n, device=x.device)
-    penalty = penalty.to(device=x.device, dtype=torch.float64)
+    # The solver works on features scaled to unit root mean square, so that its tolerances and
+    # preconditioner mean the same for every column: a feature that varies by 1e-7 (a class
+    # whose log-probabilities all sit near 0) needs a weight of 1e7, whose raw gradient is
+    # below any tolerance long before it gets there.
+    scale = all_reduce_((w @ x.square()).to(torch.float64), process_group).sqrt()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    x /= scale.to(dtype)
+    penalty = penalty.to(device=x.device, dtype=torch.float64) / scale.square()
     column_penalty = penalty.sum(0)  # (D,)
 
     def shift(c: Tensor) -> Tensor:
@@ -190,12 +198,13 @@ def fit_multinomial_logistic(
             rz = rz_new
         return step if bool(torch.isfinite(step).all()) else -grad
 
-    c = centre(theta.to(device=x.device, dtype=torch.float64))
+    c = centre(theta.to(device=x.device, dtype=torch.float64) * scale)
     loss, grad, q = loss_grad(c)
-    loss_value, grad_max = torch.stack([loss, grad.abs().max()]).tolist()
+    # grad is with respect to the scaled parameters; grad * scale with respect to the original ones
+    loss_value, grad_max, size = torch.stack([loss, (grad * scale).abs().max(), grad.abs().max()]).tolist()
     for iteration in range(max_iter):
-        if grad_max <= tol_grad:
-            return shift(c).to(theta.dtype), FitRecord(iteration, passes, loss_value, grad_max, True, "gradient below tolerance")
+        if max(grad_max, size) <= tol_grad:
+            return (shift(c) / scale).to(theta.dtype), FitRecord(iteration, passes, loss_value, grad_max, True, "gradient below tolerance")
         if not math.isfinite(loss_value + grad_max):
             break
         # Eisenstat-Walker forcing: loose systems far from the optimum, tight ones near it.
@@ -205,17 +214,17 @@ def fit_multinomial_logistic(
         t = 1.0
         while t > 1e-10:
             new_loss, new_grad, new_q = loss_grad(c + t * direction)
-            new_loss_value, new_grad_max = torch.stack([new_loss, new_grad.abs().max()]).tolist()
+            new_loss_value, new_grad_max, new_size = torch.stack([new_loss, (new_grad * scale).abs().max(), new_grad.abs().max()]).tolist()
             if new_loss_value <= loss_value + 1e-4 * t * slope + slack:
                 break
             t /= 2
         if t <= 1e-10 or (new_loss_value >= loss_value and new_grad_max >= grad_max):
             converged = grad_max <= 1e-6
             message = "no further decrease" if converged else "line search failed"
-            return shift(c).to(theta.dtype), FitRecord(iteration, passes, loss_value, grad_max, converged, message)
+            return (shift(c) / scale).to(theta.dtype), FitRecord(iteration, passes, loss_value, grad_max, converged, message)
         c, grad, q = c + t * direction, new_grad, new_q
-        loss_value, grad_max = new_loss_value, new_grad_max
+        loss_value, grad_max, size = new_loss_value, new_grad_max, new_size
     else:
         warnings.warn(f"Newton-CG did not converge in {max_iter} iterations", ConvergenceWarning, stacklevel=4)
-        return shift(c).to(theta.dtype), FitRecord(max_iter, passes, loss_value, grad_max, False, f"stopped at the iteration cap ({max_iter})")
-    return shift(c).to(theta.dtype), FitRecord(iteration, passes, loss_value, grad_max, False, "the loss or its gradient is not finite")
+        return (shift(c) / scale).to(theta.dtype), FitRecord(max_iter, passes, loss_value, grad_max, False, f"stopped at the iteration cap ({max_iter})")
+    return (shift(c) / scale).to(theta.dtype), FitRecord(iteration, passes, loss_value, grad_max, False, "the loss or its gradient is not finite")

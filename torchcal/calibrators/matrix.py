@@ -4,6 +4,7 @@ ODIR and L2 regularisers of Kull et al. (2019) and cross-validated regularisatio
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import warnings
 from collections.abc import Sequence
@@ -43,10 +44,24 @@ class MatrixScaling(Calibrator):
             ``reg_mu`` defaults to ``reg_lambda``.
         reg_grid: candidate lambdas, or ``(lambda, mu)`` pairs.
 
+    The log-loss fit is convex (Newton-CG, :mod:`torchcal.calibrators._multinomial`). With
+    ``fit(..., loss="brier")`` it is not: the Brier score of a full map has local optima. That fit
+    starts from the better of the identity map and the log-loss fit and finds a local optimum
+    near it by L-BFGS; ``fit_record_.message`` says so.
+
     After fitting, ``reg_lambda_`` / ``reg_mu_`` hold the strengths used and ``cv_losses_`` the
     cross-validated loss of every grid point; ``inf`` marks the points abandoned once they could no
     longer win, and the weak penalties not tried because the loss had risen at two consecutive
     points past its best.
+
+    Example:
+        >>> import torch
+        >>> from torchcal import MatrixScaling
+        >>> logits = 3 * torch.randn(2000, 4)
+        >>> labels = torch.distributions.Categorical(logits=logits / 3).sample()
+        >>> cal = MatrixScaling(reg="odir", reg_lambda=1e-2).fit(logits, labels)
+        >>> cal.fit_record_.converged, cal.weight.shape
+        (True, torch.Size([4, 4]))
     """
 
     def __init__(
@@ -127,7 +142,7 @@ class MatrixScaling(Calibrator):
         self, features, labels, weights, loss, max_iter, process_group=None, tol_grad: float = 1e-9
     ) -> FitRecord:
         if loss != "log":
-            return Calibrator._fit(self, features, labels, weights, loss, max_iter, process_group)
+            return self._fit_nonconvex(features, labels, weights, loss, max_iter, process_group)
         k = features.shape[1]
         start = torch.cat([self.weight.detach(), self.bias.detach().unsqueeze(1)], dim=1)
         theta, record = fit_multinomial_logistic(
@@ -140,6 +155,36 @@ class MatrixScaling(Calibrator):
             self.weight.copy_(theta[:, :k])
             self.bias.copy_(theta[:, k])
         return record
+
+    def _fit_nonconvex(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
+        """The Brier score of a full linear map is not convex in ``[W | b]``: L-BFGS finds a local
+        optimum, started from the better (for this objective) of the identity map and the
+        log-loss fit, and ``fit_record_.message`` says so."""
+        sample_w = sample_weights(labels, weights, process_group)
+        per_sample = PER_SAMPLE_SCORES[loss]
+
+        def objective() -> float:
+            with torch.no_grad():
+                data = sample_w @ per_sample(torch.log_softmax(self._scores(features), dim=1), labels).to(torch.float64)
+                return float(all_reduce_(data.reshape(1), process_group)) + float(self._penalty())
+
+        k = features.shape[1]
+        identity = self._identity(k)
+        self._fit_fixed_penalty(features, labels, weights, "log", max_iter, process_group)
+        from_log_loss = objective()
+        with torch.no_grad():
+            log_fit = self.weight.clone(), self.bias.clone()
+            self.weight.copy_(identity["weight"])
+            self.bias.copy_(identity["bias"])
+            if not objective() < from_log_loss:
+                self.weight.copy_(log_fit[0])
+                self.bias.copy_(log_fit[1])
+                start = "the log-loss fit"
+            else:
+                start = "the identity map"
+        record = Calibrator._fit(self, features, labels, weights, loss, max_iter, process_group)
+        note = f"; the {loss} objective of a full matrix is not convex: a local optimum, started from {start}"
+        return dataclasses.replace(record, message=record.message + note)
 
     def _cross_validate_grid(self, features, labels, weights, loss, max_iter, process_group=None) -> tuple[list[float], Tensor]:
         """Out-of-fold loss of every grid point (``inf`` for the points the path abandoned), and
@@ -207,6 +252,15 @@ class DirichletCalibration(MatrixScaling):
     A K-dimensional logistic regression on the log-posteriors (the Dirichlet sufficient
     statistics). Same parameters and regularisers as :class:`MatrixScaling`; ``reg="odir"`` is
     Dir-ODIR, ``reg="l2"`` Dir-L2. The full ``W`` is penalised (no reference row).
+
+    Example:
+        >>> import torch
+        >>> from torchcal import DirichletCalibration
+        >>> logits = 3 * torch.randn(2000, 4)
+        >>> labels = torch.distributions.Categorical(logits=logits / 3).sample()
+        >>> cal = DirichletCalibration(reg="odir").fit(logits, labels)  # lambda by 5-fold CV
+        >>> cal.reg_lambda_ in [lam for lam, mu in cal.reg_grid]
+        True
     """
 
     def _features(self, logits: Tensor) -> Tensor:

@@ -13,13 +13,16 @@ import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from torchcal._validation import check_logits_and_labels
 from torchcal.distributed import ProcessGroup, all_reduce_
+
+if TYPE_CHECKING:
+    from torchcal.calibrators.base import Calibrator
 
 __all__ = ["ConvergenceWarning", "FitRecord", "cross_validate", "fold_indices", "minimize", "newton"]
 
@@ -88,7 +91,8 @@ def minimize(
         if process_group is not None:
             loss = all_reduce_(loss.detach().clone(), process_group)
             for p in params:
-                all_reduce_(p.grad, process_group)
+                if p.grad is not None:
+                    all_reduce_(p.grad, process_group)
         return loss
 
     with torch.enable_grad():
@@ -97,7 +101,7 @@ def minimize(
     state = optimizer.state[params[0]]
     iterations = int(state.get("n_iter", 0))
     evaluations = int(state.get("func_evals", 0)) + 1
-    grad_max = max(float(p.grad.abs().max()) for p in params if p.numel())
+    grad_max = max(float(p.grad.abs().max()) for p in params if p.numel() and p.grad is not None)
     finite = math.isfinite(float(loss.detach())) and math.isfinite(grad_max)
     converged = finite and (iterations < max_iter or grad_max <= tol_grad)
     if not finite:
@@ -280,7 +284,7 @@ def fold_indices(
 
 
 def cross_validate(
-    calibrator: torch.nn.Module,
+    calibrator: Calibrator,
     logits: Tensor,
     labels: Tensor,
     folds: int = 5,

@@ -64,6 +64,9 @@ class MatrixScaling(Calibrator):
         (True, torch.Size([4, 4]))
     """
 
+    weight: Tensor
+    bias: Tensor
+
     def __init__(
         self,
         reg: str | None = None,
@@ -101,12 +104,13 @@ class MatrixScaling(Calibrator):
         """The penalty as ``sum(weights * [W | b]^2)``: weights of shape (K, K + 1), float64."""
         k = num_classes
         weights = torch.zeros(k, k + 1, dtype=torch.float64)
+        lam, mu = self.reg_lambda_ or 0.0, self.reg_mu_ or 0.0
         if self.reg == "l2":
-            weights[:] = self.reg_lambda_ / (k * (k + 1))
+            weights[:] = lam / (k * (k + 1))
         elif self.reg == "odir":
-            weights[:, :k] = self.reg_lambda_ / (k * (k - 1))
+            weights[:, :k] = lam / (k * (k - 1))
             weights[:, :k].fill_diagonal_(0.0)
-            weights[:, k] = self.reg_mu_ / k
+            weights[:, k] = mu / k
         return weights
 
     def _penalty(self) -> Tensor | float:

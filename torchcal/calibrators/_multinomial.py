@@ -145,14 +145,18 @@ def fit_multinomial_logistic(
         data = all_reduce_((r.T @ x).to(torch.float64), process_group)
         return data + centre(2 * penalty * shift(v))
 
+    factor = torch.empty(0, dtype=torch.float64, device=x.device)
+
     def preconditioner(q: Tensor) -> Tensor:
         """Cholesky factors (K, D, D) of the per-class diagonal Hessian blocks, a few classes at
-        a time (at K = 1,000 the factors alone are 8 GB)."""
+        a time, into one buffer reused by every Newton step (at K = 1,000 the factors are 8 GB)."""
+        nonlocal factor
         curvature = w.unsqueeze(1) * q * (1 - q)  # (N, K)
         d = f + 1
         m = min(n, max(_MIN_BLOCK_ROWS, _BLOCK_ROWS_PER_FEATURE * n // d))
         top, index = curvature.topk(m, dim=0) if m < n else (curvature, rows.unsqueeze(1).expand(n, k))
-        factor = torch.empty(k, d, d, dtype=torch.float64, device=x.device)
+        if factor.shape != (k, d, d):
+            factor = torch.empty(k, d, d, dtype=torch.float64, device=x.device)
         step = max(1, _CHUNK_ELEMENTS // (d * max(m, d)))
         for start in range(0, k, step):
             classes = slice(start, start + step)

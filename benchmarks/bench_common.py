@@ -120,6 +120,11 @@ def dirichlet_odir(reg_lambda: float, reg_mu: float) -> Problem:
     return Problem("dirichlet-odir", _log_softmax, _full, odir_penalty(reg_lambda, reg_mu))
 
 
+def matrix_odir(reg_lambda: float, reg_mu: float) -> Problem:
+    """theta = [W | b] on logits, with the ODIR penalty."""
+    return Problem("matrix-odir", _identity, _full, odir_penalty(reg_lambda, reg_mu))
+
+
 # --------------------------------------------------------------------------- rows and running
 @dataclass(frozen=True)
 class Row:

@@ -6,6 +6,9 @@ Usage:
     python benchmarks/bench_fit.py --problem affine vector           # some of them
     python benchmarks/bench_fit.py --smoke                           # 2,000 x 10, seconds
     python benchmarks/bench_fit.py --problem dirichlet-odir --reg 0.01
+    python benchmarks/bench_fit.py --sweep --n 10000                 # Dir-/MS-ODIR at every lambda of the grid
+    python benchmarks/bench_fit.py --sweep --n 10000 --k 1000 --lambdas 1e-3
+    python benchmarks/bench_fit.py --cv --n 10000                    # cross-validated lambda vs one fit
 
 Data and measurement: see ``bench_common.py``. Every row's fitted map is evaluated in the same
 parametrisation (affine ``[alpha, b]`` on log-posteriors, vector ``[w, b]`` and matrix ``[W | b]``
@@ -13,18 +16,41 @@ on logits, Dirichlet ``[W | b]`` on log-posteriors plus the ODIR penalty ``lambd
 sum_{i != j} W_ij^2 + mu / K sum b^2`` with ``lambda = mu = --reg``); "converged" means the
 largest absolute gradient entry there is below 1e-6. Libraries with another convention get the
 equivalent strengths (dirichletcal: ``reg_norm=False``, ``ref_row=False``).
+
+``--sweep`` fits Dirichlet-ODIR and matrix-ODIR at every lambda of the default grid (mu = lambda)
+in this process and reports, per fit, the passes over the data the solver made (gradients and
+Hessian-vector products), its time, and that time divided by the time of one forward+backward pass
+(the float64 autograd evaluation of the objective and its gradient by ``bench_common``, which also
+says whether the fit converged); torch-uncertainty's scalers (at lambda = --reg) are timed in the
+same run. ``--cv`` times the default ``DirichletCalibration(reg="odir").fit`` (5-fold
+cross-validated lambda) against one fit at the lambda it selects.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import resource
 import sys
+import time
+import warnings
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import PROBLEMS, Row, dirichlet_odir, identity_theta, main, scipy_lbfgs, torch_uncertainty_fit
+from bench_common import (
+    PROBLEMS,
+    Problem,
+    Row,
+    dirichlet_odir,
+    identity_theta,
+    main,
+    make_data,
+    matrix_odir,
+    scipy_lbfgs,
+    torch_uncertainty_fit,
+)
 
 # --reg is read before argparse runs in the children too, so every process sees the same penalty.
 REG = float(sys.argv[sys.argv.index("--reg") + 1]) if "--reg" in sys.argv else 1e-3
@@ -207,6 +233,114 @@ ROWS = {
         Row("SciPy L-BFGS-B", scipy("dirichlet-odir"), note="NumPy float64, analytic gradient, gtol 1e-7, max 2000 it."),
     ],
 }
+
+# --------------------------------------------------------------------------- --sweep and --cv
+def _pass_time(problem: Problem, theta: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """Median of three forward+backward passes (objective and gradient, float64 autograd)."""
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        problem.evaluate(theta, logits, labels)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[1]
+
+
+def _timed(fit):
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = fit()
+    return time.perf_counter() - start, result
+
+
+def _data(n: int, k: int, real: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The synthetic data of bench_common, or the logits and labels of a real .npz file."""
+    if real is None:
+        return make_data(n, k)
+    import numpy as np
+
+    with np.load(real) as f:
+        return torch.from_numpy(f["logits"]), torch.from_numpy(f["labels"])
+
+
+def sweep(logits: torch.Tensor, labels: torch.Tensor, lambdas: list[float], alternatives: bool) -> None:
+    import torchcal
+
+    n, k = logits.shape
+    print(f"\n## Fixed-lambda fits, {n:,} x {k} (mu = lambda), 1 thread\n")
+    print("| model | lambda | time (s) | passes | Newton it. | pass time (s) | time / pass | objective | max abs gradient | converged | peak RSS (MB) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    for name, make, problem_of in (
+        ("Dir-ODIR", torchcal.DirichletCalibration, dirichlet_odir),
+        ("MS-ODIR", torchcal.MatrixScaling, matrix_odir),
+    ):
+        pass_time = None
+        for lam in lambdas:
+            seconds, cal = _timed(lambda: make(reg="odir", reg_lambda=lam).fit(logits, labels))
+            problem = problem_of(lam, lam)
+            theta = _full_theta(cal.weight, cal.bias)
+            pass_time = pass_time or _pass_time(problem, theta, logits, labels)
+            objective, grad = problem.evaluate(theta, logits, labels)
+            r = cal.fit_record_
+            print(f"| torchcal {name} | {lam:g} | {seconds:.2f} | {r.evaluations} | {r.iterations} | {pass_time:.4f} | {seconds / pass_time:.0f} | "
+                  f"{objective:.10f} | {grad:.1e} | {'yes' if grad <= 1e-6 else 'no'} | {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} |", flush=True)
+        if not alternatives:
+            continue
+        try:
+            if name == "Dir-ODIR":
+                seconds, scaler = _timed(lambda: torch_uncertainty_fit("DirichletScaler", logits, labels, num_classes=k, lambda_reg=REG, mu_reg=REG))
+                problem = dirichlet_odir(REG, REG)
+            else:
+                seconds, scaler = _timed(lambda: torch_uncertainty_fit("MatrixScaler", logits, labels, num_classes=k))
+                problem = matrix_odir(0.0, 0.0)
+        except ImportError as error:
+            print(f"| torch-uncertainty | | skipped: {error} | | | | | | | | |")
+            continue
+        theta = _full_theta(scaler.inv_temperature_weight, scaler.inv_temperature_bias)
+        objective, grad = problem.evaluate(theta, logits, labels)
+        label = f"torch-uncertainty {'DirichletScaler' if name == 'Dir-ODIR' else 'MatrixScaler (no penalty)'}"
+        lam = REG if name == "Dir-ODIR" else 0.0
+        print(f"| {label} | {lam:g} | {seconds:.2f} | | | {pass_time:.4f} | {seconds / pass_time:.0f} | {objective:.10f} | {grad:.1e} | "
+              f"{'yes' if grad <= 1e-6 else 'no'} | |", flush=True)
+
+
+def cross_validation(logits: torch.Tensor, labels: torch.Tensor) -> None:
+    import torchcal
+
+    n, k = logits.shape
+    seconds_cv, cal = _timed(lambda: torchcal.DirichletCalibration(reg="odir").fit(logits, labels))
+    lam = cal.reg_lambda_
+    seconds_fixed, fixed = _timed(lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=lam).fit(logits, labels))
+    tried = sum(v < float("inf") for v in cal.cv_losses_)
+    difference = float((cal.weight - fixed.weight).detach().abs().max())
+    print(f"\n## Dir-ODIR with cross-validated lambda, {n:,} x {k}, 1 thread\n")
+    print("| fit | time (s) | ratio | selected lambda | grid points fully cross-validated | max abs parameter difference |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| default `DirichletCalibration(reg=\"odir\").fit` (5-fold CV over {len(cal.reg_grid)} lambdas) | {seconds_cv:.2f} | {seconds_cv / seconds_fixed:.1f} | {lam:g} | {tried} | {difference:.1e} |")
+    print(f"| one fit at lambda = {lam:g} | {seconds_fixed:.2f} | 1.0 | | | |")
+
+
+if __name__ == "__main__" and ("--sweep" in sys.argv or "--cv" in sys.argv):
+    import torchcal.calibrators.matrix
+
+    parser = argparse.ArgumentParser(description="Dir-/MS-ODIR lambda sweep and cross-validation")
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--cv", action="store_true")
+    parser.add_argument("--n", type=int, default=10_000)
+    parser.add_argument("--k", type=int, default=100)
+    parser.add_argument("--lambdas", type=float, nargs="*", default=list(torchcal.calibrators.matrix.DEFAULT_REG_GRID)[::-1])
+    parser.add_argument("--no-alternatives", action="store_true")
+    parser.add_argument("--real", default=None, help="an .npz file with logits and labels instead of the synthetic data")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"# load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; torch {torch.__version__}")
+    logits, labels = _data(args.n, args.k, args.real)
+    if args.sweep:
+        sweep(logits, labels, args.lambdas, not args.no_alternatives)
+    if args.cv:
+        cross_validation(logits, labels)
+    sys.exit(0)
+
 
 if __name__ == "__main__":
     main(f"affine / vector / matrix / Dirichlet-ODIR (lambda = mu = {REG:g}) fits", ROWS, PROBLEM_SET, 50_000, 100)

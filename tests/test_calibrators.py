@@ -89,6 +89,27 @@ def test_brier_objective_matches_psrcal_anchor(synthetic):
     assert cal.alpha == pytest.approx(0.66436888, rel=1e-5)
 
 
+def test_matrix_brier_fit_is_marked_non_convex_and_starts_from_the_better_point(synthetic):
+    """Issue 15 item 8: the Brier score of a full matrix is not convex. The fit starts from the
+    better of the identity and the log-loss fit, says so in fit_record_, and ends no worse than
+    either start (the objective recomputed here in NumPy)."""
+    scores, y = synthetic(5, 2000, seed=4)
+    logits = torch.from_numpy(scores)
+
+    def brier(cal):
+        w, b = cal.weight.detach().numpy(), cal.bias.detach().numpy()
+        q = np.exp(np_log_softmax(scores @ w.T + b, axis=1))
+        return ((q - np.eye(5)[y]) ** 2).sum(1).mean()
+
+    cal = torchcal.MatrixScaling().fit(logits, torch.from_numpy(y), loss="brier")
+    log_fit = torchcal.MatrixScaling().fit(logits, torch.from_numpy(y))
+    identity = ((np.exp(np_log_softmax(scores, axis=1)) - np.eye(5)[y]) ** 2).sum(1).mean()
+    assert "not convex" in cal.fit_record_.message and "started from the log-loss fit" in cal.fit_record_.message
+    assert cal.fit_record_.loss == pytest.approx(brier(cal), rel=1e-12)
+    assert brier(cal) <= min(brier(log_fit), identity)
+    assert "it is not: the Brier score of a full map has local optima" in " ".join((torchcal.MatrixScaling.__doc__ or "").split())
+
+
 def _scipy_fit(kind: str, z: np.ndarray, y: np.ndarray, reg: float = 0.0) -> float:
     """Independent float64 SciPy fit of the same objective, with analytic gradients."""
     n, k = z.shape

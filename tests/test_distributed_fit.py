@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import torchcal
-from torchcal.calibrators import matrix, temperature
+from torchcal.calibrators import temperature
 
 # Each model exercises one solver: 1-D Newton, structured Newton (with class weights from global
 # counts, and with a penalty that must be counted once), and the generic L-BFGS driver.
@@ -23,15 +23,14 @@ MODELS = {
     "vector": (lambda: torchcal.VectorScaling(), {}),
     "dirichlet-odir": (lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=0.3), {}),
     "affine-brier-lbfgs": (lambda: torchcal.AffineCalibration(), {"loss": "brier"}),
-    "matrix-preconditioned-lbfgs": (lambda: torchcal.MatrixScaling(reg="odir", reg_lambda=0.3), {}),
+    "matrix-odir": (lambda: torchcal.MatrixScaling(reg="odir", reg_lambda=0.3), {}),
 }
 
 
 def _fit(name: str, logits, labels, **extra):
     make, options = MODELS[name]
-    # the path of maps too large for Newton, at K = 5; the start from a subsample, at N K = 9,000
-    patch = {"matrix-preconditioned-lbfgs": (matrix, "NEWTON_MAX_PARAMETERS", 0),
-             "temperature-subsample-start": (temperature, "_SUBSAMPLE_ELEMENTS", 1000)}.get(name)
+    # the start from a subsample, at N K = 9,000
+    patch = {"temperature-subsample-start": (temperature, "_SUBSAMPLE_ELEMENTS", 1000)}.get(name)
     if patch:
         module, attribute, value = patch
         saved = getattr(module, attribute)

@@ -57,17 +57,17 @@ def test_dedicated_solver_reaches_the_generic_optimum(make, priors):
 
 
 @pytest.mark.parametrize("make", [lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=1.0), torchcal.MatrixScaling])
-def test_preconditioned_lbfgs_reaches_the_generic_optimum(make):
-    # K = 36: 1332 parameters, past the Newton limit, so the preconditioned L-BFGS path runs
+def test_newton_cg_reaches_the_generic_optimum(make):
+    # K = 36: 1332 parameters, past the size the dense-Hessian Newton was used for
     gen = torch.Generator().manual_seed(3)
     latent = torch.randn(4000, 36, generator=gen, dtype=torch.float64)
     labels = torch.multinomial(torch.softmax(2 * latent, 1), 1, generator=gen).squeeze(1)
     logits = 3 * latent + torch.linspace(-1, 1, 36, dtype=torch.float64)
-    preconditioned = make().fit(logits, labels, max_iter=3000)
+    newton_cg = make().fit(logits, labels, max_iter=3000)
     generic, record = _generic_fit(make, logits, labels, None)
-    assert preconditioned.fit_record_.converged
-    assert preconditioned.fit_record_.loss == pytest.approx(record.loss, rel=1e-8)
-    assert preconditioned.fit_record_.loss <= record.loss + 1e-10
+    assert newton_cg.fit_record_.converged
+    assert newton_cg.fit_record_.loss == pytest.approx(record.loss, rel=1e-8)
+    assert newton_cg.fit_record_.loss <= record.loss + 1e-10
 
 
 def test_float32_passes_reach_the_float64_temperature():

@@ -13,13 +13,16 @@ import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from torchcal._validation import check_logits_and_labels
 from torchcal.distributed import ProcessGroup, all_reduce_
+
+if TYPE_CHECKING:
+    from torchcal.calibrators.base import Calibrator
 
 __all__ = ["ConvergenceWarning", "FitRecord", "cross_validate", "fold_indices", "minimize", "newton"]
 
@@ -88,7 +91,8 @@ def minimize(
         if process_group is not None:
             loss = all_reduce_(loss.detach().clone(), process_group)
             for p in params:
-                all_reduce_(p.grad, process_group)
+                if p.grad is not None:
+                    all_reduce_(p.grad, process_group)
         return loss
 
     with torch.enable_grad():
@@ -97,7 +101,7 @@ def minimize(
     state = optimizer.state[params[0]]
     iterations = int(state.get("n_iter", 0))
     evaluations = int(state.get("func_evals", 0)) + 1
-    grad_max = max(float(p.grad.abs().max()) for p in params if p.numel())
+    grad_max = max(float(p.grad.abs().max()) for p in params if p.numel() and p.grad is not None)
     finite = math.isfinite(float(loss.detach())) and math.isfinite(grad_max)
     converged = finite and (iterations < max_iter or grad_max <= tol_grad)
     if not finite:
@@ -155,6 +159,13 @@ def newton(
     Returns:
         The minimiser and a :class:`FitRecord`. Flat directions of the Hessian (e.g. a constant
         added to every class's bias) are resolved by a tiny ridge and leave the loss unchanged.
+
+    Newton's method is invariant to the scale of each parameter, and so is this implementation:
+    the system is solved after scaling the Hessian to a unit diagonal (the ridge is relative to
+    each parameter's own curvature, so a direction of tiny curvature, e.g. the scale of a feature
+    that varies by 1e-7, is not swamped by the others), and convergence needs every gradient entry
+    below ``tol_grad`` both as it is and divided by the square root of its curvature (a gradient
+    that is small only because the parameter's scale is large does not count as converged).
     """
 
     def reduced_derivatives(theta: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -168,22 +179,32 @@ def newton(
     def reduced_objective(theta: Tensor) -> Tensor:
         return all_reduce_(objective(theta).reshape(1), process_group)[0]
 
+    def gradient_size(grad: Tensor, hess: Tensor) -> Tensor:
+        """The larger of the gradient's largest entry and its largest curvature-scaled entry."""
+        curvature = hess.diagonal()
+        scaled = torch.where(curvature > 0, grad.abs() / curvature.clamp_min(1e-300).sqrt(), grad.abs())
+        return torch.maximum(grad.abs().max(), scaled.max())
+
     loss, grad, hess = reduced_derivatives(theta)
     evaluations = 1
-    grad_max, loss_value = torch.stack([grad.abs().max(), loss]).tolist()
+    grad_max, loss_value, size = torch.stack([grad.abs().max(), loss, gradient_size(grad, hess)]).tolist()
     eye = torch.eye(theta.numel(), dtype=theta.dtype, device=theta.device)
     for iteration in range(max_iter):
-        if grad_max <= tol_grad:
+        if size <= tol_grad:
             return theta, FitRecord(iteration, evaluations, loss_value, grad_max, True, "gradient below tolerance")
-        ridge = 1e-12 * hess.diagonal().abs().max()
+        curvature = hess.diagonal().abs()
+        scale = torch.where(curvature > 0, curvature, curvature.max()).rsqrt()  # unit diagonal
         try:
-            step = torch.linalg.solve(hess + ridge * eye, -grad)
+            step = scale * torch.linalg.solve(scale.unsqueeze(1) * hess * scale + 1e-12 * eye, -scale * grad)
         except torch.linalg.LinAlgError:  # no curvature at all (e.g. saturated scores): steepest descent
             step = -grad
+        step = torch.where(torch.isfinite(step).all(), step, -grad)  # no usable curvature
         new_loss, new_grad, new_hess = reduced_derivatives(theta + step)
         evaluations += 1
         # one host sync per iteration: the trial's loss and gradient, and the step's slope
-        trial_loss, trial_grad_max, slope = torch.stack([new_loss, new_grad.abs().max(), grad @ step]).tolist()
+        trial_loss, trial_grad_max, trial_size, slope = torch.stack(
+            [new_loss, new_grad.abs().max(), gradient_size(new_grad, new_hess), grad @ step]
+        ).tolist()
         # Near the optimum the decrease falls below the loss's rounding error: allow for it.
         slack = 1e-14 * max(1.0, abs(loss_value))
         t = 1.0
@@ -196,11 +217,11 @@ def newton(
         if t < 1.0:
             new_loss, new_grad, new_hess = reduced_derivatives(theta + t * step)
             evaluations += 1
-            trial_loss, trial_grad_max = torch.stack([new_loss, new_grad.abs().max()]).tolist()
+            trial_loss, trial_grad_max, trial_size = torch.stack([new_loss, new_grad.abs().max(), gradient_size(new_grad, new_hess)]).tolist()
         if trial_loss >= loss_value and trial_grad_max >= grad_max:
             return theta, _stalled(iteration, evaluations, loss_value, grad_max)
         theta, grad, hess = theta + t * step, new_grad, new_hess
-        loss_value, grad_max = trial_loss, trial_grad_max
+        loss_value, grad_max, size = trial_loss, trial_grad_max, trial_size
     warnings.warn(f"Newton did not converge in {max_iter} iterations", ConvergenceWarning, stacklevel=4)
     return theta, FitRecord(max_iter, evaluations, loss_value, grad_max, False, f"stopped at the iteration cap ({max_iter})")
 
@@ -263,7 +284,7 @@ def fold_indices(
 
 
 def cross_validate(
-    calibrator: torch.nn.Module,
+    calibrator: Calibrator,
     logits: Tensor,
     labels: Tensor,
     folds: int = 5,

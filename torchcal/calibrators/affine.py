@@ -38,6 +38,9 @@ class AffineCalibration(Calibrator):
         tensor(True)
     """
 
+    log_alpha: Tensor
+    beta: Tensor
+
     def __init__(self, bias: bool = True) -> None:
         super().__init__()
         self.bias = bias
@@ -114,6 +117,9 @@ class VectorScaling(Calibrator):
     because the row normaliser is scaled by different ``w_k``). The log-loss fit is Newton's
     method with the exact 2K x 2K Hessian; other losses use the generic L-BFGS driver.
     """
+
+    weight: Tensor
+    bias: Tensor
 
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
         return {"weight": torch.ones(num_classes), "bias": torch.zeros(num_classes)}

@@ -4,34 +4,30 @@ ODIR and L2 regularisers of Kull et al. (2019) and cross-validated regularisatio
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
 import warnings
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from torchcal.calibrators._linear import FullDesign, fit_linear_newton
+from torchcal.calibrators._multinomial import fit_multinomial_logistic
 from torchcal.calibrators.base import Calibrator, sample_weights
 from torchcal.calibrators.temperature import inverse_temperature_start
-from torchcal.distributed import ProcessGroup, all_reduce_, world_size
-from torchcal.fit import FitRecord, fold_indices, minimize
+from torchcal.distributed import all_reduce_
+from torchcal.fit import FitRecord, fold_indices
 from torchcal.functional.scoring import PER_SAMPLE_SCORES, weighted_mean
 
 __all__ = ["DEFAULT_REG_GRID", "DirichletCalibration", "MatrixScaling"]
 
-#: Up to this many parameters K (K + 1), the log-loss fit uses Newton's method with the exact
-#: Hessian (a few dense solves) instead of L-BFGS, which crawls on these ill-conditioned problems.
-NEWTON_MAX_PARAMETERS = 1200
-
-#: Rows used to form the preconditioner of the L-BFGS path, and the largest preconditioner
-#: (K (K+1)^2 entries; 1 GiB in float64, K of about 500) before it falls back to plain L-BFGS.
-_PRECONDITIONER_ROWS = 8192
-_PRECONDITIONER_MAX_ENTRIES = 1 << 27
-_CHUNK_ELEMENTS = 1 << 22
-
 #: Regularisation strengths tried by cross-validation when none is given (mu = lambda). Wide on
 #: purpose: on the ResNet-110 CIFAR-10 logits the best ODIR lambda is about 10.
 DEFAULT_REG_GRID: tuple[float, ...] = tuple(10.0**e for e in range(-4, 4))
+#: Cross-validation solves every grid point to this gradient (the final fit to 1e-9), and stops
+#: the path once the loss has risen at this many consecutive grid points.
+_CV_TOL_GRAD = 1e-6
+_CV_PATIENCE = 2
 
 
 class MatrixScaling(Calibrator):
@@ -48,9 +44,28 @@ class MatrixScaling(Calibrator):
             ``reg_mu`` defaults to ``reg_lambda``.
         reg_grid: candidate lambdas, or ``(lambda, mu)`` pairs.
 
+    The log-loss fit is convex (Newton-CG, :mod:`torchcal.calibrators._multinomial`). With
+    ``fit(..., loss="brier")`` it is not: the Brier score of a full map has local optima. That fit
+    starts from the better of the identity map and the log-loss fit and finds a local optimum
+    near it by L-BFGS; ``fit_record_.message`` says so.
+
     After fitting, ``reg_lambda_`` / ``reg_mu_`` hold the strengths used and ``cv_losses_`` the
-    cross-validated loss of every grid point.
+    cross-validated loss of every grid point; ``inf`` marks the points abandoned once they could no
+    longer win, and the weak penalties not tried because the loss had risen at two consecutive
+    points past its best.
+
+    Example:
+        >>> import torch
+        >>> from torchcal import MatrixScaling
+        >>> logits = 3 * torch.randn(2000, 4)
+        >>> labels = torch.distributions.Categorical(logits=logits / 3).sample()
+        >>> cal = MatrixScaling(reg="odir", reg_lambda=1e-2).fit(logits, labels)
+        >>> cal.fit_record_.converged, cal.weight.shape
+        (True, torch.Size([4, 4]))
     """
+
+    weight: Tensor
+    bias: Tensor
 
     def __init__(
         self,
@@ -89,12 +104,13 @@ class MatrixScaling(Calibrator):
         """The penalty as ``sum(weights * [W | b]^2)``: weights of shape (K, K + 1), float64."""
         k = num_classes
         weights = torch.zeros(k, k + 1, dtype=torch.float64)
+        lam, mu = self.reg_lambda_ or 0.0, self.reg_mu_ or 0.0
         if self.reg == "l2":
-            weights[:] = self.reg_lambda_ / (k * (k + 1))
+            weights[:] = lam / (k * (k + 1))
         elif self.reg == "odir":
-            weights[:, :k] = self.reg_lambda_ / (k * (k - 1))
+            weights[:, :k] = lam / (k * (k - 1))
             weights[:, :k].fill_diagonal_(0.0)
-            weights[:, k] = self.reg_mu_ / k
+            weights[:, k] = mu / k
         return weights
 
     def _penalty(self) -> Tensor | float:
@@ -115,116 +131,112 @@ class MatrixScaling(Calibrator):
             with torch.no_grad():
                 self.weight.mul_(inverse_temperature_start(features, labels, weights, process_group))
         if self.reg is not None and self.reg_lambda is None:
-            self.cv_losses_ = self._cross_validate_grid(features, labels, weights, loss, max_iter, process_group)
+            self.cv_losses_, start = self._cross_validate_grid(features, labels, weights, loss, max_iter, process_group)
             best = min(range(len(self.reg_grid)), key=self.cv_losses_.__getitem__)
             self.reg_lambda_, self.reg_mu_ = self.reg_grid[best]
+            with torch.no_grad():  # the final fit starts where the folds ended, near its optimum
+                self.weight.copy_(start[:, :-1])
+                self.bias.copy_(start[:, -1])
         elif self.reg is not None:
             self.reg_lambda_ = self.reg_lambda
             self.reg_mu_ = self.reg_lambda if self.reg_mu is None else self.reg_mu
         return self._fit_fixed_penalty(features, labels, weights, loss, max_iter, process_group)
 
-    def _fit_fixed_penalty(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
-        k = features.shape[1]
-        if loss != "log":
-            return Calibrator._fit(self, features, labels, weights, loss, max_iter, process_group)
-        if k * (k + 1) ** 2 > _PRECONDITIONER_MAX_ENTRIES:
-            return Calibrator._fit(self, features, labels, weights, loss, max_iter, process_group)
-        if k * (k + 1) > NEWTON_MAX_PARAMETERS:
-            return self._fit_preconditioned_lbfgs(features, labels, weights, max_iter, process_group)
-        start = torch.cat([self.weight.detach(), self.bias.detach().unsqueeze(1)], dim=1).flatten()
-        penalty = self._penalty_weights(k).to(features.device).flatten()
-        theta, record = fit_linear_newton(
-            FullDesign(), features, labels, weights, start, penalty, max_iter=min(max_iter, 100), process_group=process_group
-        )
-        if not record.converged:  # Newton stalled (degenerate curvature): the L-BFGS driver
-            return Calibrator._fit(self, features, labels, weights, loss, max_iter, process_group)
-        theta = theta.view(k, k + 1)
-        with torch.no_grad():
-            self.weight.copy_(theta[:, :k])
-            self.bias.copy_(theta[:, k])
-        return record
-
-    def _fit_preconditioned_lbfgs(
-        self, features: Tensor, labels: Tensor, weights: Tensor | None, max_iter: int, process_group: ProcessGroup | None
+    def _fit_fixed_penalty(
+        self, features, labels, weights, loss, max_iter, process_group=None, tol_grad: float = 1e-9
     ) -> FitRecord:
-        """L-BFGS on the log-loss in preconditioned coordinates, for maps too large for Newton.
-
-        Row ``k`` of ``[W | b]`` (class ``k``'s scores) has curvature close to the diagonal block
-        of the Hessian, ``P_k = mean(q_k (1 - q_k) x x^T) + 2 diag(penalty_k)`` over the augmented
-        features ``x = [features, 1]`` (K+1, K+1), taken at the start on a subsample. These blocks
-        are badly conditioned (log-posterior features all share the row's ``-logsumexp``), which
-        is why plain L-BFGS needs thousands of iterations at K = 100.
-        With ``P_k = L_k L_k^T``, the substitution ``row_k = phi_k L_k^-1`` gives L-BFGS a problem
-        whose curvature is close to the identity; mapping ``phi`` back costs K small products per
-        evaluation, nothing next to the pass over the data.
-        """
-        n, k = features.shape
-        sample_w = sample_weights(labels, weights, process_group)
-        augmented = torch.cat([features, features.new_ones(n, 1)], dim=1)
-        theta = torch.cat([self.weight.detach(), self.bias.detach().unsqueeze(1)], dim=1)
-        # The blocks from an evenly spaced subsample: a preconditioner only needs to be roughly right.
-        rows = slice(None, None, max(1, n // _PRECONDITIONER_ROWS))
-        sub, sub_w = augmented[rows], sample_w[rows] * (sample_w.sum() / sample_w[rows].sum())
-        q = torch.softmax(sub @ theta.T, dim=1)
-        curvature = sub_w.unsqueeze(1) * q * (1 - q)  # (n_sub, K)
-        del q
-        step = max(1, _CHUNK_ELEMENTS // (k * (k + 1)))  # the einsum holds (rows, K, K+1)
-        blocks = sum(
-            torch.einsum("nk,na,nb->kab", curvature[i : i + step], sub[i : i + step], sub[i : i + step])
-            for i in range(0, sub.shape[0], step)
+        if loss != "log":
+            return self._fit_nonconvex(features, labels, weights, loss, max_iter, process_group)
+        k = features.shape[1]
+        start = torch.cat([self.weight.detach(), self.bias.detach().unsqueeze(1)], dim=1)
+        theta, record = fit_multinomial_logistic(
+            features, labels, sample_weights(labels, weights, process_group), start, self._penalty_weights(k),
+            tol_grad=tol_grad, max_iter=min(max_iter, 100), process_group=process_group,
         )
-        blocks = all_reduce_(blocks, process_group)
-        del curvature
-        penalty = self._penalty_weights(k).to(features.device)
-        blocks += torch.diag_embed(2 * penalty)  # P_k: (K, K+1, K+1)
-        jitter = 1e-12 * blocks.diagonal(dim1=1, dim2=2).mean(1).view(k, 1, 1) * torch.eye(k + 1, dtype=features.dtype, device=features.device)
-        chol = torch.linalg.cholesky(blocks + jitter)
-        eye = torch.eye(k + 1, dtype=chol.dtype, device=chol.device).expand_as(chol)
-        inv_chol = torch.linalg.solve_triangular(chol, eye, upper=False)  # L_k^-1: (K, K+1, K+1)
-        phi = torch.bmm(theta.unsqueeze(1), chol).squeeze(1).requires_grad_(True)
-        penalty = penalty / world_size(process_group)
-
-        def to_theta(phi: Tensor) -> Tensor:
-            return torch.bmm(phi.unsqueeze(1), inv_chol).squeeze(1)
-
-        def objective() -> Tensor:
-            theta = to_theta(phi)
-            log_q = torch.log_softmax(augmented @ theta.T, dim=1)
-            data = -(sample_w * log_q.gather(1, labels.unsqueeze(1)).squeeze(1)).sum()
-            return data + (penalty * theta.square()).sum()
-
-        # Stopping at loss changes of 1e-12 leaves gradients ~1e-6; 1e-13 gets below that.
-        record = minimize(objective, [phi], max_iter=max_iter, tol_change=1e-13, process_group=process_group)
-        theta = to_theta(phi.detach())
+        if not record.converged:  # Newton-CG stalled (degenerate curvature): the L-BFGS driver
+            return Calibrator._fit(self, features, labels, weights, loss, max_iter, process_group)
         with torch.no_grad():
             self.weight.copy_(theta[:, :k])
             self.bias.copy_(theta[:, k])
         return record
 
-    def _cross_validate_grid(self, features, labels, weights, loss, max_iter, process_group=None) -> list[float]:
-        """Out-of-fold loss of every grid point. Within a fold, the grid runs from the strongest
-        to the weakest penalty, each fit warm-started from the previous one. In a data-parallel
-        fit every process splits its own shard into folds and the fold losses are summed."""
-        order = sorted(range(len(self.reg_grid)), key=lambda i: -self.reg_grid[i][0])
-        totals = [0.0] * len(self.reg_grid)
+    def _fit_nonconvex(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
+        """The Brier score of a full linear map is not convex in ``[W | b]``: L-BFGS finds a local
+        optimum, started from the better (for this objective) of the identity map and the
+        log-loss fit, and ``fit_record_.message`` says so."""
+        sample_w = sample_weights(labels, weights, process_group)
         per_sample = PER_SAMPLE_SCORES[loss]
+
+        def objective() -> float:
+            with torch.no_grad():
+                data = sample_w @ per_sample(torch.log_softmax(self._scores(features), dim=1), labels).to(torch.float64)
+                return float(all_reduce_(data.reshape(1), process_group)) + float(self._penalty())
+
+        k = features.shape[1]
+        identity = self._identity(k)
+        self._fit_fixed_penalty(features, labels, weights, "log", max_iter, process_group)
+        from_log_loss = objective()
+        with torch.no_grad():
+            log_fit = self.weight.clone(), self.bias.clone()
+            self.weight.copy_(identity["weight"])
+            self.bias.copy_(identity["bias"])
+            if not objective() < from_log_loss:
+                self.weight.copy_(log_fit[0])
+                self.bias.copy_(log_fit[1])
+                start = "the log-loss fit"
+            else:
+                start = "the identity map"
+        record = Calibrator._fit(self, features, labels, weights, loss, max_iter, process_group)
+        note = f"; the {loss} objective of a full matrix is not convex: a local optimum, started from {start}"
+        return dataclasses.replace(record, message=record.message + note)
+
+    def _cross_validate_grid(self, features, labels, weights, loss, max_iter, process_group=None) -> tuple[list[float], Tensor]:
+        """Out-of-fold loss of every grid point (``inf`` for the points the path abandoned), and
+        the folds' mean ``[W | b]`` at the best point (a start for the final fit). A point whose
+        first folds' losses already sum past the best total is abandoned (``inf``).
+
+        The grid runs from the strongest penalty to the weakest; every fold's fit is warm-started
+        from its fit at the previous point (at the first point, from the previous fold's fit: the
+        training sets share most samples), and solved to a gradient of ``_CV_TOL_GRAD`` (the
+        selection only compares losses; the final fit is tight). The path stops once the loss has
+        risen at ``_CV_PATIENCE`` consecutive points past its best: weaker penalties only over-fit
+        further. In a data-parallel fit every process splits its own shard into folds and the
+        fold losses are summed.
+        """
+        order = sorted(range(len(self.reg_grid)), key=lambda i: tuple(-v for v in self.reg_grid[i]))
+        per_sample = PER_SAMPLE_SCORES[loss]
+        folds = []
         for test in fold_indices(labels, self.cv_folds, self.cv_seed):
             test = test.to(features.device)
             train = torch.ones_like(labels, dtype=torch.bool)
             train[test] = False
-            model = copy.deepcopy(self)
-            model.num_classes = features.shape[1]
-            model._materialize(features.shape[1], features.device)
-            for i in order:
+            folds.append((features[train], labels[train], features[test], labels[test], copy.deepcopy(self)))
+        n_total = all_reduce_(torch.tensor(float(labels.shape[0]), dtype=torch.float64, device=labels.device), process_group)
+        losses = [math.inf] * len(self.reg_grid)
+        best, rises, best_start = math.inf, 0, torch.empty(0)
+        for step, i in enumerate(order):
+            total = torch.zeros((), dtype=torch.float64, device=features.device)
+            for f, (train_x, train_y, test_x, test_y, model) in enumerate(folds):
+                if step == 0 and f > 0:
+                    model.load_state_dict(folds[f - 1][-1].state_dict())
                 model.reg_lambda_, model.reg_mu_ = self.reg_grid[i]
-                model._fit_fixed_penalty(features[train], labels[train], weights, loss, max_iter, process_group)
+                model._fit_fixed_penalty(train_x, train_y, weights, loss, max_iter, process_group, tol_grad=_CV_TOL_GRAD)
                 with torch.no_grad():
-                    log_probs = torch.log_softmax(model._scores(features[test]), dim=1)
-                    totals[i] += float(
-                        weighted_mean(per_sample(log_probs, labels[test]), labels[test], weights)
-                    ) * test.numel()
-        totals = all_reduce_(torch.tensor([*totals, labels.shape[0]], dtype=torch.float64, device=labels.device), process_group)
-        return (totals[:-1] / totals[-1]).tolist()
+                    log_probs = torch.log_softmax(model._scores(test_x), dim=1)
+                    total += weighted_mean(per_sample(log_probs, test_y), test_y, weights) * test_y.numel()
+                # Fold losses are non-negative: once their partial sum passes the best total, the
+                # point cannot win, and its remaining folds are not fitted.
+                if f + 1 < len(folds) and float(all_reduce_(total.clone(), process_group) / n_total) > best:
+                    break
+            losses[i] = float(all_reduce_(total, process_group) / n_total) if f + 1 == len(folds) else math.inf
+            if losses[i] < best:
+                best, rises = losses[i], 0
+                best_start = torch.stack([torch.cat([m.weight, m.bias.unsqueeze(1)], 1).detach() for *_, m in folds]).mean(0)
+            else:
+                rises += 1
+            if rises >= _CV_PATIENCE:
+                break
+        return losses, best_start
 
     def get_extra_state(self):
         return {**super().get_extra_state(), "reg_lambda_": self.reg_lambda_, "reg_mu_": self.reg_mu_}
@@ -244,6 +256,15 @@ class DirichletCalibration(MatrixScaling):
     A K-dimensional logistic regression on the log-posteriors (the Dirichlet sufficient
     statistics). Same parameters and regularisers as :class:`MatrixScaling`; ``reg="odir"`` is
     Dir-ODIR, ``reg="l2"`` Dir-L2. The full ``W`` is penalised (no reference row).
+
+    Example:
+        >>> import torch
+        >>> from torchcal import DirichletCalibration
+        >>> logits = 3 * torch.randn(2000, 4)
+        >>> labels = torch.distributions.Categorical(logits=logits / 3).sample()
+        >>> cal = DirichletCalibration(reg="odir").fit(logits, labels)  # lambda by 5-fold CV
+        >>> cal.reg_lambda_ in [lam for lam, mu in cal.reg_grid]
+        True
     """
 
     def _features(self, logits: Tensor) -> Tensor:

@@ -48,6 +48,7 @@ class TemperatureScaling(Calibrator):
     """
 
     _fit_in_float64 = False
+    log_temperature: Tensor
 
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
         return {"log_temperature": torch.zeros((), dtype=torch.float64)}

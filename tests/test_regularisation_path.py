@@ -1,0 +1,59 @@
+"""Cross-validation of the ODIR / L2 strength (warm-started path, loose selection tolerance,
+abandoned points) selects what the exhaustive grid selects, with the same final parameters."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import torchcal
+from torchcal.functional import cross_entropy
+
+
+def _exhaustive(make, grid, logits, labels):
+    """Every grid point, every fold, a cold fit to the default tolerance; the argmin and the
+    final fit on all the data at it."""
+    losses = [float(cross_entropy(torchcal.cross_validate(make(lam), logits, labels, folds=5, seed=0), labels)) for lam in grid]
+    best = min(range(len(grid)), key=losses.__getitem__)
+    return losses, grid[best], make(grid[best]).fit(logits, labels)
+
+
+def _check_same_selection(make, logits, labels):
+    grid = torchcal.calibrators.matrix.DEFAULT_REG_GRID
+    path = make(None).fit(logits, labels)
+    losses, best, final = _exhaustive(make, grid, logits, labels)
+    assert path.reg_lambda_ == best
+    torch.testing.assert_close(path.weight, final.weight, rtol=0, atol=1e-6)
+    torch.testing.assert_close(path.bias, final.bias, rtol=0, atol=1e-6)
+    tried = [i for i, v in enumerate(path.cv_losses_) if math.isfinite(v)]
+    assert grid.index(best) in tried
+    for i in tried:  # the loose tolerance moves the out-of-fold losses by round-off only
+        assert path.cv_losses_[i] == pytest.approx(losses[i], rel=1e-6)
+    for i, v in enumerate(path.cv_losses_):  # an abandoned point was indeed worse than the best
+        if not math.isfinite(v):
+            assert losses[i] > losses[grid.index(best)]
+    return path
+
+
+def test_path_selects_what_the_exhaustive_grid_selects_on_real_cifar100_logits(real):
+    d = real("cifar100_resnet20_ferrer")
+    logits, labels = torch.from_numpy(d["logits"]).double(), torch.from_numpy(d["labels"])
+    keep = labels < 15  # the samples and columns of 15 classes: K (K+1) = 240 parameters
+    path = _check_same_selection(
+        lambda lam: torchcal.DirichletCalibration(reg="odir", reg_lambda=lam), logits[keep][:, :15], labels[keep]
+    )
+    assert not all(map(math.isfinite, path.cv_losses_))  # the path did save work here
+
+
+@pytest.mark.parametrize("make", [
+    lambda lam: torchcal.MatrixScaling(reg="odir", reg_lambda=lam),
+    lambda lam: torchcal.DirichletCalibration(reg="l2", reg_lambda=lam),
+], ids=["matrix-odir", "dirichlet-l2"])
+def test_path_selects_what_the_exhaustive_grid_selects_on_random_problems(make):
+    gen = torch.Generator().manual_seed(12)
+    latent = 2 * torch.randn(1500, 8, generator=gen, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(latent, 1), 1, generator=gen).squeeze(1)
+    mixing = torch.eye(8, dtype=torch.float64) + 0.3 * torch.randn(8, 8, generator=gen, dtype=torch.float64)
+    _check_same_selection(make, 3 * latent @ mixing + torch.linspace(-1, 1, 8, dtype=torch.float64), labels)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sync_count import count_host_syncs
 
 import torchcal
-from torchcal._sync_count import count_host_syncs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")

@@ -3,13 +3,12 @@ end with the parameters of one process fitted on the union."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo import spawn_gloo
 
 import torchcal
 from torchcal.calibrators import temperature
@@ -51,25 +50,14 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return logits, labels
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        logits, labels = _data()
-        shard = slice(0, SPLIT) if rank == 0 else slice(SPLIT, None)
-        fitted = {}
-        for name in MODELS:
-            cal = _fit(name, logits[shard], labels[shard], process_group=dist.group.WORLD)
-            fitted[name] = {"state": cal.state_dict(), "loss": cal.fit_record_.loss}
-        torch.save(fitted, Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _worker(rank: int, out: str) -> None:
+    logits, labels = _data()
+    shard = slice(0, SPLIT) if rank == 0 else slice(SPLIT, None)
+    fitted = {}
+    for name in MODELS:
+        cal = _fit(name, logits[shard], labels[shard], process_group=dist.group.WORLD)
+        fitted[name] = {"state": cal.state_dict(), "loss": cal.fit_record_.loss}
+    torch.save(fitted, Path(out) / f"rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +65,7 @@ def two_process_fits(tmp_path_factory):
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
     out = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
+    spawn_gloo(_worker, 2, str(out))
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

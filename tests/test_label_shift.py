@@ -4,15 +4,14 @@ test log-loss after adaptation, next to the known-prior answer."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import load_real
+from gloo import spawn_gloo
 
 from torchcal import AffineCalibration, IsotonicCalibration
 from torchcal.functional.scoring import class_frequencies, cross_entropy
@@ -172,25 +171,17 @@ def _em_data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(1500, 3, generator=gen) + 2 * torch.eye(3)[labels], torch.full((3,), 1 / 3)
 
 
-def _em_worker(rank: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        logits, source = _em_data()
-        shard = slice(0, 1000) if rank == 0 else slice(1000, None)  # uneven shards
-        estimate = estimate_priors(logits[shard], source, process_group=dist.group.WORLD)
-        torch.save((estimate.priors, estimate.stderr, estimate.record), Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _em_worker(rank: int, out: str) -> None:
+    logits, source = _em_data()
+    shard = slice(0, 1000) if rank == 0 else slice(1000, None)  # uneven shards
+    estimate = estimate_priors(logits[shard], source, process_group=dist.group.WORLD)
+    torch.save((estimate.priors, estimate.stderr, estimate.record), Path(out) / f"rank{rank}.pt")
 
 
 def test_two_processes_estimate_the_priors_of_the_union(tmp_path):
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_em_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    spawn_gloo(_em_worker, 2, str(tmp_path))
     single = estimate_priors(*_em_data())
     for rank in range(2):
         priors, stderr, record = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)

@@ -6,13 +6,10 @@ batches each, then over a group of 2 of them with even shards.
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo import spawn_gloo
 from test_metrics_streaming import batches, case_list, costs_for, expected_cost_case, make_data
 
 import torchcal
@@ -24,12 +21,6 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 N, K = 1200, 3
 UNEVEN = [1, 150, 420, 629]  # 4 processes
 EVEN = [600, 600]  # processes 0 and 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cases(logits, labels):
@@ -64,22 +55,16 @@ def _check(cases, labels, shard: slice, group, tag: str) -> None:
             assert abs(metric.result().relative.item() - expected.item()) <= 1e-10 * abs(expected.item()), (tag, name)
 
 
-def _worker(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=len(UNEVEN))
-    try:
-        logits, labels = make_data(N, K, 2.0, seed=0)  # identical in every process
-        cases = _cases(logits, labels)
-        start = sum(UNEVEN[:rank])
-        _check(cases, labels, slice(start, start + UNEVEN[rank]), None, "4 uneven")
-        pair = dist.new_group([0, 1])  # every process must take part in creating it
-        if rank < 2:
-            _check(cases, labels, slice(sum(EVEN[:rank]), sum(EVEN[: rank + 1])), pair, "2 even")
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int) -> None:
+    logits, labels = make_data(N, K, 2.0, seed=0)  # identical in every process
+    cases = _cases(logits, labels)
+    start = sum(UNEVEN[:rank])
+    _check(cases, labels, slice(start, start + UNEVEN[rank]), None, "4 uneven")
+    pair = dist.new_group([0, 1])  # every process must take part in creating it
+    if rank < 2:
+        _check(cases, labels, slice(sum(EVEN[:rank]), sum(EVEN[: rank + 1])), pair, "2 even")
 
 
 def test_synchronised_metrics_equal_one_process():
     assert sum(UNEVEN) == sum(EVEN) == N
-    mp.spawn(_worker, args=(_free_port(),), nprocs=len(UNEVEN), join=True)
+    spawn_gloo(_worker, len(UNEVEN))

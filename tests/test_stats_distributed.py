@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo import spawn_gloo
 
 from torchcal.functional.calibration_tests import spiegelhalter_test
 from torchcal.functional.debiased_ece import debiased_calibration_error
@@ -55,30 +52,21 @@ BINARY_CASES = {  # on the binary problem "class 1 or not"
 }
 
 
-def _worker(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=len(SHARDS))
-    try:
-        logits, labels = _data()
-        shard = slice(sum(SHARDS[:rank]), sum(SHARDS[: rank + 1]))
-        binary = (torch.stack([torch.logsumexp(logits[:, [0, 2]], 1), logits[:, 1]], 1), (labels == 1).long())
-        for cases, (x, y) in ((CASES, (logits, labels)), (BINARY_CASES, binary)):
-            for name, (factory, reference) in cases.items():
-                metric = factory()
-                for part in torch.arange(N)[shard].split(100):
-                    metric.update(x[part], y[part])
-                torch.testing.assert_close(metric.compute(), reference(x, y), rtol=1e-10, atol=1e-12, msg=name)
-        test = SpiegelhalterTest(K, alternative="less")
-        test.update(logits[shard], labels[shard])
-        expected = spiegelhalter_test(logits, labels, alternative="less")
-        torch.testing.assert_close(test.result().p_value, expected.p_value, rtol=1e-10, atol=1e-12)
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int) -> None:
+    logits, labels = _data()
+    shard = slice(sum(SHARDS[:rank]), sum(SHARDS[: rank + 1]))
+    binary = (torch.stack([torch.logsumexp(logits[:, [0, 2]], 1), logits[:, 1]], 1), (labels == 1).long())
+    for cases, (x, y) in ((CASES, (logits, labels)), (BINARY_CASES, binary)):
+        for name, (factory, reference) in cases.items():
+            metric = factory()
+            for part in torch.arange(N)[shard].split(100):
+                metric.update(x[part], y[part])
+            torch.testing.assert_close(metric.compute(), reference(x, y), rtol=1e-10, atol=1e-12, msg=name)
+    test = SpiegelhalterTest(K, alternative="less")
+    test.update(logits[shard], labels[shard])
+    expected = spiegelhalter_test(logits, labels, alternative="less")
+    torch.testing.assert_close(test.result().p_value, expected.p_value, rtol=1e-10, atol=1e-12)
 
 
 def test_synchronised_statistics_equal_one_process():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port,), nprocs=len(SHARDS), join=True)
+    spawn_gloo(_worker, len(SHARDS))

@@ -4,7 +4,6 @@ on real logits, cross-validation against a cold-started grid, and the calibrator
 
 from __future__ import annotations
 
-import socket
 import sys
 import types
 import warnings
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo import spawn_gloo
 from scipy.optimize import brentq, minimize
 from scipy.special import log_softmax, softmax
 
@@ -292,30 +291,22 @@ def test_cli_methods_list_them():
 SPLIT = 250
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        logits, labels = _data()
-        shard = slice(0, SPLIT) if rank == 0 else slice(SPLIT, None)
-        fitted = {}
-        for name, cls in MODELS.items():
-            model = cls(reg_lambda=0.3).fit(logits[shard], labels[shard], process_group=dist.group.WORLD)
-            fitted[name] = {"state": model.state_dict(), "loss": model.fit_record_.loss}
-        torch.save(fitted, Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, out: str) -> None:
+    logits, labels = _data()
+    shard = slice(0, SPLIT) if rank == 0 else slice(SPLIT, None)
+    fitted = {}
+    for name, cls in MODELS.items():
+        model = cls(reg_lambda=0.3).fit(logits[shard], labels[shard], process_group=dist.group.WORLD)
+        fitted[name] = {"state": model.state_dict(), "loss": model.fit_record_.loss}
+    torch.save(fitted, Path(out) / f"rank{rank}.pt")
 
 
 def test_two_processes_match_one_process_on_the_union(tmp_path):
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        mp.spawn(_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+        spawn_gloo(_worker, 2, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     logits, labels = _data()
     for name, cls in MODELS.items():

@@ -125,6 +125,21 @@ def test_passes_do_not_blow_up_as_lambda_shrinks():
     assert passes[1e-4] <= 3 * passes[1.0], passes
 
 
+@pytest.mark.parametrize("lam", [1e-3, 1.0])
+def test_the_large_k_diagonal_preconditioner_reaches_the_same_optimum(monkeypatch, lam):
+    """Above ``_MAX_BLOCK_SIZE`` features CG is preconditioned by the blocks' diagonals: forced
+    onto that path, a small problem reaches the exact Newton optimum and the block path's fit."""
+    logits, labels = _problem(2000, 8, seed=11)
+    blocks = torchcal.DirichletCalibration(reg="odir", reg_lambda=lam).fit(logits, labels)
+    monkeypatch.setattr(torchcal.calibrators._multinomial, "_MAX_BLOCK_SIZE", 0)
+    diagonal = torchcal.DirichletCalibration(reg="odir", reg_lambda=lam).fit(logits, labels)
+    reference = _reference(torchcal.DirichletCalibration(reg="odir", reg_lambda=lam), logits, labels)
+    assert diagonal.fit_record_.converged and diagonal.fit_record_.grad_max < 1e-9
+    assert diagonal.fit_record_.evaluations != blocks.fit_record_.evaluations  # the other path ran
+    torch.testing.assert_close(_fitted(diagonal), reference, rtol=0, atol=1e-6)
+    torch.testing.assert_close(_fitted(diagonal), _fitted(blocks), rtol=0, atol=1e-6)
+
+
 def test_the_solver_function_on_its_own():
     """The module-level interface (for other full linear maps): a 2-class problem whose optimum
     SciPy finds in float64 from the same objective written out by hand."""

@@ -24,7 +24,7 @@ from torchcal.distributed import ProcessGroup, all_reduce_
 if TYPE_CHECKING:
     from torchcal.calibrators.base import Calibrator
 
-__all__ = ["ConvergenceWarning", "FitRecord", "cross_validate", "fold_indices", "minimize", "newton"]
+__all__ = ["ConvergenceWarning", "FitRecord", "cross_validate", "cross_validate_path", "fold_indices", "minimize", "newton"]
 
 
 class ConvergenceWarning(UserWarning):
@@ -330,3 +330,56 @@ def cross_validate(
         out[test] = calibrated
     assert out is not None
     return out
+
+
+def cross_validate_path(
+    order: Sequence[int],
+    num_folds: int,
+    fold_loss: Callable[[int, int], Tensor],
+    num_samples: int,
+    process_group: ProcessGroup | None = None,
+    patience: int = 2,
+    on_best: Callable[[], None] | None = None,
+) -> list[float]:
+    """Out-of-fold loss of the points of a regularisation grid, visited along a path.
+
+    Points are visited in ``order`` (strongest penalty first), every fold's model warm-started
+    from its fit at the previous point, which ``fold_loss(point, fold)`` does: it fits fold
+    ``fold``'s model at grid point ``point`` and returns the summed loss (a scalar tensor) over
+    that fold's test samples. Work is saved in two ways. A point whose first folds' losses already
+    sum past the best total cannot win (fold losses are non-negative), and its other folds are not
+    fitted. Once the loss has risen at ``patience`` consecutive points past its best, the path
+    stops: weaker penalties only over-fit further. Both leave ``inf`` for the point. ``on_best``
+    is called whenever a point becomes the best so far, while the fold models hold its fits.
+
+    Args:
+        order: grid indices in the order to visit them; the returned list is indexed like the grid,
+            whose length is ``max(order) + 1``.
+        num_samples: this process's samples over all test folds; in a data-parallel fit the fold
+            losses and the counts are summed over ``process_group``.
+
+    Returns:
+        The mean out-of-fold loss of every grid point (``inf`` where abandoned or not visited).
+    """
+    losses = [math.inf] * (max(order) + 1)
+    best, rises = math.inf, 0
+    for point in order:
+        total: Tensor | float = 0.0
+        for fold in range(num_folds):
+            total = fold_loss(point, fold).to(torch.float64) + total
+            # [summed loss, samples]: on the loss's device, which the process group's backend needs
+            reduced = all_reduce_(torch.stack([total, total.new_tensor(float(num_samples))]), process_group)
+            mean = float(reduced[0] / reduced[1])
+            if fold + 1 < num_folds and mean > best:
+                break
+        else:
+            losses[point] = mean
+        if losses[point] < best:
+            best, rises = losses[point], 0
+            if on_best is not None:
+                on_best()
+        else:
+            rises += 1
+        if rises >= patience:
+            break
+    return losses

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import warnings
 from collections.abc import Sequence
 
@@ -16,7 +15,7 @@ from torchcal.calibrators._multinomial import fit_multinomial_logistic
 from torchcal.calibrators.base import Calibrator, sample_weights
 from torchcal.calibrators.temperature import inverse_temperature_start
 from torchcal.distributed import all_reduce_
-from torchcal.fit import FitRecord, fold_indices
+from torchcal.fit import FitRecord, cross_validate_path, fold_indices
 from torchcal.functional.scoring import PER_SAMPLE_SCORES, weighted_mean
 
 __all__ = ["DEFAULT_REG_GRID", "DirichletCalibration", "MatrixScaling"]
@@ -191,17 +190,13 @@ class MatrixScaling(Calibrator):
         return dataclasses.replace(record, message=record.message + note)
 
     def _cross_validate_grid(self, features, labels, weights, loss, max_iter, process_group=None) -> tuple[list[float], Tensor]:
-        """Out-of-fold loss of every grid point (``inf`` for the points the path abandoned), and
-        the folds' mean ``[W | b]`` at the best point (a start for the final fit). A point whose
-        first folds' losses already sum past the best total is abandoned (``inf``).
+        """Out-of-fold loss of every grid point along the warm-started path of
+        :func:`~torchcal.fit.cross_validate_path` (``inf`` for the points it abandoned), and the
+        folds' mean ``[W | b]`` at the best point (a start for the final fit).
 
-        The grid runs from the strongest penalty to the weakest; every fold's fit is warm-started
-        from its fit at the previous point (at the first point, from the previous fold's fit: the
-        training sets share most samples), and solved to a gradient of ``_CV_TOL_GRAD`` (the
-        selection only compares losses; the final fit is tight). The path stops once the loss has
-        risen at ``_CV_PATIENCE`` consecutive points past its best: weaker penalties only over-fit
-        further. In a data-parallel fit every process splits its own shard into folds and the
-        fold losses are summed.
+        At the first point every fold starts from the previous fold's fit (the training sets
+        share most samples). Fits are solved to a gradient of ``_CV_TOL_GRAD``: the selection only
+        compares losses; the final fit is tight.
         """
         order = sorted(range(len(self.reg_grid)), key=lambda i: tuple(-v for v in self.reg_grid[i]))
         per_sample = PER_SAMPLE_SCORES[loss]
@@ -211,32 +206,24 @@ class MatrixScaling(Calibrator):
             train = torch.ones_like(labels, dtype=torch.bool)
             train[test] = False
             folds.append((features[train], labels[train], features[test], labels[test], copy.deepcopy(self)))
-        n_total = all_reduce_(torch.tensor(float(labels.shape[0]), dtype=torch.float64, device=labels.device), process_group)
-        losses = [math.inf] * len(self.reg_grid)
-        best, rises, best_start = math.inf, 0, torch.empty(0)
-        for step, i in enumerate(order):
-            total = torch.zeros((), dtype=torch.float64, device=features.device)
-            for f, (train_x, train_y, test_x, test_y, model) in enumerate(folds):
-                if step == 0 and f > 0:
-                    model.load_state_dict(folds[f - 1][-1].state_dict())
-                model.reg_lambda_, model.reg_mu_ = self.reg_grid[i]
-                model._fit_fixed_penalty(train_x, train_y, weights, loss, max_iter, process_group, tol_grad=_CV_TOL_GRAD)
-                with torch.no_grad():
-                    log_probs = torch.log_softmax(model._scores(test_x), dim=1)
-                    total += weighted_mean(per_sample(log_probs, test_y), test_y, weights) * test_y.numel()
-                # Fold losses are non-negative: once their partial sum passes the best total, the
-                # point cannot win, and its remaining folds are not fitted.
-                if f + 1 < len(folds) and float(all_reduce_(total.clone(), process_group) / n_total) > best:
-                    break
-            losses[i] = float(all_reduce_(total, process_group) / n_total) if f + 1 == len(folds) else math.inf
-            if losses[i] < best:
-                best, rises = losses[i], 0
-                best_start = torch.stack([torch.cat([m.weight, m.bias.unsqueeze(1)], 1).detach() for *_, m in folds]).mean(0)
-            else:
-                rises += 1
-            if rises >= _CV_PATIENCE:
-                break
-        return losses, best_start
+
+        def fold_loss(point: int, fold: int) -> Tensor:
+            train_x, train_y, test_x, test_y, model = folds[fold]
+            if point == order[0] and fold > 0:
+                model.load_state_dict(folds[fold - 1][-1].state_dict())
+            model.reg_lambda_, model.reg_mu_ = self.reg_grid[point]
+            model._fit_fixed_penalty(train_x, train_y, weights, loss, max_iter, process_group, tol_grad=_CV_TOL_GRAD)
+            with torch.no_grad():
+                log_probs = torch.log_softmax(model._scores(test_x), dim=1)
+                return weighted_mean(per_sample(log_probs, test_y), test_y, weights) * test_y.numel()
+
+        best_start = [torch.empty(0)]
+
+        def keep_best_start() -> None:
+            best_start[0] = torch.stack([torch.cat([m.weight, m.bias.unsqueeze(1)], 1).detach() for *_, m in folds]).mean(0)
+
+        losses = cross_validate_path(order, len(folds), fold_loss, labels.shape[0], process_group, _CV_PATIENCE, keep_best_start)
+        return losses, best_start[0]
 
     def get_extra_state(self):
         return {**super().get_extra_state(), "reg_lambda_": self.reg_lambda_, "reg_mu_": self.reg_mu_}

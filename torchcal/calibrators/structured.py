@@ -39,7 +39,7 @@ from torchcal.calibrators._linear import LinearDesign, fit_linear_newton
 from torchcal.calibrators.base import Calibrator, sample_weights
 from torchcal.calibrators.temperature import fit_inverse_temperature
 from torchcal.distributed import ProcessGroup, all_reduce_, world_size
-from torchcal.fit import ConvergenceWarning, FitRecord, fold_indices, minimize
+from torchcal.fit import ConvergenceWarning, FitRecord, cross_validate_path, fold_indices, minimize
 from torchcal.functional.scoring import PER_SAMPLE_SCORES, weighted_mean
 
 __all__ = ["DEFAULT_LAMBDA_GRID", "QuadraticScaling", "StructuredMatrixScaling", "StructuredVectorScaling"]
@@ -52,6 +52,8 @@ DEFAULT_LAMBDA_GRID: tuple[float, ...] = tuple(4.0**e for e in range(-6, 3))
 #: L-BFGS's loss-change tolerance for the fits that only select lambda: out-of-fold losses agree
 #: with fully converged fits to 1e-6 on CIFAR-100 logits, with 30 % fewer passes.
 _SELECTION_TOL_CHANGE = 1e-9
+#: The cross-validation path stops once the loss has risen at this many consecutive lambdas.
+_CV_PATIENCE = 2
 
 
 class _WeightedLogLoss(torch.autograd.Function):
@@ -169,8 +171,10 @@ class _StructuredScaling(Calibrator):
     def _fit(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
         x = self._fit_ts_mix(features, labels, weights, process_group)
         if self.reg_lambda is None:
-            self.cv_losses_ = self._cross_validate(features, labels, weights, loss, max_iter, process_group)
+            self.cv_losses_, start = self._cross_validate(features, labels, weights, loss, max_iter, process_group)
             self.reg_lambda_ = self.reg_grid[min(range(len(self.reg_grid)), key=self.cv_losses_.__getitem__)]
+            with torch.no_grad():  # the final fit starts where the folds ended, near its optimum
+                self._set_theta(start)
         else:
             self.reg_lambda_ = self.reg_lambda
         return self._fit_map(x, labels, weights, loss, max_iter, self.reg_lambda_, process_group)
@@ -226,14 +230,14 @@ class _StructuredScaling(Calibrator):
             self._set_theta(to_theta(phi.detach()))
         return record
 
-    def _cross_validate(self, log_probs, labels, weights, loss, max_iter, process_group=None) -> list[float]:
-        """Out-of-fold loss of every lambda of the grid. Within a fold the grid runs from the
-        strongest penalty to the weakest, each fit warm-started from the previous one; the ts-mix
-        step is refitted on every training fold, as it is part of the calibrator. In a data-parallel
-        fit every process splits its own shard into folds and the fold losses are summed."""
-        order = sorted(range(len(self.reg_grid)), key=lambda i: -self.reg_grid[i])
+    def _cross_validate(self, log_probs, labels, weights, loss, max_iter, process_group=None) -> tuple[list[float], Tensor]:
+        """Out-of-fold loss of every lambda of the grid along the warm-started path of
+        :func:`~torchcal.fit.cross_validate_path` (``inf`` for the points it abandoned), and the
+        folds' mean deviation ``theta`` at the best lambda (a start for the final fit). Selection
+        fits stop at ``_SELECTION_TOL_CHANGE``. The ts-mix step is refitted on every training fold,
+        as it is part of the calibrator."""
         per_sample = PER_SAMPLE_SCORES[loss]
-        totals = torch.zeros(len(self.reg_grid) + 1, dtype=torch.float64, device=log_probs.device)
+        folds = []
         for test in fold_indices(labels, self.cv_folds, self.cv_seed):
             test = test.to(log_probs.device)
             train = torch.ones_like(labels, dtype=torch.bool)
@@ -241,15 +245,23 @@ class _StructuredScaling(Calibrator):
             model = copy.deepcopy(self)
             model._materialize(log_probs.shape[1], log_probs.device)
             x_train = model._fit_ts_mix(log_probs[train], labels[train], weights, process_group)
-            x_test = model._ts_mix(log_probs[test])
-            for i in order:
-                model._fit_map(x_train, labels[train], weights, loss, max_iter, self.reg_grid[i], process_group, _SELECTION_TOL_CHANGE)
-                with torch.no_grad():
-                    log_q = torch.log_softmax(model._map_theta(model._design(x_test), model._theta()), dim=1)
-                    totals[i] += weighted_mean(per_sample(log_q, labels[test]), labels[test], weights) * test.numel()
-            totals[-1] += test.numel()
-        totals = all_reduce_(totals, process_group)
-        return (totals[:-1] / totals[-1]).tolist()
+            folds.append((model, x_train, labels[train], model._design(model._ts_mix(log_probs[test])), labels[test]))
+
+        def fold_loss(point: int, fold: int) -> Tensor:
+            model, x_train, y_train, design_test, y_test = folds[fold]
+            model._fit_map(x_train, y_train, weights, loss, max_iter, self.reg_grid[point], process_group, _SELECTION_TOL_CHANGE)
+            with torch.no_grad():
+                log_q = torch.log_softmax(model._map_theta(design_test, model._theta()), dim=1)
+                return weighted_mean(per_sample(log_q, y_test), y_test, weights) * y_test.numel()
+
+        best_start = [self._theta().detach()]
+
+        def keep_best_start() -> None:
+            best_start[0] = torch.stack([model._theta().detach() for model, *_ in folds]).mean(0)
+
+        order = sorted(range(len(self.reg_grid)), key=lambda i: -self.reg_grid[i])
+        losses = cross_validate_path(order, len(folds), fold_loss, labels.shape[0], process_group, _CV_PATIENCE, keep_best_start)
+        return losses, best_start[0]
 
     # --------------------------------------------------------------------------- state
     def get_extra_state(self):

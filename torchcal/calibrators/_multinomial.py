@@ -155,18 +155,11 @@ def fit_multinomial_logistic(
         return data + centre(2 * penalty * shift(v))
 
     factor = torch.empty(0, dtype=torch.float64, device=x.device)
-    x_low = torch.empty(0)
 
     def block_preconditioner(q: Tensor) -> Callable[[Tensor], Tensor]:
         """Cholesky factors (K, D, D) of the per-class diagonal Hessian blocks, a few classes at
-        a time, into one buffer reused by every Newton step (at K = 1,000 the factors are 8 GB).
-
-        The blocks are gathered and multiplied in float32 (a preconditioner needs no more, and
-        that halves their cost, the larger part of a Newton step's at K = 100) and factorised in
-        float64 with a ridge above float32's round-off."""
-        nonlocal factor, x_low
-        if x_low.numel() == 0:
-            x_low = x.float()
+        a time, into one buffer reused by every Newton step (at K = 1,000 the factors are 8 GB)."""
+        nonlocal factor
         curvature = w.unsqueeze(1) * q * (1 - q)  # (N, K)
         d = f + 1
         m = min(n, max(_MIN_BLOCK_ROWS, _BLOCK_ROWS_PER_FEATURE * n // d))
@@ -176,20 +169,18 @@ def fit_multinomial_logistic(
         step = max(1, _CHUNK_ELEMENTS // (d * max(m, d)))
         for start in range(0, k, step):
             classes = slice(start, start + step)
-            chosen = x_low.index_select(0, index[:, classes].T.flatten()).view(-1, m, d)  # (classes, m, D)
-            blocks = torch.bmm((chosen * top[:, classes].T.unsqueeze(2).float()).transpose(1, 2), chosen).to(torch.float64)
+            chosen = x.index_select(0, index[:, classes].T.flatten()).view(-1, m, d)  # (classes, m, D)
+            blocks = torch.bmm((chosen * top[:, classes].T.unsqueeze(2)).transpose(1, 2), chosen).to(torch.float64)
             blocks = all_reduce_(blocks, process_group)
             diagonal = blocks.diagonal(dim1=1, dim2=2)
             diagonal += 2 * penalty[classes]
-            # Scale-aware ridge: relative to each block's own diagonal, so that a class whose
+            # Scale-aware jitter: relative to each block's own diagonal, so that a class whose
             # curvature is tiny is not swamped by the others' (and a floor for all-zero blocks).
-            diagonal += 1e-6 * diagonal + 1e-14 * diagonal.mean(1, keepdim=True) + 1e-300
+            diagonal += 1e-10 * diagonal + 1e-14 * diagonal.mean(1, keepdim=True) + 1e-300
             chol, info = torch.linalg.cholesky_ex(blocks)
-            ridge = 1e-6
-            while bool(info.any()) and ridge < 1:  # numerically indefinite: a stronger ridge
-                diagonal += ridge * diagonal.mean(1, keepdim=True)
-                chol, info = torch.linalg.cholesky_ex(blocks)
-                ridge *= 100
+            if bool(info.any()):  # numerically indefinite: a stronger ridge
+                diagonal += 1e-6 * diagonal.mean(1, keepdim=True)
+                chol = torch.linalg.cholesky(blocks)
             factor[classes] = chol
         return lambda r: torch.cholesky_solve(r.unsqueeze(2), factor).squeeze(2)
 

@@ -260,7 +260,8 @@ def test_calibrate_estimates_the_priors_of_unlabelled_target_scores(capsys, tmp_
     counts = (shifted * 2000).astype(int)
     rows = np.concatenate([rng.choice(np.flatnonzero(example["labels"] == k), n, replace=False) for k, n in enumerate(counts)])
     target = tmp_path / "target.npy"
-    np.save(target, example["logits"][rng.permutation(rows)])  # scores only
+    rows = rows[rng.permutation(len(rows))]
+    np.save(target, example["logits"][rows])  # scores only
 
     head = tmp_path / "head.pt"
     code, out, _ = run(capsys, "calibrate", calibration, "--method", "affine", "--target", target, "--save", head)
@@ -282,6 +283,20 @@ def test_calibrate_estimates_the_priors_of_unlabelled_target_scores(capsys, tmp_
     stored = torch.load(head, weights_only=True)["label_shift"]
     np.testing.assert_allclose(stored["target_priors"].numpy(), priors, atol=6e-5)
     np.testing.assert_allclose(stored["source_priors"].numpy(), source)
+
+    # `apply` adapts the head's posteriors to the saved target priors (Bayes' rule), which lowers
+    # the log-loss under the shift; --no-label-shift gives the head's own posteriors
+    code, out, _ = run(capsys, "apply", head, target, "--out", tmp_path / "adapted.npz")
+    assert code == 0 and "adapted to the target priors" in out
+    code, out, _ = run(capsys, "apply", head, target, "--out", tmp_path / "plain.npz", "--no-label-shift")
+    assert code == 0 and "adapted" not in out
+    adapted, plain = (np.load(tmp_path / f"{name}.npz")["logits"].astype(np.float64) for name in ("adapted", "plain"))
+    np.testing.assert_allclose(np.exp(plain), posteriors, atol=2e-6)
+    expected = posteriors * stored["target_priors"].numpy() / source
+    np.testing.assert_allclose(np.exp(adapted), expected / expected.sum(1, keepdims=True), atol=2e-6)
+    labels = example["labels"][rows]
+    nll_adapted, nll_plain = (-x[np.arange(len(rows)), labels].mean() for x in (adapted, plain))
+    assert nll_adapted < nll_plain - 0.01
 
     code, _, err = run(capsys, "calibrate", calibration, "--method", "affine")
     assert code == 2 and "--save PATH, --target" in err

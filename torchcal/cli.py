@@ -314,7 +314,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
     import torch
 
     from torchcal.functional import cross_entropy
-    from torchcal.report import load_calibrator
+    from torchcal.label_shift import adapt_to_priors
+    from torchcal.report import load_calibrator, load_label_shift
 
     out_path = Path(args.out)
     if out_path.suffix.lower() not in APPLY_FORMATS:
@@ -324,14 +325,17 @@ def cmd_apply(args: argparse.Namespace) -> int:
     scores = _load(args.scores, args, require_labels=False)
     if scores.num_classes != calibrator.num_classes:
         raise ValueError(f"{args.scores}: {scores.num_classes} classes, but the calibrator was fitted on {calibrator.num_classes}.")
+    label_shift = None if args.no_label_shift else load_label_shift(args.head)
     with torch.no_grad():
         calibrated = calibrator(scores.logits)
+        if label_shift is not None:  # saved by `calibrate --target`: the deployment priors
+            calibrated = adapt_to_priors(calibrated, label_shift["source_priors"], label_shift["target_priors"])
     _write_calibrated(out_path, calibrated, scores.labels)
     if not args.quiet:
-        note = ""
+        note = "" if label_shift is None else "; adapted to the target priors saved with it (--no-label-shift: not)"
         if scores.labels is not None:
             before, after = (float(cross_entropy(x, scores.labels, normalize=True)) for x in (scores.logits, calibrated))
-            note = f"; NCE {before:.3f} -> {after:.3f}"
+            note += f"; NCE {before:.3f} -> {after:.3f}"
         print(f"applied {method} to {scores.num_samples} samples{note}; wrote "
               f"{APPLY_FORMATS[out_path.suffix.lower()]} to {args.out}")
     return 0
@@ -407,6 +411,8 @@ def _apply_options(p: argparse.ArgumentParser) -> None:
     _input_options(p)
     p.add_argument("--out", required=True, metavar="FILE", help="output file; its extension says what is written: "
                    + "; ".join(f"{ext} {what}" for ext, what in APPLY_FORMATS.items()))
+    p.add_argument("--no-label-shift", action="store_true",
+                   help="ignore target priors saved by `calibrate --target` (default: adapt the posteriors to them)")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(run=cmd_apply)
 

@@ -98,6 +98,7 @@ __all__ = [
     "evaluate",
     "fit_calibrator",
     "load_calibrator",
+    "load_label_shift",
     "make_calibrator",
     "save_calibrator",
 ]
@@ -675,9 +676,8 @@ def save_calibrator(
     return path
 
 
-def load_calibrator(path: str | Path) -> tuple[str, Calibrator]:
-    """Rebuild a calibrator written by :func:`save_calibrator`; returns ``(method, calibrator)``,
-    the calibrator frozen for inference (``eval()``, no gradients)."""
+def _read_saved(path: str | Path) -> dict[str, Any]:
+    """The dict written by :func:`save_calibrator`, with a clear error for anything else."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {path}")
@@ -689,6 +689,19 @@ def load_calibrator(path: str | Path) -> tuple[str, Calibrator]:
         raise ValueError(f"{path}: not a readable torch file ({type(err).__name__}).") from None
     if not isinstance(saved, dict) or saved.get("format") != _FORMAT:
         raise ValueError(f"{path}: not a calibrator saved by torchcal (torchcal calibrate --save).")
+    return saved
+
+
+def load_calibrator(path: str | Path) -> tuple[str, Calibrator]:
+    """Rebuild a calibrator written by :func:`save_calibrator`; returns ``(method, calibrator)``,
+    the calibrator frozen for inference (``eval()``, no gradients)."""
+    saved = _read_saved(path)
     calibrator = make_calibrator(saved["method"], **saved["options"])
     calibrator.load_state_dict(saved["state_dict"])
     return saved["method"], calibrator.eval().requires_grad_(False)
+
+
+def load_label_shift(path: str | Path) -> dict[str, torch.Tensor] | None:
+    """The ``source_priors``, ``target_priors`` and ``stderr`` saved with a calibrator by
+    ``torchcal calibrate --target``, or ``None`` if it was saved without."""
+    return _read_saved(path).get("label_shift")

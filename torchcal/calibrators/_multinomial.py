@@ -170,7 +170,8 @@ def fit_multinomial_logistic(
         for start in range(0, k, step):
             classes = slice(start, start + step)
             chosen = x.index_select(0, index[:, classes].T.flatten()).view(-1, m, d)  # (classes, m, D)
-            blocks = torch.bmm((chosen * top[:, classes].T.unsqueeze(2)).transpose(1, 2), chosen).to(torch.float64)
+            chosen *= top[:, classes].T.sqrt().unsqueeze(2)  # in place: the gather is a fresh copy
+            blocks = torch.bmm(chosen.transpose(1, 2), chosen).to(torch.float64)
             blocks = all_reduce_(blocks, process_group)
             diagonal = blocks.diagonal(dim1=1, dim2=2)
             diagonal += 2 * penalty[classes]

@@ -98,3 +98,34 @@ def test_calibrators_that_need_all_the_data_refuse_a_process_group():
     logits, labels = _data()
     with pytest.raises(NotImplementedError, match="all the data"):
         torchcal.IsotonicCalibration().fit(logits, labels, process_group=object())
+
+
+def _too_few_samples_worker(rank: int, out: str) -> None:
+    """Rank 1 holds 3 samples, fewer than the 5 folds: every rank must raise, none may wait."""
+    logits, labels = _data()
+    shard = slice(0, 200) if rank == 0 else slice(200, 203)
+    errors = []
+    for fit in (
+        lambda: torchcal.cross_validate(torchcal.TemperatureScaling(), logits[shard], labels[shard], process_group=dist.group.WORLD),
+        lambda: torchcal.DirichletCalibration(reg="odir").fit(logits[shard], labels[shard], process_group=dist.group.WORLD),
+        lambda: torchcal.StructuredVectorScaling().fit(logits[shard], labels[shard], process_group=dist.group.WORLD),
+    ):
+        try:
+            fit()
+            errors.append(None)
+        except ValueError as err:
+            errors.append(str(err))
+    torch.save(errors, Path(out) / f"rank{rank}.pt")
+
+
+def test_too_few_samples_on_one_process_fails_on_every_process(tmp_path):
+    """Cross-validation under DDP: a process whose shard is smaller than the folds used to raise
+    alone while the others waited in their next collective (a hang); now all raise the same error."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    spawn_gloo(_too_few_samples_worker, 2, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for rank, messages in enumerate(ranks):
+        for message in messages:
+            assert message is not None and "needs at least 5 samples on every process (the fewest: 3)" in message
+            assert message.endswith(f"got N = {(200, 3)[rank]} here.")

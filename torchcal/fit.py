@@ -232,18 +232,25 @@ def fold_indices(
     seed: int = 0,
     stratified: bool = True,
     groups: Tensor | None = None,
+    process_group: ProcessGroup | None = None,
 ) -> list[Tensor]:
     """Split sample indices into ``folds`` disjoint test folds.
 
     Stratified folds deal each class's shuffled samples round-robin, so every fold has nearly the
     same class proportions. With ``groups: (N,)``, whole groups are kept together (shuffled
     groups assigned greedily, largest first, to the smallest fold) and ``stratified`` is ignored.
+    In a data-parallel fit every process splits its own samples; with ``process_group`` given, a
+    process with too few samples makes every process raise (not only itself, which would leave
+    the others waiting in their next collective).
     """
     n = labels.shape[0]
     if folds < 2:
         raise ValueError(f"cross-validation needs folds >= 2, got {folds}.")
-    if n < folds:
-        raise ValueError(f"cross-validation with {folds} folds needs at least {folds} samples, got N = {n}.")
+    fewest = -all_reduce_(torch.tensor(-float(n), dtype=torch.float64, device=labels.device), process_group, op="max").item()
+    if fewest < folds:
+        where = "" if process_group is None else f" on every process (the fewest: {int(fewest)})"
+        here = "" if process_group is None else " here"
+        raise ValueError(f"cross-validation with {folds} folds needs at least {folds} samples{where}, got N = {n}{here}.")
     gen = torch.Generator().manual_seed(seed)
     assignment = torch.empty(n, dtype=torch.long)
     labels = labels.cpu()
@@ -316,7 +323,8 @@ def cross_validate(
     """
     logits, labels = check_logits_and_labels(logits, labels)
     out: Tensor | None = None
-    for fold, test in enumerate(fold_indices(labels, folds, seed, stratified, groups)):
+    splits = fold_indices(labels, folds, seed, stratified, groups, fit_options.get("process_group"))
+    for fold, test in enumerate(splits):
         if on_fold is not None:
             on_fold(fold)
         test = test.to(logits.device)

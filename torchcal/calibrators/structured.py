@@ -238,7 +238,7 @@ class _StructuredScaling(Calibrator):
         as it is part of the calibrator."""
         per_sample = PER_SAMPLE_SCORES[loss]
         folds = []
-        for test in fold_indices(labels, self.cv_folds, self.cv_seed):
+        for test in fold_indices(labels, self.cv_folds, self.cv_seed, process_group=process_group):
             test = test.to(log_probs.device)
             train = torch.ones_like(labels, dtype=torch.bool)
             train[test] = False

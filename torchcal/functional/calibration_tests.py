@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from torchcal._validation import check_logits_and_labels
-from torchcal.functional.diagnostics import bin_indices, binning_scores, check_n_bins, quantile_edges
+from torchcal.functional.diagnostics import bin_indices, binary_problems, check_n_bins, quantile_edges
 from torchcal.functional.scoring import to_log_probs
 
 __all__ = [
@@ -57,13 +57,9 @@ class CalibrationTestResult(NamedTuple):
 
 def _binary_problem(logits: Tensor, labels: Tensor, kind: str) -> tuple[Tensor, Tensor]:
     """Validated scores and float64 targets (N,) of the one binary problem ``kind`` selects."""
-    if kind not in ("top-label", "binary"):
-        raise ValueError(f'kind must be "top-label" or "binary", got {kind!r}.')
-    logits, labels = check_logits_and_labels(logits, labels)
-    scores, targets = binning_scores(to_log_probs(logits), labels, kind)  # type: ignore[arg-type]
-    scores = scores[:, 0].to(torch.float64)
+    scores, targets = binary_problems(logits, labels, kind)
     _check_variance((scores * (1 - scores)).sum())
-    return scores, targets[:, 0].to(torch.float64)
+    return scores[:, 0], targets[:, 0]
 
 
 def _check_variance(variance: Tensor) -> None:

@@ -93,6 +93,20 @@ class ReliabilityBins:
     frequency: Tensor  # (M,)
 
 
+def binary_problems(
+    logits: Tensor, labels: Tensor, kind: str, allowed: tuple[str, ...] = ("top-label", "binary")
+) -> tuple[Tensor, Tensor]:
+    """Validated scores and targets (N, C), both float64, of the binary problems ``kind`` selects
+    (one of the caller's ``allowed`` kinds) from log-domain scores ``logits: (N, K)`` and
+    ``labels: (N,)``: the common first step of the functionals that work on such problems."""
+    if kind not in allowed:
+        names = [f'"{name}"' for name in allowed]
+        raise ValueError(f"kind must be {', '.join(names[:-1])} or {names[-1]}, got {kind!r}.")
+    logits, labels = check_logits_and_labels(logits, labels)
+    scores, targets = binning_scores(to_log_probs(logits), labels, kind)  # type: ignore[arg-type]
+    return scores.to(torch.float64), targets.to(torch.float64)
+
+
 def binning_scores(
     log_probs: Tensor, labels: Tensor, kind: Kind, class_index: int | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -500,11 +514,8 @@ def signed_calibration_error(
         >>> round(float(signed_calibration_error(probs.log(), torch.tensor([0, 1, 1, 0]))), 6)
         -0.25
     """
-    if kind not in ("top-label", "binary"):
-        raise ValueError(f'kind must be "top-label" or "binary", got {kind!r}.')
-    logits, labels = check_logits_and_labels(logits, labels)
-    scores, targets = binning_scores(to_log_probs(logits), labels, kind)
-    return targets.to(torch.float64).mean() - scores.mean()
+    scores, targets = binary_problems(logits, labels, kind)
+    return targets.mean() - scores.mean()
 
 
 def ecd_per_sample(log_probs: Tensor, labels: Tensor) -> Tensor:

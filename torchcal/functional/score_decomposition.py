@@ -23,10 +23,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from torchcal._validation import check_logits_and_labels
-from torchcal.functional.diagnostics import Strategy, bin_statistics, binned_scores, binning_scores
+from torchcal.functional.diagnostics import Strategy, bin_statistics, binary_problems, binned_scores
 from torchcal.functional.isotonic import pool_adjacent_violators
-from torchcal.functional.scoring import to_log_probs
 
 __all__ = [
     "CorpDecomposition",
@@ -67,11 +65,8 @@ SCORES: dict[str, BinaryScore] = {"brier": _brier, "log": _log}
 
 
 def _binary_problem(logits: Tensor, labels: Tensor, kind: str) -> tuple[Tensor, Tensor]:
-    if kind not in ("top-label", "binary"):
-        raise ValueError(f'kind must be "top-label" or "binary", got {kind!r}.')
-    logits, labels = check_logits_and_labels(logits, labels)
-    scores, targets = binning_scores(to_log_probs(logits), labels, kind)  # type: ignore[arg-type]
-    return scores[:, 0].to(torch.float64), targets[:, 0].to(torch.float64)
+    scores, targets = binary_problems(logits, labels, kind)
+    return scores[:, 0], targets[:, 0]
 
 
 def corp_recalibration(scores: Tensor, targets: Tensor) -> Tensor:

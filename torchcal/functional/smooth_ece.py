@@ -26,10 +26,8 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from torchcal._validation import check_logits_and_labels
 from torchcal.functional.bootstrap import resample_indices
-from torchcal.functional.diagnostics import binning_scores
-from torchcal.functional.scoring import to_log_probs
+from torchcal.functional.diagnostics import binary_problems
 
 __all__ = [
     "SmoothReliabilityCurve",
@@ -179,11 +177,7 @@ def _fixed_point(too_small: Callable[[float], bool]) -> float:
 
 def _columns(logits: Tensor, labels: Tensor, kind: SmoothKind) -> tuple[Tensor, Tensor]:
     """Validated scores and float64 targets (N, C) of the binary problems of ``kind``."""
-    if kind not in ("top-label", "binary", "classwise"):
-        raise ValueError(f'kind must be "top-label", "binary" or "classwise", got {kind!r}.')
-    logits, labels = check_logits_and_labels(logits, labels)
-    scores, targets = binning_scores(to_log_probs(logits), labels, kind)
-    return scores.to(torch.float64), targets.to(torch.float64)
+    return binary_problems(logits, labels, kind, ("top-label", "binary", "classwise"))
 
 
 def _column_grid(scores: Tensor, targets: Tensor) -> Callable[[int], Tensor]:

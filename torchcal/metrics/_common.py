@@ -58,6 +58,8 @@ from torchcal._validation import (
     check_probs,
     looks_like_probs,
 )
+from torchcal.functional.diagnostics import binning_scores
+from torchcal.functional.scoring import to_log_probs
 
 __all__ = ["BatchMetric", "InputKind", "ScoreMetric", "add_sum_state", "check_num_classes"]
 
@@ -174,6 +176,16 @@ class ScoreMetric(BatchMetric):
             # A probability of exactly 0 would give log(0) = -inf (as torchcal.heads).
             scores = torch.log(scores.clamp_min(torch.finfo(scores.dtype).tiny))
         return scores, labels.to(scores.device)
+
+    def _binary_problems(self, scores: Tensor, labels: Tensor) -> tuple[Tensor, Tensor] | None:
+        """Scores (N, C) float64 and targets (N, C) bool of the binary problems of the metric's
+        ``kind`` in a batch (see :func:`~torchcal.functional.diagnostics.binning_scores`), or
+        None when it is empty."""
+        batch = self._scores(scores, labels)
+        if batch is None:
+            return None
+        logits, labels = batch
+        return binning_scores(to_log_probs(logits), labels, self.kind)  # type: ignore[arg-type]
 
     def _common_case_valid(self, scores: Tensor, labels: Tensor) -> bool:
         """Whether log-domain scores (N, K) and int64 labels (N,) are valid and do not look like

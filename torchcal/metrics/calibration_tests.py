@@ -17,8 +17,6 @@ from torchcal.functional.calibration_tests import (
     spiegelhalter_sums,
     spiegelhalter_test_from_sums,
 )
-from torchcal.functional.diagnostics import binning_scores
-from torchcal.functional.scoring import to_log_probs
 from torchcal.metrics._common import ScoreMetric, add_sum_state
 
 __all__ = ["SpiegelhalterTest"]
@@ -72,11 +70,10 @@ class SpiegelhalterTest(ScoreMetric):
 
     def update(self, scores: Tensor, labels: Tensor) -> None:
         """Accumulate ``scores: (N, K)`` or ``(N, K, d1, ...)`` and ``labels: (N,)`` or ``(N, d1, ...)``."""
-        batch = self._scores(scores, labels)
-        if batch is None:
+        problems = self._binary_problems(scores, labels)
+        if problems is None:
             return
-        logits, labels = batch
-        scores, targets = binning_scores(to_log_probs(logits), labels, self.kind)
+        scores, targets = problems
         self.sums += spiegelhalter_sums(scores[:, 0], targets[:, 0])
 
     def compute(self) -> Tensor:

@@ -221,12 +221,11 @@ class SignedCalibrationError(ScoreMetric):
 
     def update(self, scores: Tensor, labels: Tensor) -> None:
         """Accumulate ``scores: (N, K)`` or ``(N, K, d1, ...)`` and ``labels: (N,)`` or ``(N, d1, ...)``."""
-        batch = self._scores(scores, labels)
-        if batch is None:
+        problems = self._binary_problems(scores, labels)
+        if problems is None:
             return
-        logits, labels = batch
-        scores, targets = binning_scores(to_log_probs(logits), labels, self.kind)
-        self.sums += torch.stack([targets.sum().double(), scores.sum(), scores.new_tensor(float(labels.shape[0]))])
+        scores, targets = problems
+        self.sums += torch.stack([targets.sum().double(), scores.sum(), scores.new_tensor(float(scores.shape[0]))])
 
     def compute(self) -> Tensor:
         """ESCE, a float64 scalar."""

@@ -15,8 +15,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchcal.functional.diagnostics import binning_scores
-from torchcal.functional.scoring import to_log_probs
 from torchcal.functional.smooth_ece import SmoothKind, round_to_grid, smooth_ece_from_grid
 from torchcal.metrics._common import ScoreMetric, add_sum_state
 
@@ -78,11 +76,10 @@ class SmoothCalibrationError(ScoreMetric):
 
     def update(self, scores: Tensor, labels: Tensor) -> None:
         """Accumulate ``scores: (N, K)`` or ``(N, K, d1, ...)`` and ``labels: (N,)`` or ``(N, d1, ...)``."""
-        batch = self._scores(scores, labels)
-        if batch is None:
+        problems = self._binary_problems(scores, labels)
+        if problems is None:
             return
-        logits, labels = batch
-        scores, targets = binning_scores(to_log_probs(logits), labels, self.kind)
+        scores, targets = problems
         scores = scores.T  # (C, N) float64
         weights = torch.stack([torch.ones_like(scores), scores - targets.T.to(torch.float64)])  # (2, C, N)
         self.grid += round_to_grid(scores, weights, self.grid_points).transpose(0, 1)

@@ -306,13 +306,18 @@ def _worker(rank: int, out: str) -> None:
     torch.save(fitted, Path(out) / f"rank{rank}.pt")
 
 
-def test_two_processes_match_one_process_on_the_union(tmp_path):
+def _two_processes(worker, tmp_path: Path, stem: str) -> list:
+    """What ``worker`` saved as ``<stem><rank>.pt`` in each of two gloo processes."""
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        spawn_gloo(_worker, 2, str(tmp_path))
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+        spawn_gloo(worker, 2, str(tmp_path))
+    return [torch.load(tmp_path / f"{stem}{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_two_processes_match_one_process_on_the_union(tmp_path):
+    ranks = _two_processes(_worker, tmp_path, "rank")
     logits, labels = _data()
     for name, cls in MODELS.items():
         single = cls(reg_lambda=0.3).fit(logits, labels)
@@ -335,12 +340,7 @@ def _cv_worker(rank: int, out: str) -> None:
 def test_two_processes_cross_validate_along_one_path(tmp_path):
     """Every process walks the same path (the abandon and stop decisions read summed losses), and
     fold f is the union of every process's own fold f."""
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        spawn_gloo(_cv_worker, 2, str(tmp_path))
-    ranks = [torch.load(tmp_path / f"cv{r}.pt", weights_only=False) for r in range(2)]
+    ranks = _two_processes(_cv_worker, tmp_path, "cv")
     assert ranks[0]["cv_losses"] == ranks[1]["cv_losses"] and ranks[0]["reg_lambda"] == ranks[1]["reg_lambda"]
     torch.testing.assert_close(ranks[0]["weight"], ranks[1]["weight"], rtol=0, atol=0)
     logits, labels = _data()

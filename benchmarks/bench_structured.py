@@ -147,9 +147,8 @@ def _probmetrics_method(name: str):
 
 def real_table(files: list[str], methods: list[str] | None = None, folds: int = 5) -> None:
     """Test log-loss on real logits: CIFAR-10 ResNet-110 fitted on its validation split and
-    scored on its test split; the other files by ``folds``-fold cross-validation. At K = 100 the
-    ODIR rows use a fixed lambda = mu = 10 (their cross-validation takes hours with the current
-    full-matrix solver, issue 14)."""
+    scored on its test split; the other files by ``folds``-fold cross-validation (within which the
+    "CV lambda" rows cross-validate their lambda again, on each training part)."""
     import time
 
     import numpy as np
@@ -185,9 +184,6 @@ def real_table(files: list[str], methods: list[str] | None = None, folds: int = 
             data = {k: torch.from_numpy(d[k]) for k in d.files if k.startswith(("logits", "labels"))}
         for name in methods:
             make = every[name]
-            if "CV lambda)" in name and "ODIR" in name and data["logits"].shape[1] >= 100:
-                rows[name].append("hours (issue 14)")
-                continue
             start = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import subprocess
@@ -300,3 +301,24 @@ def test_calibrate_estimates_the_priors_of_unlabelled_target_scores(capsys, tmp_
 
     code, _, err = run(capsys, "calibrate", calibration, "--method", "affine")
     assert code == 2 and "--save PATH, --target" in err
+
+
+def test_verbose_says_what_the_fits_are_doing(capsys, tmp_path):
+    """`--verbose` shows every Newton step and every regularisation strength tried on stderr;
+    without it, none of that."""
+    from torchcal.data import EXAMPLE_PATH
+
+    example = np.load(EXAMPLE_PATH)
+    calibration = tmp_path / "cal.npz"
+    np.savez(calibration, logits=example["logits_val"], labels=example["labels_val"])
+    logger = logging.getLogger("torchcal")
+    try:
+        code, _, err = run(capsys, "calibrate", calibration, "--method", "dirichlet-odir", "--save", tmp_path / "h.pt", "--verbose")
+    finally:  # the CLI configured the package's logger for the rest of the process
+        logger.handlers.clear()
+        logger.setLevel(logging.NOTSET)
+    assert code == 0
+    assert re.search(r"torchcal: Newton-CG \(5000 x 10, K = 10\) step 1: loss", err)
+    assert re.search(r"torchcal: regularisation path: DirichletCalibration lambda = 1000, mu = 1000, out-of-fold loss 0\.\d+", err)
+    code, _, err = run(capsys, "calibrate", calibration, "--method", "dirichlet-odir", "--save", tmp_path / "h.pt")
+    assert code == 0 and "Newton-CG" not in err and "regularisation path" not in err

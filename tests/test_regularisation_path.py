@@ -3,7 +3,9 @@ abandoned points) selects what the exhaustive grid selects, with the same final 
 
 from __future__ import annotations
 
+import logging
 import math
+import re
 
 import pytest
 import torch
@@ -57,3 +59,25 @@ def test_path_selects_what_the_exhaustive_grid_selects_on_random_problems(make):
     labels = torch.multinomial(torch.softmax(latent, 1), 1, generator=gen).squeeze(1)
     mixing = torch.eye(8, dtype=torch.float64) + 0.3 * torch.randn(8, 8, generator=gen, dtype=torch.float64)
     _check_same_selection(make, 3 * latent @ mixing + torch.linspace(-1, 1, 8, dtype=torch.float64), labels)
+
+
+def test_the_path_and_the_newton_steps_are_logged(caplog):
+    """A long fit says what it is doing: every Newton step (logger torchcal.calibrators._multinomial,
+    DEBUG) and every strength the path tries (torchcal.fit, INFO), with the losses it records."""
+    gen = torch.Generator().manual_seed(3)
+    latent = 2 * torch.randn(600, 5, generator=gen, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(latent, 1), 1, generator=gen).squeeze(1)
+    with caplog.at_level(logging.DEBUG, logger="torchcal"):
+        model = torchcal.DirichletCalibration(reg="odir").fit(3 * latent, labels)
+    steps = [r for r in caplog.records if r.name == "torchcal.calibrators._multinomial"]
+    assert steps and all(r.levelno == logging.DEBUG and "Newton-CG (" in r.getMessage() for r in steps)
+    assert f"loss {model.fit_record_.loss:.10f}" in steps[-1].getMessage()
+    logged = {}
+    for record in caplog.records:
+        found = re.match(r"regularisation path: DirichletCalibration lambda = (\S+), mu = \S+, out-of-fold loss (\S+)", record.getMessage())
+        if found:
+            logged[float(found[1])] = float(found[2])
+    tried = {lam: loss for (lam, _), loss in zip(model.reg_grid, model.cv_losses_) if math.isfinite(loss)}
+    assert logged.keys() == tried.keys()
+    for lam, loss in tried.items():
+        assert logged[lam] == pytest.approx(loss, abs=1e-6)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.resources
+import logging
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -367,6 +368,12 @@ def _evaluation_options(p: argparse.ArgumentParser, methods_default: str) -> Non
                                                          f"{_config_names()}); options given here win")
     p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
     p.add_argument("--quiet", action="store_true", help="no progress bar or notes")
+    _verbose_option(p)
+
+
+def _verbose_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verbose", action="store_true",
+                   help="say what long fits are doing: every Newton step and every regularisation strength tried")
 
 
 def _config_names() -> str:
@@ -402,6 +409,7 @@ def _calibrate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--priors", help="deployment priors the fit weights the classes to")
     p.add_argument("--config", metavar="NAME|FILE", help="YAML configuration supplying method options")
     p.add_argument("--quiet", action="store_true")
+    _verbose_option(p)
     p.set_defaults(run=cmd_calibrate)
 
 
@@ -451,12 +459,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = sys.argv[1:] if argv is None else list(argv)
         named = next((a for a in argv if not a.startswith("-")), "")
         args = build_parser(named if named in COMMANDS else "").parse_args(argv)
+        if getattr(args, "verbose", False):
+            _log_to_stderr()
         with warnings.catch_warnings():
             warnings.showwarning = _one_line_warning
             return args.run(args)
     except (ValueError, FileNotFoundError) as err:
         print(f"torchcal: error: {err}", file=sys.stderr)
         return 2
+
+
+class _ProgressBarSafeHandler(logging.Handler):
+    """torchcal's log on stderr, written above any progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"torchcal: {self.format(record)}", file=sys.stderr)
+
+
+def _log_to_stderr() -> None:
+    """``--verbose``: show torchcal's log (the solvers' steps) on stderr."""
+    logger = logging.getLogger("torchcal")
+    if not any(isinstance(h, _ProgressBarSafeHandler) for h in logger.handlers):
+        logger.addHandler(_ProgressBarSafeHandler())
+    logger.setLevel(logging.DEBUG)
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:

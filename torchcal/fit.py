@@ -9,6 +9,7 @@ returns a :class:`FitRecord` saying what happened; non-convergence is reported, 
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
     from torchcal.calibrators.base import Calibrator
 
 __all__ = ["ConvergenceWarning", "FitRecord", "cross_validate", "cross_validate_path", "fold_indices", "minimize", "newton"]
+
+
+_log = logging.getLogger(__name__)
 
 
 class ConvergenceWarning(UserWarning):
@@ -348,6 +352,7 @@ def cross_validate_path(
     process_group: ProcessGroup | None = None,
     patience: int = 2,
     on_best: Callable[[], None] | None = None,
+    point_names: Sequence[str] | None = None,
 ) -> list[float]:
     """Out-of-fold loss of the points of a regularisation grid, visited along a path.
 
@@ -365,11 +370,13 @@ def cross_validate_path(
             whose length is ``max(order) + 1``.
         num_samples: this process's samples over all test folds; in a data-parallel fit the fold
             losses and the counts are summed over ``process_group``.
+        point_names: how the log (``logging``, logger ``torchcal.fit``) names the grid points.
 
     Returns:
         The mean out-of-fold loss of every grid point (``inf`` where abandoned or not visited).
     """
     losses = [math.inf] * (max(order) + 1)
+    names = point_names or [f"grid point {i}" for i in range(len(losses))]
     best, rises = math.inf, 0
     for point in order:
         total: Tensor | float = 0.0
@@ -379,9 +386,11 @@ def cross_validate_path(
             reduced = all_reduce_(torch.stack([total, total.new_tensor(float(num_samples))]), process_group)
             mean = float(reduced[0] / reduced[1])
             if fold + 1 < num_folds and mean > best:
+                _log.info("regularisation path: %s abandoned after %d of %d folds (cannot beat %.6f)", names[point], fold + 1, num_folds, best)
                 break
         else:
             losses[point] = mean
+            _log.info("regularisation path: %s, out-of-fold loss %.6f", names[point], mean)
         if losses[point] < best:
             best, rises = losses[point], 0
             if on_best is not None:
@@ -389,5 +398,6 @@ def cross_validate_path(
         else:
             rises += 1
         if rises >= patience:
+            _log.info("regularisation path: the loss rose at %d points in a row; weaker penalties are not tried", patience)
             break
     return losses

@@ -32,7 +32,9 @@ residual), each Newton step three.
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 import warnings
 from collections.abc import Callable
 
@@ -43,6 +45,8 @@ from torchcal.distributed import ProcessGroup, all_reduce_
 from torchcal.fit import ConvergenceWarning, FitRecord
 
 __all__ = ["fit_multinomial_logistic"]
+
+_log = logging.getLogger(__name__)
 
 #: Rows per class (those of largest curvature) that form its preconditioner block: ``8 N / (F+1)``,
 #: so that forming the K blocks costs about two passes' arithmetic, and at least this many.
@@ -227,6 +231,7 @@ def fit_multinomial_logistic(
             rz = rz_new
         return step if bool(torch.isfinite(step).all()) else -grad
 
+    started = time.perf_counter()
     c = centre(theta.to(device=x.device, dtype=torch.float64) * scale)
     loss, grad, q = loss_grad(c)
     # grad is with respect to the scaled parameters; grad * scale with respect to the original ones
@@ -253,6 +258,8 @@ def fit_multinomial_logistic(
             return (shift(c) / scale).to(theta.dtype), FitRecord(iteration, passes, loss_value, grad_max, converged, message)
         c, grad, q = c + t * direction, new_grad, new_q
         loss_value, grad_max, size = new_loss_value, new_grad_max, new_size
+        _log.debug("Newton-CG (%d x %d, K = %d) step %d: loss %.10f, max gradient %.1e, step length %g, %d passes, %.1f s",
+                   n, f, k, iteration + 1, loss_value, grad_max, t, passes, time.perf_counter() - started)
     else:
         warnings.warn(f"Newton-CG did not converge in {max_iter} iterations", ConvergenceWarning, stacklevel=4)
         return (shift(c) / scale).to(theta.dtype), FitRecord(max_iter, passes, loss_value, grad_max, False, f"stopped at the iteration cap ({max_iter})")

@@ -222,7 +222,8 @@ class MatrixScaling(Calibrator):
         def keep_best_start() -> None:
             best_start[0] = torch.stack([torch.cat([m.weight, m.bias.unsqueeze(1)], 1).detach() for *_, m in folds]).mean(0)
 
-        losses = cross_validate_path(order, len(folds), fold_loss, labels.shape[0], process_group, _CV_PATIENCE, keep_best_start)
+        names = [f"{type(self).__name__} lambda = {lam:g}, mu = {mu:g}" for lam, mu in self.reg_grid]
+        losses = cross_validate_path(order, len(folds), fold_loss, labels.shape[0], process_group, _CV_PATIENCE, keep_best_start, names)
         return losses, best_start[0]
 
     def get_extra_state(self):

@@ -260,7 +260,8 @@ class _StructuredScaling(Calibrator):
             best_start[0] = torch.stack([model._theta().detach() for model, *_ in folds]).mean(0)
 
         order = sorted(range(len(self.reg_grid)), key=lambda i: -self.reg_grid[i])
-        losses = cross_validate_path(order, len(folds), fold_loss, labels.shape[0], process_group, _CV_PATIENCE, keep_best_start)
+        names = [f"{type(self).__name__} lambda = {lam:g}" for lam in self.reg_grid]
+        losses = cross_validate_path(order, len(folds), fold_loss, labels.shape[0], process_group, _CV_PATIENCE, keep_best_start, names)
         return losses, best_start[0]
 
     # --------------------------------------------------------------------------- state

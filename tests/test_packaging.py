@@ -39,3 +39,18 @@ def test_every_subpackage_ships(wheel):
     shipped = {Path(n).parent.as_posix() for n in wheel.namelist() if n.endswith("__init__.py")}
     in_tree = {p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "torchcal").rglob("__init__.py")}
     assert in_tree <= shipped
+
+
+def test_import_is_cheap_and_every_subpackage_is_an_attribute():
+    """``import torchcal`` imports no torch; afterwards every subpackage is reachable as an
+    attribute (``torchcal.calibrators.matrix``, ``torchcal.fit.fold_indices``), as after an
+    explicit import."""
+    names = ("calibrators", "data", "fit", "functional", "heads", "label_shift", "lightning", "metrics", "plots", "report")
+    code = (
+        "import sys, torchcal; assert 'torch' not in sys.modules; "
+        f"[getattr(torchcal, n) for n in {names!r}]; "
+        "print(torchcal.calibrators.matrix.DEFAULT_REG_GRID[0], torchcal.fit.fold_indices.__name__, "
+        "torchcal.heads.attach.__name__, set(" + repr(names) + ") <= set(torchcal.__all__))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert result.stdout.split() == ["0.0001", "fold_indices", "attach", "True"]

@@ -3,8 +3,9 @@
 Scores are logits in the wide sense throughout: any unnormalised log-posteriors of shape (N, K),
 so ``log(probs)`` works too. Calibrators return calibrated log-posteriors.
 
-Every name, and the submodules ``torchcal.metrics``, ``torchcal.report``, ``torchcal.plots``,
-``torchcal.lightning`` and ``torchcal.data``, is an attribute of the package imported on first
+Every name, and the submodules (``torchcal.calibrators``, ``torchcal.functional``,
+``torchcal.metrics``, ``torchcal.fit``, ``torchcal.report``, ``torchcal.plots``,
+``torchcal.lightning``, ``torchcal.data``, ...), is an attribute of the package imported on first
 use, so ``import torchcal`` (and ``torchcal --help``) costs nothing until something is used.
 """
 
@@ -12,7 +13,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # for type checkers and IDEs; names in __all__ count as re-exported
-    from torchcal import data, functional, label_shift, lightning, metrics, plots, report
+    from torchcal import calibrators, data, fit, functional, heads, label_shift, lightning, metrics, plots, report
     from torchcal.calibrators import (
         AffineCalibration,
         BetaCalibration,
@@ -36,7 +37,9 @@ __version__ = "0.1.0"
 
 # Everything is imported on first access (PEP 562), so that ``import torchcal`` and the command
 # line's ``--help`` do not pay for torch, torchmetrics, Lightning or matplotlib.
-_SUBMODULES = frozenset({"data", "functional", "label_shift", "lightning", "metrics", "plots", "report"})
+_SUBMODULES = frozenset(
+    {"calibrators", "data", "fit", "functional", "heads", "label_shift", "lightning", "metrics", "plots", "report"}
+)
 _EXPORTS = {
     **dict.fromkeys(
         [
@@ -80,9 +83,12 @@ __all__ = [
     "VectorScaling",
     "VennAbersCalibration",
     "attach",
+    "calibrators",
     "cross_validate",
     "data",
+    "fit",
     "functional",
+    "heads",
     "label_shift",
     "lightning",
     "metrics",

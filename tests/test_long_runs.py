@@ -175,7 +175,8 @@ CALIBRATORS = [
 
 
 def construct(source):
-    return eval(source, vars(torchcal))
+    # the package's names are lazy attributes (PEP 562): ask for each, not for its globals
+    return eval(source, {name: getattr(torchcal, name) for name in torchcal.__all__})
 
 
 FRESH_PROCESS = textwrap.dedent(

@@ -64,6 +64,26 @@ _MAX_CG_STEPS = 250
 _MAX_BLOCK_SIZE = 256
 
 
+def _forcing(grad_norm: float, previous: tuple[float, float] | None) -> float:
+    """Relative residual to which CG solves a Newton system: Eisenstat and Walker's (1996)
+    choice 2, ``0.9 (|g_k| / |g_k-1|)^1.618`` with their safeguard, at most 0.5.
+
+    It asks for as much accuracy as the last Newton step turned into progress. Where Newton
+    converges only linearly (the nearly separable fits of weak penalties, whose loss has
+    exponential tails), a tight solve buys nothing; there it halved the passes against the
+    usual ``min(0.5, sqrt(|g|))`` (real CIFAR-100, Dir-ODIR at lambda = 1e-3: 663 -> 335;
+    5,000 x 300 at lambda = 1: 1,586 -> 897), while well-posed fits take about as many.
+    """
+    if previous is None:
+        return min(0.5, math.sqrt(grad_norm))
+    previous_norm, previous_forcing = previous
+    forcing = 0.9 * (grad_norm / previous_norm) ** 1.618
+    safeguard = 0.9 * previous_forcing**1.618
+    if safeguard > 0.1:  # a forcing term may not fall much faster than the last one
+        forcing = max(forcing, safeguard)
+    return min(0.5, forcing)
+
+
 def fit_multinomial_logistic(
     features: Tensor,
     labels: Tensor,
@@ -236,13 +256,15 @@ def fit_multinomial_logistic(
     loss, grad, q = loss_grad(c)
     # grad is with respect to the scaled parameters; grad * scale with respect to the original ones
     loss_value, grad_max, size = torch.stack([loss, (grad * scale).abs().max(), grad.abs().max()]).tolist()
+    previous: tuple[float, float] | None = None  # (gradient norm, forcing) of the last Newton step
     for iteration in range(max_iter):
         if max(grad_max, size) <= tol_grad:
             return (shift(c) / scale).to(theta.dtype), FitRecord(iteration, passes, loss_value, grad_max, True, "gradient below tolerance")
         if not math.isfinite(loss_value + grad_max):
             break
-        # Eisenstat-Walker forcing: loose systems far from the optimum, tight ones near it.
-        direction = newton_direction(q, grad, preconditioner(q), min(0.5, math.sqrt(float(grad.norm()))))
+        forcing = _forcing(float(grad.norm()), previous)
+        previous = (float(grad.norm()), forcing)
+        direction = newton_direction(q, grad, preconditioner(q), forcing)
         slope = float((grad * direction).sum())
         slack = 1e-14 * max(1.0, abs(loss_value))  # the decrease near the optimum is round-off
         t = 1.0

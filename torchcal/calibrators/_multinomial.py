@@ -262,8 +262,9 @@ def fit_multinomial_logistic(
             return (shift(c) / scale).to(theta.dtype), FitRecord(iteration, passes, loss_value, grad_max, True, "gradient below tolerance")
         if not math.isfinite(loss_value + grad_max):
             break
-        forcing = _forcing(float(grad.norm()), previous)
-        previous = (float(grad.norm()), forcing)
+        grad_norm = float(grad.norm())
+        forcing = _forcing(grad_norm, previous)
+        previous = (grad_norm, forcing)
         direction = newton_direction(q, grad, preconditioner(q), forcing)
         slope = float((grad * direction).sum())
         slack = 1e-14 * max(1.0, abs(loss_value))  # the decrease near the optimum is round-off

@@ -164,13 +164,17 @@ def reliability_diagram(
     what = {"top-label": ("confidence (top-label probability)", "accuracy"),
             "binary": ("predicted probability of class 1", "frequency of class 1"),
             "class": (f"predicted probability of class {class_index}", f"frequency of class {class_index}")}
-    xlabel, ylabel = what.get(kind, ("mean predicted probability", "observed frequency"))
-    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel=xlabel, ylabel=ylabel)
     ax.plot([], [], "o", color="0.45", markerfacecolor="white", markersize=4, label=f"bin of < {SPARSE_BIN} samples")
-    ax.set_title(f"reliability, {kind}" + (f" {class_index}" if kind == "class" else "") + f" ({len(bins.counts)} bins)",
-                 fontsize="medium")
-    ax.legend(loc="upper left", fontsize="small", frameon=False)
+    title = f"reliability, {kind}" + (f" {class_index}" if kind == "class" else "") + f" ({len(bins.counts)} bins)"
+    _finish_unit_square(ax, *what.get(kind, ("mean predicted probability", "observed frequency")), title)
     return fig, ax
+
+
+def _finish_unit_square(ax, xlabel: str, ylabel: str, title: str) -> None:
+    """Axes, title and legend of a reliability-type plot on [0, 1] x [0, 1]."""
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel=xlabel, ylabel=ylabel)
+    ax.set_title(title, fontsize="medium")
+    ax.legend(loc="upper left", fontsize="small", frameon=False)
 
 
 def _style_histogram(ax: Axes, largest: float) -> None:
@@ -426,9 +430,7 @@ def smooth_reliability_diagram(
         ax.fill_between(mesh, lower, upper, color=colors[name], alpha=0.2, linewidth=0)
     xlabel, ylabel = {"binary": ("predicted probability of class 1", "frequency of class 1")}.get(
         kind, ("confidence (top-label probability)", "accuracy"))
-    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel=xlabel, ylabel=ylabel)
-    ax.set_title(f"smoothed reliability, {kind} (95 % bootstrap band)", fontsize="medium")
-    ax.legend(loc="upper left", fontsize="small", frameon=False)
+    _finish_unit_square(ax, xlabel, ylabel, f"smoothed reliability, {kind} (95 % bootstrap band)")
     return fig, ax
 
 
@@ -510,7 +512,5 @@ def corp_reliability_diagram(
                 label=label)
     xlabel, ylabel = {"binary": ("predicted probability of class 1", "CORP recalibrated probability")}.get(
         kind, ("confidence (top-label probability)", "CORP recalibrated accuracy"))
-    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel=xlabel, ylabel=ylabel)
-    ax.set_title(f"CORP reliability, {kind} (Brier decomposition)", fontsize="medium")
-    ax.legend(loc="upper left", fontsize="small", frameon=False)
+    _finish_unit_square(ax, xlabel, ylabel, f"CORP reliability, {kind} (Brier decomposition)")
     return fig, ax

@@ -250,11 +250,13 @@ def fold_indices(
     n = labels.shape[0]
     if folds < 2:
         raise ValueError(f"cross-validation needs folds >= 2, got {folds}.")
-    fewest = -all_reduce_(torch.tensor(-float(n), dtype=torch.float64, device=labels.device), process_group, op="max").item()
-    if fewest < folds:
-        where = "" if process_group is None else f" on every process (the fewest: {int(fewest)})"
-        here = "" if process_group is None else " here"
-        raise ValueError(f"cross-validation with {folds} folds needs at least {folds} samples{where}, got N = {n}{here}.")
+    if process_group is None and n < folds:
+        raise ValueError(f"cross-validation with {folds} folds needs at least {folds} samples, got N = {n}.")
+    if process_group is not None:
+        fewest = -all_reduce_(torch.tensor(-float(n), dtype=torch.float64, device=labels.device), process_group, op="max").item()
+        if fewest < folds:
+            raise ValueError(f"cross-validation with {folds} folds needs at least {folds} samples on every process "
+                             f"(the fewest: {int(fewest)}), got N = {n} here.")
     gen = torch.Generator().manual_seed(seed)
     assignment = torch.empty(n, dtype=torch.long)
     labels = labels.cpu()

@@ -638,6 +638,10 @@ trainer.fit(model, loader(200, 0), loader(300, 1))
 logged = {{k: float(v) for k, v in trainer.callback_metrics.items()}}
 torch.save({{"temperature": callback.calibrator.temperature, "logged": logged, "weights": model.state_dict(),
             "warned": sorted(callback._warned)}}, {out!r}.format(trainer.global_rank))
+# Leave together and tear the group down: a process exiting while its peer's gloo threads still
+# run aborts that peer ("terminate called without an active exception", seen once in CI).
+trainer.strategy.barrier()
+torch.distributed.destroy_process_group()
 """
 
 

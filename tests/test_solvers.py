@@ -130,3 +130,45 @@ def test_newton_on_a_quadratic_takes_one_step():
     theta, record = torchcal.fit.newton(derivatives, lambda t: derivatives(t)[0], torch.zeros(3, dtype=torch.float64))
     torch.testing.assert_close(theta, target)
     assert record.converged and record.iterations == 1
+
+
+def _logistic_objective(dtype: torch.dtype, weight: torch.Tensor, counts: list[int]):
+    """Mean multinomial log-loss of ``x @ weight.T`` plus a ridge, its data held in ``dtype``."""
+    logits, labels = _data(n=5000)
+    x = torch.log_softmax(logits.double(), dim=1).to(dtype)
+
+    def objective() -> torch.Tensor:
+        counts.append(1)
+        scores = x @ weight.to(dtype).T
+        return torch.nn.functional.cross_entropy(scores, labels).double() + 0.1 * weight.square().sum()
+
+    return objective
+
+
+def test_minimize_after_a_float32_stage_reaches_the_float64_optimum_with_fewer_float64_passes():
+    plain_count, rough_count, precise_count = [], [], []
+    plain = torch.eye(10, dtype=torch.float64).requires_grad_(True)
+    plain_record = torchcal.fit.minimize(_logistic_objective(torch.float64, plain, plain_count), [plain], tol_change=1e-13)
+    weight = torch.eye(10, dtype=torch.float64).requires_grad_(True)
+    record = torchcal.fit.minimize(
+        _logistic_objective(torch.float64, weight, precise_count),
+        [weight],
+        tol_change=1e-13,
+        rough_objective=_logistic_objective(torch.float32, weight, rough_count),
+        rough_tol_change=1e-7,
+    )
+    torch.testing.assert_close(weight.detach(), plain.detach(), rtol=0, atol=1e-5)  # both stop at gradients near 1e-6
+    assert record.converged and record.loss == pytest.approx(plain_record.loss, abs=1e-10)
+    assert len(rough_count) >= 5 and len(precise_count) < len(plain_count)  # the memory carried over
+    assert record.evaluations == len(rough_count) + len(precise_count) and plain_record.evaluations == len(plain_count)
+
+
+def test_minimize_reports_the_loss_and_gradient_at_the_point_it_returns():
+    """The record reuses the line search's last evaluation when it is the returned point (or
+    evaluates once more): its loss and gradient are those of the returned parameters, exactly."""
+    weight = torch.eye(10, dtype=torch.float64).requires_grad_(True)
+    objective = _logistic_objective(torch.float64, weight, [])
+    record = torchcal.fit.minimize(objective, [weight], max_iter=7, tol_change=1e-13)
+    loss = objective()
+    (grad,) = torch.autograd.grad(loss, weight)
+    assert record.loss == float(loss.detach()) and record.grad_max == float(grad.abs().max())

@@ -56,6 +56,8 @@ def minimize(
     tol_change: float = 1e-12,
     history_size: int = 10,
     process_group: ProcessGroup | None = None,
+    rough_objective: Callable[[], Tensor] | None = None,
+    rough_tol_change: float = 1e-6,
 ) -> FitRecord:
     """Minimise ``objective()`` over ``params`` in place by full-batch L-BFGS (strong Wolfe).
 
@@ -70,6 +72,12 @@ def minimize(
             must then return this process's share of the global mean (its loss sum divided by the
             global sample count); loss and gradients are summed over the group, so every process
             takes identical steps.
+        rough_objective: an approximation of ``objective`` that is cheaper to evaluate (the same
+            function in float32, say), minimised first down to ``rough_tol_change``; the search
+            then goes on with ``objective`` and keeps its L-BFGS memory, so the cheap passes are
+            not repeated. The record's loss and gradient are ``objective``'s; its counts include
+            both stages.
+        rough_tol_change: ``tol_change`` of the rough stage: about the rough objective's round-off.
 
     Returns:
         A :class:`FitRecord`; a :class:`ConvergenceWarning` is issued if the cap was hit.
@@ -87,24 +95,37 @@ def minimize(
     )
 
     start = [p.detach().clone() for p in params]
+    last: list = [None, None]  # the point of the latest evaluation and its loss; p.grad holds its gradient
 
-    def closure() -> Tensor:
-        optimizer.zero_grad(set_to_none=False)
-        loss = objective()
-        loss.backward()
-        if process_group is not None:
-            loss = all_reduce_(loss.detach().clone(), process_group)
-            for p in params:
-                if p.grad is not None:
-                    all_reduce_(p.grad, process_group)
-        return loss
+    def closure_of(objective: Callable[[], Tensor]) -> Callable[[], Tensor]:
+        def closure() -> Tensor:
+            optimizer.zero_grad(set_to_none=False)
+            loss = objective()
+            loss.backward()
+            if process_group is not None:
+                loss = all_reduce_(loss.detach().clone(), process_group)
+                for p in params:
+                    if p.grad is not None:
+                        all_reduce_(p.grad, process_group)
+            last[:] = [p.detach().clone() for p in params], loss.detach()
+            return loss
 
+        return closure
+
+    closure = closure_of(objective)
     with torch.enable_grad():
+        if rough_objective is not None:
+            optimizer.param_groups[0]["tolerance_change"] = rough_tol_change
+            optimizer.step(closure_of(rough_objective))
+            optimizer.param_groups[0]["tolerance_change"] = tol_change
         optimizer.step(closure)
-        loss = closure()
-    state = optimizer.state[params[0]]
-    iterations = int(state.get("n_iter", 0))
-    evaluations = int(state.get("func_evals", 0)) + 1
+        evaluations = int(optimizer.state[params[0]].get("func_evals", 0))
+        # The line search usually accepts the point it evaluated last; if not, evaluate the result.
+        if not all(torch.equal(p, at) for p, at in zip(params, last[0])):
+            closure()
+            evaluations += 1
+        loss = last[1]
+    iterations = int(optimizer.state[params[0]].get("n_iter", 0))
     grad_max = max(float(p.grad.abs().max()) for p in params if p.numel() and p.grad is not None)
     finite = math.isfinite(float(loss.detach())) and math.isfinite(grad_max)
     converged = finite and (iterations < max_iter or grad_max <= tol_grad)

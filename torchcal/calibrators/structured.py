@@ -28,6 +28,7 @@ factor takes it out. Measured at K = 100: about 30 passes over the data instead 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -52,31 +53,59 @@ DEFAULT_LAMBDA_GRID: tuple[float, ...] = tuple(4.0**e for e in range(-6, 3))
 #: L-BFGS's loss-change tolerance for the fits that only select lambda: out-of-fold losses agree
 #: with fully converged fits to 1e-6 on CIFAR-100 logits, with 30 % fewer passes.
 _SELECTION_TOL_CHANGE = 1e-9
+#: The fits run L-BFGS on float32 passes (half the cost of float64 ones) down to this loss change,
+#: about their round-off, then on float64 passes from there with the same L-BFGS memory. At
+#: 10,000 x 100 that is 14 of the 37 passes; tighter, the float32 line searches fail on round-off.
+_FLOAT32_TOL_CHANGE = 1e-7
 #: The cross-validation path stops once the loss has risen at this many consecutive lambdas.
 _CV_PATIENCE = 2
 
 
+def _log_loss_residual_(scores: Tensor, labels: Tensor, sample_w: Tensor) -> Tensor:
+    """``sum_i w_i (logsumexp(s_i) - s_i[y_i])`` for scores ``s: (n, K)``, which it overwrites
+    with that sum's gradient ``w_i (softmax(s_i) - e_{y_i})``, formed from the same exponentials
+    (so a backward pass is one product, not a softmax over the scores again)."""
+    top = scores.amax(dim=1, keepdim=True)
+    rows = labels.unsqueeze(1)
+    margin = (top - scores.gather(1, rows)).squeeze(1)
+    residual = scores.sub_(top).exp_()  # float64: exp is faster here than _fast_exp's exp2
+    total = residual.sum(dim=1)
+    residual.mul_((sample_w / total).unsqueeze(1)).scatter_add_(1, rows, -sample_w.unsqueeze(1))
+    return sample_w @ (total.log() + margin)
+
+
 class _WeightedLogLoss(torch.autograd.Function):
-    """``sum_i w_i (logsumexp(s_i) - s_i[y_i])`` for scores ``s: (n, K)``, with the gradient
-    ``w_i (softmax(s_i) - e_{y_i})`` formed in the forward pass from the same exponentials, so the
-    backward pass is one product instead of a softmax over the scores again."""
+    """The weighted log-loss of scores ``(n, K)`` (:func:`_log_loss_residual_`)."""
 
     @staticmethod
     def forward(ctx, scores: Tensor, labels: Tensor, sample_w: Tensor) -> Tensor:
-        top = scores.amax(dim=1, keepdim=True)
-        e = (scores - top).exp_()  # float64: exp is faster here than _fast_exp's exp2
-        total = e.sum(dim=1)
-        rows = labels.unsqueeze(1)
-        per_row = total.log() + (top - scores.gather(1, rows)).squeeze(1)
-        residual = e.mul_((sample_w / total).unsqueeze(1))
-        residual.scatter_add_(1, rows, -sample_w.unsqueeze(1))
+        residual = scores.clone()
+        loss = _log_loss_residual_(residual, labels, sample_w)
         ctx.save_for_backward(residual)
-        return sample_w @ per_row
+        return loss
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
         (residual,) = ctx.saved_tensors
         return residual * grad_output, None, None
+
+
+class _LinearLogLoss(torch.autograd.Function):
+    """The weighted log-loss of the scores ``design @ weight.T`` for ``design: (n, D)`` and
+    ``weight: (K, D)``, differentiable in ``weight``: the scores are formed, and turned into the
+    residual, in one buffer, so a pass allocates nothing of size (n, K) but that."""
+
+    @staticmethod
+    def forward(ctx, design: Tensor, weight: Tensor, labels: Tensor, sample_w: Tensor) -> Tensor:
+        residual = design @ weight.T
+        loss = _log_loss_residual_(residual, labels, sample_w)
+        ctx.save_for_backward(design, residual)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        design, residual = ctx.saved_tensors
+        return None, (residual.T @ design) * grad_output, None, None
 
 
 class _StructuredScaling(Calibrator):
@@ -132,6 +161,11 @@ class _StructuredScaling(Calibrator):
     def _map_theta(design: Tensor, theta: Tensor) -> Tensor:
         """Scores (n, K) of :meth:`_design`'s output under the deviation ``theta``."""
         raise NotImplementedError
+
+    @classmethod
+    def _log_loss(cls, design: Tensor, theta: Tensor, labels: Tensor, sample_w: Tensor) -> Tensor:
+        """The weighted log-loss sum of :meth:`_map_theta`'s scores, differentiable in ``theta``."""
+        return _WeightedLogLoss.apply(cls._map_theta(design, theta), labels, sample_w)
 
     @staticmethod
     def _penalty_weights(num_classes: int, num_samples: float, reg_lambda: float) -> Tensor:
@@ -216,16 +250,29 @@ class _StructuredScaling(Calibrator):
         penalty_share = penalty / world_size(process_group)  # the group's sum counts it once
         phi = from_theta(theta).contiguous().requires_grad_(True)
 
-        def objective() -> Tensor:
-            theta = to_theta(phi)
-            scores = self._map_theta(design, theta)
-            if loss == "log":
-                data = _WeightedLogLoss.apply(scores, labels, sample_w)
-            else:
-                data = sample_w @ per_sample(torch.log_softmax(scores, dim=1), labels)
-            return data + (penalty_share * theta.square()).sum()
+        def objective_in(dtype: torch.dtype) -> Callable[[], Tensor]:
+            design_d, sample_w_d = design.to(dtype), sample_w.to(dtype)
 
-        record = minimize(objective, [phi], max_iter=max_iter, tol_change=tol_change, process_group=process_group)
+            def objective() -> Tensor:
+                theta = to_theta(phi.to(dtype))
+                if loss == "log":
+                    data = self._log_loss(design_d, theta, labels, sample_w_d)
+                else:
+                    data = sample_w_d @ per_sample(torch.log_softmax(self._map_theta(design_d, theta), dim=1), labels)
+                return data.to(phi.dtype) + (penalty_share * theta.square()).sum()
+
+            return objective
+
+        rough = objective_in(torch.float32) if design.dtype == torch.float64 and tol_change < _FLOAT32_TOL_CHANGE else None
+        record = minimize(
+            objective_in(design.dtype),
+            [phi],
+            max_iter=max_iter,
+            tol_change=tol_change,
+            process_group=process_group,
+            rough_objective=rough,
+            rough_tol_change=_FLOAT32_TOL_CHANGE,
+        )
         with torch.no_grad():
             self._set_theta(to_theta(phi.detach()))
         return record
@@ -327,16 +374,19 @@ def _per_class_blocks(
 ) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
     """The change of variables of the exact per-class 2 x 2 Hessian blocks in ``theta = [v; b]``
     (2, K) of the map ``(1 + v) * x + b`` at posteriors ``q: (n, K)``, cross-class terms dropped:
-    ``B_k = sum_i w_i q_ik (1 - q_ik) [x_ik, 1]^T [x_ik, 1] + 2 diag(penalty[:, k])``."""
+    ``B_k = sum_i w_i q_ik (1 - q_ik) [x_ik, 1]^T [x_ik, 1] + 2 diag(penalty[:, k])``. The sums
+    are formed in the inputs' precision and factorised in ``penalty``'s."""
     r = sample_w.unsqueeze(1) * q * (1 - q)
     rx = r * x
-    blocks = torch.stack([(rx * x).sum(0), rx.sum(0), rx.sum(0), r.sum(0)], dim=1).view(-1, 2, 2)
-    blocks = all_reduce_(blocks, process_group) + torch.diag_embed(2 * penalty.T)
-    jitter = 1e-12 * blocks.diagonal(dim1=1, dim2=2).amax() + torch.finfo(x.dtype).tiny
-    chol = torch.linalg.cholesky(blocks + jitter * torch.eye(2, dtype=x.dtype, device=x.device))  # B_k = L_k L_k^T
+    sums = torch.stack([(rx * x).sum(0), rx.sum(0), rx.sum(0), r.sum(0)], dim=1).view(-1, 2, 2).to(penalty.dtype)
+    blocks = all_reduce_(sums, process_group) + torch.diag_embed(2 * penalty.T)
+    jitter = 1e-12 * blocks.diagonal(dim1=1, dim2=2).amax() + torch.finfo(blocks.dtype).tiny
+    chol = torch.linalg.cholesky(blocks + jitter * torch.eye(2, dtype=blocks.dtype, device=x.device))  # B_k = L_k L_k^T
+
+    chol_in = functools.cache(chol.to)
 
     def to_theta(phi: Tensor) -> Tensor:  # theta_k = L_k^-T phi_k
-        return torch.linalg.solve_triangular(chol.mT, phi.T.unsqueeze(2), upper=True).squeeze(2).T
+        return torch.linalg.solve_triangular(chol_in(phi.dtype).mT, phi.T.unsqueeze(2), upper=True).squeeze(2).T
 
     def from_theta(theta: Tensor) -> Tensor:
         return (chol.mT @ theta.T.unsqueeze(2)).squeeze(2).T
@@ -388,6 +438,12 @@ class StructuredMatrixScaling(_StructuredScaling):
     def _map_theta(design: Tensor, theta: Tensor) -> Tensor:
         return torch.addmm(design[:, :-1], design, theta.T)
 
+    @classmethod
+    def _log_loss(cls, design: Tensor, theta: Tensor, labels: Tensor, sample_w: Tensor) -> Tensor:
+        k = theta.shape[0]
+        weight = theta + torch.eye(k, k + 1, dtype=theta.dtype, device=theta.device)
+        return _LinearLogLoss.apply(design, weight, labels, sample_w)
+
     @staticmethod
     def _penalty_weights(num_classes: int, num_samples: float, reg_lambda: float) -> Tensor:
         k = num_classes
@@ -408,11 +464,13 @@ class StructuredMatrixScaling(_StructuredScaling):
         # it would leave badly scaled: the exact per-class 2 x 2 blocks of (diagonal, bias) take
         # those (L-BFGS then needs ~30 passes at K = 100 instead of ~65, ~70 instead of ~580 at
         # lambda = 1/16).
+        # Both levels are formed in float32 (half the cost; their round-off is far below the ridge).
         k = theta.shape[0]
-        q = torch.softmax(StructuredMatrixScaling._map_theta(design, theta), dim=1)
-        g = design.T @ (sample_w.unsqueeze(1) * design)
-        a = torch.diag(sample_w @ q) - q.T @ (sample_w.unsqueeze(1) * q)
-        factors = all_reduce_(torch.cat([a.flatten(), g.flatten()]), process_group)
+        design32, w32 = design.float(), sample_w.float()
+        q = torch.softmax(StructuredMatrixScaling._map_theta(design32, theta.float()), dim=1)
+        g = design32.T @ (w32.unsqueeze(1) * design32)
+        a = torch.diag(w32 @ q) - q.T @ (w32.unsqueeze(1) * q)
+        factors = all_reduce_(torch.cat([a.flatten(), g.flatten()]).to(design.dtype), process_group)
         eig_a, u = torch.linalg.eigh(factors[: k * k].view(k, k))
         eig_g, v = torch.linalg.eigh(factors[k * k :].view(k + 1, k + 1))
         curvature = eig_a.clamp_min(0).unsqueeze(1) * eig_g.clamp_min(0).unsqueeze(0)
@@ -420,9 +478,12 @@ class StructuredMatrixScaling(_StructuredScaling):
         scale = (curvature + ridge).rsqrt()
         diagonal = torch.arange(k, device=design.device)
         block_penalty = torch.stack([penalty[diagonal, diagonal], penalty[:, k]])
-        blocks_to_theta, _ = _per_class_blocks(design[:, :k], q, sample_w, block_penalty, process_group)
+        blocks_to_theta, _ = _per_class_blocks(design32[:, :k], q, w32, block_penalty, process_group)
+
+        factors_in = functools.cache(lambda dtype: (u.to(dtype), scale.to(dtype), v.to(dtype)))
 
         def to_theta(phi: Tensor) -> Tensor:
+            u, scale, v = factors_in(phi.dtype)
             theta = u @ (scale * phi[:, : k + 1]) @ v.T
             diag_and_bias = blocks_to_theta(phi[:, k + 1 :].T)
             return theta + torch.cat([torch.diag(diag_and_bias[0]), diag_and_bias[1].unsqueeze(1)], dim=1)

@@ -12,6 +12,7 @@ from gloo import spawn_gloo
 
 import torchcal
 from torchcal.calibrators import temperature
+from torchcal.label_shift import estimate_priors
 
 # Each model exercises one solver: 1-D Newton, structured Newton (with class weights from global
 # counts, and with a penalty that must be counted once), and the generic L-BFGS driver.
@@ -129,3 +130,50 @@ def test_too_few_samples_on_one_process_fails_on_every_process(tmp_path):
         for message in messages:
             assert message is not None and "needs at least 5 samples on every process (the fewest: 3)" in message
             assert message.endswith(f"got N = {(200, 3)[rank]} here.")
+
+
+def _bad_shard_worker(rank: int, out: str) -> None:
+    """Rank 1's shard has a NaN logit, then a label out of range, then an infinite score: every
+    rank must raise."""
+    logits, labels = _data()
+    logits, labels = (logits[:SPLIT], labels[:SPLIT]) if rank == 0 else (logits[SPLIT:], labels[SPLIT:])
+    world = dist.group.WORLD
+    errors = []
+    for spoil in ("nan", "label"):
+        bad_logits, bad_labels = logits.clone(), labels.clone()
+        if rank == 1 and spoil == "nan":
+            bad_logits[7, 2] = float("nan")
+        if rank == 1 and spoil == "label":
+            bad_labels[3] = 5
+        for call in (
+            lambda: torchcal.TemperatureScaling().fit(bad_logits, bad_labels, process_group=world),
+            lambda: torchcal.DirichletCalibration(reg="odir").fit(bad_logits, bad_labels, process_group=world),
+            lambda: torchcal.cross_validate(torchcal.VectorScaling(), bad_logits, bad_labels, process_group=world),
+        ):
+            try:
+                call()
+                errors.append(None)
+            except ValueError as err:
+                errors.append(str(err))
+    bad_logits = logits.clone()
+    if rank == 1:
+        bad_logits[0, 0] = float("inf")
+    try:
+        estimate_priors(bad_logits, torch.full((5,), 0.2), process_group=world)
+        errors.append(None)
+    except ValueError as err:
+        errors.append(str(err))
+    torch.save(errors, Path(out) / f"rank{rank}.pt")
+
+
+def test_invalid_data_on_one_process_fails_on_every_process(tmp_path):
+    """A NaN, an out-of-range label or an infinite score in one process's shard: that process
+    names it, and the others raise too instead of waiting for it in their next collective."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    spawn_gloo(_bad_shard_worker, 2, str(tmp_path))
+    others, own = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert len(own) == len(others) == 7
+    for message in others:
+        assert message is not None and "another process of the group refused its shard" in message
+    assert all("NaN" in m for m in own[:3]) and all("label" in m for m in own[3:6]) and "infinite" in own[6]

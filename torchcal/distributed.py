@@ -9,12 +9,15 @@ union of the shards; the logits themselves never travel.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import Tensor
 
-__all__ = ["ProcessGroup", "all_reduce_", "world_size"]
+__all__ = ["ProcessGroup", "all_reduce_", "validate_together", "world_size"]
+
+T = TypeVar("T")
 
 try:  # torch builds without distributed support still import torchcal
     from torch.distributed import ProcessGroup
@@ -42,3 +45,28 @@ def all_reduce_(tensor: Tensor, group: ProcessGroup | None, op: Literal["sum", "
 def world_size(group: ProcessGroup | None) -> int:
     """Number of processes in ``group`` (1 for ``None``)."""
     return 1 if group is None else torch.distributed.get_world_size(group)
+
+
+def validate_together(check: Callable[[], T], group: ProcessGroup | None, data: Any = None) -> T:
+    """``check()``, the input validation of a data-parallel call, run by every process of
+    ``group`` at once: if it raises on one process it raises on all (there with its own message,
+    elsewhere with one that points to it), so that no process waits alone in its next collective
+    for one that gave up. Without a group it is ``check()``. ``data``: the tensor whose device
+    carries the flag (CPU if it is not a tensor)."""
+    if group is None:
+        return check()
+    error: Exception | None = None
+    try:
+        result = check()
+    except (ValueError, TypeError) as err:
+        error = err
+    device = data.device if isinstance(data, Tensor) else torch.device("cpu")
+    failed = all_reduce_(torch.tensor([float(error is not None)], device=device), group, op="max")
+    if error is not None:
+        raise error
+    if bool(failed.item()):
+        raise ValueError(
+            "another process of the group refused its shard of the data (its own error says why); "
+            "this process stops too rather than wait for it."
+        )
+    return result

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from torchcal._validation import check_logits_and_labels
-from torchcal.distributed import ProcessGroup, all_reduce_
+from torchcal.distributed import ProcessGroup, all_reduce_, validate_together
 
 if TYPE_CHECKING:
     from torchcal.calibrators.base import Calibrator
@@ -348,7 +348,7 @@ def cross_validate(
         >>> torchcal.cross_validate(torchcal.TemperatureScaling(), logits, labels).shape
         torch.Size([200, 4])
     """
-    logits, labels = check_logits_and_labels(logits, labels)
+    logits, labels = validate_together(lambda: check_logits_and_labels(logits, labels), fit_options.get("process_group"), logits)
     out: Tensor | None = None
     splits = fold_indices(labels, folds, seed, stratified, groups, fit_options.get("process_group"))
     for fold, test in enumerate(splits):

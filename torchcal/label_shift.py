@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torchcal._validation import check_logits, check_logits_and_labels, check_priors, compute_dtype
 from torchcal.calibrators.affine import AffineCalibration
 from torchcal.calibrators.base import Calibrator
-from torchcal.distributed import ProcessGroup, all_reduce_
+from torchcal.distributed import ProcessGroup, all_reduce_, validate_together
 from torchcal.fit import FitRecord
 from torchcal.functional.scoring import class_frequencies
 
@@ -129,11 +129,15 @@ def estimate_priors(
         >>> [round(p, 4) for p in estimate.priors.tolist()], estimate.record.converged
         ([0.75, 0.25], True)
     """
-    logits = check_logits(logits)
-    n_classes = logits.shape[1]
-    source = _source_priors(source_priors, n_classes, logits.device)
     if max_iter < 1 or not tol > 0:
         raise ValueError(f"max_iter must be >= 1 and tol > 0, got max_iter={max_iter}, tol={tol}.")
+
+    def check() -> tuple[Tensor, Tensor]:
+        checked = check_logits(logits)
+        return checked, _source_priors(source_priors, checked.shape[1], checked.device)
+
+    logits, source = validate_together(check, process_group, logits)
+    n_classes = logits.shape[1]
     ratio = torch.softmax(logits.to(torch.float64), dim=1) / source  # a[n, k]
     count = all_reduce_(torch.tensor(float(logits.shape[0]), dtype=torch.float64, device=logits.device), process_group)
     priors = source.clone()

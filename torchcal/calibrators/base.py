@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from torchcal._validation import check_logits, check_logits_and_labels, compute_dtype
-from torchcal.distributed import ProcessGroup, all_reduce_, world_size
+from torchcal.distributed import ProcessGroup, all_reduce_, validate_together, world_size
 from torchcal.fit import FitRecord, minimize
 from torchcal.functional.scoring import PER_SAMPLE_SCORES, class_weights_from_counts
 
@@ -104,7 +104,9 @@ class Calibrator(nn.Module):
                 of the calibration data, and all end with the parameters of one fit on the union
                 of the shards. Only sums over samples travel, never the logits.
         """
-        logits, labels = check_logits_and_labels(logits, labels)
+        if process_group is not None and not self._supports_process_group:
+            raise NotImplementedError(f"{type(self).__name__} needs all the data in one process; fit it without process_group.")
+        logits, labels = validate_together(lambda: check_logits_and_labels(logits, labels), process_group, logits)
         num_classes = logits.shape[1]
         if self.supported_num_classes is not None and num_classes != self.supported_num_classes:
             raise ValueError(
@@ -113,8 +115,6 @@ class Calibrator(nn.Module):
             )
         if loss not in PER_SAMPLE_SCORES:
             raise ValueError(f"loss must be one of {sorted(PER_SAMPLE_SCORES)}, got {loss!r}.")
-        if process_group is not None and not self._supports_process_group:
-            raise NotImplementedError(f"{type(self).__name__} needs all the data in one process; fit it without process_group.")
         counts = all_reduce_(torch.bincount(labels, minlength=num_classes), process_group)
         missing = counts == 0
         if bool(missing.any()):

@@ -3,7 +3,9 @@ scaffolding of the data-parallel tests. The tests import it as ``gloo`` (like ``
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -26,9 +28,14 @@ def _run(rank: int, worker: Callable[..., None], world_size: int, port: int, arg
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         worker(rank, *args)
-        # No process tears the group down while another may still be finishing its last
-        # collective: a peer that vanishes mid-operation aborts it ("terminate called without an
-        # active exception", seen under load).
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Every process has finished its collectives and written its results. It leaves without
+    # tearing the group down: gloo's teardown (in destroy_process_group or at interpreter exit)
+    # aborted a worker now and then under load ("terminate called without an active exception")
+    # even after a barrier; see pytorch/pytorch#179291.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,4 +1,5 @@
-"""``exp`` computed as ``exp2`` on the CPU, where PyTorch's vectorised ``exp2`` is twice as fast."""
+"""``exp`` computed as ``exp2`` on the CPU, where PyTorch's vectorised ``exp2`` is twice as fast,
+and a floor for exponents that keeps exponentials clear of subnormal numbers."""
 
 from __future__ import annotations
 
@@ -23,3 +24,11 @@ def scaled_exp(x: Tensor, scale: float = 1.0, out: Tensor | None = None) -> Tens
     if factor != 1:
         x = out = torch.mul(x, factor, out=out)
     return torch.exp2(x, out=out) if on_cpu else torch.exp(x, out=out)
+
+
+def exp_floor(dtype: torch.dtype) -> float:
+    """A lower bound for exponents: half the dtype's exponent range (-43.7 for float32, -354 for
+    float64). Exponentials clamped there, and their products with weights, never reach subnormal
+    numbers, on which CPU arithmetic is 10-30x slower; the terms dropped change a sum of
+    exponentials by a relative 1e-19 (float32) or less."""
+    return 0.5 * math.log(torch.finfo(dtype).tiny)

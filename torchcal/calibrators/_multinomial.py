@@ -41,6 +41,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from torchcal._fast_exp import exp_floor
 from torchcal.distributed import ProcessGroup, all_reduce_
 from torchcal.fit import ConvergenceWarning, FitRecord
 
@@ -166,7 +167,7 @@ def fit_multinomial_logistic(
         full = shift(c)
         log_q = torch.log_softmax(x @ full.to(dtype).T, dim=1)
         data = -(w @ log_q[rows, labels]).to(torch.float64)
-        q = log_q.exp_()
+        q = log_q.clamp_(min=exp_floor(dtype)).exp_()  # no subnormal posteriors: they slow every product
         residual = w.unsqueeze(1) * q
         residual[rows, labels] -= w
         sums = all_reduce_(torch.cat([data.reshape(1), (residual.T @ x).to(torch.float64).flatten()]), process_group)
@@ -177,8 +178,8 @@ def fit_multinomial_logistic(
         """``H v`` for a centred direction ``v`` (K, D): one pass."""
         nonlocal passes
         passes += 1
-        qs = q * (x @ v.to(dtype).T)
-        r = w.unsqueeze(1) * (qs - q * qs.sum(1, keepdim=True))
+        qs = torch.mm(x, v.to(dtype).T).mul_(q)  # one (N, K) buffer for the whole product
+        r = qs.addcmul_(q, qs.sum(1, keepdim=True), value=-1).mul_(w.unsqueeze(1))
         data = all_reduce_((r.T @ x).to(torch.float64), process_group)
         return data + centre(2 * penalty * shift(v))
 
@@ -194,7 +195,7 @@ def fit_multinomial_logistic(
         curvature = w.unsqueeze(1) * q * (1 - q)  # (N, K)
         d = f + 1
         m = min(n, max(_MIN_BLOCK_ROWS, _BLOCK_ROWS_PER_FEATURE * n // d))
-        top, index = curvature.topk(m, dim=0) if m < n else (curvature, rows.unsqueeze(1).expand(n, k))
+        top, index = curvature.topk(m, dim=0, sorted=False) if m < n else (curvature, rows.unsqueeze(1).expand(n, k))
         if factor.shape != (k, d, d):
             factor = torch.empty(k, d, d, dtype=torch.float64, device=x.device)
         step = max(1, _CHUNK_ELEMENTS // (d * max(m, d)))

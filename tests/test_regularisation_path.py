@@ -31,8 +31,8 @@ def _check_same_selection(make, logits, labels):
     torch.testing.assert_close(path.bias, final.bias, rtol=0, atol=1e-6)
     tried = [i for i, v in enumerate(path.cv_losses_) if math.isfinite(v)]
     assert grid.index(best) in tried
-    for i in tried:  # the loose tolerance moves the out-of-fold losses by round-off only
-        assert path.cv_losses_[i] == pytest.approx(losses[i], rel=1e-6)
+    for i in tried:  # the selection tolerance (gradient 1e-5) moves the out-of-fold losses by ~1e-6
+        assert path.cv_losses_[i] == pytest.approx(losses[i], rel=1e-5)
     for i, v in enumerate(path.cv_losses_):  # an abandoned point was indeed worse than the best
         if not math.isfinite(v):
             assert losses[i] > losses[grid.index(best)]

@@ -24,8 +24,10 @@ __all__ = ["DEFAULT_REG_GRID", "DirichletCalibration", "MatrixScaling"]
 #: purpose: on the ResNet-110 CIFAR-10 logits the best ODIR lambda is about 10.
 DEFAULT_REG_GRID: tuple[float, ...] = tuple(10.0**e for e in range(-4, 4))
 #: Cross-validation solves every grid point to this gradient (the final fit to 1e-9), and stops
-#: the path once the loss has risen at this many consecutive grid points.
-_CV_TOL_GRAD = 1e-6
+#: the path once the loss has risen at this many consecutive grid points. 1e-5 moves the
+#: out-of-fold losses by about 1e-6 (relative) against converged fits and saves 17 % of the
+#: passes on the CIFAR-100 ResNet-20 logits (725 -> 604).
+_CV_TOL_GRAD = 1e-5
 _CV_PATIENCE = 2
 
 

@@ -172,3 +172,15 @@ def test_minimize_reports_the_loss_and_gradient_at_the_point_it_returns():
     loss = objective()
     (grad,) = torch.autograd.grad(loss, weight)
     assert record.loss == float(loss.detach()) and record.grad_max == float(grad.abs().max())
+
+
+def test_max_iter_caps_both_stages_together():
+    weight = torch.eye(10, dtype=torch.float64).requires_grad_(True)
+    with pytest.warns(torchcal.fit.ConvergenceWarning, match="iteration cap"):
+        record = torchcal.fit.minimize(
+            _logistic_objective(torch.float64, weight, []),
+            [weight],
+            max_iter=5,
+            rough_objective=_logistic_objective(torch.float32, weight, []),
+        )
+    assert not record.converged and record.iterations <= 6

@@ -115,9 +115,12 @@ def minimize(
     closure = closure_of(objective)
     with torch.enable_grad():
         if rough_objective is not None:
-            optimizer.param_groups[0]["tolerance_change"] = rough_tol_change
+            group = optimizer.param_groups[0]
+            group["tolerance_change"] = rough_tol_change
             optimizer.step(closure_of(rough_objective))
-            optimizer.param_groups[0]["tolerance_change"] = tol_change
+            # the rest of the budget: max_iter caps both stages together
+            group["tolerance_change"] = tol_change
+            group["max_iter"] = max(1, max_iter - int(optimizer.state[params[0]].get("n_iter", 0)))
         optimizer.step(closure)
         evaluations = int(optimizer.state[params[0]].get("func_evals", 0))
         # The line search usually accepts the point it evaluated last; if not, evaluate the result.

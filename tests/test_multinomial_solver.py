@@ -125,13 +125,16 @@ def test_passes_do_not_blow_up_as_lambda_shrinks():
     assert passes[1e-4] <= 3 * passes[1.0], passes
 
 
+@pytest.mark.parametrize("check_every", [8, 1], ids=["checks-default", "check-every-cg-step"])
 @pytest.mark.parametrize("lam", [1e-3, 1.0])
-def test_the_large_k_diagonal_preconditioner_reaches_the_same_optimum(monkeypatch, lam):
-    """Above ``_MAX_BLOCK_SIZE`` features CG is preconditioned by the blocks' diagonals: forced
-    onto that path, a small problem reaches the exact Newton optimum and the block path's fit."""
+def test_the_large_k_diagonal_preconditioner_reaches_the_same_optimum(monkeypatch, lam, check_every):
+    """Above ``_MAX_BLOCK_SIZE`` features CG is preconditioned by the blocks' diagonals (and checks
+    the objective along its iterates): forced onto that path, a small problem reaches the exact
+    Newton optimum and the block path's fit, also when CG checks at every step."""
     logits, labels = _problem(2000, 8, seed=11)
     blocks = torchcal.DirichletCalibration(reg="odir", reg_lambda=lam).fit(logits, labels)
     monkeypatch.setattr(torchcal.calibrators._multinomial, "_MAX_BLOCK_SIZE", 0)
+    monkeypatch.setattr(torchcal.calibrators._multinomial, "_CHECK_EVERY", check_every)
     diagonal = torchcal.DirichletCalibration(reg="odir", reg_lambda=lam).fit(logits, labels)
     reference = _reference(torchcal.DirichletCalibration(reg="odir", reg_lambda=lam), logits, labels)
     assert diagonal.fit_record_.converged and diagonal.fit_record_.grad_max < 1e-9

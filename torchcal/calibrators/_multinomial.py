@@ -277,8 +277,8 @@ def fit_multinomial_logistic(
                 break
             if checked_from is not None and (i + 1) % _CHECK_EVERY == 0:
                 trial = objective(checked_from + step)
-                if not trial < checked_loss:
-                    return checked
+                if not trial < checked_loss:  # (a first check that is not finite: the gradient)
+                    return checked if math.isfinite(checked_loss) else -grad
                 checked, checked_loss = step, trial
             z = precondition(r)
             rz_new = (r * z).sum()

@@ -105,6 +105,29 @@ def test_row_order_and_precision_do_not_change_the_fit():
     torch.testing.assert_close(_fitted(fits[2]), _fitted(fits[0]), rtol=0, atol=1e-4)  # float32 logits are rounded
 
 
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+def test_float32_hessian_products_reach_the_float64_optimum(monkeypatch, precision):
+    """Hessian products and blocks run in float32 (only the Newton directions depend on them);
+    where float32 matrix products may round to TF32 / bfloat16 they stay in float64. Either way
+    the fit reaches the exact Newton optimum."""
+    logits, labels = _problem(3000, 12, seed=9)
+    used = []
+    original = torch.mm
+
+    def recording_mm(a, b, **kwargs):
+        used.append(a.dtype)
+        return original(a, b, **kwargs)
+
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: precision)
+    monkeypatch.setattr(torchcal.calibrators._multinomial.torch, "mm", recording_mm)
+    cal = torchcal.DirichletCalibration(reg="odir", reg_lambda=1e-3).fit(logits, labels)
+    monkeypatch.undo()
+    assert set(used) == {torch.float32 if precision == "highest" else torch.float64}
+    reference = _reference(torchcal.DirichletCalibration(reg="odir", reg_lambda=1e-3), logits, labels)
+    assert cal.fit_record_.converged and cal.fit_record_.grad_max < 1e-9
+    torch.testing.assert_close(_fitted(cal), reference, rtol=0, atol=1e-6)
+
+
 def test_class_weights_reach_the_exact_newton_optimum():
     logits, labels = _problem(2000, 5, seed=6)
     priors = torch.tensor([0.4, 0.1, 0.2, 0.2, 0.1], dtype=torch.float64)

@@ -68,6 +68,8 @@ _MAX_BLOCK_SIZE = 256
 #: optimum; near it the objective's changes are round-off).
 _CHECK_EVERY = 8
 _CHECK_FORCING = 0.1
+#: CG's relative residual at least: the round-off of the float32 Hessian products.
+_MIN_FORCING = 1e-4
 
 
 def _forcing(grad_norm: float, previous: tuple[float, float] | None, floor: float) -> float:
@@ -108,7 +110,8 @@ def fit_multinomial_logistic(
 
     Args:
         features: (N, F) features ``x_i`` (logits for matrix scaling, log-posteriors for
-            Dirichlet calibration), float32 or float64; the passes run in this precision.
+            Dirichlet calibration), float32 or float64; losses and gradients are computed in this
+            precision, Hessian products in float32.
         labels: (N,) class indices in ``[0, K)``.
         sample_w: (N,) per-sample weights, e.g. ``1 / N`` for the mean loss (see
             :func:`torchcal.calibrators.base.sample_weights`).
@@ -152,6 +155,13 @@ def fit_multinomial_logistic(
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     largest_scale = max(1.0, float(scale.max()))
     x /= scale.to(dtype)
+    # Newton directions only need the forcing term's accuracy (at least _MIN_FORCING): the
+    # Hessian products and the blocks run in float32, half the time of a float64 pass, while the
+    # gradients, losses and steps stay in the features' precision. Not where float32 matrix
+    # products may round to TF32 or bfloat16 (torch.set_float32_matmul_precision, which
+    # Lightning users often lower): their 1e-3 would be the Newton steps' accuracy.
+    low = torch.float32 if torch.get_float32_matmul_precision() == "highest" else dtype
+    x_low = x.to(low)
     penalty = penalty.to(device=x.device, dtype=torch.float64) / scale.square()
     column_penalty = penalty.sum(0)  # (D,)
 
@@ -189,17 +199,20 @@ def fit_multinomial_logistic(
         grad = sums[1:].view(k, -1) + 2 * penalty * full
         return sums[0] + (penalty * full.square()).sum(), grad, q
 
+    w_low = w.to(low)
+    low_floor = math.exp(exp_floor(low))  # posteriors below it would be subnormal in low
+
     def hessian_product(q: Tensor, v: Tensor) -> Tensor:
-        """``H v`` for a centred direction ``v`` (K, D): one pass."""
+        """``H v`` for a centred direction ``v`` (K, D) at posteriors ``q`` in ``low``: one pass."""
         nonlocal passes
         passes += 1
-        qs = torch.mm(x, v.to(dtype).T).mul_(q)  # one (N, K) buffer for the whole product
-        r = qs.addcmul_(q, qs.sum(1, keepdim=True), value=-1).mul_(w.unsqueeze(1))
-        data = all_reduce_((r.T @ x).to(torch.float64), process_group)
+        qs = torch.mm(x_low, v.to(low).T).mul_(q)  # one (N, K) buffer for the whole product
+        r = qs.addcmul_(q, qs.sum(1, keepdim=True), value=-1).mul_(w_low.unsqueeze(1))
+        data = all_reduce_((r.T @ x_low).to(torch.float64), process_group)
         return data + centre(2 * penalty * shift(v))
 
     factor = torch.empty(0, dtype=torch.float64, device=x.device)
-    gathered = torch.empty(0, dtype=dtype, device=x.device)
+    gathered = torch.empty(0, dtype=low, device=x.device)
 
     def block_preconditioner(q: Tensor) -> Callable[[Tensor], Tensor]:
         """Cholesky factors (K, D, D) of the per-class diagonal Hessian blocks, a few classes at
@@ -207,7 +220,7 @@ def fit_multinomial_logistic(
         The classes' rows are gathered into one buffer too: a fresh one of 64 MB (10,000 x 100)
         costs more in page faults than the copy itself."""
         nonlocal factor, gathered
-        curvature = w.unsqueeze(1) * q * (1 - q)  # (N, K)
+        curvature = w_low.unsqueeze(1) * q * (1 - q)  # (N, K)
         d = f + 1
         m = min(n, max(_MIN_BLOCK_ROWS, _BLOCK_ROWS_PER_FEATURE * n // d))
         top, index = curvature.topk(m, dim=0, sorted=False) if m < n else (curvature, rows.unsqueeze(1).expand(n, k))
@@ -215,30 +228,31 @@ def fit_multinomial_logistic(
             factor = torch.empty(k, d, d, dtype=torch.float64, device=x.device)
         step = max(1, _CHUNK_ELEMENTS // (d * max(m, d)))
         if gathered.shape != (min(step, k) * m, d):
-            gathered = torch.empty(min(step, k) * m, d, dtype=dtype, device=x.device)
+            gathered = torch.empty(min(step, k) * m, d, dtype=low, device=x.device)
         for start in range(0, k, step):
             classes = slice(start, start + step)
             chosen_rows = index[:, classes].T.flatten()
-            chosen = torch.index_select(x, 0, chosen_rows, out=gathered[: chosen_rows.numel()]).view(-1, m, d)  # (classes, m, D)
+            chosen = torch.index_select(x_low, 0, chosen_rows, out=gathered[: chosen_rows.numel()]).view(-1, m, d)  # (classes, m, D)
             chosen *= top[:, classes].T.sqrt().unsqueeze(2)
             blocks = torch.bmm(chosen.transpose(1, 2), chosen).to(torch.float64)
             blocks = all_reduce_(blocks, process_group)
             diagonal = blocks.diagonal(dim1=1, dim2=2)
             diagonal += 2 * penalty[classes]
-            # Scale-aware jitter: relative to each block's own diagonal, so that a class whose
-            # curvature is tiny is not swamped by the others' (and a floor for all-zero blocks).
-            diagonal += 1e-10 * diagonal + 1e-14 * diagonal.mean(1, keepdim=True) + 1e-300
+            # Scale-aware jitter: relative to each block's own diagonal (above the round-off of
+            # float32 sums of m terms), so that a class whose curvature is tiny is not swamped by
+            # the others' (and a floor for all-zero blocks).
+            diagonal += 1e-5 * diagonal + 1e-14 * diagonal.mean(1, keepdim=True) + 1e-300
             chol, info = torch.linalg.cholesky_ex(blocks)
             if bool(info.any()):  # numerically indefinite: a stronger ridge
-                diagonal += 1e-6 * diagonal.mean(1, keepdim=True)
+                diagonal += 1e-4 * diagonal.mean(1, keepdim=True)
                 chol = torch.linalg.cholesky(blocks)
             factor[classes] = chol
         return lambda r: torch.cholesky_solve(r.unsqueeze(2), factor).squeeze(2)
 
     def diagonal_preconditioner(q: Tensor) -> Callable[[Tensor], Tensor]:
         """The diagonals (K, D) of the same blocks, from every row."""
-        curvature = w.unsqueeze(1) * q * (1 - q)  # (N, K)
-        diagonal = all_reduce_((curvature.T @ x.square()).to(torch.float64), process_group) + 2 * penalty
+        curvature = w_low.unsqueeze(1) * q * (1 - q)  # (N, K)
+        diagonal = all_reduce_((curvature.T @ x_low.square()).to(torch.float64), process_group) + 2 * penalty
         diagonal += 1e-10 * diagonal + 1e-14 * diagonal.mean(1, keepdim=True) + 1e-300
         return lambda r: r / diagonal
 
@@ -299,10 +313,11 @@ def fit_multinomial_logistic(
             break
         grad_norm = float(grad.norm())
         # CG's residual is about the next gradient; the stopping test reads it times scale too
-        forcing = _forcing(grad_norm, previous, 0.5 * tol_grad / (grad_norm * largest_scale))
+        forcing = _forcing(grad_norm, previous, max(_MIN_FORCING, 0.5 * tol_grad / (grad_norm * largest_scale)))
         previous = (grad_norm, forcing)
         checked_from = c if preconditioner is diagonal_preconditioner and forcing >= _CHECK_FORCING else None
-        direction = newton_direction(q, grad, preconditioner(q), forcing, checked_from)
+        q_low = q.clamp(min=low_floor).to(low)
+        direction = newton_direction(q_low, grad, preconditioner(q_low), forcing, checked_from)
         slope = float((grad * direction).sum())
         slack = 1e-14 * max(1.0, abs(loss_value))  # the decrease near the optimum is round-off
         t = 1.0

@@ -107,9 +107,9 @@ def test_row_order_and_precision_do_not_change_the_fit():
 
 @pytest.mark.parametrize("precision", ["highest", "medium"])
 def test_float32_hessian_products_reach_the_float64_optimum(monkeypatch, precision):
-    """Hessian products and blocks run in float32 (only the Newton directions depend on them);
-    where float32 matrix products may round to TF32 / bfloat16 they stay in float64. Either way
-    the fit reaches the exact Newton optimum."""
+    """Hessian products run in float32 (only the Newton directions depend on them); where
+    float32 matrix products may round to TF32 / bfloat16 they stay in float64. Either way the fit
+    reaches the exact Newton optimum."""
     logits, labels = _problem(3000, 12, seed=9)
     used = []
     original = torch.mm

@@ -25,7 +25,8 @@ truncated Newton method converge in a few dozen passes whatever the penalty:
   say "maybe k", which a product of averages cannot represent.) Above ``_MAX_BLOCK_SIZE`` features
   the blocks cost more than they save, and only their diagonals are used.
 
-Every Hessian-vector product costs the same two matrix products as a gradient (one pass). The work
+Every Hessian-vector product costs the same two matrix products as a gradient (one pass; in
+float32, as CG only solves the Newton systems to a relative 1e-4 at best). The work
 stays on the data's device; each conjugate-gradient step reads one number back to the host (its
 residual), each Newton step three.
 """
@@ -156,8 +157,10 @@ def fit_multinomial_logistic(
     largest_scale = max(1.0, float(scale.max()))
     x /= scale.to(dtype)
     # Newton directions only need the forcing term's accuracy (at least _MIN_FORCING): the
-    # Hessian products and the blocks run in float32, half the time of a float64 pass, while the
-    # gradients, losses and steps stay in the features' precision. Not where float32 matrix
+    # Hessian products run in float32, half the time of a float64 pass, while the gradients,
+    # losses, steps and preconditioner blocks stay in the features' precision (float32 blocks
+    # need a ridge against their round-off that weakens them: 133 -> 471 passes on the CIFAR-100
+    # LeNet-5 logits at lambda = 1e-4). Not where float32 matrix
     # products may round to TF32 or bfloat16 (torch.set_float32_matmul_precision, which
     # Lightning users often lower): their 1e-3 would be the Newton steps' accuracy.
     low = torch.float32 if torch.get_float32_matmul_precision() == "highest" else dtype
@@ -212,15 +215,15 @@ def fit_multinomial_logistic(
         return data + centre(2 * penalty * shift(v))
 
     factor = torch.empty(0, dtype=torch.float64, device=x.device)
-    gathered = torch.empty(0, dtype=low, device=x.device)
+    gathered = torch.empty(0, dtype=dtype, device=x.device)
 
-    def block_preconditioner(q: Tensor) -> Callable[[Tensor], Tensor]:
+    def block_preconditioner(q: Tensor, q_low: Tensor) -> Callable[[Tensor], Tensor]:
         """Cholesky factors (K, D, D) of the per-class diagonal Hessian blocks, a few classes at
         a time, into one buffer reused by every Newton step (at K = 1,000 the factors are 8 GB).
         The classes' rows are gathered into one buffer too: a fresh one of 64 MB (10,000 x 100)
         costs more in page faults than the copy itself."""
         nonlocal factor, gathered
-        curvature = w_low.unsqueeze(1) * q * (1 - q)  # (N, K)
+        curvature = w.unsqueeze(1) * q * (1 - q)  # (N, K)
         d = f + 1
         m = min(n, max(_MIN_BLOCK_ROWS, _BLOCK_ROWS_PER_FEATURE * n // d))
         top, index = curvature.topk(m, dim=0, sorted=False) if m < n else (curvature, rows.unsqueeze(1).expand(n, k))
@@ -228,30 +231,30 @@ def fit_multinomial_logistic(
             factor = torch.empty(k, d, d, dtype=torch.float64, device=x.device)
         step = max(1, _CHUNK_ELEMENTS // (d * max(m, d)))
         if gathered.shape != (min(step, k) * m, d):
-            gathered = torch.empty(min(step, k) * m, d, dtype=low, device=x.device)
+            gathered = torch.empty(min(step, k) * m, d, dtype=dtype, device=x.device)
         for start in range(0, k, step):
             classes = slice(start, start + step)
             chosen_rows = index[:, classes].T.flatten()
-            chosen = torch.index_select(x_low, 0, chosen_rows, out=gathered[: chosen_rows.numel()]).view(-1, m, d)  # (classes, m, D)
+            chosen = torch.index_select(x, 0, chosen_rows, out=gathered[: chosen_rows.numel()]).view(-1, m, d)  # (classes, m, D)
             chosen *= top[:, classes].T.sqrt().unsqueeze(2)
             blocks = torch.bmm(chosen.transpose(1, 2), chosen).to(torch.float64)
             blocks = all_reduce_(blocks, process_group)
             diagonal = blocks.diagonal(dim1=1, dim2=2)
             diagonal += 2 * penalty[classes]
-            # Scale-aware jitter: relative to each block's own diagonal (above the round-off of
-            # float32 sums of m terms), so that a class whose curvature is tiny is not swamped by
-            # the others' (and a floor for all-zero blocks).
-            diagonal += 1e-5 * diagonal + 1e-14 * diagonal.mean(1, keepdim=True) + 1e-300
+            # Scale-aware jitter: relative to each block's own diagonal, so that a class whose
+            # curvature is tiny is not swamped by the others' (and a floor for all-zero blocks).
+            diagonal += 1e-10 * diagonal + 1e-14 * diagonal.mean(1, keepdim=True) + 1e-300
             chol, info = torch.linalg.cholesky_ex(blocks)
             if bool(info.any()):  # numerically indefinite: a stronger ridge
-                diagonal += 1e-4 * diagonal.mean(1, keepdim=True)
+                diagonal += 1e-6 * diagonal.mean(1, keepdim=True)
                 chol = torch.linalg.cholesky(blocks)
             factor[classes] = chol
         return lambda r: torch.cholesky_solve(r.unsqueeze(2), factor).squeeze(2)
 
-    def diagonal_preconditioner(q: Tensor) -> Callable[[Tensor], Tensor]:
-        """The diagonals (K, D) of the same blocks, from every row."""
-        curvature = w_low.unsqueeze(1) * q * (1 - q)  # (N, K)
+    def diagonal_preconditioner(q: Tensor, q_low: Tensor) -> Callable[[Tensor], Tensor]:
+        """The diagonals (K, D) of the same blocks, from every row (sums of positive terms:
+        float32 is enough)."""
+        curvature = w_low.unsqueeze(1) * q_low * (1 - q_low)  # (N, K)
         diagonal = all_reduce_((curvature.T @ x_low.square()).to(torch.float64), process_group) + 2 * penalty
         diagonal += 1e-10 * diagonal + 1e-14 * diagonal.mean(1, keepdim=True) + 1e-300
         return lambda r: r / diagonal
@@ -317,7 +320,7 @@ def fit_multinomial_logistic(
         previous = (grad_norm, forcing)
         checked_from = c if preconditioner is diagonal_preconditioner and forcing >= _CHECK_FORCING else None
         q_low = q.clamp(min=low_floor).to(low)
-        direction = newton_direction(q_low, grad, preconditioner(q_low), forcing, checked_from)
+        direction = newton_direction(q_low, grad, preconditioner(q, q_low), forcing, checked_from)
         slope = float((grad * direction).sum())
         slack = 1e-14 * max(1.0, abs(loss_value))  # the decrease near the optimum is round-off
         t = 1.0

@@ -4,6 +4,9 @@ optimum of the reference solvers: exact Newton with the dense Hessian (``fit_lin
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -105,8 +108,8 @@ def test_row_order_and_precision_do_not_change_the_fit():
     torch.testing.assert_close(_fitted(fits[2]), _fitted(fits[0]), rtol=0, atol=1e-4)  # float32 logits are rounded
 
 
-@pytest.mark.parametrize("precision", ["highest", "medium"])
-def test_float32_hessian_products_reach_the_float64_optimum(monkeypatch, precision):
+@pytest.mark.parametrize("ieee", [True, False])
+def test_float32_hessian_products_reach_the_float64_optimum(monkeypatch, ieee):
     """Hessian products run in float32 (only the Newton directions depend on them); where
     float32 matrix products may round to TF32 / bfloat16 they stay in float64. Either way the fit
     reaches the exact Newton optimum."""
@@ -118,14 +121,39 @@ def test_float32_hessian_products_reach_the_float64_optimum(monkeypatch, precisi
         used.append(a.dtype)
         return original(a, b, **kwargs)
 
-    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: precision)
+    monkeypatch.setattr(torchcal.calibrators._multinomial, "_float32_products_are_ieee", lambda device: ieee)
     monkeypatch.setattr(torchcal.calibrators._multinomial.torch, "mm", recording_mm)
     cal = torchcal.DirichletCalibration(reg="odir", reg_lambda=1e-3).fit(logits, labels)
     monkeypatch.undo()
-    assert set(used) == {torch.float32 if precision == "highest" else torch.float64}
+    assert set(used) == {torch.float32 if ieee else torch.float64}
     reference = _reference(torchcal.DirichletCalibration(reg="odir", reg_lambda=1e-3), logits, labels)
     assert cal.fit_record_.converged and cal.fit_record_.grad_max < 1e-9
     torch.testing.assert_close(_fitted(cal), reference, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("setting", "cpu", "cuda"),
+    [
+        ("pass", True, True),
+        ("torch.set_float32_matmul_precision('high')", False, False),
+        ("torch.backends.cuda.matmul.allow_tf32 = True", True, False),
+        ("torch.backends.cuda.matmul.fp32_precision = 'tf32'", True, False),
+        ("torch.backends.mkldnn.matmul.fp32_precision = 'bf16'", False, True),
+        ("torch.backends.fp32_precision = 'tf32'", False, False),
+    ],
+)
+def test_lowered_float32_matmul_precision_is_detected_whatever_the_api(setting, cpu, cuda):
+    """Read in a fresh process, as PyTorch's legacy getter raises once the per-backend API was
+    used (which used to crash the fit); the fit runs under every setting."""
+    script = (
+        "import torch, torchcal\n"
+        f"{setting}\n"
+        "from torchcal.calibrators._multinomial import _float32_products_are_ieee as ieee\n"
+        "torchcal.DirichletCalibration(reg='odir', reg_lambda=1.0).fit(torch.randn(200, 3), torch.arange(200) % 3)\n"
+        "print(ieee(torch.device('cpu')), ieee(torch.device('cuda')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(cpu), str(cuda)]
 
 
 def test_class_weights_reach_the_exact_newton_optimum():

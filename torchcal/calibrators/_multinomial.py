@@ -96,6 +96,20 @@ def _forcing(grad_norm: float, previous: tuple[float, float] | None, floor: floa
     return min(0.5, max(floor, forcing))
 
 
+def _float32_products_are_ieee(device: torch.device) -> bool:
+    """Whether float32 matrix products on ``device`` round to float32 only. Users (Lightning's
+    advice among them) often allow TF32 or bfloat16 products instead, whose 1e-3 would be the
+    Newton steps' accuracy. PyTorch 2.9 and later keep the setting per backend ("none": not set,
+    the generic one applies); the legacy getter raises where both APIs were used."""
+    backend = torch.backends.cuda.matmul if device.type == "cuda" else getattr(torch.backends.mkldnn, "matmul", None)
+    precision = getattr(backend, "fp32_precision", None)
+    if precision is None:
+        return torch.get_float32_matmul_precision() == "highest"
+    if precision == "none":
+        precision = getattr(torch.backends, "fp32_precision", "none")
+    return precision in ("none", "ieee")
+
+
 def fit_multinomial_logistic(
     features: Tensor,
     labels: Tensor,
@@ -160,10 +174,8 @@ def fit_multinomial_logistic(
     # Hessian products run in float32, half the time of a float64 pass, while the gradients,
     # losses, steps and preconditioner blocks stay in the features' precision (float32 blocks
     # need a ridge against their round-off that weakens them: 133 -> 471 passes on the CIFAR-100
-    # LeNet-5 logits at lambda = 1e-4). Not where float32 matrix
-    # products may round to TF32 or bfloat16 (torch.set_float32_matmul_precision, which
-    # Lightning users often lower): their 1e-3 would be the Newton steps' accuracy.
-    low = torch.float32 if torch.get_float32_matmul_precision() == "highest" else dtype
+    # LeNet-5 logits at lambda = 1e-4).
+    low = torch.float32 if _float32_products_are_ieee(x.device) else dtype
     x_low = x.to(low)
     penalty = penalty.to(device=x.device, dtype=torch.float64) / scale.square()
     column_penalty = penalty.sum(0)  # (D,)

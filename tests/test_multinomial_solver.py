@@ -131,6 +131,45 @@ def test_float32_hessian_products_reach_the_float64_optimum(monkeypatch, ieee):
     torch.testing.assert_close(_fitted(cal), reference, rtol=0, atol=1e-6)
 
 
+def test_a_stalled_float32_cg_hands_over_to_float64_products(monkeypatch):
+    """Past ``_FLOAT32_CG_STEPS`` CG steps the fit goes on with float64 products (here at the
+    first step) and still reaches the exact Newton optimum."""
+    logits, labels = _problem(2000, 6, seed=10)
+    used = []
+    original = torch.mm
+
+    def recording_mm(a, b, **kwargs):
+        used.append(a.dtype)
+        return original(a, b, **kwargs)
+
+    monkeypatch.setattr(torchcal.calibrators._multinomial, "_float32_products_are_ieee", lambda device: True)
+    monkeypatch.setattr(torchcal.calibrators._multinomial, "_FLOAT32_CG_STEPS", 0)
+    monkeypatch.setattr(torchcal.calibrators._multinomial.torch, "mm", recording_mm)
+    cal = torchcal.DirichletCalibration(reg="odir", reg_lambda=0.1).fit(logits, labels)
+    monkeypatch.undo()
+    assert set(used) == {torch.float64}
+    reference = _reference(torchcal.DirichletCalibration(reg="odir", reg_lambda=0.1), logits, labels)
+    torch.testing.assert_close(_fitted(cal), reference, rtol=0, atol=1e-6)
+
+
+def test_absent_classes_converge_with_float32_products(real, monkeypatch):
+    """CIFAR-100 ResNet-20 logits without 3 of the classes: ODIR leaves their diagonal weights
+    free, so their scores run down without bound and CG needs curvature below float32 round-off.
+    Float32 products alone stalled CG at every Newton step (1,017 passes and 408 s, unconverged);
+    the hand-over to float64 converges, to the float64 fit's objective and present classes."""
+    d = real("cifar100_resnet20_ferrer")
+    logits, labels = torch.from_numpy(d["logits"]), torch.from_numpy(d["labels"])
+    keep = labels >= 3
+    fits = {}
+    for ieee in (True, False):
+        monkeypatch.setattr(torchcal.calibrators._multinomial, "_float32_products_are_ieee", lambda device, ieee=ieee: ieee)
+        with pytest.warns(UserWarning, match="no sample"):
+            fits[ieee] = torchcal.DirichletCalibration(reg="odir", reg_lambda=1.0).fit(logits[keep], labels[keep])
+    assert fits[True].fit_record_.converged and fits[True].fit_record_.grad_max < 1e-9
+    assert fits[True].fit_record_.loss == pytest.approx(fits[False].fit_record_.loss, abs=1e-10)
+    torch.testing.assert_close(_fitted(fits[True])[3:], _fitted(fits[False])[3:], rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     ("setting", "cpu", "cuda"),
     [

@@ -71,6 +71,8 @@ _CHECK_EVERY = 8
 _CHECK_FORCING = 0.1
 #: CG's relative residual at least: the round-off of the float32 Hessian products.
 _MIN_FORCING = 1e-4
+#: CG steps with float32 Hessian products after which a fit goes on with float64 ones.
+_FLOAT32_CG_STEPS = 50
 
 
 def _forcing(grad_norm: float, previous: tuple[float, float] | None, floor: float) -> float:
@@ -217,6 +219,14 @@ def fit_multinomial_logistic(
     w_low = w.to(low)
     low_floor = math.exp(exp_floor(low))  # posteriors below it would be subnormal in low
 
+    def products_in_full_precision() -> None:
+        """Hessian products in the features' precision from now on. Float32 ones can stall CG
+        where the Newton system needs curvature below their round-off: on the CIFAR-100 ResNet-20
+        logits without 3 of the classes (whose scores the fit drives down without bound), CG ran
+        to its cap at every Newton step and the fit to the iteration cap, unconverged."""
+        nonlocal low, x_low, w_low, low_floor
+        low, x_low, w_low, low_floor = dtype, x, w, math.exp(exp_floor(dtype))
+
     def hessian_product(q: Tensor, v: Tensor) -> Tensor:
         """``H v`` for a centred direction ``v`` (K, D) at posteriors ``q`` in ``low``: one pass."""
         nonlocal passes
@@ -273,7 +283,7 @@ def fit_multinomial_logistic(
 
     preconditioner = block_preconditioner if f + 1 <= _MAX_BLOCK_SIZE else diagonal_preconditioner
 
-    def newton_direction(q: Tensor, grad: Tensor, solve: Callable[[Tensor], Tensor], forcing: float, checked_from: Tensor | None) -> Tensor:
+    def newton_direction(q: Tensor, grad: Tensor, solve: Callable[[Tensor], Tensor], forcing: float, checked_from: Tensor | None) -> Tensor | None:
         """Preconditioned CG on ``H d = -grad`` in the centred subspace, to relative residual
         ``forcing``.
 
@@ -296,6 +306,8 @@ def fit_multinomial_logistic(
         target = forcing * float(grad.norm())
         checked, checked_loss = step, math.inf
         for i in range(_MAX_CG_STEPS):
+            if i == _FLOAT32_CG_STEPS and low != dtype:
+                return None  # (see products_in_full_precision)
             hp = hessian_product(q, p)
             curvature = (p * hp).sum()
             alpha = rz / curvature
@@ -332,7 +344,12 @@ def fit_multinomial_logistic(
         previous = (grad_norm, forcing)
         checked_from = c if preconditioner is diagonal_preconditioner and forcing >= _CHECK_FORCING else None
         q_low = q.clamp(min=low_floor).to(low)
-        direction = newton_direction(q_low, grad, preconditioner(q, q_low), forcing, checked_from)
+        solve = preconditioner(q, q_low)
+        direction = newton_direction(q_low, grad, solve, forcing, checked_from)
+        if direction is None:  # CG stalls on float32 round-off: this system and the rest in full
+            products_in_full_precision()
+            direction = newton_direction(q, grad, solve, forcing, checked_from)
+            assert direction is not None  # (full-precision CG always returns one)
         slope = float((grad * direction).sum())
         slack = 1e-14 * max(1.0, abs(loss_value))  # the decrease near the optimum is round-off
         t = 1.0
@@ -343,6 +360,9 @@ def fit_multinomial_logistic(
                 break
             t /= 2
         if t <= 1e-10 or (new_loss_value >= loss_value and new_grad_max >= grad_max):
+            if low != dtype:  # perhaps a direction spoilt by float32 round-off: again in full
+                products_in_full_precision()
+                continue
             converged = grad_max <= 1e-6
             message = "no further decrease" if converged else "line search failed"
             return (shift(c) / scale).to(theta.dtype), FitRecord(iteration, passes, loss_value, grad_max, converged, message)

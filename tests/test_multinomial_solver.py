@@ -108,12 +108,8 @@ def test_row_order_and_precision_do_not_change_the_fit():
     torch.testing.assert_close(_fitted(fits[2]), _fitted(fits[0]), rtol=0, atol=1e-4)  # float32 logits are rounded
 
 
-@pytest.mark.parametrize("ieee", [True, False])
-def test_float32_hessian_products_reach_the_float64_optimum(monkeypatch, ieee):
-    """Hessian products run in float32 (only the Newton directions depend on them); where
-    float32 matrix products may round to TF32 / bfloat16 they stay in float64. Either way the fit
-    reaches the exact Newton optimum."""
-    logits, labels = _problem(3000, 12, seed=9)
+def _record_mm_dtypes(monkeypatch) -> list[torch.dtype]:
+    """The dtype of every ``torch.mm`` product from now on (the solver's Hessian products)."""
     used = []
     original = torch.mm
 
@@ -121,8 +117,18 @@ def test_float32_hessian_products_reach_the_float64_optimum(monkeypatch, ieee):
         used.append(a.dtype)
         return original(a, b, **kwargs)
 
+    monkeypatch.setattr(torch, "mm", recording_mm)
+    return used
+
+
+@pytest.mark.parametrize("ieee", [True, False])
+def test_float32_hessian_products_reach_the_float64_optimum(monkeypatch, ieee):
+    """Hessian products run in float32 (only the Newton directions depend on them); where
+    float32 matrix products may round to TF32 / bfloat16 they stay in float64. Either way the fit
+    reaches the exact Newton optimum."""
+    logits, labels = _problem(3000, 12, seed=9)
     monkeypatch.setattr(torchcal.calibrators._multinomial, "_float32_products_are_ieee", lambda device: ieee)
-    monkeypatch.setattr(torchcal.calibrators._multinomial.torch, "mm", recording_mm)
+    used = _record_mm_dtypes(monkeypatch)
     cal = torchcal.DirichletCalibration(reg="odir", reg_lambda=1e-3).fit(logits, labels)
     monkeypatch.undo()
     assert set(used) == {torch.float32 if ieee else torch.float64}
@@ -135,16 +141,9 @@ def test_a_stalled_float32_cg_hands_over_to_float64_products(monkeypatch):
     """Past ``_FLOAT32_CG_STEPS`` CG steps the fit goes on with float64 products (here at the
     first step) and still reaches the exact Newton optimum."""
     logits, labels = _problem(2000, 6, seed=10)
-    used = []
-    original = torch.mm
-
-    def recording_mm(a, b, **kwargs):
-        used.append(a.dtype)
-        return original(a, b, **kwargs)
-
     monkeypatch.setattr(torchcal.calibrators._multinomial, "_float32_products_are_ieee", lambda device: True)
     monkeypatch.setattr(torchcal.calibrators._multinomial, "_FLOAT32_CG_STEPS", 0)
-    monkeypatch.setattr(torchcal.calibrators._multinomial.torch, "mm", recording_mm)
+    used = _record_mm_dtypes(monkeypatch)
     cal = torchcal.DirichletCalibration(reg="odir", reg_lambda=0.1).fit(logits, labels)
     monkeypatch.undo()
     assert set(used) == {torch.float64}
@@ -183,7 +182,7 @@ def test_absent_classes_converge_with_float32_products(real, monkeypatch):
 )
 def test_lowered_float32_matmul_precision_is_detected_whatever_the_api(setting, cpu, cuda):
     """Read in a fresh process, as PyTorch's legacy getter raises once the per-backend API was
-    used (which used to crash the fit); the fit runs under every setting."""
+    used (reading it there would crash the fit); the fit runs under every setting."""
     script = (
         "import torch, torchcal\n"
         f"{setting}\n"

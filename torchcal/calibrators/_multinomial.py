@@ -181,7 +181,8 @@ def fit_multinomial_logistic(
     # need a ridge against their round-off that weakens them: 133 -> 471 passes on the CIFAR-100
     # LeNet-5 logits at lambda = 1e-4).
     low = torch.float32 if _float32_products_are_ieee(x.device) else dtype
-    x_low = x.to(low)
+    x_low, w_low = x.to(low), w.to(low)
+    low_floor = math.exp(exp_floor(low))  # posteriors below it would be subnormal in low
     penalty = penalty.to(device=x.device, dtype=torch.float64) / scale.square()
     column_penalty = penalty.sum(0)  # (D,)
 
@@ -218,9 +219,6 @@ def fit_multinomial_logistic(
         sums = all_reduce_(torch.cat([data.reshape(1), (residual.T @ x).to(torch.float64).flatten()]), process_group)
         grad = sums[1:].view(k, -1) + 2 * penalty * full
         return sums[0] + (penalty * full.square()).sum(), grad, q
-
-    w_low = w.to(low)
-    low_floor = math.exp(exp_floor(low))  # posteriors below it would be subnormal in low
 
     def products_in_full_precision() -> None:
         """Hessian products in the features' precision from now on. Float32 ones can stall CG

@@ -348,7 +348,7 @@ def fit_multinomial_logistic(
         q_low = q.clamp(min=low_floor).to(low)
         solve = preconditioner(q, q_low)
         direction = newton_direction(q_low, grad, solve, forcing, checked_from)
-        if direction is None:  # CG stalls on float32 round-off: this system and the rest in full
+        if direction is None:  # a long CG solve, perhaps stalled by float32 round-off: again in full
             products_in_full_precision()
             direction = newton_direction(q, grad, solve, forcing, checked_from)
             assert direction is not None  # (full-precision CG always returns one)

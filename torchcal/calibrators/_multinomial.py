@@ -182,7 +182,7 @@ def fit_multinomial_logistic(
     # LeNet-5 logits at lambda = 1e-4).
     low = torch.float32 if _float32_products_are_ieee(x.device) else dtype
     x_low, w_low = x.to(low), w.to(low)
-    low_floor = math.exp(exp_floor(low))  # posteriors below it would be subnormal in low
+    float32_floor = math.exp(exp_floor(torch.float32))  # posteriors below it: float32 subnormals
     penalty = penalty.to(device=x.device, dtype=torch.float64) / scale.square()
     column_penalty = penalty.sum(0)  # (D,)
 
@@ -225,8 +225,8 @@ def fit_multinomial_logistic(
         where the Newton system needs curvature below their round-off: on the CIFAR-100 ResNet-20
         logits without 3 of the classes (whose scores the fit drives down without bound), CG ran
         to its cap at every Newton step and the fit to the iteration cap, unconverged."""
-        nonlocal low, x_low, w_low, low_floor
-        low, x_low, w_low, low_floor = dtype, x, w, math.exp(exp_floor(dtype))
+        nonlocal low, x_low, w_low
+        low, x_low, w_low = dtype, x, w
 
     def hessian_product(q: Tensor, v: Tensor) -> Tensor:
         """``H v`` for a centred direction ``v`` (K, D) at posteriors ``q`` in ``low``: one pass."""
@@ -345,7 +345,7 @@ def fit_multinomial_logistic(
         forcing = _forcing(grad_norm, previous, max(_MIN_FORCING, 0.5 * tol_grad / (grad_norm * largest_scale)))
         previous = (grad_norm, forcing)
         checked_from = c if preconditioner is diagonal_preconditioner and forcing >= _CHECK_FORCING else None
-        q_low = q.clamp(min=low_floor).to(low)
+        q_low = q if low == dtype else q.clamp(min=float32_floor).to(low)
         solve = preconditioner(q, q_low)
         direction = newton_direction(q_low, grad, solve, forcing, checked_from)
         if direction is None:  # a long CG solve, perhaps stalled by float32 round-off: again in full

@@ -57,6 +57,8 @@ PARAMETRIC = {
 NONPARAMETRIC = {
     "histogram": lambda: torchcal.HistogramBinning(n_bins=10),
     "isotonic": lambda: torchcal.IsotonicCalibration(),
+    "venn-abers": lambda: torchcal.VennAbersCalibration(),
+    "venn-abers-pairwise": lambda: torchcal.VennAbersCalibration(folds=2, multiclass="pairwise"),
 }
 BINARY = {"platt": lambda: torchcal.PlattScaling(), "beta": lambda: torchcal.BetaCalibration()}
 

@@ -13,6 +13,7 @@ from torchcal import CalibratedModel, TemperatureScaling, VennAbersCalibration
 from torchcal.calibrators.venn_abers import venn_abers_table
 from torchcal.functional.isotonic import pool_adjacent_violators
 from torchcal.functional.scoring import cross_entropy
+from torchcal.heads import CHECKPOINT_KEY, head_checkpoint
 from torchcal.label_shift import adapt_to_priors
 
 venn_abers = pytest.importorskip("venn_abers.venn_abers")
@@ -135,9 +136,11 @@ def test_contract(toy, options):
     va = VennAbersCalibration(**options).fit(logits[:400], labels[:400], loss="brier")
     out = va(logits[400:])
     torch.testing.assert_close(out.logsumexp(1), torch.zeros(200, dtype=torch.float64), rtol=0, atol=1e-12)
-    # state_dict round trip into a fresh instance (the merge rule travels with it)
-    fresh = VennAbersCalibration(**options)
+    # state_dict round trip into a fresh instance with the default options: the merge rule,
+    # the folds and the multiclass scheme travel with the tables
+    fresh = VennAbersCalibration()
     fresh.load_state_dict(va.state_dict())
+    assert (fresh.folds, fresh.multiclass, fresh.loss) == (va.folds, va.multiclass, "brier")
     torch.testing.assert_close(fresh(logits[400:]), out, rtol=0, atol=0)
     # float32 input: the same map (scores are formed in float64), float32 output
     out32 = va(logits[400:].float())
@@ -177,6 +180,32 @@ def test_binary_head(toy):
         torch.testing.assert_close(head(logits), direct, rtol=0, atol=0)
         exported = torch.export.export(head, (logits[:16],)).module()
         torch.testing.assert_close(exported(logits[:16]), direct[:16], rtol=0, atol=0)
+
+
+def test_head_checkpoint_restores_the_options(toy, tmp_path):
+    """``from_checkpoint`` builds the stored class with its defaults: the pairwise 3-fold head
+    must come back as itself (K = 3: its tables have the one-vs-rest shapes)."""
+    logits, labels = toy
+    head = CalibratedModel(nn.Identity(), VennAbersCalibration(folds=3, multiclass="pairwise")).fit([(logits, labels)])
+    torch.save({"state_dict": {}, CHECKPOINT_KEY: head_checkpoint(head.calibrator)}, tmp_path / "head.ckpt")
+    loaded = CalibratedModel.from_checkpoint(tmp_path / "head.ckpt", nn.Identity(), load_weights=False)
+    assert (loaded.calibrator.folds, loaded.calibrator.multiclass) == (3, "pairwise")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(logits), head(logits), rtol=0, atol=0)
+
+
+def test_table_input_is_checked():
+    scores = torch.tensor([0.0, 1.0, 2.0])
+    with pytest.raises(ValueError, match="binary labels"):
+        venn_abers_table(scores, torch.tensor([0, 2, 5]))
+    with pytest.raises(ValueError, match="binary labels"):
+        venn_abers_table(scores, torch.tensor([0.3, 0.9, 0.5]))  # not truncated to 0
+    with pytest.raises(ValueError, match="finite"):
+        venn_abers_table(torch.tensor([0.0, float("nan"), 2.0]), torch.tensor([0, 1, 1]))
+    with pytest.raises(ValueError, match="same length"):
+        venn_abers_table(scores, torch.tensor([0, 1]))
+    grid, _, p1 = venn_abers_table(scores, torch.tensor([True, False, True]))
+    assert grid.tolist() == [0.0, 1.0, 2.0] and bool((p1 <= 1).all())
 
 
 def test_bad_input(toy):

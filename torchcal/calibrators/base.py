@@ -120,7 +120,7 @@ class Calibrator(nn.Module):
         if bool(missing.any()):
             warnings.warn(
                 f"classes {missing.nonzero().flatten().tolist()} have no sample in the calibration "
-                f"data; the fit cannot learn anything about them and will push their posteriors down.",
+                f"data; the fit cannot learn anything about their posteriors.",
                 stacklevel=2,
             )
         # Fitting needs autograd even under Lightning's inference_mode; the clone makes the

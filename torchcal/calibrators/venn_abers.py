@@ -114,7 +114,7 @@ def venn_abers_table(scores: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, T
 
     Args:
         scores: (N,) calibration scores (any increasing function of the probability of class 1).
-        targets: (N,) binary labels (bool or 0/1).
+        targets: (N,) binary labels (bool, or 0 and 1 of any dtype).
 
     Returns:
         ``(grid, p0, p1)`` in float64 on the scores' device: ``grid: (k,)`` the distinct scores in
@@ -130,6 +130,12 @@ def venn_abers_table(scores: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, T
         >>> [round(p, 4) for p in p0.tolist()], [round(p, 4) for p in p1.tolist()]
         ([0.0, 0.0, 0.3333, 0.3333, 0.5], [0.5, 0.6667, 0.6667, 1.0, 1.0])
     """
+    if scores.ndim != 1 or targets.shape != scores.shape:
+        raise ValueError(f"scores and targets must be 1-D of the same length, got shapes {tuple(scores.shape)} and {tuple(targets.shape)}.")
+    if scores.is_complex() or not bool(torch.isfinite(scores).all()):
+        raise ValueError("scores must be finite real numbers; found NaN or infinite values.")
+    if targets.is_complex() or not bool(((targets == 0) | (targets == 1)).all()):
+        raise ValueError(f"targets must be binary labels (bool, or 0 and 1), got values {targets.unique()[:5].tolist()}.")
     s = scores.detach().cpu().to(torch.float64).numpy()
     y = targets.detach().cpu().numpy().astype(np.int64)
     grid, group = np.unique(s, return_inverse=True)
@@ -282,11 +288,12 @@ class VennAbersCalibration(Calibrator):
             return torch.cat([(-probs).log1p(), probs.log()], dim=1)
         if self.multiclass == "ovr":
             return probs.log()
-        # pairwise coupling: P_k = 1 / (sum_{l != k} 1 / P(k | k or l) - (K - 2))
-        inverse = torch.zeros(probs.shape[0], k, dtype=probs.dtype, device=probs.device)
-        negative, positive = (torch.tensor(side, device=probs.device) for side in zip(*self._pairs(k)))
-        inverse.index_add_(1, positive, 1 / probs).index_add_(1, negative, 1 / (1 - probs))
-        return -(inverse - (k - 2)).log()
+        # pairwise coupling: P_k = 1 / (sum_{l != k} 1 / P(k | k or l) - (K - 2)), the sums as
+        # products with the (C, K) incidence matrices of the pairs (an index_add_ with repeated
+        # indices becomes an overwriting ScatterElements in the legacy ONNX exporter)
+        eye = torch.eye(k, dtype=probs.dtype, device=probs.device)
+        negative, positive = (eye[list(side)] for side in zip(*self._pairs(k)))
+        return -((1 / probs) @ positive + (1 / (1 - probs)) @ negative - (k - 2)).log()
 
     def forward(self, logits: Tensor) -> Tensor:
         """Calibrated log-posteriors (N, K), the same map for every input dtype, returned in the
@@ -305,13 +312,24 @@ class VennAbersCalibration(Calibrator):
         return self._intervals(self._features(logits))
 
     def get_extra_state(self) -> dict[str, Any]:
-        return {**super().get_extra_state(), "loss": self.loss}
+        return {**super().get_extra_state(), "loss": self.loss, "folds": self.folds, "multiclass": self.multiclass}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
+        """Restores the folds and the multiclass scheme with the tables: they say how to read them
+        (a state loaded into an instance built with other options must not be misread)."""
         super().set_extra_state(state)
         self.loss = str(state.get("loss", "log"))
         if self.loss not in PER_SAMPLE_SCORES:
             raise ValueError(f"stored loss must be one of {sorted(PER_SAMPLE_SCORES)}, got {self.loss!r}.")
+        self.folds = int(state.get("folds", self.folds))
+        self.multiclass = str(state.get("multiclass", self.multiclass))
+        if self.multiclass not in _MULTICLASS:
+            raise ValueError(f"stored multiclass must be one of {_MULTICLASS}, got {self.multiclass!r}.")
+        if self.is_fitted and self.grid.shape[:2] != (len(self._pairs(self.num_classes)), self.folds):
+            raise ValueError(
+                f"the stored tables {tuple(self.grid.shape[:2])} do not match {self.folds} folds of "
+                f"{self.multiclass!r} problems for K = {self.num_classes}."
+            )
 
     def extra_repr(self) -> str:
         return f"folds={self.folds}, multiclass={self.multiclass!r}, loss={self.loss!r}, " + super().extra_repr()

@@ -9,6 +9,7 @@ scaling, and a single class present, for every calibrator.)
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from functools import partial
@@ -19,7 +20,7 @@ import torch
 
 import torchcal
 import torchcal.functional as F
-from torchcal.data import binary_scores_to_logits
+from torchcal.data import PROBABILITY_FLOOR, binary_scores_to_logits
 
 #: No fit of a few hundred samples may take longer than this, even on a loaded CI machine.
 NO_HANG_SECONDS = 60.0
@@ -145,6 +146,21 @@ def test_binary_task_given_as_one_column():
     assert torch.allclose(llr.softmax(dim=1), logits.softmax(dim=1))
     with pytest.raises(ValueError, match="probabilities must lie in \\[0, 1\\].*LLRs"):
         binary_scores_to_logits(torch.logit(p))
+
+
+def test_metrics_on_probabilities_of_zero_and_one_are_the_same_in_every_dtype():
+    """A probability of 0 (or a log-probability of 0 for the complement) is floored at
+    PROBABILITY_FLOOR, as the data loader does, whatever the dtype."""
+    from torchcal.metrics import CrossEntropy
+
+    probs, labels = torch.tensor([[1.0, 0.0], [0.5, 0.5]]), torch.tensor([1, 0])
+    expected = (-math.log(PROBABILITY_FLOOR) + math.log(2)) / 2
+    for dtype in (torch.float32, torch.float64):
+        assert CrossEntropy(2, input="probs")(probs.to(dtype), labels).item() == pytest.approx(expected, rel=1e-6)
+        log_p1 = torch.tensor([0.0, math.log(0.5)], dtype=dtype)  # class 1 given as one column
+        assert CrossEntropy(2, input="log_probs")(log_p1, torch.tensor([0, 1])).item() == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError, match="log-probabilities of class 1 must be <= 0, got a maximum of 0.2"):
+        CrossEntropy(2, input="log_probs")(torch.tensor([0.2, -1.5]), torch.tensor([0, 1]))
 
 
 # --------------------------------------------------------------------------- one sample per class

@@ -22,11 +22,16 @@ SHIFTED = torch.tensor(0.7, dtype=torch.float64) ** torch.arange(K)  # 0.31 down
 SHIFTED /= SHIFTED.sum()
 
 
+def _validation_split() -> tuple[torch.Tensor, torch.Tensor]:
+    data = load_real("cifar10_resnet110_kangsepp")
+    return torch.from_numpy(data["logits_val"]), torch.from_numpy(data["labels_val"])
+
+
 @pytest.fixture(scope="module")
 def cifar10():
     data = load_real("cifar10_resnet110_kangsepp")
-    z_val, y_val, z_test, y_test = (torch.from_numpy(data[k]) for k in ("logits_val", "labels_val", "logits", "labels"))
-    adapter = LabelShiftAdapter().fit(z_val, y_val)  # BCTS on the validation split
+    z_test, y_test = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
+    adapter = LabelShiftAdapter().fit(*_validation_split())  # BCTS on the validation split
     return adapter, z_test, y_test
 
 
@@ -147,6 +152,17 @@ def test_estimate_is_the_same_in_float32_and_float64_and_for_permuted_rows(cifar
     torch.testing.assert_close(estimate_priors(calibrated.float(), source, tol=1e-12).priors, reference, rtol=0, atol=1e-6)
     permuted = calibrated[torch.randperm(1000, generator=torch.Generator().manual_seed(4))]
     torch.testing.assert_close(estimate_priors(permuted, source, tol=1e-12).priors, reference, rtol=0, atol=1e-12)
+    # the whole path from float32 raw logits: calibrator, then EM
+    z_val, y_val = _validation_split()
+    from32 = LabelShiftAdapter().fit(z_val.float(), y_val).adapt(z.float(), tol=1e-12).target_priors
+    from64 = LabelShiftAdapter().fit(z_val.double(), y_val).adapt(z.double(), tol=1e-12).target_priors
+    torch.testing.assert_close(from32, from64, rtol=0, atol=1e-6)
+    # a calibrator's output straight from a graph: no graph through the EM steps
+    with_graph = adapter.calibrator(z.double())
+    assert with_graph.requires_grad
+    estimate = estimate_priors(with_graph, source, tol=1e-12)
+    assert not estimate.priors.requires_grad
+    torch.testing.assert_close(estimate.priors, reference, rtol=0, atol=1e-12)
 
 
 def test_adapter_with_known_source_priors_state_dict_and_export(cifar10):

@@ -26,6 +26,17 @@ __all__ = [
 ]
 
 
+#: Probabilities of exactly 0 are raised to this value before taking logs, so that the scores
+#: stay finite (log = -46) and the same in every dtype. Ferrer & Ramos' data preparation uses the
+#: same floor.
+PROBABILITY_FLOOR = 1e-20
+
+
+def floored_log(probs: Tensor) -> Tensor:
+    """``log(probs)`` with probabilities below :data:`PROBABILITY_FLOOR` raised to it."""
+    return probs.clamp_min(PROBABILITY_FLOOR).log()
+
+
 def as_tensor(x: Any, name: str) -> Tensor:
     """Return ``x`` as a tensor without copying when it already is one (NumPy arrays are wrapped)."""
     if isinstance(x, Tensor):

@@ -33,7 +33,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import Tensor, nn
 
-from torchcal._validation import check_probs, looks_like_probs
+from torchcal._validation import check_probs, floored_log, looks_like_probs
 from torchcal.calibrators.base import Calibrator
 
 __all__ = [
@@ -72,7 +72,7 @@ def _to_scores(output: Tensor, kind: str) -> Tensor:
     """Network output (N, K) -> scores in the log domain, the calibrators' input."""
     if kind == "probs":
         # A probability of exactly 0 would give log(0) = -inf, which no calibrator accepts.
-        return torch.log(output.clamp_min(torch.finfo(output.dtype).tiny))
+        return floored_log(output)
     return output
 
 

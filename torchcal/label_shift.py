@@ -138,7 +138,8 @@ def estimate_priors(
 
     logits, source = validate_together(check, process_group, logits)
     n_classes = logits.shape[1]
-    ratio = torch.softmax(logits.to(torch.float64), dim=1) / source  # a[n, k]
+    # (detached: a calibrator's output carries its graph, which every EM step would extend)
+    ratio = torch.softmax(logits.detach().to(torch.float64), dim=1) / source  # a[n, k]
     count = all_reduce_(torch.tensor(float(logits.shape[0]), dtype=torch.float64, device=logits.device), process_group)
     priors = source.clone()
     step = torch.zeros((), dtype=torch.float64, device=logits.device)
@@ -185,7 +186,8 @@ class LabelShiftAdapter(nn.Module):
        :class:`~torchcal.AffineCalibration`, by default) and records the source priors;
     2. :meth:`adapt` sets the target priors: estimated from unlabelled target scores by EM, or known
        ones given as ``priors``;
-    3. the module maps logits to log-posteriors for the target priors (usable as a head).
+    3. the module maps logits to log-posteriors for the target priors (a plain module: it
+       exports with ``torch.export``, but ``CalibratedModel`` takes calibrators only).
 
     ``estimate_`` holds the last :class:`PriorEstimate`. ``state_dict()`` round trips into a fresh
     adapter around an unfitted calibrator of the same kind.

@@ -43,7 +43,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from torchcal._validation import as_tensor, check_logits, check_logits_and_labels, check_priors
+from torchcal._validation import (
+    PROBABILITY_FLOOR,
+    as_tensor,
+    check_logits,
+    check_logits_and_labels,
+    check_priors,
+    floored_log,
+)
 
 __all__ = [
     "EXAMPLE_PATH",
@@ -66,10 +73,6 @@ SIMPLEX_TOLERANCE = 1e-3
 #: not take them (the note says so), ``input="probs"`` renormalises them, and beyond it they are
 #: refused as probabilities.
 ROUNDED_TOLERANCE = 0.05
-
-#: Probabilities of exactly 0 are raised to this value before taking logs, so that the scores
-#: stay finite (log = -46). Ferrer & Ramos' data preparation uses the same floor.
-PROBABILITY_FLOOR = 1e-20
 
 #: The bundled real example (ResNet-110 CIFAR-10 logits, MIT; see ``examples/README.md``), with a
 #: ``val`` calibration split: ``load_scores(EXAMPLE_PATH, split="val")``.
@@ -138,7 +141,7 @@ def binary_scores_to_logits(
     if kind == "probability":
         if bool(((scores < 0) | (scores > 1) | scores.isnan()).any()):
             raise ValueError("probabilities must lie in [0, 1]; found values outside. Are these LLRs?")
-        return _log_probs(torch.stack([1 - scores, scores], dim=1))
+        return floored_log(torch.stack([1 - scores, scores], dim=1))
     if kind == "llr":
         log_priors = torch.zeros(2, dtype=torch.float64) if priors is None else check_priors(priors, 2).log()
         return torch.stack([torch.zeros_like(scores), scores], dim=1) + log_priors
@@ -511,15 +514,11 @@ def _columns_to_logits(values: Tensor, kind: InputKind, reason: str) -> tuple[Te
         if deviation > SIMPLEX_TOLERANCE:
             note += f"; rows renormalised, they summed to 1 only within {deviation:.2g} (row {worst})"
             values = values / row_sums.unsqueeze(1).to(values.dtype)
-    return _log_probs(values), note + _floor_note(values)
+    return floored_log(values), note + _floor_note(values)
 
 
 def _in_unit_interval(values: Tensor) -> bool:
     return bool(((values >= 0) & (values <= 1)).all())
-
-
-def _log_probs(probs: Tensor) -> Tensor:
-    return probs.clamp_min(PROBABILITY_FLOOR).log()
 
 
 def _floor_note(probs: Tensor) -> str:

@@ -56,6 +56,7 @@ from torchcal._validation import (
     as_tensor,
     check_logits_and_labels,
     check_probs,
+    floored_log,
     looks_like_probs,
 )
 from torchcal.functional.diagnostics import binning_scores
@@ -173,8 +174,7 @@ class ScoreMetric(BatchMetric):
         if not self.is_differentiable:  # the fused kernels write in place, which autograd refuses
             scores = scores.detach()
         if self.input == "probs":
-            # A probability of exactly 0 would give log(0) = -inf (as torchcal.heads).
-            scores = torch.log(scores.clamp_min(torch.finfo(scores.dtype).tiny))
+            scores = floored_log(scores)  # a probability of 0 would give log(0) = -inf
         return scores, labels.to(scores.device)
 
     def _binary_problems(self, scores: Tensor, labels: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -215,7 +215,12 @@ class ScoreMetric(BatchMetric):
         if self.input == "probs":
             return torch.stack([1 - scores, scores], dim=1)
         if self.input == "log_probs":  # log(1 - p) = log(-expm1(log p)), exact near p = 1 as well
-            complement = torch.log((-torch.expm1(scores)).clamp_min(torch.finfo(scores.dtype).tiny))
+            if self.validate_args and bool((scores > 0).any()):
+                raise ValueError(
+                    f"log-probabilities of class 1 must be <= 0, got a maximum of {float(scores.max()):.4g}; "
+                    f"pass input='logits' if they are log-odds."
+                )
+            complement = floored_log(-torch.expm1(scores))
             return torch.stack([complement, scores], dim=1)
         return torch.stack([torch.zeros_like(scores), scores], dim=1)  # log-odds of class 1
 

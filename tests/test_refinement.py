@@ -4,6 +4,7 @@ against the functional, precision, row order, merging, misuse."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 
@@ -118,6 +119,12 @@ def test_empty_batch_is_a_no_op_and_range_warning(val):
         bound = float(narrow.compute())
     assert bound == pytest.approx(float(cross_entropy(logits / 1.5, labels)), rel=1e-8)  # exp(-log 1.5) rounds
     assert bound > float(refinement_loss(logits, labels))
+    # constant score rows: the loss is log K at every temperature, not beyond either end
+    constant = RefinementLoss()
+    constant.update(torch.ones(20, 4), torch.arange(20) % 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert float(constant.compute()) == pytest.approx(math.log(4), rel=1e-12)
 
 
 def test_plot_and_bad_input(val):

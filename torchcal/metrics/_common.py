@@ -44,6 +44,7 @@ None, or a list of values over time). Set ``plot_lower_bound``/``plot_upper_boun
 
 from __future__ import annotations
 
+import hashlib
 import math
 import warnings
 from typing import Any, Literal, get_args
@@ -65,6 +66,7 @@ from torchcal.functional.scoring import to_log_probs
 __all__ = ["BatchMetric", "InputKind", "ScoreMetric", "add_sum_state", "check_num_classes"]
 
 InputKind = Literal["logits", "log_probs", "probs"]
+_DIGEST_BYTES = 8  # compared by torch.allclose: whole numbers 0..255 that differ are never close
 _INPUT_KINDS = get_args(InputKind)
 
 
@@ -90,11 +92,50 @@ class BatchMetric(Metric):
         kwargs: passed to ``torchmetrics.Metric``.
     """
 
+    #: Options that only ``compute`` reads: metrics that differ in nothing else may share one state.
+    _compute_only_options: tuple[str, ...] = ()
+
     def __init__(self, *, ignore_index: int | None = None, validate_args: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self._metric_attributes = frozenset(vars(self))  # torchmetrics' own: none of them changes a state
         if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
             raise ValueError(f"ignore_index must be an integer label or None, got {ignore_index!r}.")
         self.ignore_index, self.validate_args = ignore_index, validate_args
+        # A MetricCollection puts metrics whose states are equal after the first update into one
+        # compute group, which shares their states from then on. Metrics whose updates differ (two
+        # BayesRisk cost matrices, say) can have equal states after one batch by chance (the same
+        # decisions under both costs) and would then share wrong ones: this state, a digest of the
+        # options the update depends on, keeps them apart.
+        self.add_state("options_digest", torch.zeros(_DIGEST_BYTES, dtype=torch.float64), dist_reduce_fx="max", persistent=False)
+        self._options_digest: Tensor | None = None
+
+    def _stamp_options_digest(self) -> None:
+        """Write the digest of the class and of the options the update depends on (public
+        attributes and buffers, less ``_compute_only_options``) into its state; computed once."""
+        if self._options_digest is None or self._options_digest.device != self.options_digest.device:
+            skip = self._metric_attributes | set(self._defaults) | {"validate_args", *self._compute_only_options}
+            digest = hashlib.sha256(type(self).__qualname__.encode())
+            options = {name: value for name, value in vars(self).items() if not name.startswith("_") and name not in skip}
+            options.update((name, b) for name, b in self._buffers.items() if name not in skip)
+            for name, value in sorted(options.items()):
+                if isinstance(value, Tensor):
+                    value = (value.dtype, tuple(value.shape), value.detach().cpu().contiguous().numpy().tobytes())
+                digest.update(f"{name}={value!r};".encode())
+            self._options_digest = torch.tensor(list(digest.digest()[:_DIGEST_BYTES]), dtype=torch.float64, device=self.options_digest.device)
+        self.options_digest.copy_(self._options_digest)
+
+    def _apply(self, fn: Any, exclude_state: Any = "") -> Any:
+        """Moves states and buffers with the module but keeps their dtypes: ``.to(torch.float16)``
+        (which Lightning's ``precision="16-true"`` applies to every submodule) would turn the
+        float64 sums into half precision, which overflows at 65,504. ``set_dtype`` still casts."""
+        if self._dtype_convert:
+            return super()._apply(fn, exclude_state)
+
+        def same_dtype(t: Tensor) -> Tensor:
+            moved = fn(t)
+            return moved if moved.dtype == t.dtype else t.to(moved.device)
+
+        return super()._apply(same_dtype, exclude_state)
 
     def _flattened(self, preds: Tensor, labels: Tensor, class_dim: bool = False) -> tuple[Tensor, Tensor] | None:
         """Steps 1-3 of the module docs: ``(rows, labels)`` flattened and kept, or None when empty.
@@ -102,6 +143,7 @@ class BatchMetric(Metric):
         ``class_dim``: ``preds`` carry a class dimension 1 that labels lack (scores), else both
         have the same shape (decisions).
         """
+        self._stamp_options_digest()
         preds, labels = as_tensor(preds, "scores" if class_dim else "decisions"), as_tensor(labels, "labels")
         if class_dim and preds.ndim >= 3 and labels.shape == preds.shape[:1] + preds.shape[2:]:
             preds = preds.movedim(1, -1).reshape(-1, preds.shape[1])

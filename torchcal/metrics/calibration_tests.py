@@ -53,6 +53,8 @@ class SpiegelhalterTest(ScoreMetric):
 
     sums: Tensor
 
+    _compute_only_options = ("alternative",)
+
     def __init__(
         self,
         num_classes: int | None = None,

@@ -35,6 +35,9 @@ class _CostMetric(BatchMetric):
     priors: Tensor | None
     counts: Tensor
 
+    # ExpectedCost's counts do not depend on the costs (BayesRisk's decisions do: see there)
+    _compute_only_options = ("costs", "priors", "normalize")
+
     def __init__(
         self, costs: Tensor, priors: Tensor | None = None, normalize: bool = False, **kwargs: Any
     ) -> None:
@@ -109,6 +112,8 @@ class BayesRisk(_CostMetric, ScoreMetric):
         >>> float(metric.compute())
         0.25
     """
+
+    _compute_only_options = ("priors", "normalize")  # the decisions depend on the costs
 
     def update(self, scores: Tensor, labels: Tensor) -> None:
         """Accumulate ``scores: (N, K)`` or ``(N, K, d1, ...)`` and ``labels: (N,)`` or ``(N, d1, ...)``."""

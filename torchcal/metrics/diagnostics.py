@@ -92,6 +92,8 @@ class ExpectedCalibrationError(ScoreMetric):
     scores: list[Tensor]
     targets: list[Tensor]
 
+    _compute_only_options = ("norm", "reduction")
+
     def __init__(
         self,
         num_classes: int,

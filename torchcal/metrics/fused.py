@@ -71,6 +71,8 @@ class PosteriorStatistic(ScoreMetric):
     class_sums: Tensor
     bin_sums: Tensor
 
+    _compute_only_options = ("statistic", "priors")  # the six members of PosteriorQuality share one state
+
     def __init__(
         self,
         statistic: Statistic,

@@ -40,6 +40,8 @@ class _ExpectedScore(ScoreMetric):
     class_sums: Tensor
     class_counts: Tensor
 
+    _compute_only_options = ("priors", "normalize")
+
     def __init__(
         self, num_classes: int, priors: Tensor | None = None, normalize: bool = False, **kwargs: Any
     ) -> None:

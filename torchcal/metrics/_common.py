@@ -94,6 +94,7 @@ class BatchMetric(Metric):
 
     #: Options that only ``compute`` reads: metrics that differ in nothing else may share one state.
     _compute_only_options: tuple[str, ...] = ()
+    options_digest: Tensor
 
     def __init__(self, *, ignore_index: int | None = None, validate_args: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)

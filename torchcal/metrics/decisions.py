@@ -113,7 +113,7 @@ class BayesRisk(_CostMetric, ScoreMetric):
         0.25
     """
 
-    _compute_only_options = ("priors", "normalize")  # the decisions depend on the costs
+    _compute_only_options: tuple[str, ...] = ("priors", "normalize")  # the decisions depend on the costs
 
     def update(self, scores: Tensor, labels: Tensor) -> None:
         """Accumulate ``scores: (N, K)`` or ``(N, K, d1, ...)`` and ``labels: (N,)`` or ``(N, d1, ...)``."""

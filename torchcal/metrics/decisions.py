@@ -36,7 +36,7 @@ class _CostMetric(BatchMetric):
     counts: Tensor
 
     # ExpectedCost's counts do not depend on the costs (BayesRisk's decisions do: see there)
-    _compute_only_options = ("costs", "priors", "normalize")
+    _compute_only_options: tuple[str, ...] = ("costs", "priors", "normalize")
 
     def __init__(
         self, costs: Tensor, priors: Tensor | None = None, normalize: bool = False, **kwargs: Any

@@ -71,10 +71,10 @@ _CHECK_EVERY = 8
 _CHECK_FORCING = 0.1
 #: CG's relative residual at least: the round-off of the float32 Hessian products.
 _MIN_FORCING = 1e-4
-#: CG steps with float32 Hessian products after which a fit goes on with float64 ones: CG solves
-#: that long may be stalled by their round-off (see products_in_full_precision). On the real
-#: CIFAR-100 logits the longest solves of converging fits took 20-98 steps.
-_FLOAT32_CG_STEPS = 50
+#: CG steps with float32 Hessian products after which a fit goes on with float64 ones: a safety net
+#: for a solve stalled by their round-off that the sign test in newton_direction misses. The longest
+#: solves of converging fits took 105 steps on the real CIFAR-100 logits, 98 at K = 1,000.
+_FLOAT32_CG_STEPS = 200
 
 
 def _forcing(grad_norm: float, previous: tuple[float, float] | None, floor: float) -> float:
@@ -223,8 +223,9 @@ def fit_multinomial_logistic(
     def products_in_full_precision() -> None:
         """Hessian products in the features' precision from now on. Float32 ones can stall CG
         where the Newton system needs curvature below their round-off: on the CIFAR-100 ResNet-20
-        logits without 3 of the classes (whose scores the fit drives down without bound), CG ran
-        to its cap at every Newton step and the fit to the iteration cap, unconverged."""
+        logits without 3 of the classes (whose scores the fit drives down without bound), CG's
+        step lengths fell 1e4-fold per step and turned negative, CG ran to its cap at every Newton
+        step and the fit to the iteration cap, unconverged."""
         nonlocal low, x_low, w_low
         low, x_low, w_low = dtype, x, w
 
@@ -287,7 +288,9 @@ def fit_multinomial_logistic(
 
     def newton_direction(q: Tensor, grad: Tensor, solve: Callable[[Tensor], Tensor], forcing: float, checked_from: Tensor | None) -> Tensor | None:
         """Preconditioned CG on ``H d = -grad`` in the centred subspace, to relative residual
-        ``forcing``; ``None`` once it has taken ``_FLOAT32_CG_STEPS`` steps on float32 products.
+        ``forcing``; ``None`` where float32 products fail it: a step whose ``r.z`` or curvature
+        ``p.Hp`` is not positive (impossible in exact arithmetic: the sign of round-off swamping
+        the curvature), or ``_FLOAT32_CG_STEPS`` steps.
 
         With ``checked_from`` (the current centred parameters), every ``_CHECK_EVERY`` CG steps
         the objective is evaluated at the iterate, and CG returns the last checked iterate once
@@ -315,7 +318,9 @@ def fit_multinomial_logistic(
             alpha = rz / curvature
             step = step + alpha * p
             r = r - alpha * hp
-            residual, curvature_value = torch.stack([r.norm(), curvature]).tolist()
+            residual, curvature_value, rz_value = torch.stack([r.norm(), curvature, rz]).tolist()
+            if low != dtype and not (curvature_value > 0 and rz_value > 0):
+                return None  # (see products_in_full_precision)
             if residual <= target or not curvature_value > 0:
                 break
             if checked_from is not None and (i + 1) % _CHECK_EVERY == 0:
@@ -348,7 +353,7 @@ def fit_multinomial_logistic(
         q_low = q if low == dtype else q.clamp(min=float32_floor).to(low)
         solve = preconditioner(q, q_low)
         direction = newton_direction(q_low, grad, solve, forcing, checked_from)
-        if direction is None:  # a long CG solve, perhaps stalled by float32 round-off: again in full
+        if direction is None:  # CG stalled by float32 round-off (or a long solve): again in full
             products_in_full_precision()
             direction = newton_direction(q, grad, solve, forcing, checked_from)
             assert direction is not None  # (full-precision CG always returns one)

@@ -141,7 +141,7 @@ def test_demo_on_the_bundled_example(capsys, tmp_path):
         ("ok", ["evaluate", "{file}", "--method", "beta"], "method 'beta' is for K = 2 classes"),
         ("ok", ["evaluate", "{file}", "--priors", "0.5,0.5"], "--priors needs 3 numbers"),
         ("ok", ["evaluate", "{file}", "--costs", "abstain:x"], "abstain:ALPHA needs a number"),
-        ("ok", ["evaluate", "{file}", "--cv", "1"], "at least 2 folds"),
+        ("ok", ["evaluate", "{file}", "--cv", "1"], "--cv must be an integer >= 2 (the number of folds), got 1"),
         ("ok", ["evaluate", "{file}", "--config", "no-such-config"], "no config 'no-such-config'"),
         ("ok", ["evaluate", "{file}", "--cv", "3", "--calibration", "{file}"], "not allowed with argument --cv"),
         ("ok", ["evaluate", "{file}", "--bootstrap", "many"], "invalid int value: 'many'"),
@@ -322,3 +322,12 @@ def test_verbose_says_what_the_fits_are_doing(capsys, tmp_path):
     assert re.search(r"torchcal: regularisation path: DirichletCalibration lambda = 1000, mu = 1000, out-of-fold loss 0\.\d+", err)
     code, _, err = run(capsys, "calibrate", calibration, "--method", "dirichlet-odir", "--save", tmp_path / "h.pt")
     assert code == 0 and "Newton-CG" not in err and "regularisation path" not in err
+
+
+def test_all_methods_are_those_for_the_number_of_classes():
+    from torchcal.cli import _methods
+    from torchcal.report import METHODS
+
+    binary_only = {"platt", "beta", "quadratic"}
+    assert _methods("all", 4) == [m for m in METHODS if m not in binary_only]
+    assert _methods("all", 2) == list(METHODS)

@@ -202,6 +202,29 @@ def test_broken_config_and_cost_files(tmp_path, capsys):
         assert_one_line_error(capsys, ["evaluate", good, "--costs", costs, "--bootstrap", "0", "--out", tmp_path / "o", "--quiet"], fragment)
 
 
+def test_integer_settings_are_checked_where_they_were_given(tmp_path, capsys):
+    good = tmp_path / "scores.npz"
+    good.write_bytes(GOOD_NPZ)
+    base = ["evaluate", good, "--method", "temperature", "--out", tmp_path / "o", "--quiet", "--no-figures"]
+    assert_one_line_error(capsys, [*base, "--cv", "0"], "--cv must be an integer >= 2 (the number of folds), got 0")
+    assert_one_line_error(capsys, [*base, "--bootstrap", "1"], "--bootstrap must be 0 (no intervals) or an integer >= 2")
+    config = tmp_path / "c.yaml"
+    for content, fragment in [
+        ({"bootstrap": 2.7}, "c.yaml: bootstrap must be 0 (no intervals) or an integer >= 2 (replicates), got 2.7"),
+        ({"cv": "abc"}, "c.yaml: cv must be an integer >= 2 (the number of folds), got 'abc'"),
+        ({"seed": -1}, "c.yaml: seed must be an integer >= 0, got -1"),
+    ]:
+        config.write_text(yaml.safe_dump(content))
+        assert_one_line_error(capsys, [*base, "--config", config], fragment)
+
+
+def test_labels_of_one_class_only(tmp_path, capsys):
+    logits, _ = good_arrays()
+    one = tmp_path / "one.npz"
+    one.write_bytes(npz_bytes(logits=logits, labels=np.full(N, 2)))
+    assert_one_line_error(capsys, ["evaluate", one, "--out", tmp_path / "o", "--quiet"], "one.npz: every label is class 2", "two classes present")
+
+
 # --------------------------------------------------------------------------- huge files
 @pytest.mark.parametrize("suffix", [".npy", ".npz"])
 def test_huge_file_is_refused_before_it_is_read(suffix, tmp_path, capsys):

@@ -14,7 +14,7 @@ import torch
 
 import torchcal
 from torchcal.data import EXAMPLE_PATH, Scores, ferrer_systems, gaussian_task, load_scores
-from torchcal.functional import bayes_risk, brier_score, cross_entropy, zero_one_costs
+from torchcal.functional import bayes_risk, brier_score, cross_entropy, error_rate, zero_one_costs
 from torchcal.functional.bootstrap import resample_indices
 from torchcal.report import METHODS, evaluate, load_calibrator, make_calibrator, save_calibrator
 
@@ -78,6 +78,9 @@ def test_priors_and_costs_reach_every_metric(small):
     assert report.raw.nec.value == pytest.approx(float(bayes_risk(logits, labels, costs, priors=priors, normalize=True)))
     cal = report.calibrated["affine"]
     assert report.methods[0].quality.nec.value == pytest.approx(float(bayes_risk(cal, labels, costs, priors, normalize=True)))
+    for quality, scores in ((report.raw, logits), (report.methods[0].quality, cal)):  # the error rate too
+        assert quality.error_rate.value == pytest.approx(float(bayes_risk(scores, labels, zero_one_costs(4), priors)))
+    assert report.raw.error_rate.value != pytest.approx(float(error_rate(logits, labels)))
     assert report.priors == pytest.approx(priors.tolist()) and report.costs == costs.tolist()
 
 

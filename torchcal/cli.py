@@ -133,12 +133,11 @@ def load_config(name: str | Path) -> dict[str, Any]:
 
 def _methods(spec: Any, num_classes: int) -> list[str]:
     """Method names from ``"a,b"`` or a list; ``"all"`` is every method that fits K classes."""
-    from torchcal.report import METHODS
+    from torchcal.report import METHODS, make_calibrator
 
     names = spec.split(",") if isinstance(spec, str) else list(spec)
     if names == ["all"]:
-        binary_only = {"platt", "beta"}
-        return [m for m in METHODS if num_classes == 2 or m not in binary_only]
+        return [m for m in METHODS if make_calibrator(m).supported_num_classes in (None, num_classes)]
     unknown = [m for m in names if m not in METHODS]
     if unknown:
         raise UsageError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)} or 'all'.")
@@ -169,6 +168,15 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     return config | given
 
 
+def _integer(args: argparse.Namespace, settings: dict[str, Any], key: str, default: int, minimum: int, what: str) -> int:
+    """An integer setting, checked: given as ``--key`` or in the config file (which is named)."""
+    value = settings.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (key == "bootstrap" and value == 1):
+        where = f"--{key}" if getattr(args, key, None) is not None else f"{args.config}: {key}"
+        raise UsageError(f"{where} must be {what}, got {value!r}.")
+    return value
+
+
 def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | None, default_methods: Sequence[str]) -> int:
     from torchcal.data import has_split, load_scores
     from torchcal.report import evaluate
@@ -177,6 +185,12 @@ def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | 
     raw_priors = settings.get("priors")
     scores = _load(scores_path, args, priors=_binary_priors(raw_priors))
     k = scores.num_classes
+    present = scores.labels.unique() if scores.labels is not None else None
+    if present is not None and present.numel() == 1:
+        raise UsageError(
+            f"{scores_path}: every label is class {int(present[0])}; the normalised scores (NCE, NBS, "
+            f"calibration loss) compare with the naive system of the class priors and need two classes present."
+        )
     if calibration is None and args.calibration:
         calibration = load_scores(args.calibration, labels_path=args.calibration_labels, input=args.input,
                                   priors=_binary_priors(raw_priors))
@@ -187,12 +201,12 @@ def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | 
         scores,
         _methods(settings.get("methods", default_methods), k),
         calibration=calibration,
-        folds=int(settings.get("cv") or 5),
+        folds=_integer(args, settings, "cv", 5, 2, "an integer >= 2 (the number of folds)"),
         priors=parse_priors(raw_priors, k),
         costs=costs,
         costs_name=costs_name,
-        bootstrap=int(settings.get("bootstrap", 1000)),
-        seed=int(settings.get("seed", 0)),
+        bootstrap=_integer(args, settings, "bootstrap", 1000, 0, "0 (no intervals) or an integer >= 2 (replicates)"),
+        seed=_integer(args, settings, "seed", 0, 0, "an integer >= 0"),
         method_options=settings.get("options"),
         progress=not args.quiet,
     )

@@ -184,7 +184,7 @@ class Quality:
     """Metrics of one set of posteriors on the evaluated samples.
 
     ``nce``/``nbs``: cross-entropy / Brier score divided by those of the prior-only system;
-    ``error_rate``; ``nec``: normalised expected cost of the Bayes decisions for the cost matrix;
+    ``error_rate`` (prior-weighted under the evaluation's priors, as the others); ``nec``: normalised expected cost of the Bayes decisions for the cost matrix;
     ``ece``: top-label ECE in %, 15 equal-width bins; ``ecd``: entropic calibration difference
     (> 0 over-confident, < 0 under-confident); ``cross_entropy`` (nats) and ``brier`` (summed
     over classes, 0 to 2) unnormalised, in the units papers report; ``smooth_ece``: top-label smooth
@@ -592,7 +592,7 @@ class _Metrics:
         return Quality(
             nce=self._estimate(cross_entropy, logits, with_intervals, priors=p, normalize=True),
             nbs=self._estimate(brier_score, logits, with_intervals, priors=p, normalize=True),
-            error_rate=self._estimate(error_rate, logits, with_intervals),
+            error_rate=self._error_rate(logits, with_intervals),
             nec=self._estimate(bayes_risk, logits, with_intervals, costs=self.costs, priors=p, normalize=True),
             ece=100 * float(expected_calibration_error(logits, self.labels, n_bins=ECE_BINS)),
             ecd=float(entropic_calibration_difference(logits, self.labels)),
@@ -604,6 +604,12 @@ class _Metrics:
             ).p_value),
             **self._detection(logits),
         )
+
+    def _error_rate(self, logits: Tensor, with_intervals: bool) -> Estimate:
+        """The error rate, weighted by the priors like the other columns when there are any."""
+        if self.priors is None:
+            return self._estimate(error_rate, logits, with_intervals)
+        return self._estimate(bayes_risk, logits, with_intervals, costs=zero_one_costs(logits.shape[1]), priors=self.priors)
 
     def nce_difference(self, a: Tensor, b: Tensor) -> Estimate:
         """NCE(a) - NCE(b) of two systems' log-posteriors on the evaluated samples, with the

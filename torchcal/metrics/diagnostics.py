@@ -305,7 +305,7 @@ class EntropicCalibrationDifference(ScoreMetric):
             self.scores.append(binned.detach())
             self.values.append(values.detach())
             return
-        index = bin_indices(binned, uniform_edges(self.n_bins).to(binned.device)).squeeze(1)
+        index = bin_indices(binned, uniform_edges(self.n_bins).to(binned.device), edge_tolerance(logits.dtype)).squeeze(1)
         sums = torch.zeros(2, self.n_bins, dtype=torch.float64, device=values.device)
         sums[0].index_add_(0, index, values.detach())
         sums[1].index_add_(0, index, torch.ones_like(values))

@@ -466,7 +466,7 @@ def test_cost_matrix_for_another_k():
 
 def test_decisions_outside_the_cost_matrix():
     labels = good_data()[1]
-    with pytest.raises(ValueError, match=r"decisions must lie in \[0, 3\)"):
+    with pytest.raises(ValueError, match=r"decisions must lie in \[0, 3\) for M = 3 decisions"):
         F.expected_cost(torch.full((N,), 3), labels, F.zero_one_costs(K))
     with pytest.raises(ValueError, match="decisions must be an integer"):
         F.expected_cost(torch.zeros(N), labels, F.zero_one_costs(K))

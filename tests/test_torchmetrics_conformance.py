@@ -327,6 +327,10 @@ def test_wrappers(cifar):
     spread = boot.compute()
     value = float(F.cross_entropy(logits, labels))
     assert 0 < float(spread["std"]) < 0.5 * value and abs(float(spread["mean"]) - value) < 4 * float(spread["std"])
+    boot = BootStrapper(M.CrossEntropy(K), num_bootstraps=30, quantile=torch.tensor([0.025, 0.975], dtype=torch.float64))
+    boot.update(logits, labels)
+    lower, upper = boot.compute()["quantile"].tolist()
+    assert lower < value < upper
     boot = BootStrapper(M.RefinementLoss(K), num_bootstraps=10)
     boot.update(logits, labels)
     spread, value = boot.compute(), float(F.refinement_loss(logits, labels))

@@ -116,8 +116,9 @@ def check_logits(logits: Any, name: str = "logits", num_classes: int | None = No
     return logits
 
 
-def check_labels(labels: Any, num_samples: int, num_classes: int, name: str = "labels") -> Tensor:
-    """Validate class indices: an integer (N,) tensor with values in [0, K)."""
+def check_labels(labels: Any, num_samples: int, num_classes: int, name: str = "labels", counted: str = "classes") -> Tensor:
+    """Validate class indices: an integer (N,) tensor with values in [0, K) (``counted``: what
+    the indices count, for the message: ``"classes"``, or ``"decisions"`` for decisions in [0, M))."""
     labels = as_tensor(labels, name)
     if torch.is_floating_point(labels) or torch.is_complex(labels):
         raise ValueError(
@@ -141,7 +142,7 @@ def check_labels(labels: Any, num_samples: int, num_classes: int, name: str = "l
     if num_samples and not _all_in_range(labels, num_classes):
         bad = labels[(labels < 0) | (labels >= num_classes)]
         raise ValueError(
-            f"{name} must lie in [0, {num_classes}) for K = {num_classes} classes; found "
+            f"{name} must lie in [0, {num_classes}) for {'K' if counted == 'classes' else 'M'} = {num_classes} {counted}; found "
             f"{bad.numel()} out-of-range value(s), e.g. {int(bad[0])}."
         )
     return labels

@@ -138,7 +138,7 @@ def check_decisions(decisions: Tensor, labels: Tensor, costs: Tensor) -> tuple[T
         >>> check_decisions(torch.tensor([0, 3]), torch.tensor([1, 0]), zero_one_costs(2, abstain=0.1))
         Traceback (most recent call last):
         ...
-        ValueError: decisions must lie in [0, 3) for K = 3 classes; found 1 out-of-range value(s), e.g. 3.
+        ValueError: decisions must lie in [0, 3) for M = 3 decisions; found 1 out-of-range value(s), e.g. 3.
     """
     costs = as_tensor(costs, "costs")
     costs = check_costs(costs, costs.shape[0] if costs.ndim else 0)
@@ -146,7 +146,7 @@ def check_decisions(decisions: Tensor, labels: Tensor, costs: Tensor) -> tuple[T
     labels = check_labels(labels, labels.shape[0] if labels.ndim == 1 else labels.numel(), costs.shape[0])
     if labels.shape[0] == 0:
         raise ValueError("labels are empty (N = 0): at least one sample is needed.")
-    decisions = check_labels(decisions, labels.shape[0], costs.shape[1], name="decisions")
+    decisions = check_labels(decisions, labels.shape[0], costs.shape[1], name="decisions", counted="decisions")
     return decisions.to(labels.device), labels, costs.to(labels.device)
 
 

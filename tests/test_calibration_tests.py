@@ -3,6 +3,7 @@ simulations (p-values uniform under a calibrated generator, power on an over-con
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import numpy as np
@@ -46,15 +47,42 @@ def _binary_logits(q: torch.Tensor) -> torch.Tensor:
 
 
 def test_multinomial_hosmer_lemeshow_reproduces_the_survey():
-    result = hosmer_lemeshow_test(*_table3(), n_groups=5)
+    result = hosmer_lemeshow_test(*_table3(), n_groups=5, degrees_of_freedom="fitted")
     assert float(result.statistic) == pytest.approx(25.3004, abs=5e-5)
     assert float(result.p_value) == pytest.approx(scipy.stats.chi2.sf(25.3004, 6), rel=1e-3)
     assert float(result.p_value) == pytest.approx(0.000300, abs=5e-6)
 
 
+def test_hosmer_lemeshow_counts_only_non_empty_groups_and_impossible_events():
+    """Tied scores leave groups empty: the degrees of freedom count the others. Scores from
+    {0.2, 0.5, 0.8} fill 3 of 10 groups; with df = 10 calibrated data gave a mean p-value of 0.94."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.tensor([0.2, 0.5, 0.8], dtype=torch.float64)[torch.randint(3, (3000,), generator=gen)]
+    labels = torch.bernoulli(q, generator=gen).long()
+    result = hosmer_lemeshow_test(_binary_logits(q), labels)
+    observed = torch.stack([((labels == 1) & (q == v)).sum() for v in q.unique()]).double()
+    counts = torch.stack([(q == v).sum() for v in q.unique()]).double()
+    expected = counts * q.unique()
+    statistic = ((observed - expected).square() / expected + (observed - expected).square() / (counts - expected)).sum()
+    assert float(result.statistic) == pytest.approx(float(statistic), rel=1e-12)
+    assert float(result.p_value) == pytest.approx(scipy.stats.chi2.sf(float(statistic), 3), rel=1e-9)
+    # confident negatives (q_1 < 1e-16) are still told apart: grouped by q_1, not 1 - q_0
+    tiny = torch.cat([torch.exp(-torch.linspace(40, 60, 500, dtype=torch.float64)), torch.linspace(0.05, 0.95, 500, dtype=torch.float64)])
+    logits = torch.stack([torch.zeros_like(tiny), torch.log(tiny) - torch.log1p(-tiny)], 1)
+    labels = torch.bernoulli(tiny, generator=gen).long()
+    statistic, p_value = _hosmer_lemeshow_numpy(torch.softmax(logits, 1).numpy(), labels.numpy(), 10, 10)
+    result = hosmer_lemeshow_test(logits, labels)
+    assert float(result.statistic) == pytest.approx(statistic, rel=1e-9)
+    assert float(result.p_value) == pytest.approx(p_value, rel=1e-6)
+    # an event of probability 0: C is infinite, p = 0
+    log_odds = torch.tensor([-1000.0, -1000.0, 0.0, 0.0, math.log(9), math.log(9)], dtype=torch.float64)  # q_1 = 0, 0.5, 0.9
+    impossible = hosmer_lemeshow_test(torch.stack([torch.zeros_like(log_odds), log_odds], 1), torch.tensor([1, 0, 0, 1, 1, 1]), n_groups=3)
+    assert float(impossible.statistic) == math.inf and float(impossible.p_value) == 0.0
+
+
 def _hosmer_lemeshow_numpy(probs: np.ndarray, labels: np.ndarray, groups: int, df: int) -> tuple[float, float]:
     """Independent float64 reference: numpy percentiles, right-closed bins, one term per bin and class."""
-    u = 1 - probs[:, 0]
+    u = probs[:, 1:].sum(axis=1)  # 1 - q_0
     edges = np.quantile(u, np.linspace(0, 1, groups + 1))
     edges[0], edges[-1] = 0.0, 1.0
     group = np.clip(np.searchsorted(edges[1:-1], u, side="left"), 0, groups - 1)
@@ -73,7 +101,7 @@ def test_binary_hosmer_lemeshow_matches_numpy_on_real_data(real, name):
     logits, labels, _, _ = _binary_real(real, name)
     probs = torch.softmax(logits.double(), 1).numpy()
     statistic, p_value = _hosmer_lemeshow_numpy(probs, labels.numpy(), 10, 8)
-    result = hosmer_lemeshow_test(logits, labels)
+    result = hosmer_lemeshow_test(logits, labels, degrees_of_freedom="fitted")
     assert float(result.statistic) == pytest.approx(statistic, rel=1e-9)
     assert float(result.p_value) == pytest.approx(p_value, rel=1e-6, abs=1e-300)
     external = hosmer_lemeshow_test(logits, labels, degrees_of_freedom="external")
@@ -84,7 +112,7 @@ def test_multinomial_hosmer_lemeshow_matches_numpy_on_cifar10(real):
     data = real("cifar10_resnet110_kangsepp")
     logits, labels = torch.from_numpy(data["logits"]) / 2.395, torch.from_numpy(data["labels"])
     statistic, p_value = _hosmer_lemeshow_numpy(torch.softmax(logits.double(), 1).numpy(), labels.numpy(), 10, 8 * 9)
-    result = hosmer_lemeshow_test(logits, labels)
+    result = hosmer_lemeshow_test(logits, labels, degrees_of_freedom="fitted")
     assert float(result.statistic) == pytest.approx(statistic, rel=1e-9)
     assert float(result.p_value) == pytest.approx(p_value, rel=1e-6)
 
@@ -232,14 +260,19 @@ def test_bad_input():
     logits, labels = _table3()
     with pytest.raises(ValueError, match="degrees_of_freedom"):
         hosmer_lemeshow_test(logits, labels, degrees_of_freedom="both")
-    with pytest.raises(ValueError, match="n_groups >= 3"):
-        hosmer_lemeshow_test(logits, labels, n_groups=2)
+    with pytest.raises(ValueError, match="3 or more non-empty groups"):
+        hosmer_lemeshow_test(logits, labels, n_groups=2, degrees_of_freedom="fitted")
+    with pytest.raises(ValueError, match="cannot fill n_groups = 10"):
+        hosmer_lemeshow_test(logits[:5], labels[:5])
     with pytest.raises(ValueError, match="kind"):
         kuiper_test(logits, labels, kind="classwise")
     with pytest.raises(ValueError, match="K = 2"):
         spiegelhalter_test(logits, labels, kind="binary")
     with pytest.raises(ValueError, match="alternative"):
         spiegelhalter_test(logits, labels, alternative="bigger")
+    halves = _binary_logits(torch.full((4,), 0.5, dtype=torch.float64))
+    with pytest.raises(ValueError, match="every score is 0, 1/2 or 1"):
+        spiegelhalter_test(halves, torch.tensor([0, 1, 1, 1]), kind="binary")
     saturated = torch.tensor([[80.0, 0.0], [0.0, 90.0]], dtype=torch.float64)  # scores exactly 1.0
     for test in (kolmogorov_smirnov_test, kuiper_test, spiegelhalter_test):
         with pytest.raises(ValueError, match="exactly 0 or 1"):

@@ -26,9 +26,9 @@ class SpiegelhalterTest(ScoreMetric):
     """Spiegelhalter's Z test of calibration, as ``functional.spiegelhalter_test``.
 
     ``compute()`` returns the statistic Z (a float64 scalar), not the p-value: Z is what the sums
-    give, its sign tells the direction (negative: fewer hits than the scores promise, as from
-    over-confidence), and it averages and bootstraps sensibly in torchmetrics' wrappers, where
-    p-values do not. ``result()`` returns the ``CalibrationTestResult`` (Z and the p-value of
+    give (the Brier score minus its expectation under calibration, standardised: positive when the
+    scores do worse than calibrated ones would, whether over- or under-confident), and it averages
+    and bootstraps sensibly in torchmetrics' wrappers, where p-values do not. ``result()`` returns the ``CalibrationTestResult`` (Z and the p-value of
     ``alternative``) of the data accumulated on every process.
 
     Args:

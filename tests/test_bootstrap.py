@@ -202,6 +202,44 @@ def test_prior_weighted_metrics_resample_within_each_class(metric_fn, kwargs):
         assert result.replicates[:20].tolist() == pytest.approx(by_hand, rel=1e-12)
 
 
+@pytest.mark.parametrize("name", ["cllr", "min_cllr", "detection_cost", "equal_error_rate"])
+def test_detection_metrics_resample_within_each_class(name):
+    """They average the two classes' rates: an unstratified replicate of 3 targets in 63 samples
+    could draw no target at all (and raised)."""
+    metric_fn = getattr(torchcal.functional, name)
+    kwargs = {"target_prior": 0.1, "cost_miss": 1.0} if name == "detection_cost" else {}
+    g = torch.Generator().manual_seed(0)
+    labels = torch.zeros(63, dtype=torch.long)
+    labels[:3] = 1
+    llr = torch.randn(63, generator=g, dtype=torch.float64) + 2.0 * labels
+    logits = torch.stack([torch.zeros_like(llr), llr], 1)
+    result = bootstrap(metric_fn, logits, labels, num_replicates=200, seed=2, **kwargs)
+    (chunk,) = resample_indices(63, 200, 2, labels)
+    assert bool((labels[chunk].sum(1) == 3).all())
+    by_hand = [float(metric_fn(logits[i], labels[i], **kwargs)) for i in chunk[:10]]
+    assert result.replicates[:10].tolist() == pytest.approx(by_hand, rel=1e-12)
+
+
+def test_replicate_sums_stay_within_the_memory_bound(monkeypatch):
+    """Classwise ECE at K = 1,000 keeps (3, b, K * bins) sums per chunk of replicates: b is bounded
+    by the number of keys too, not only by N (peak memory grew with the replicates: 831 MB at 1,000)."""
+    seen = []
+    original = bootstrap_module._sums_per_replicate
+
+    def recording(keys, values, num_keys, index):
+        seen.append(index.shape[0] * num_keys)
+        return original(keys, values, num_keys, index)
+
+    monkeypatch.setattr(bootstrap_module, "_sums_per_replicate", recording)
+    monkeypatch.setattr(bootstrap_module, "CHUNK_ELEMENTS", 1 << 16)
+    logits, labels = torch.randn(50, 300, dtype=torch.float64), torch.arange(50) % 300
+    expected = bootstrap(expected_calibration_error, logits, labels, num_replicates=40, kind="classwise")
+    assert max(seen) <= 1 << 16 and len(seen) > 1
+    monkeypatch.undo()
+    assert bootstrap(expected_calibration_error, logits, labels, num_replicates=40, kind="classwise").replicates.tolist() == pytest.approx(
+        expected.replicates.tolist(), rel=1e-12)
+
+
 def test_stratified_interval_of_the_balanced_error_rate():
     """Stratified, BER = mean of K independent per-class error rates: its standard error is
     sqrt(sum_k p_k (1 - p_k) / n_k) / K, dominated here by the rare class."""

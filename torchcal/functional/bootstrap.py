@@ -1,8 +1,9 @@
 """Bootstrap confidence intervals for any metric (percentile method; Ferrer & Ramos, App. E).
 
 Each replicate draws N samples with replacement and recomputes the metric. Metrics that weigh
-classes by priors (``priors=`` given, or ``balanced_error_rate``) are resampled *stratified by
-class*: each replicate draws N_k samples with replacement within each class k, so it keeps the
+classes by priors (``priors=`` given, ``balanced_error_rate``, and the detection metrics ``cllr``,
+``min_cllr``, ``detection_cost``, ``min_detection_cost`` and ``equal_error_rate``, which average
+per-class rates) are resampled *stratified by class*: each replicate draws N_k samples with replacement within each class k, so it keeps the
 data's class counts. Such a metric is a prior-weighted combination of per-class means, the class
 frequencies of the data play no part in it, and a rare class can never vanish from a replicate
 (which would leave its mean undefined). ``stratify=`` overrides the choice.
@@ -44,6 +45,7 @@ from torchcal.functional.decisions import (
     expected_cost,
     expected_cost_terms,
 )
+from torchcal.functional.detection import cllr, detection_cost, equal_error_rate, min_cllr, min_detection_cost
 from torchcal.functional.diagnostics import BinDecomposition, calibration_error_terms, expected_calibration_error
 from torchcal.functional.scoring import (
     SumDecomposition,
@@ -175,11 +177,15 @@ def resample_indices(num_samples: int, num_replicates: int, seed: int, strata: T
             yield torch.cat([g[torch.randint(g.shape[0], (size, g.shape[0]), generator=generator)] for g in groups], dim=1)
 
 
+#: Metrics that average per-class rates whatever their ``priors``: their bootstrap is stratified.
+_CLASS_AVERAGES = (balanced_error_rate, cllr, min_cllr, detection_cost, min_detection_cost, equal_error_rate)
+
+
 def _weighs_classes(metric_fn: Callable[..., Any], metric_kwargs: dict[str, Any]) -> bool:
     """Whether ``metric_fn`` combines per-class means with priors the data do not set (``priors=``
-    given, or ``balanced_error_rate``): the metrics whose bootstrap is stratified by class."""
+    given, or one of ``_CLASS_AVERAGES``): the metrics whose bootstrap is stratified by class."""
     fn, keywords = (metric_fn.func, metric_fn.keywords) if isinstance(metric_fn, partial) else (metric_fn, {})
-    return fn is balanced_error_rate or {**keywords, **metric_kwargs}.get("priors") is not None
+    return fn in _CLASS_AVERAGES or {**keywords, **metric_kwargs}.get("priors") is not None
 
 
 def _sums_per_replicate(keys: Tensor, values: list[Tensor], num_keys: int, index: Tensor) -> Tensor:
@@ -205,9 +211,11 @@ def _replicates(terms: SumDecomposition | BinDecomposition, num_replicates: int,
         keys, shape = terms.keys, terms.shape
         values = [torch.ones_like(terms.scores), terms.scores, terms.targets]
     replicates = []
+    rows = max(1, CHUNK_ELEMENTS // math.prod(shape))  # replicates whose sums fit the memory bound
     for index in resample_indices(keys.shape[0], num_replicates, seed, strata):
-        sums = _sums_per_replicate(keys, values, math.prod(shape), index.to(keys.device))
-        replicates.append(terms.reduce(*sums.reshape(len(values), index.shape[0], *shape)))
+        for part in index.split(rows):
+            sums = _sums_per_replicate(keys, values, math.prod(shape), part.to(keys.device))
+            replicates.append(terms.reduce(*sums.reshape(len(values), part.shape[0], *shape)))
     return torch.cat(replicates)
 
 

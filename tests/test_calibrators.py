@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.optimize import minimize as scipy_minimize
+from scipy.optimize import minimize_scalar
 from scipy.special import log_softmax as np_log_softmax
 
 import torchcal
@@ -357,13 +358,36 @@ def test_cross_validation_needs_enough_samples(data):
 
 
 # --------------------------------------------------------------------------- degenerate data
-def test_separable_data_gives_a_finite_temperature_and_a_warning():
-    logits = torch.tensor([[3.0, 0.0], [0.0, 3.0]]).repeat(50, 1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_separable_data_gives_a_finite_temperature_and_a_warning(dtype):
+    """In float64 the derivative underflowed before the curvature did, and the fit stopped there
+    as 'converged', with no warning, after 751 passes; Newton on the exponential tail only adds
+    about 1/margin to beta per step, so the search quadruples beta there."""
+    logits = torch.tensor([[3.0, 0.0], [0.0, 3.0]], dtype=dtype).repeat(50, 1)
     labels = torch.tensor([0, 1]).repeat(50)
     with pytest.warns(torchcal.ConvergenceWarning, match="separable"):
         ts = torchcal.TemperatureScaling().fit(logits, labels)
     assert 0 < ts.temperature < 1e-2 and not ts.fit_record_.converged
+    assert ts.fit_record_.iterations <= 20
     assert torch.isfinite(ts(logits)).all()
+
+
+def test_temperature_newton_stops_where_it_converged(real):
+    """A Newton step that rounds to nothing at the bracket's end used to start a bisection away
+    from the optimum: 35 passes on these float64 logits, and a wrong temperature with max_iter=10."""
+    data = real("adrenalmnist3d_resnet50_ferrer")
+    logits, labels = torch.from_numpy(data["logits"]).double(), torch.from_numpy(data["labels"])
+    reference = minimize_scalar(
+        lambda t: float(torch.nn.functional.cross_entropy(logits / t, labels)), bounds=(0.5, 5), method="bounded",
+        options={"xatol": 1e-10},
+    ).x
+    for max_iter in (1000, 10):
+        ts = torchcal.TemperatureScaling().fit(logits, labels, max_iter=max_iter)
+        assert ts.fit_record_.converged and ts.fit_record_.iterations <= 8
+        assert ts.temperature == pytest.approx(reference, rel=1e-6)
+        t = torch.tensor(ts.temperature, dtype=torch.float64, requires_grad=True)
+        (slope,) = torch.autograd.grad(torch.nn.functional.cross_entropy(logits / t, labels), t)
+        assert abs(float(slope)) < 1e-12  # at the optimum to float64 round-off
 
 
 def test_anti_informative_scores_give_infinite_temperature_and_uniform_output():

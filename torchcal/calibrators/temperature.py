@@ -173,12 +173,15 @@ def fit_inverse_temperature(
             start = sub_beta
 
     lo, hi, beta = 0.0, math.inf, min(start, beta_max)
+    tiny = torch.finfo(logits.dtype).tiny
     for iteration in range(1, max_iter + 1):
         loss, grad, hess = moments(beta)
         evaluations += 1
-        # A zero derivative with zero curvature means every row's softmax is one-hot on its label
-        # in this precision: the loss is still falling towards 0 (separable data).
-        if grad < 0 or grad == hess == 0:
+        # A derivative and a curvature that underflow (to 0, or to subnormals in float64) mean every
+        # row's softmax is one-hot on its label in this precision: the loss is still falling
+        # towards 0 (separable data), not at an optimum.
+        flat = hess < tiny and abs(grad) < tiny
+        if grad < 0 or flat:
             lo = beta
             if beta >= beta_max:
                 warnings.warn(
@@ -193,6 +196,12 @@ def fit_inverse_temperature(
         # Newton on u = log(beta): f'(u) = beta * grad, f''(u) = beta^2 * hess + beta * grad.
         curvature = beta * hess + grad
         candidate = beta * math.exp(max(-grad / curvature, -30.0)) if curvature > 0 and -grad / curvature < 30 else math.inf
+        if not flat and abs(candidate - beta) <= rtol * beta:  # (before the bracket test: beta may be its end)
+            return candidate, FitRecord(iteration, evaluations, loss, abs(grad), True, "Newton step below tolerance")
+        if grad < 0 and hess * loss <= 2 * grad * grad and math.isinf(hi):
+            # The loss is one falling exponential (hess * loss = grad^2 for c e^(-beta m)): separable
+            # data, where Newton only adds about 1/m to beta per step (733 steps to the cap).
+            candidate = 4 * beta
         if not lo < candidate < hi:
             candidate = (lo + hi) / 2 if math.isfinite(hi) else 4 * beta
         candidate = min(candidate, beta_max)

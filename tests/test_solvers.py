@@ -119,6 +119,19 @@ def test_warm_start_keeps_the_given_starting_point():
     assert again.fit_record_.iterations <= 1  # already at the optimum
 
 
+@pytest.mark.parametrize("make", [torchcal.BetaCalibration, torchcal.VectorScaling, torchcal.PlattScaling])
+def test_a_frozen_calibrator_refits_every_parameter_and_stays_frozen(make):
+    """attach, fit_calibrator and load_calibrator freeze the parameters; a warm-started refit on
+    other data left them out of the fit (Beta kept its old intercept and reported success; vector
+    scaling had no parameter left and raised)."""
+    first, second = _data(n=3000, k=2, seed=1), _data(n=3000, k=2, seed=2)
+    frozen = make().fit(*first).requires_grad_(False)
+    refitted = frozen.fit(*second, warm_start=True, loss="brier")
+    cold = make().fit(*second, loss="brier")
+    assert refitted.fit_record_.converged and refitted.fit_record_.loss == pytest.approx(cold.fit_record_.loss, abs=1e-9)
+    assert not any(p.requires_grad for p in refitted.parameters())
+
+
 def test_newton_on_a_quadratic_takes_one_step():
     target = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64)
     a = torch.tensor([[3.0, 1.0, 0.0], [1.0, 2.0, 0.5], [0.0, 0.5, 1.0]], dtype=torch.float64)

@@ -137,7 +137,15 @@ class Calibrator(nn.Module):
             weights = None if priors is None else class_weights_from_counts(counts, priors)
             self.num_classes = num_classes
             features = self._features(logits)
-            self.fit_record_ = self._fit(features, labels, weights, loss, max_iter, process_group=process_group)
+            # A fit fits every parameter, also those the caller froze (attach, load_calibrator):
+            # a warm-started refit of a frozen head left them out. They are frozen again after.
+            frozen = {name for name, p in self.named_parameters() if not p.requires_grad}
+            self.requires_grad_(True)
+            try:
+                self.fit_record_ = self._fit(features, labels, weights, loss, max_iter, process_group=process_group)
+            finally:
+                for name, p in self.named_parameters():
+                    p.requires_grad_(name not in frozen)
         return self
 
     @contextlib.contextmanager

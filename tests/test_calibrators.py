@@ -421,6 +421,42 @@ def test_bad_regulariser_arguments():
         torchcal.MatrixScaling(reg_lambda=1.0)
     with pytest.raises(ValueError, match="loss must be"):
         torchcal.TemperatureScaling().fit(torch.randn(10, 3), torch.zeros(10, dtype=torch.long), loss="hinge")
+    with pytest.raises(ValueError, match="reg_mu is ODIR's intercept penalty"):
+        torchcal.DirichletCalibration(reg="l2", reg_lambda=1.0, reg_mu=123.0)
+    for grid in ([], [1.0, -1.0], [float("inf")]):
+        with pytest.raises(ValueError, match="reg_grid must be a non-empty sequence"):
+            torchcal.DirichletCalibration(reg="odir", reg_grid=grid)
+        with pytest.raises(ValueError, match="reg_grid must be a non-empty sequence"):
+            torchcal.StructuredMatrixScaling(reg_grid=grid)
+    with pytest.raises(ValueError, match="not both"):
+        torchcal.DirichletCalibration(reg="odir", reg_mu=1.0, reg_grid=[(1.0, 2.0)])
+    for bad in (float("inf"), -1.0):
+        with pytest.raises(ValueError, match="reg_lambda must be finite and >= 0"):
+            torchcal.MatrixScaling(reg="odir", reg_lambda=bad)
+        with pytest.raises(ValueError, match="reg_lambda must be finite and >= 0"):
+            torchcal.StructuredVectorScaling(reg_lambda=bad)
+    with pytest.raises(ValueError, match="max_iter must be an integer >= 1"):
+        torchcal.TemperatureScaling().fit(torch.randn(10, 3), torch.arange(10) % 3, max_iter=-1)
+    with pytest.raises(ValueError, match="n_bins must be an integer >= 1, got 2.5"):
+        torchcal.HistogramBinning(n_bins=2.5)
+
+
+def test_a_given_mu_is_kept_through_the_cross_validation_and_the_state_dict(data):
+    """reg_mu was silently replaced by lambda at every grid point; the fitted state lost the
+    cross-validated losses and the regulariser."""
+    logits, labels = data
+    cal = torchcal.DirichletCalibration(reg="odir", reg_mu=0.0, reg_grid=[0.1, 1.0, 10.0]).fit(logits, labels)
+    assert cal.reg_mu_ == 0.0 and {mu for _, mu in cal.reg_grid} == {0.0}
+    fixed = torchcal.DirichletCalibration(reg="odir", reg_lambda=cal.reg_lambda_, reg_mu=0.0).fit(logits, labels)
+    torch.testing.assert_close(cal.weight, fixed.weight, rtol=0, atol=1e-6)
+    fresh = torchcal.DirichletCalibration()
+    fresh.load_state_dict(cal.state_dict())
+    assert (fresh.reg, fresh.reg_lambda_, fresh.reg_mu_, fresh.cv_losses_) == ("odir", cal.reg_lambda_, 0.0, cal.cv_losses_)
+    assert repr(fresh) == repr(cal)
+    structured = torchcal.StructuredVectorScaling(reg_grid=[0.25, 1.0, 4.0]).fit(logits, labels)
+    fresh_structured = torchcal.StructuredVectorScaling()
+    fresh_structured.load_state_dict(structured.state_dict())
+    assert (fresh_structured.reg_lambda_, fresh_structured.cv_losses_) == (structured.reg_lambda_, structured.cv_losses_)
 
 
 def test_fit_does_not_depend_on_sample_order(data):

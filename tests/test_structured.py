@@ -270,7 +270,7 @@ def test_brier_fit_is_stationary_for_the_brier_objective():
 
 def test_bad_input_is_refused_with_a_clear_message():
     logits, labels = _data()
-    with pytest.raises(ValueError, match="reg_lambda must be >= 0"):
+    with pytest.raises(ValueError, match="reg_lambda must be finite and >= 0"):
         torchcal.StructuredMatrixScaling(reg_lambda=-1.0)
     with pytest.raises(ValueError, match="reg_grid"):
         torchcal.StructuredVectorScaling(reg_lambda=None, reg_grid=[])

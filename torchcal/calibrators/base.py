@@ -115,6 +115,8 @@ class Calibrator(nn.Module):
             )
         if loss not in PER_SAMPLE_SCORES:
             raise ValueError(f"loss must be one of {sorted(PER_SAMPLE_SCORES)}, got {loss!r}.")
+        if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
+            raise ValueError(f"max_iter must be an integer >= 1, got {max_iter!r}.")
         counts = all_reduce_(torch.bincount(labels, minlength=num_classes), process_group)
         missing = counts == 0
         if bool(missing.any()):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import warnings
 from collections.abc import Sequence
 
@@ -44,8 +45,9 @@ class MatrixScaling(Calibrator):
               mu / K * sum_k b_k^2``; the diagonal is free, so per-class scaling is not penalised.
             - L2: ``lambda / (K (K+1)) * (sum W^2 + sum b^2)`` (shrinks towards zero).
         reg_lambda, reg_mu: penalty strengths. Left as ``None`` with a regulariser, they are chosen
-            by ``cv_folds``-fold cross-validation over ``reg_grid`` (``mu = lambda``, or pairs).
-            ``reg_mu`` defaults to ``reg_lambda``.
+            by ``cv_folds``-fold cross-validation over ``reg_grid`` (``mu = lambda``, or pairs; a
+            given ``reg_mu`` is kept at every grid point). ``reg_mu`` defaults to ``reg_lambda``
+            (ODIR only).
         reg_grid: candidate lambdas, or ``(lambda, mu)`` pairs.
 
     The log-loss fit is convex (Newton-CG, :mod:`torchcal.calibrators._multinomial`). With
@@ -86,12 +88,20 @@ class MatrixScaling(Calibrator):
         if reg is None and (reg_lambda is not None or reg_mu is not None):
             raise ValueError("reg_lambda / reg_mu need a regulariser: pass reg='odir' or reg='l2'.")
         for name, value in (("reg_lambda", reg_lambda), ("reg_mu", reg_mu)):
-            if value is not None and not value >= 0:
-                raise ValueError(f"{name} must be >= 0, got {value}.")
+            if value is not None and not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be finite and >= 0, got {value}.")
+        if reg == "l2" and reg_mu is not None:
+            raise ValueError("reg_mu is ODIR's intercept penalty; reg='l2' has one strength, reg_lambda.")
+        grid = list(reg_grid)
+        if not grid or not all(0 <= v < math.inf for g in grid for v in (g if isinstance(g, tuple) else (g,))):
+            raise ValueError(f"reg_grid must be a non-empty sequence of finite lambdas >= 0 (or (lambda, mu) pairs), got {reg_grid!r}.")
+        if reg_mu is not None and any(isinstance(g, tuple) for g in grid):
+            raise ValueError("pass reg_mu or (lambda, mu) pairs in reg_grid, not both.")
         self.reg = reg
         self.reg_lambda = reg_lambda
         self.reg_mu = reg_mu
-        self.reg_grid = [g if isinstance(g, tuple) else (float(g), float(g)) for g in reg_grid]
+        # mu = lambda at every grid point, unless reg_mu fixes it
+        self.reg_grid = [g if isinstance(g, tuple) else (float(g), float(g if reg_mu is None else reg_mu)) for g in grid]
         self.cv_folds = cv_folds
         self.cv_seed = cv_seed
         self.reg_lambda_: float | None = None
@@ -232,11 +242,14 @@ class MatrixScaling(Calibrator):
         return losses, best_start[0]
 
     def get_extra_state(self):
-        return {**super().get_extra_state(), "reg_lambda_": self.reg_lambda_, "reg_mu_": self.reg_mu_}
+        return {**super().get_extra_state(), "reg": self.reg, "reg_lambda_": self.reg_lambda_, "reg_mu_": self.reg_mu_,
+                "cv_losses_": self.cv_losses_}
 
     def set_extra_state(self, state) -> None:
         super().set_extra_state(state)
+        self.reg = state.get("reg", self.reg)
         self.reg_lambda_, self.reg_mu_ = state.get("reg_lambda_"), state.get("reg_mu_")
+        self.cv_losses_ = state.get("cv_losses_")
 
     def extra_repr(self) -> str:
         reg = f"reg={self.reg!r}" + (f", lambda={self.reg_lambda_:g}, mu={self.reg_mu_:g}" if self.reg_lambda_ is not None else "")

@@ -77,8 +77,8 @@ class HistogramBinning(_OneVsRest):
 
     def __init__(self, n_bins: int = 15, strategy: str = "uniform") -> None:
         super().__init__()
-        if n_bins < 1:
-            raise ValueError(f"n_bins must be >= 1, got {n_bins}.")
+        if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
+            raise ValueError(f"n_bins must be an integer >= 1, got {n_bins!r}.")
         if strategy not in ("uniform", "quantile"):
             raise ValueError(f"strategy must be 'uniform' or 'quantile', got {strategy!r}.")
         self.n_bins = n_bins

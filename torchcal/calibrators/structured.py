@@ -133,10 +133,10 @@ class _StructuredScaling(Calibrator):
         cv_seed: int = 0,
     ) -> None:
         super().__init__()
-        if reg_lambda is not None and not reg_lambda >= 0:
-            raise ValueError(f"reg_lambda must be >= 0 (or None to cross-validate it), got {reg_lambda}.")
-        if reg_lambda is None and (not reg_grid or not all(g >= 0 for g in reg_grid)):
-            raise ValueError(f"reg_grid must be a non-empty sequence of lambdas >= 0, got {reg_grid!r}.")
+        if reg_lambda is not None and not 0 <= reg_lambda < math.inf:
+            raise ValueError(f"reg_lambda must be finite and >= 0 (or None to cross-validate it), got {reg_lambda}.")
+        if reg_lambda is None and (not reg_grid or not all(0 <= g < math.inf for g in reg_grid)):
+            raise ValueError(f"reg_grid must be a non-empty sequence of finite lambdas >= 0, got {reg_grid!r}.")
         self.reg_lambda = reg_lambda
         self.reg_grid = [float(g) for g in reg_grid]
         self.cv_folds = cv_folds
@@ -316,11 +316,11 @@ class _StructuredScaling(Calibrator):
 
     # --------------------------------------------------------------------------- state
     def get_extra_state(self):
-        return {**super().get_extra_state(), "reg_lambda_": self.reg_lambda_}
+        return {**super().get_extra_state(), "reg_lambda_": self.reg_lambda_, "cv_losses_": self.cv_losses_}
 
     def set_extra_state(self, state) -> None:
         super().set_extra_state(state)
-        self.reg_lambda_ = state.get("reg_lambda_")
+        self.reg_lambda_, self.cv_losses_ = state.get("reg_lambda_"), state.get("cv_losses_")
 
     def extra_repr(self) -> str:
         reg = f"lambda={self.reg_lambda_:g}, " if self.reg_lambda_ is not None else ""

@@ -223,6 +223,10 @@ def test_labels_of_one_class_only(tmp_path, capsys):
     one = tmp_path / "one.npz"
     one.write_bytes(npz_bytes(logits=logits, labels=np.full(N, 2)))
     assert_one_line_error(capsys, ["evaluate", one, "--out", tmp_path / "o", "--quiet"], "one.npz: every label is class 2", "two classes present")
+    for quiet in ([], ["--quiet"]):
+        assert_one_line_error(capsys, ["calibrate", one, "--method", "temperature", "--save", tmp_path / "h.pt", *quiet],
+                              "one.npz: every label is class 2")
+        assert not (tmp_path / "h.pt").exists()
 
 
 # --------------------------------------------------------------------------- huge files

@@ -152,6 +152,17 @@ def _load(path: str, args: argparse.Namespace, priors: Any = None, **kwargs: Any
     return load_scores(path, labels_path=getattr(args, "labels", None), input=args.input, priors=priors, **kwargs)
 
 
+def _with_two_classes(scores: Scores, path: str) -> Scores:
+    """``scores``, unless every label is one class (refused before anything is fitted or written)."""
+    present = scores.labels.unique() if scores.labels is not None else None
+    if present is not None and present.numel() == 1:
+        raise UsageError(
+            f"{path}: every label is class {int(present[0])}; calibration and the normalised scores (NCE, "
+            f"NBS, calibration loss), which compare with the naive system of the class priors, need two classes present."
+        )
+    return scores
+
+
 def _binary_priors(spec: Any) -> torch.Tensor | None:
     """The priors that turn one column of binary LLRs into posteriors, if ``spec`` gives two."""
     try:
@@ -183,14 +194,8 @@ def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | 
 
     settings = _settings(args)
     raw_priors = settings.get("priors")
-    scores = _load(scores_path, args, priors=_binary_priors(raw_priors))
+    scores = _with_two_classes(_load(scores_path, args, priors=_binary_priors(raw_priors)), scores_path)
     k = scores.num_classes
-    present = scores.labels.unique() if scores.labels is not None else None
-    if present is not None and present.numel() == 1:
-        raise UsageError(
-            f"{scores_path}: every label is class {int(present[0])}; the normalised scores (NCE, NBS, "
-            f"calibration loss) compare with the naive system of the class priors and need two classes present."
-        )
     if calibration is None and args.calibration:
         calibration = load_scores(args.calibration, labels_path=args.calibration_labels, input=args.input,
                                   priors=_binary_priors(raw_priors))
@@ -267,7 +272,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     method = args.method
     options = (settings.get("options") or {}).get(method, {})
     make_calibrator(method, **options)  # bad names and options fail before the data are read
-    scores = _load(args.scores, args, priors=_binary_priors(settings.get("priors")))
+    scores = _with_two_classes(_load(args.scores, args, priors=_binary_priors(settings.get("priors"))), args.scores)
     labels = scores.labels
     assert labels is not None  # load_scores requires them here
     priors = parse_priors(settings.get("priors"), scores.num_classes)

@@ -4,7 +4,9 @@ simulations (p-values uniform under a calibrated generator, power on an over-con
 from __future__ import annotations
 
 import math
+import sys
 from functools import partial
+from importlib.resources import files
 
 import numpy as np
 import pytest
@@ -240,6 +242,34 @@ def test_resampling_test_vectorised_path_equals_the_loop(metric, kwargs):
     torch.testing.assert_close(fast.null_statistics, slow.null_statistics, rtol=1e-12, atol=1e-12)
     assert float(fast.p_value) == float(slow.p_value)
     assert float(fast.p_value) == (1 + int((slow.null_statistics >= slow.statistic).sum())) / 201
+
+
+def test_resampling_draws_do_not_depend_on_the_chunking_and_the_table_stays_small(monkeypatch):
+    """At N = 10,000 the two paths draw their labels in chunks of different sizes; the draws used
+    to depend on the chunk (classwise ECE nulls differed by 3.5e-4). The per-label table is formed
+    K labels at a time (it was an (N K, K) copy of the logits: 1.9 GB for CIFAR-100) and falls back
+    to the loop beyond its bound."""
+    with np.load(str(files("torchcal.data") / "examples" / "cifar10_resnet110_kangsepp.npz")) as f:
+        logits, labels = torch.from_numpy(f["logits"]).double() / 2.4, torch.from_numpy(f["labels"]).long()
+    options = {"kind": "classwise", "num_resamples": 30}
+    fast = consistency_resampling_test(expected_calibration_error, logits, labels, **options)
+    slow = consistency_resampling_test(lambda x, y, **k: expected_calibration_error(x, y, **k), logits, labels, **options)
+    torch.testing.assert_close(fast.null_statistics, slow.null_statistics, rtol=1e-12, atol=1e-15)
+    formed = []
+    original = torch.Tensor.repeat_interleave
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", lambda *a, **k: formed.append(a) or original(*a, **k))
+    monkeypatch.setattr(sys.modules[consistency_resampling_test.__module__], "_MAX_TABLE_ELEMENTS", 10_000 * 10 * 10 - 1)  # one short of the targets
+    bounded = consistency_resampling_test(expected_calibration_error, logits, labels, **options)
+    torch.testing.assert_close(bounded.null_statistics, fast.null_statistics, rtol=1e-12, atol=1e-15)
+    assert not formed
+
+
+def test_resampling_with_a_class_weighting_metric_says_why_it_failed():
+    logits = torch.zeros(40, 3, dtype=torch.float64)
+    logits[:, 2] = -4.0  # class 2 has probability 0.9 %: most resamples draw none
+    labels = torch.arange(40) % 3
+    with pytest.raises(ValueError, match="labels resampled from the posteriors.*needs every class in every resample"):
+        consistency_resampling_test(balanced_error_rate, logits, labels, num_resamples=50)
 
 
 def test_resampling_p_values_are_uniform_under_calibration_and_powerful():

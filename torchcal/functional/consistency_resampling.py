@@ -9,7 +9,9 @@
 Metrics that are sums over samples (``cross_entropy``, ``brier_score``, ``bayes_risk``,
 ``error_rate``, ``balanced_error_rate``, and ``expected_calibration_error`` with equal-width bins)
 are evaluated for all resamples at once: their per-sample terms are tabulated for every possible
-label once, and each resample only gathers and sums them. Any other metric is called L times.
+label once (an (N, K) table, or (N, K, C) targets of C binned columns, formed K labels at a time),
+and each resample only gathers and sums them. Any other metric, or a table beyond
+``_MAX_TABLE_ELEMENTS``, is called L times.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from torchcal.functional.scoring import SumDecomposition, to_log_probs
 
 __all__ = ["ResamplingTestResult", "consistency_resampling_test", "resample_labels"]
 
+#: Largest table of per-label terms (elements) the vectorised null forms: 256 MB of float64.
+_MAX_TABLE_ELEMENTS = 1 << 25
+
 
 class ResamplingTestResult(NamedTuple):
     statistic: Tensor  # the metric on the observed labels
@@ -38,7 +43,8 @@ def resample_labels(log_probs: Tensor, num_resamples: int, seed: int, chunk: int
     """Chunks (b, N) of labels drawn from ``Categorical(exp(log_probs))``, ``log_probs: (N, K)``.
 
     The uniform draws come from a CPU generator seeded with ``seed`` (the same labels on every
-    device) and are inverted through the cumulative posteriors on the posteriors' device.
+    device), one row of N per resample, so the labels do not depend on ``chunk``; they are
+    inverted through the cumulative posteriors on the posteriors' device.
 
     Example:
         >>> log_probs = torch.tensor([[0.0, -1e4], [-1e4, 0.0]], dtype=torch.float64)
@@ -52,8 +58,8 @@ def resample_labels(log_probs: Tensor, num_resamples: int, seed: int, chunk: int
     chunk = chunk or max(1, CHUNK_ELEMENTS // n)
     for start in range(0, num_resamples, chunk):
         size = min(chunk, num_resamples - start)
-        uniform = torch.rand(n, size, generator=generator, dtype=torch.float64).to(log_probs.device)
-        yield torch.searchsorted(cumulative, uniform, right=True).clamp_(max=k - 1).T
+        uniform = torch.rand(size, n, generator=generator, dtype=torch.float64).to(log_probs.device)
+        yield torch.searchsorted(cumulative, uniform.T.contiguous(), right=True).clamp_(max=k - 1).T
 
 
 def consistency_resampling_test(
@@ -91,58 +97,87 @@ def consistency_resampling_test(
     logits, labels = check_logits_and_labels(logits, labels)
     log_probs = to_log_probs(logits)
     terms = metric_decomposition(metric_fn, metric_kwargs)
-    if terms is not None:
-        statistic = terms(logits, labels, **metric_kwargs).evaluate()
-        null = _vectorised_null(terms, logits, log_probs, num_resamples, seed, metric_kwargs)
-    else:
-        statistic = float64_metric_value(metric_fn(logits, labels, **metric_kwargs))
-        null = torch.stack(
-            [
-                float64_metric_value(metric_fn(logits, drawn, **metric_kwargs))
-                for chunk in resample_labels(log_probs, num_resamples, seed)
-                for drawn in chunk
-            ]
-        )
+    table = None if terms is None else _label_table(terms, logits, metric_kwargs)
+    try:
+        if terms is not None and table is not None:
+            statistic = terms(logits, labels, **metric_kwargs).evaluate()
+            null = _vectorised_null(table, log_probs, num_resamples, seed)
+        else:
+            statistic = float64_metric_value(metric_fn(logits, labels, **metric_kwargs))
+            null = torch.stack(
+                [
+                    float64_metric_value(metric_fn(logits, drawn, **metric_kwargs))
+                    for chunk in resample_labels(log_probs, num_resamples, seed)
+                    for drawn in chunk
+                ]
+            )
+    except ValueError as err:
+        raise ValueError(
+            f"the metric failed on labels resampled from the posteriors: {err} (a metric that weighs classes, "
+            f"with priors or balanced, needs every class in every resample: use more samples, or a metric over samples)"
+        ) from err
     exceed = (null >= statistic).sum(0).to(torch.float64)
     return ResamplingTestResult(statistic, (1 + exceed) / (num_resamples + 1), null)
 
 
-def _vectorised_null(
-    terms_fn: Callable[..., SumDecomposition | BinDecomposition],
-    logits: Tensor,
-    log_probs: Tensor,
-    num_resamples: int,
-    seed: int,
-    metric_kwargs: dict[str, Any],
-) -> Tensor:
-    """The metric on every set of resampled labels, from a table of its terms for every label."""
+class _LabelTable(NamedTuple):
+    """A metric's terms for every (sample, label) pair: ``per_label: (N, K)`` values of a sum
+    decomposition, or the label-independent ``keys``, ``scores`` (N, C) of a bin decomposition
+    with its ``targets: (N, K, C)``; ``like`` is one decomposition of it (for ``reduce``)."""
+
+    like: SumDecomposition | BinDecomposition
+    per_label: Tensor
+
+
+def _label_table(
+    terms_fn: Callable[..., SumDecomposition | BinDecomposition], logits: Tensor, metric_kwargs: dict[str, Any]
+) -> _LabelTable | None:
+    """The terms of every label, K labellings at a time: labelling j gives sample i the label
+    ``(i + j) mod K``, so every class is present in each (class-weighted metrics need that) and
+    nothing of size N K x K is formed. None when N < K or the table would exceed
+    ``_MAX_TABLE_ELEMENTS``: the caller then loops over the resamples."""
     n, k = logits.shape
-    every_label = torch.arange(k, device=logits.device).repeat(n)
-    table = terms_fn(logits.repeat_interleave(k, 0), every_label, **metric_kwargs)  # row i * K + j: label j
-    rows = torch.arange(n, device=logits.device) * k
-    if isinstance(table, SumDecomposition):
-        width = 1
-        per_label = table.per_sample
-    else:
-        num_columns, n_bins = table.shape
-        width = num_columns
-        keys = table.keys[rows]  # the bins do not depend on the label
-        counts, score_sums, _ = sums_by_key(keys, table.scores[rows], table.targets[rows], num_columns * n_bins)
+    samples = torch.arange(n, device=logits.device)
+    if n < k:
+        return None
+    like = terms_fn(logits, samples % k, **metric_kwargs)
+    width = 1 if isinstance(like, SumDecomposition) else like.shape[0]
+    if n * k * width > _MAX_TABLE_ELEMENTS:
+        return None
+    table = None
+    for j in range(k):
+        labelling = (samples + j) % k
+        terms = like if j == 0 else terms_fn(logits, labelling, **metric_kwargs)
+        values = terms.per_sample.to(torch.float64) if isinstance(terms, SumDecomposition) else terms.targets
+        if table is None:
+            table = values.new_empty(n, k, *values.shape[1:])
+        table[samples, labelling] = values
+    assert table is not None
+    return _LabelTable(like, table)
+
+
+def _vectorised_null(table: _LabelTable, log_probs: Tensor, num_resamples: int, seed: int) -> Tensor:
+    """The metric on every set of resampled labels, gathered from the table of its terms."""
+    n, k = log_probs.shape
+    like, per_label = table
+    samples = torch.arange(n, device=log_probs.device)
+    if isinstance(like, BinDecomposition):
+        num_columns, n_bins = like.shape
+        counts, score_sums, _ = sums_by_key(like.keys, like.scores, like.targets, num_columns * n_bins)
+    width = 1 if isinstance(like, SumDecomposition) else like.shape[0]
     replicates = []
     for drawn in resample_labels(log_probs, num_resamples, seed, max(1, CHUNK_ELEMENTS // (n * width))):
-        picked = rows + drawn  # (b, N) rows of the table
         b = drawn.shape[0]
-        if isinstance(table, SumDecomposition):
-            values = per_label[picked]
-            sums = values.new_zeros(b, k).scatter_add_(1, drawn, values.to(torch.float64))
-            totals = values.new_zeros(b, k).scatter_add_(1, drawn, torch.ones_like(values, dtype=torch.float64))
-            replicates.append(table.reduce(sums, totals))
+        picked = per_label[samples, drawn]  # (b, N) values or (b, N, C) targets
+        if isinstance(like, SumDecomposition):
+            sums = picked.new_zeros(b, k).scatter_add_(1, drawn, picked)
+            totals = picked.new_zeros(b, k).scatter_add_(1, drawn, torch.ones_like(picked))
+            replicates.append(like.reduce(sums, totals))
         else:
-            targets = table.targets[picked].to(torch.float64)  # (b, N, C)
-            target_sums = targets.new_zeros(b, num_columns * n_bins)
-            target_sums.scatter_add_(1, keys.expand(b, n, num_columns).reshape(b, -1), targets.reshape(b, -1))
+            target_sums = torch.zeros(b, num_columns * n_bins, dtype=torch.float64, device=log_probs.device)
+            target_sums.scatter_add_(1, like.keys.expand(b, n, num_columns).reshape(b, -1), picked.reshape(b, -1).to(torch.float64))
             shape = (b, num_columns, n_bins)
-            replicates.append(table.reduce(
+            replicates.append(like.reduce(
                 counts.expand(b, -1).reshape(shape), score_sums.expand(b, -1).reshape(shape), target_sums.reshape(shape)
             ))
     return torch.cat(replicates)

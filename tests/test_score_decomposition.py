@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from sklearn.isotonic import IsotonicRegression
+from sklearn.isotonic import IsotonicRegression, isotonic_regression
 
 from torchcal.functional import brier_score
 from torchcal.functional.score_decomposition import corp_decomposition, murphy_decomposition
@@ -97,3 +97,19 @@ def test_bad_input():
         corp_decomposition(logits, labels, kind="classwise")
     with pytest.raises(ValueError, match="kind"):
         murphy_decomposition(logits, labels, kind="class")
+
+
+def test_pav_steps_between_adjacent_floats_fall_between_them():
+    """Two scores one ulp apart in different blocks have no midpoint: the boundary rounded onto the
+    lower score and gave it the upper block's value (CORP then had negative MCB and DSC)."""
+    from torchcal.functional.isotonic import pool_adjacent_violators
+
+    rs = np.random.RandomState(0)
+    for _ in range(100):
+        base = rs.uniform(0.05, 0.95, 12)
+        x = np.concatenate([base, np.nextafter(base, 1.0)])  # every score next to its neighbour float
+        y = (rs.uniform(size=x.size) < x).astype(np.float64)
+        boundaries, values = pool_adjacent_violators(x, y, np.ones_like(x))
+        fitted = values[np.searchsorted(boundaries, x, side="right") - 1]
+        order = np.argsort(x)  # distinct scores: sklearn's PAV on the sorted targets is the reference
+        np.testing.assert_allclose(fitted[order], isotonic_regression(y[order]), rtol=0, atol=1e-12)

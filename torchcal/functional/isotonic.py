@@ -15,8 +15,14 @@ def pool_adjacent_violators(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tupl
     """Weighted isotonic (non-decreasing) regression of ``y`` on ``x`` by PAV.
 
     Tied ``x`` are pooled first. Returns ``(boundaries, values)``: block ``j`` holds the scores
-    above ``boundaries[j]`` (``-inf`` for the first block; later boundaries lie halfway between
-    neighbouring blocks, so no training score sits on a step) and its fitted value ``values[j]``.
+    ``s >= boundaries[j]`` (``searchsorted(boundaries, s, side="right") - 1``; ``-inf`` for the
+    first block; later boundaries lie halfway between neighbouring blocks, or on the upper block's
+    first score where the two are adjacent floats) and its fitted value ``values[j]``.
+
+    Example:
+        >>> boundaries, values = pool_adjacent_violators(np.array([0.5, np.nextafter(0.5, 1)]), np.array([0.0, 1.0]), np.ones(2))
+        >>> [int(np.searchsorted(boundaries, s, side="right")) - 1 for s in (0.5, np.nextafter(0.5, 1))], values.tolist()
+        ([0, 1], [0.0, 1.0])
     """
     order = np.argsort(x, kind="stable")
     x, y, w = x[order], y[order], w[order]
@@ -39,5 +45,9 @@ def pool_adjacent_violators(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tupl
             last_sum, last_w = block_sum.pop(), block_w.pop()
             block_sum[-1] += last_sum
             block_w[-1] += last_w
-    boundaries = np.r_[-np.inf, (np.asarray(highest[:-1]) + np.asarray(lowest[1:])) / 2]
+    below, above = np.asarray(highest[:-1]), np.asarray(lowest[1:])
+    middle = below / 2 + above / 2
+    # Scores one ulp apart have no midpoint between them: it rounds to one of the two, and a
+    # boundary on the lower block's last score would hand that score to the upper block.
+    boundaries = np.r_[-np.inf, np.where(middle > below, middle, above)]
     return boundaries, np.asarray(block_sum) / np.asarray(block_w)

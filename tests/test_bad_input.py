@@ -20,6 +20,7 @@ import torchcal.functional as F
 from torchcal import metrics
 from torchcal._validation import check_costs, check_labels, check_logits, check_priors, check_probs
 from torchcal.data import load_scores
+from torchcal.functional.reliability_intervals import binomial_interval
 
 K = 3
 N = 12
@@ -520,7 +521,13 @@ def test_fold_counts_and_groups():
 @pytest.mark.parametrize(
     "call, error, pattern",
     [
-        (lambda: F.bootstrap(F.cross_entropy, *good_data(), num_replicates=0), ValueError, "num_replicates must be a positive integer"),
+        (lambda: F.bootstrap(F.cross_entropy, *good_data(), num_replicates=0), ValueError, "num_replicates must be an integer >= 1, got 0"),
+        (lambda: F.consistency_resampling_test(F.cross_entropy, *good_data(), num_resamples=2.5), ValueError, "num_resamples must be an integer >= 1, got 2.5"),
+        (lambda: F.consistency_bands(*good_data(), num_resamples=1), ValueError, "num_resamples must be an integer >= 2, got 1"),
+        (lambda: F.consistency_bands(*good_data(), num_resamples=True), ValueError, "num_resamples must be an integer >= 2, got True"),
+        (lambda: F.smooth_reliability_curve(*good_data(), num_replicates=0), ValueError, "num_replicates must be an integer >= 2, got 0"),
+        (lambda: binomial_interval(torch.tensor([12.0]), torch.tensor([10.0])), ValueError, r"successes must lie in \[0, trials\]"),
+        (lambda: binomial_interval(torch.tensor([-1.0]), torch.tensor([10.0])), ValueError, r"successes must lie in \[0, trials\]"),
         (lambda: F.bootstrap(F.cross_entropy, *good_data(), confidence=1.0), ValueError, "confidence must lie strictly between 0 and 1"),
         (lambda: F.expected_calibration_error(*good_data(), n_bins=True), ValueError, "n_bins must be a positive integer, got True"),
         (lambda: F.entropic_calibration_difference(*good_data(), n_bins=0), ValueError, "n_bins must be a positive integer"),

@@ -116,6 +116,12 @@ def check_logits(logits: Any, name: str = "logits", num_classes: int | None = No
     return logits
 
 
+def check_count(value: Any, name: str, minimum: int = 1) -> int:
+    """``value`` as an int >= ``minimum`` (not a bool, not a float), or ``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+    return value
+
 def check_labels(labels: Any, num_samples: int, num_classes: int, name: str = "labels", counted: str = "classes") -> Tensor:
     """Validate class indices: an integer (N,) tensor with values in [0, K) (``counted``: what
     the indices count, for the message: ``"classes"``, or ``"decisions"`` for decisions in [0, M))."""

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from torchcal._validation import as_tensor
+from torchcal._validation import as_tensor, check_count
 from torchcal.functional.decisions import (
     balanced_error_rate,
     balanced_error_rate_terms,
@@ -268,8 +268,7 @@ def bootstrap(
         >>> bool(result.lower < result.estimate < result.upper), result.replicates.shape
         (True, torch.Size([200]))
     """
-    if isinstance(num_replicates, bool) or not isinstance(num_replicates, int) or num_replicates < 1:
-        raise ValueError(f"num_replicates must be a positive integer, got {num_replicates!r}.")
+    check_count(num_replicates, "num_replicates")
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must lie strictly between 0 and 1, got {confidence}.")
     logits, labels = as_tensor(logits, "logits"), as_tensor(labels, "labels")

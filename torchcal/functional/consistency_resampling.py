@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from torchcal._validation import check_logits_and_labels
+from torchcal._validation import check_count, check_logits_and_labels
 from torchcal.functional.bootstrap import CHUNK_ELEMENTS, float64_metric_value, metric_decomposition
 from torchcal.functional.diagnostics import BinDecomposition, sums_by_key
 from torchcal.functional.scoring import SumDecomposition, to_log_probs
@@ -92,8 +92,7 @@ def consistency_resampling_test(
         >>> float(result.p_value) < 0.01, result.null_statistics.shape
         (True, torch.Size([199]))
     """
-    if isinstance(num_resamples, bool) or not isinstance(num_resamples, int) or num_resamples < 1:
-        raise ValueError(f"num_resamples must be a positive integer, got {num_resamples!r}.")
+    check_count(num_resamples, "num_resamples")
     logits, labels = check_logits_and_labels(logits, labels)
     log_probs = to_log_probs(logits)
     terms = metric_decomposition(metric_fn, metric_kwargs)

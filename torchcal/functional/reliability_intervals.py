@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from torchcal._validation import check_count
 from torchcal.functional.bootstrap import resample_indices
 from torchcal.functional.diagnostics import ReliabilityBins, Strategy, bin_indices, binned_scores
 
@@ -52,6 +53,8 @@ def binomial_interval(successes: Tensor, trials: Tensor, confidence: float = 0.9
     """
     _check_confidence(confidence)
     successes, trials = successes.to(torch.float64), trials.to(torch.float64)
+    if not bool(((successes >= 0) & (successes <= trials)).all()):
+        raise ValueError("successes must lie in [0, trials] (and trials >= 0), element by element.")
     alpha = 1 - confidence
     empty = trials <= 0
     if method == "clopper-pearson":
@@ -116,6 +119,7 @@ def consistency_bands(
         True
     """
     _check_confidence(confidence)
+    check_count(num_resamples, "num_resamples", 2)  # a percentile band needs two resamples
     if kind == "classwise":
         raise ValueError('consistency_bands describes one binary problem: use kind="class" with a class_index.')
     binned = binned_scores(logits, labels, n_bins, strategy, kind, class_index)

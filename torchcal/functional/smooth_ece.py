@@ -26,6 +26,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
+from torchcal._validation import check_count
 from torchcal.functional.bootstrap import resample_indices
 from torchcal.functional.diagnostics import binary_problems
 
@@ -278,6 +279,8 @@ def smooth_reliability_curve(
         raise ValueError(f'kind must be "top-label" or "binary", got {kind!r}.')
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must lie strictly between 0 and 1, got {confidence}.")
+    check_count(num_replicates, "num_replicates", 2)  # a percentile band needs two replicates
+    check_count(mesh_points, "mesh_points", 2)
     scores, targets = (x[:, 0] for x in _columns(logits, labels, kind))
     value, sigma = smooth_ece_from_grid(_column_grid(scores, targets), bandwidth)
     points = grid_points_for_bandwidth(sigma)

@@ -64,6 +64,9 @@ def test_classwise_and_binary(real, synthetic):
     columns = [(probs[:, k], (y == k).astype(float)) for k in range(3)]
     expected = np.mean([_debiased_numpy(s, t, 10) for s, t in columns])
     assert float(debiased_calibration_error(logits, labels, n_bins=10, kind="classwise")) == pytest.approx(expected, rel=1e-9)
+    # Kumar et al.'s marginal calibration error: the root of the mean of the classes' squares
+    marginal = np.sqrt(np.mean([_debiased_numpy(s, t, 10) ** 2 for s, t in columns]))
+    assert float(debiased_calibration_error(logits, labels, n_bins=10, kind="classwise", reduction="rms")) == pytest.approx(marginal, rel=1e-9)
     expected = np.max([_sweep_numpy(s, t, 2)[1] for s, t in columns])
     assert float(sweep_calibration_error(logits, labels, kind="classwise", reduction="max")) == pytest.approx(expected, rel=1e-9)
     data = real("adrenalmnist3d_resnet50_ferrer")
@@ -111,8 +114,9 @@ def test_streaming_metric_equals_functional(synthetic, strategy):
 
     scores, y = synthetic(3, 1200, seed=8)
     logits, labels = torch.from_numpy(scores) / 3, torch.from_numpy(y)
-    metric = DebiasedCalibrationError(3, n_bins=10, strategy=strategy, kind="classwise")
-    for chunk in torch.arange(1200).split(500):
-        metric.update(logits[chunk], labels[chunk])
-    expected = debiased_calibration_error(logits, labels, n_bins=10, strategy=strategy, kind="classwise")
-    assert float(metric.compute()) == pytest.approx(float(expected), rel=1e-12)
+    for reduction in ("mean", "rms"):
+        metric = DebiasedCalibrationError(3, n_bins=10, strategy=strategy, kind="classwise", reduction=reduction)
+        for chunk in torch.arange(1200).split(500):
+            metric.update(logits[chunk], labels[chunk])
+        expected = debiased_calibration_error(logits, labels, n_bins=10, strategy=strategy, kind="classwise", reduction=reduction)
+        assert float(metric.compute()) == pytest.approx(float(expected), rel=1e-12)

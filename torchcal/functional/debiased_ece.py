@@ -40,17 +40,21 @@ __all__ = [
     "sweep_n_bins",
 ]
 
-Reduction = Literal["mean", "sum", "max"]
+Reduction = Literal["mean", "sum", "max", "rms"]
+REDUCTIONS = ("mean", "sum", "max", "rms")
 
 
 def _reduce(per_column: Tensor, reduction: str) -> Tensor:
+    """Combine the columns' errors (..., C): their mean, sum, maximum or root mean square."""
     if reduction == "mean":
         return per_column.mean(-1)
     if reduction == "sum":
         return per_column.sum(-1)
     if reduction == "max":
         return per_column.amax(-1)
-    raise ValueError(f'reduction must be "mean", "sum" or "max", got {reduction!r}.')
+    if reduction == "rms":
+        return per_column.square().mean(-1).sqrt()
+    raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}.")
 
 
 def debiased_calibration_error_from_bins(
@@ -87,8 +91,10 @@ def debiased_calibration_error(
         labels: (N,) class indices in [0, K).
         n_bins: number of bins M.
         strategy: ``"quantile"`` (equal mass, default, as the paper) or ``"uniform"``.
-        kind: ``"top-label"``, ``"binary"`` or ``"classwise"`` (marginal calibration error).
-        reduction: how ``"classwise"`` combines classes.
+        kind: ``"top-label"``, ``"binary"`` or ``"classwise"``.
+        reduction: how ``"classwise"`` combines the classes' debiased errors: the ``"mean"``,
+            ``"sum"`` or ``"max"`` of them, or ``"rms"``, the root of the mean of their squares,
+            which is Kumar et al.'s (2019) debiased marginal calibration error with p = 2.
 
     Example:
         >>> import torch

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from torch import Tensor
 
-from torchcal.functional.debiased_ece import Reduction, debiased_calibration_error_from_bins
+from torchcal.functional.debiased_ece import REDUCTIONS, Reduction, debiased_calibration_error_from_bins
 from torchcal.functional.diagnostics import Strategy
 from torchcal.metrics.diagnostics import CalibrationError
 
@@ -26,7 +26,8 @@ class DebiasedCalibrationError(CalibrationError):
         n_bins: number of bins M.
         strategy: ``"quantile"`` (equal mass, O(N) state) or ``"uniform"`` (equal width, O(M) state).
         kind: ``"top-label"``, ``"binary"`` (class 1 of K = 2) or ``"classwise"``.
-        reduction: how ``"classwise"`` combines classes: ``"mean"``, ``"sum"`` or ``"max"``.
+        reduction: how ``"classwise"`` combines classes: ``"mean"``, ``"sum"``, ``"max"`` or
+            ``"rms"`` (Kumar et al.'s marginal calibration error).
         input, ignore_index, validate_args: see ``torchcal.metrics``.
 
     Example:
@@ -48,9 +49,11 @@ class DebiasedCalibrationError(CalibrationError):
         reduction: Reduction = "mean",
         **kwargs: Any,
     ) -> None:
-        if reduction not in ("mean", "sum", "max"):
-            raise ValueError(f'reduction must be "mean", "sum" or "max", got {reduction!r}.')
-        super().__init__(num_classes, n_bins=n_bins, strategy=strategy, kind=kind, norm="l2", reduction=reduction, **kwargs)
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}.")
+        # (the base class knows the binned ECE's reductions; compute() reads this one)
+        super().__init__(num_classes, n_bins=n_bins, strategy=strategy, kind=kind, norm="l2", **kwargs)
+        self.reduction = reduction  # type: ignore[assignment]  # also "rms", which only this compute() reads
 
     def compute(self) -> Tensor:
         _, statistics = self._binned()

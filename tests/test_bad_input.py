@@ -61,7 +61,7 @@ ENTRY_POINTS = {
     "ecd(binned)": lambda z, y: F.entropic_calibration_difference(z, y, n_bins=5),
     "calibration_loss": lambda z, y: F.calibration_loss(z, z / 2 if torch.is_tensor(z) and z.is_floating_point() else z, y),
     "bootstrap(fast path)": lambda z, y: F.bootstrap(F.cross_entropy, z, y, num_replicates=5),
-    "bootstrap(general path)": lambda z, y: F.bootstrap(F.expected_calibration_error, z, y, num_replicates=5),
+    "bootstrap(general path)": lambda z, y: F.bootstrap(F.smooth_calibration_error, z, y, num_replicates=5),  # no sum decomposition
     "cross_validate": lambda z, y: torchcal.cross_validate(torchcal.TemperatureScaling(), z, y, folds=2),
     "cross_validated_calibration_loss": lambda z, y: F.cross_validated_calibration_loss(z, y, torchcal.TemperatureScaling(), folds=2),
     "CrossEntropy.update": _metric_update(lambda: metrics.CrossEntropy(num_classes=K)),

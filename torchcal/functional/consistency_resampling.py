@@ -120,9 +120,10 @@ def consistency_resampling_test(
 
 
 class _LabelTable(NamedTuple):
-    """A metric's terms for every (sample, label) pair: ``per_label: (N, K)`` values of a sum
-    decomposition, or the label-independent ``keys``, ``scores`` (N, C) of a bin decomposition
-    with its ``targets: (N, K, C)``; ``like`` is one decomposition of it (for ``reduce``)."""
+    """A metric's terms for every (sample, label) pair: ``per_label`` holds the (N, K) values of a
+    sum decomposition, or the (N, K, C) targets of a bin decomposition; ``like`` is the
+    decomposition of one labelling (its ``reduce``, and a bin decomposition's label-independent
+    ``keys`` and ``scores``)."""
 
     like: SumDecomposition | BinDecomposition
     per_label: Tensor

@@ -390,6 +390,22 @@ def test_temperature_newton_stops_where_it_converged(real):
         assert abs(float(slope)) < 1e-12  # at the optimum to float64 round-off
 
 
+@pytest.mark.parametrize("make", [torchcal.AffineCalibration, torchcal.PlattScaling])
+def test_affine_optimum_at_alpha_zero_is_reached_exactly(make):
+    """Scores that point the wrong way: the best affine map (alpha >= 0) ignores them. L-BFGS on
+    log(alpha) only approaches that boundary (it stopped 2.2e-8 above it on SST-2 with flipped
+    labels); the prior-only solution is taken when it is better."""
+    gen = torch.Generator().manual_seed(3)
+    llr = 2 * torch.randn(3000, generator=gen, dtype=torch.float64)
+    labels = torch.bernoulli(torch.sigmoid(-0.5 * llr) * 0.8, generator=gen).long()  # anti-informative, 40 % positives
+    cal = make().fit(torch.stack([torch.zeros_like(llr), llr], 1), labels)
+    frequency = labels.double().mean()
+    entropy = float(-(frequency * frequency.log() + (1 - frequency) * (-frequency).log1p()))
+    assert cal.fit_record_.converged and cal.alpha == 0.0
+    assert cal.fit_record_.loss == pytest.approx(entropy, abs=1e-13)
+    torch.testing.assert_close(cal(torch.randn(5, 2, dtype=torch.float64)).exp()[:, 1], frequency.expand(5), rtol=0, atol=1e-12)
+
+
 def test_anti_informative_scores_give_infinite_temperature_and_uniform_output():
     logits = torch.tensor([[3.0, 0.0], [0.0, 3.0]]).repeat(50, 1)
     labels = torch.tensor([1, 0]).repeat(50)

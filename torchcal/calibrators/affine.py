@@ -9,8 +9,9 @@ import torch
 from torch import Tensor
 
 from torchcal.calibrators._linear import AffineDesign, VectorDesign, fit_linear_newton
-from torchcal.calibrators.base import Calibrator
+from torchcal.calibrators.base import Calibrator, sample_weights
 from torchcal.calibrators.temperature import fit_inverse_temperature, inverse_temperature_start
+from torchcal.distributed import all_reduce_
 from torchcal.fit import FitRecord
 
 __all__ = ["AffineCalibration", "PlattScaling", "VectorScaling"]
@@ -77,12 +78,31 @@ class AffineCalibration(Calibrator):
             AffineDesign(), features, labels, weights, start, max_iter=min(max_iter, 100), process_group=process_group
         )
         if not (theta[0] > 0 and record.converged):
-            # The unconstrained optimum flips the scores, or Newton stalled: L-BFGS on log(alpha).
-            return super()._fit(features, labels, weights, loss, max_iter, process_group)
+            # The unconstrained optimum flips the scores, or Newton stalled: L-BFGS on log(alpha),
+            # which can only approach the boundary alpha = 0 (the prior-only posteriors), so that
+            # is tried as well.
+            record = super()._fit(features, labels, weights, loss, max_iter, process_group)
+            return self._prior_only_if_better(labels, weights, record, process_group)
         with torch.no_grad():
             self.log_alpha.copy_(theta[0].log())
             self.beta.copy_(theta[1:] - theta[1:].mean())  # softmax ignores a common shift: fix it
         return record
+
+    def _prior_only_if_better(self, labels: Tensor, weights: Tensor | None, record: FitRecord, process_group) -> FitRecord:
+        """alpha = 0 with the (weighted) class frequencies as biases, if every class is present
+        and its log-loss is below ``record``'s."""
+        sample_w = sample_weights(labels, weights, process_group)
+        mass = all_reduce_(torch.zeros(self.num_classes, dtype=torch.float64, device=labels.device).index_add_(0, labels, sample_w), process_group)
+        if not bool((mass > 0).all()):
+            return record
+        log_frequency = (mass / mass.sum()).log()
+        loss = float(-(mass * log_frequency).sum())
+        if not loss < record.loss:
+            return record
+        with torch.no_grad():
+            self.log_alpha.fill_(-math.inf)
+            self.beta.copy_(log_frequency - log_frequency.mean())
+        return FitRecord(record.iterations, record.evaluations, loss, 0.0, True, "optimum at alpha = 0 (the class priors alone)")
 
     def extra_repr(self) -> str:
         return f"bias={self.bias}, " + super().extra_repr()

@@ -122,6 +122,7 @@ def check_count(value: Any, name: str, minimum: int = 1) -> int:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
     return value
 
+
 def check_labels(labels: Any, num_samples: int, num_classes: int, name: str = "labels", counted: str = "classes") -> Tensor:
     """Validate class indices: an integer (N,) tensor with values in [0, K) (``counted``: what
     the indices count, for the message: ``"classes"``, or ``"decisions"`` for decisions in [0, M))."""

@@ -92,7 +92,7 @@ class AffineCalibration(Calibrator):
         """alpha = 0 with the (weighted) class frequencies as biases, if every class is present
         and its log-loss is below ``record``'s."""
         sample_w = sample_weights(labels, weights, process_group)
-        mass = all_reduce_(torch.zeros(self.num_classes, dtype=torch.float64, device=labels.device).index_add_(0, labels, sample_w), process_group)
+        mass = all_reduce_(torch.bincount(labels, weights=sample_w, minlength=self.num_classes), process_group)
         if not bool((mass > 0).all()):
             return record
         log_frequency = (mass / mass.sum()).log()

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from torchcal._validation import check_logits, check_logits_and_labels, compute_dtype
+from torchcal._validation import check_count, check_logits, check_logits_and_labels, compute_dtype
 from torchcal.distributed import ProcessGroup, all_reduce_, validate_together, world_size
 from torchcal.fit import FitRecord, minimize
 from torchcal.functional.scoring import PER_SAMPLE_SCORES, class_weights_from_counts
@@ -115,8 +115,7 @@ class Calibrator(nn.Module):
             )
         if loss not in PER_SAMPLE_SCORES:
             raise ValueError(f"loss must be one of {sorted(PER_SAMPLE_SCORES)}, got {loss!r}.")
-        if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
-            raise ValueError(f"max_iter must be an integer >= 1, got {max_iter!r}.")
+        check_count(max_iter, "max_iter")
         counts = all_reduce_(torch.bincount(labels, minlength=num_classes), process_group)
         missing = counts == 0
         if bool(missing.any()):

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from torchcal._validation import compute_dtype
+from torchcal._validation import check_count, compute_dtype
 from torchcal.calibrators.base import Calibrator
 from torchcal.fit import FitRecord
 from torchcal.functional.isotonic import pool_adjacent_violators
@@ -77,8 +77,7 @@ class HistogramBinning(_OneVsRest):
 
     def __init__(self, n_bins: int = 15, strategy: str = "uniform") -> None:
         super().__init__()
-        if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
-            raise ValueError(f"n_bins must be an integer >= 1, got {n_bins!r}.")
+        check_count(n_bins, "n_bins")
         if strategy not in ("uniform", "quantile"):
             raise ValueError(f"strategy must be 'uniform' or 'quantile', got {strategy!r}.")
         self.n_bins = n_bins

@@ -3,10 +3,11 @@
 Each replicate draws N samples with replacement and recomputes the metric. Metrics that weigh
 classes by priors (``priors=`` given, ``balanced_error_rate``, and the detection metrics ``cllr``,
 ``min_cllr``, ``detection_cost``, ``min_detection_cost`` and ``equal_error_rate``, which average
-per-class rates) are resampled *stratified by class*: each replicate draws N_k samples with replacement within each class k, so it keeps the
-data's class counts. Such a metric is a prior-weighted combination of per-class means, the class
-frequencies of the data play no part in it, and a rare class can never vanish from a replicate
-(which would leave its mean undefined). ``stratify=`` overrides the choice.
+per-class rates) are resampled *stratified by class*: each replicate draws N_k samples with
+replacement within each class k, so it keeps the data's class counts. Such a metric is a
+prior-weighted combination of per-class means, the class frequencies of the data play no part in
+it, and a rare class can never vanish from a replicate (which would leave its mean undefined).
+``stratify=`` overrides the choice.
 
 Two paths, chosen automatically, give the same replicates for the same seed:
 

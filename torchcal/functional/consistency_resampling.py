@@ -129,6 +129,11 @@ class _LabelTable(NamedTuple):
     per_label: Tensor
 
 
+def _columns(terms: SumDecomposition | BinDecomposition) -> int:
+    """Values per sample and label: 1 for a sum decomposition, C binned columns' targets else."""
+    return 1 if isinstance(terms, SumDecomposition) else terms.shape[0]
+
+
 def _label_table(
     terms_fn: Callable[..., SumDecomposition | BinDecomposition], logits: Tensor, metric_kwargs: dict[str, Any]
 ) -> _LabelTable | None:
@@ -141,8 +146,7 @@ def _label_table(
     if n < k:
         return None
     like = terms_fn(logits, samples % k, **metric_kwargs)
-    width = 1 if isinstance(like, SumDecomposition) else like.shape[0]
-    if n * k * width > _MAX_TABLE_ELEMENTS:
+    if n * k * _columns(like) > _MAX_TABLE_ELEMENTS:
         return None
     table = None
     for j in range(k):
@@ -164,9 +168,8 @@ def _vectorised_null(table: _LabelTable, log_probs: Tensor, num_resamples: int, 
     if isinstance(like, BinDecomposition):
         num_columns, n_bins = like.shape
         counts, score_sums, _ = sums_by_key(like.keys, like.scores, like.targets, num_columns * n_bins)
-    width = 1 if isinstance(like, SumDecomposition) else like.shape[0]
     replicates = []
-    for drawn in resample_labels(log_probs, num_resamples, seed, max(1, CHUNK_ELEMENTS // (n * width))):
+    for drawn in resample_labels(log_probs, num_resamples, seed, max(1, CHUNK_ELEMENTS // (n * _columns(like)))):
         b = drawn.shape[0]
         picked = per_label[samples, drawn]  # (b, N) values or (b, N, C) targets
         if isinstance(like, SumDecomposition):

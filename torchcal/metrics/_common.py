@@ -55,6 +55,7 @@ from torchmetrics import Metric
 
 from torchcal._validation import (
     as_tensor,
+    check_count,
     check_logits_and_labels,
     check_probs,
     floored_log,
@@ -72,9 +73,7 @@ _INPUT_KINDS = get_args(InputKind)
 
 def check_num_classes(num_classes: int) -> int:
     """``num_classes`` as an int >= 2, or ``ValueError``."""
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
-        raise ValueError(f"num_classes must be an integer >= 2, got {num_classes!r}.")
-    return num_classes
+    return check_count(num_classes, "num_classes", 2)
 
 
 def add_sum_state(metric: Metric, name: str, *shape: int) -> None:

@@ -591,7 +591,7 @@ def test_ddp_two_processes_fit_the_same_head_as_one(tmp_path):
     model = RankSplitClassifier()
     logits, labels = raw_outputs(model, DDP_DATA, batch_size=10), DDP_DATA.tensors[1]
     parts = [slice(0, 170), slice(170, 300)]
-    folds = [torch.cat([torchcal.fit.fold_indices(labels[p], 5)[f] + p.start for p in parts]) for f in range(5)]
+    folds = [torch.cat([torchcal.fit.fold_indices(labels[p], 5, scores=logits[p])[f] + p.start for p in parts]) for f in range(5)]
     out_of_fold = torch.empty_like(logits)
     for test in folds:
         train = torch.ones(300, dtype=torch.bool)

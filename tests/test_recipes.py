@@ -39,7 +39,8 @@ def test_ferrer_ramos_table2_fast(real, capsys):
     assert set(rows) == set(published)
     for label, (_, ce, _, rcl) in published.items():
         assert rows[label][:3] == pytest.approx(ce, abs=2e-3) and rows[label][-1] == pytest.approx(rcl, abs=0.3)
-    assert rows["SST2 GPT2-0sh"][:3] == [0.917, 0.858, 0.495] and rows["SST2 GPT2-0sh"][-1] == 46.0
+    # to the printed digit where the folds (ours, not the authors') barely matter
+    assert rows["SST2 GPT2-0sh"][:2] == [0.917, 0.858] and rows["AGNEWS GPT2-0sh"][:2] == [0.814, 0.797]
 
 
 def test_kull_resnet110_fast(capsys):

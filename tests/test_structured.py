@@ -190,7 +190,7 @@ def test_cross_validated_lambda_matches_a_cold_started_grid():
     grid = [1e-3, 0.01, 0.05, 1.0, 20.0]
     model = torchcal.StructuredMatrixScaling(reg_lambda=None, reg_grid=grid, cv_folds=3).fit(logits, labels)
     totals = np.zeros(len(grid))
-    for test in fold_indices(labels, 3, 0):
+    for test in fold_indices(labels, 3, 0, scores=logits):
         train = torch.ones(len(labels), dtype=torch.bool)
         train[test] = False
         for i, reg_lambda in enumerate(grid):
@@ -346,7 +346,7 @@ def test_two_processes_cross_validate_along_one_path(tmp_path):
     logits, labels = _data()
     grid = [1e-3, 0.05, 1.0, 20.0]
     shards = [torch.arange(SPLIT), torch.arange(SPLIT, len(labels))]
-    folds = [fold_indices(labels[shard], 3, 0) for shard in shards]
+    folds = [fold_indices(labels[shard], 3, 0, scores=logits[shard]) for shard in shards]
     assert np.isfinite(ranks[0]["cv_losses"]).sum() >= 2
     for i, loss in enumerate(ranks[0]["cv_losses"]):
         if not np.isfinite(loss):

@@ -261,12 +261,16 @@ def fold_indices(
     stratified: bool = True,
     groups: Tensor | None = None,
     process_group: ProcessGroup | None = None,
+    scores: Tensor | None = None,
 ) -> list[Tensor]:
     """Split sample indices into ``folds`` disjoint test folds.
 
     Stratified folds deal each class's shuffled samples round-robin, so every fold has nearly the
     same class proportions. With ``groups: (N,)``, whole groups are kept together (shuffled
     groups assigned greedily, largest first, to the smallest fold) and ``stratified`` is ignored.
+    With ``scores: (N, K)`` (logits or log-posteriors), the samples are put in an order given by
+    their scores before the seeded shuffle, so each sample lands in the same fold whatever the
+    order of the rows, and whether the scores are float32 or float64.
     In a data-parallel fit every process splits its own samples; with ``process_group`` given, a
     process with too few samples makes every process raise (not only itself, which would leave
     the others waiting in their next collective).
@@ -284,6 +288,7 @@ def fold_indices(
     gen = torch.Generator().manual_seed(seed)
     assignment = torch.empty(n, dtype=torch.long)
     labels = labels.cpu()
+    canonical = torch.arange(n) if scores is None or groups is not None else _order_by_content(scores, labels)
     if groups is not None:
         groups = torch.as_tensor(groups).cpu()
         if groups.shape != (n,):
@@ -303,7 +308,7 @@ def fold_indices(
     elif stratified:
         offset = 0
         for k in torch.unique(labels).tolist():
-            members = (labels == k).nonzero().flatten()
+            members = canonical[labels[canonical] == k]
             members = members[torch.randperm(members.numel(), generator=gen)]
             assignment[members] = (torch.arange(members.numel()) + offset) % folds
             offset += members.numel()
@@ -316,8 +321,22 @@ def fold_indices(
                 stacklevel=2,
             )
     else:
-        assignment = torch.randperm(n, generator=gen) % folds
+        assignment[canonical] = torch.randperm(n, generator=gen) % folds
     return [(assignment == f).nonzero().flatten() for f in range(folds)]
+
+
+def _order_by_content(scores: Tensor, labels: Tensor) -> Tensor:
+    """A permutation of the samples that depends on their values only: by label, then by a fixed
+    random projection of the float32 roundings of their log-posteriors ``log_softmax(scores)``
+    (computed in float64, so that logits and log-posteriors, float32 or float64, give one order;
+    identical samples are interchangeable)."""
+    direction = torch.randn(scores.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    direction = direction.to(scores.device)
+    rows = max(1, (1 << 22) // scores.shape[1])  # float64 temporaries of 32 MB
+    key = torch.cat([torch.log_softmax(chunk.detach().to(torch.float64), dim=1).to(torch.float32).to(torch.float64) @ direction
+                     for chunk in scores.split(rows)])
+    order = torch.argsort(key.cpu(), stable=True)
+    return order[torch.argsort(labels[order], stable=True)]
 
 
 def cross_validate(
@@ -353,7 +372,7 @@ def cross_validate(
     """
     logits, labels = validate_together(lambda: check_logits_and_labels(logits, labels), fit_options.get("process_group"), logits)
     out: Tensor | None = None
-    splits = fold_indices(labels, folds, seed, stratified, groups, fit_options.get("process_group"))
+    splits = fold_indices(labels, folds, seed, stratified, groups, fit_options.get("process_group"), scores=logits)
     for fold, test in enumerate(splits):
         if on_fold is not None:
             on_fold(fold)

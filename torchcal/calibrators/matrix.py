@@ -216,7 +216,7 @@ class MatrixScaling(Calibrator):
         order = sorted(range(len(self.reg_grid)), key=lambda i: tuple(-v for v in self.reg_grid[i]))
         per_sample = PER_SAMPLE_SCORES[loss]
         folds = []
-        for test in fold_indices(labels, self.cv_folds, self.cv_seed, process_group=process_group):
+        for test in fold_indices(labels, self.cv_folds, self.cv_seed, process_group=process_group, scores=features):
             test = test.to(features.device)
             train = torch.ones_like(labels, dtype=torch.bool)
             train[test] = False

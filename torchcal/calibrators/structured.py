@@ -288,7 +288,7 @@ class _StructuredScaling(Calibrator):
         as it is part of the calibrator."""
         per_sample = PER_SAMPLE_SCORES[loss]
         folds = []
-        for test in fold_indices(labels, self.cv_folds, self.cv_seed, process_group=process_group):
+        for test in fold_indices(labels, self.cv_folds, self.cv_seed, process_group=process_group, scores=log_probs):
             test = test.to(log_probs.device)
             train = torch.ones_like(labels, dtype=torch.bool)
             train[test] = False

@@ -142,3 +142,42 @@ def test_reliability_diagram_from_binned_statistics(synthetic):
     reliability_diagram(bins)  # no labels needed
     with pytest.raises(ValueError, match="needs labels"):
         reliability_diagram(logits)
+
+
+def _numpy_sweep(logits, labels, class_index, log_odds, priors):
+    """NEC of the Bayes decisions for the documented cost family, in NumPy: the costs of a mistake on
+    true class i are r_i = pi_i / P_i, the decision maximises r_j q_j. A class of prior 0 has pi = 0;
+    its ratio is the limit (1 - pi_k) / (1 - P_k) that the other classes share."""
+    z = logits.astype(np.float64)
+    q = np.exp(z - z.max(1, keepdims=True))
+    q /= q.sum(1, keepdims=True)
+    present = np.bincount(labels, minlength=z.shape[1]) > 0
+    nec = []
+    for t in log_odds:
+        pi_k = 1 / (1 + np.exp(-t))
+        pi = (1 - pi_k) * priors / (1 - priors[class_index])
+        pi[class_index] = pi_k
+        ratio = np.full_like(priors, (1 - pi_k) / (1 - priors[class_index]))
+        ratio[class_index] = pi_k / priors[class_index]
+        decisions = (q * ratio).argmax(1)
+        errors = [np.mean(decisions[labels == i] != i) for i in np.flatnonzero(present)]
+        nec.append(np.dot(pi[present], errors) / (1 - pi.max()))
+    return np.array(nec)
+
+
+def test_bayes_risk_curves_of_data_missing_a_class(real):
+    """A class absent from the labels has prior 0 (class frequencies): the other classes' sweeps are
+    still defined, and the figure draws them instead of refusing (the report's bayes_risk.png did)."""
+    data = real("cifar10_resnet110_kangsepp")
+    keep = data["labels_val"] != 9
+    logits, labels = data["logits_val"][keep], data["labels_val"][keep]
+    priors = np.bincount(labels, minlength=10) / len(labels)
+    t = np.linspace(-5, 5, 11)
+    for k in (0, 4):
+        _, nec = bayes_risk_sweep(torch.from_numpy(logits), torch.from_numpy(labels), k, torch.from_numpy(t))
+        np.testing.assert_allclose(nec.numpy(), _numpy_sweep(logits, labels, k, t, priors), rtol=1e-12)
+    fig, axes = bayes_risk_curves(torch.from_numpy(logits), torch.from_numpy(labels))
+    assert [ax.get_title() for ax in axes.flat if ax.get_visible()] == [
+        f"Bayes risk, effective prior of class {k}" for k in range(9)]
+    with pytest.raises(ValueError, match="class 9 has prior 0"):
+        bayes_risk_sweep(torch.from_numpy(logits), torch.from_numpy(labels), class_index=9)

@@ -271,6 +271,9 @@ def bayes_risk_sweep(
       the input is 1 (values above 1 are worse than ignoring the classifier);
     - at ``t = logit(P_k)`` the costs are 0-1 and EC is the error rate.
 
+    A class other than k with ``P_j = 0`` (e.g. absent from the labels) has ``pi_j = 0`` and adds
+    no cost; its posterior is weighed as the other classes' are, by the limit ``(1 - pi_k) / (1 - P_k)``.
+
     For K = 2 and ``class_index = 1`` this is the binary effective-prior curve (an APE-style normalised
     DCF curve): the decisions threshold the posterior log-odds ``log(q_1/q_0)`` at ``logit(P_1) - t``,
     and up to normalisation it is Ferrer & Ramos' eq.-34 family re-parameterised.
@@ -300,8 +303,11 @@ def bayes_risk_sweep(
     t = _measurable_log_odds(labels, class_index) if log_odds is None else torch.as_tensor(log_odds, dtype=torch.float64)
     log_odds, t = t, t.reshape(-1, 1)
     p = class_frequencies(labels, num_classes) if priors is None else check_priors(priors, num_classes)
-    if not bool((p > 0).all()) or float(p[class_index]) >= 1:
-        raise ValueError("every class needs a positive prior for the effective-prior sweep.")
+    if not 0 < float(p[class_index]) < 1:
+        raise ValueError(
+            f"class {class_index} has prior {float(p[class_index]):.3g}: its effective prior can be swept only when "
+            f"it and another class have positive priors (with the class frequencies: samples in the labels)."
+        )
     pi_k = torch.sigmoid(t)
     pi = (1 - pi_k) * p / (1 - p[class_index])
     pi[:, class_index] = pi_k[:, 0]
@@ -380,10 +386,13 @@ def bayes_risk_curves(
     max_panels: int = 10,
 ) -> tuple[Figure, Any]:
     """:func:`bayes_risk_curve` for each class's effective prior: one panel for K = 2 (class 1),
-    else one per class in ``classes`` (the first ``max_panels`` by default). Returns ``(fig, axes)``."""
+    else one per class in ``classes`` (by default the first ``max_panels`` classes with a positive
+    prior). Returns ``(fig, axes)``."""
     num_classes = next(iter(_systems(logits).values())).shape[1]
     if classes is None:
-        classes = [1] if num_classes == 2 else list(range(min(num_classes, max_panels)))
+        p = class_frequencies(labels, num_classes) if priors is None else check_priors(priors, num_classes)
+        sweepable = ((p > 0) & (p < 1)).nonzero().flatten().tolist()  # absent classes have no curve
+        classes = [1] if num_classes == 2 else sweepable[:max_panels]
     fig, axes = _grid(len(classes))
     for ax, k in zip(axes.flat, classes):
         bayes_risk_curve(logits, labels, class_index=k, priors=priors, ax=ax)

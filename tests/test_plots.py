@@ -181,3 +181,14 @@ def test_bayes_risk_curves_of_data_missing_a_class(real):
         f"Bayes risk, effective prior of class {k}" for k in range(9)]
     with pytest.raises(ValueError, match="class 9 has prior 0"):
         bayes_risk_sweep(torch.from_numpy(logits), torch.from_numpy(labels), class_index=9)
+
+
+def test_sweep_refuses_a_positive_prior_for_a_class_without_samples(synthetic):
+    """Its error rate is unknown: as bayes_risk, the sweep says so instead of counting it as 0."""
+    logits, labels = (torch.from_numpy(x) for x in synthetic(3, 300, seed=5))
+    logits, labels = logits[labels != 2], labels[labels != 2]
+    priors = torch.tensor([0.3, 0.3, 0.4], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"classes \[2\] have a positive prior but no sample"):
+        bayes_risk(logits, labels, torch.ones(3, 3) - torch.eye(3), priors)
+    with pytest.raises(ValueError, match=r"classes \[2\] have a positive prior but no sample"):
+        bayes_risk_sweep(logits, labels, class_index=1, priors=priors)

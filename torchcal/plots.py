@@ -35,7 +35,7 @@ from torchcal._validation import check_logits_and_labels, check_priors
 from torchcal.functional import ReliabilityBins, reliability_bins
 from torchcal.functional.diagnostics import Strategy
 from torchcal.functional.reliability_intervals import reliability_intervals
-from torchcal.functional.scoring import class_frequencies
+from torchcal.functional.scoring import _check_classes_present, class_frequencies
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -284,7 +284,7 @@ def bayes_risk_sweep(
         log_odds: (T,) operating points ``t``. The default, 201 points, spans the range the data
             can measure: from ``-log(N_rest / 10)`` to ``log(N_k / 10)``, where one more error
             moves the NEC by at most about 0.1 (beyond it the curve is a few samples' noise).
-        priors: (K,) evaluation priors P.
+        priors: (K,) evaluation priors P; a class with a positive prior needs samples in ``labels``.
 
     Returns:
         ``(log_odds, nec)``, both (T,) float64.
@@ -324,6 +324,7 @@ def bayes_risk_sweep(
     wrong = torch.where(decide_k, ~is_k, best_other != labels).to(torch.float64)
     one_hot = torch.nn.functional.one_hot(labels, num_classes).to(torch.float64)
     counts = one_hot.sum(0)
+    _check_classes_present(counts, p)  # their error rate is unknown: not 0
     error_rates = (wrong @ one_hot) / counts.clamp_min(1)
     return log_odds, (pi * error_rates).sum(1) / (1 - pi.max(dim=1).values)
 

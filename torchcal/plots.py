@@ -475,8 +475,10 @@ def det_plot(logits: Systems, labels: Tensor, *, ax: Axes | None = None) -> tupl
         if eer > 0:
             ax.plot([float(probit(torch.tensor(eer)))] * 2, [float(probit(torch.tensor(eer)))] * 2, "o",
                     color=colors[name], markersize=5)
-        lowest = min(lowest, float(false_alarm[inside].min()), float(miss[inside].min()))
-    ticks = [t for t in (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4) if t >= lowest / 2]
+        if bool(inside.any()):  # not for separated classes: no point has both rates > 0
+            lowest = min(lowest, float(false_alarm[inside].min()), float(miss[inside].min()))
+    rates = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4)
+    ticks = [t for t in rates if t >= lowest / 2] or list(rates[-3:])
     positions = probit(torch.tensor(ticks, dtype=torch.float64)).tolist()
     labels_text = [f"{100 * t:g}" for t in ticks]
     ax.set_xticks(positions, labels_text)

@@ -192,3 +192,23 @@ def test_sweep_refuses_a_positive_prior_for_a_class_without_samples(synthetic):
         bayes_risk(logits, labels, torch.ones(3, 3) - torch.eye(3), priors)
     with pytest.raises(ValueError, match=r"classes \[2\] have a positive prior but no sample"):
         bayes_risk_sweep(logits, labels, class_index=1, priors=priors)
+
+
+@pytest.mark.parametrize("draw", [reliability_diagram, classwise_reliability, bayes_risk_curves,
+                                  lambda logits, labels: bayes_risk_curve(logits, labels, class_index=1)])
+def test_bad_systems_are_named_before_drawing(draw):
+    labels = torch.tensor([0, 1, 2, 1])
+    with pytest.raises(ValueError, match="no system to draw"):
+        draw({}, labels)
+    with pytest.raises(ValueError, match=r"logits must have shape \(N, K\), got shape \(4,\)"):
+        draw(torch.randn(4), labels)
+    with pytest.raises(ValueError, match="labels has 3 entries but the scores have N = 4 rows"):
+        draw(torch.randn(4, 3), labels[:3])
+
+
+def test_bayes_risk_curve_takes_numpy_input_as_the_reliability_diagram_does(synthetic):
+    logits, labels = synthetic(3, 400, seed=6)
+    t = torch.linspace(-2, 2, 5, dtype=torch.float64)
+    _, ax = bayes_risk_curve({"numpy": logits}, labels, class_index=2, log_odds=t)
+    _, nec = bayes_risk_sweep(torch.from_numpy(logits), torch.from_numpy(labels), 2, t)
+    np.testing.assert_allclose(next(line for line in ax.lines if line.get_label() == "numpy").get_ydata(), nec.numpy())

@@ -78,9 +78,16 @@ def pyplot():
 
 
 def _systems(logits: BinnedSystems) -> dict[str, Any]:
-    if isinstance(logits, Mapping):
-        return dict(logits)
-    return {"": logits}
+    systems = dict(logits) if isinstance(logits, Mapping) else {"": logits}
+    if not systems:
+        raise ValueError("no system to draw: pass (N, K) scores, or a mapping {name: scores} with at least one entry.")
+    return systems
+
+
+def _classes_and_labels(systems: dict[str, Any], labels: Tensor) -> tuple[int, Tensor]:
+    """K and the labels as a tensor, validated against the first system's scores before anything is drawn."""
+    logits, labels = check_logits_and_labels(next(iter(systems.values())), labels)
+    return logits.shape[1], labels
 
 
 def _colors(names: Sequence[str]) -> dict[str, Any]:
@@ -205,7 +212,7 @@ def classwise_reliability(
     Returns:
         ``(fig, axes)`` with ``axes`` the array of subplot axes.
     """
-    num_classes = next(iter(_systems(logits).values())).shape[1]
+    num_classes, labels = _classes_and_labels(_systems(logits), labels)
     chosen = classes is not None
     classes = list(range(min(num_classes, max_panels))) if classes is None else list(classes)
     fig, axes = _grid(len(classes))
@@ -355,7 +362,7 @@ def bayes_risk_curve(
         ax: draw into these axes.
     """
     systems = _systems(logits)
-    num_classes = next(iter(systems.values())).shape[1]
+    num_classes, labels = _classes_and_labels(systems, labels)
     if class_index is None:
         if num_classes != 2:
             raise ValueError("for K > 2 pass the class_index whose effective prior is swept.")
@@ -389,7 +396,7 @@ def bayes_risk_curves(
     """:func:`bayes_risk_curve` for each class's effective prior: one panel for K = 2 (class 1),
     else one per class in ``classes`` (by default the first ``max_panels`` classes with a positive
     prior). Returns ``(fig, axes)``."""
-    num_classes = next(iter(_systems(logits).values())).shape[1]
+    num_classes, labels = _classes_and_labels(_systems(logits), labels)
     if classes is None:
         p = class_frequencies(labels, num_classes) if priors is None else check_priors(priors, num_classes)
         sweepable = ((p > 0) & (p < 1)).nonzero().flatten().tolist()  # absent classes have no curve

@@ -181,6 +181,8 @@ def test_bayes_risk_curves_of_data_missing_a_class(real):
         f"Bayes risk, effective prior of class {k}" for k in range(9)]
     with pytest.raises(ValueError, match="class 9 has prior 0"):
         bayes_risk_sweep(torch.from_numpy(logits), torch.from_numpy(labels), class_index=9)
+    with pytest.raises(ValueError, match="class 4 has prior 1: its effective prior can be swept only when it and another"):
+        bayes_risk_curves(torch.from_numpy(logits), torch.full((len(labels),), 4))
 
 
 def test_sweep_refuses_a_positive_prior_for_a_class_without_samples(synthetic):

@@ -399,8 +399,8 @@ def bayes_risk_curves(
     num_classes, labels = _classes_and_labels(_systems(logits), labels)
     if classes is None:
         p = class_frequencies(labels, num_classes) if priors is None else check_priors(priors, num_classes)
-        sweepable = ((p > 0) & (p < 1)).nonzero().flatten().tolist()  # absent classes have no curve
-        classes = [1] if num_classes == 2 else sweepable[:max_panels]
+        present = (p > 0).nonzero().flatten().tolist()  # absent classes have no curve
+        classes = [1] if num_classes == 2 else present[:max_panels]
     fig, axes = _grid(len(classes))
     for ax, k in zip(axes.flat, classes):
         bayes_risk_curve(logits, labels, class_index=k, priors=priors, ax=ax)

@@ -214,3 +214,15 @@ def test_bayes_risk_curve_takes_numpy_input_as_the_reliability_diagram_does(synt
     _, ax = bayes_risk_curve({"numpy": logits}, labels, class_index=2, log_odds=t)
     _, nec = bayes_risk_sweep(torch.from_numpy(logits), torch.from_numpy(labels), 2, t)
     np.testing.assert_allclose(next(line for line in ax.lines if line.get_label() == "numpy").get_ydata(), nec.numpy())
+
+
+def test_empty_panels_and_operating_points_are_refused(synthetic):
+    logits, labels = (torch.from_numpy(x) for x in synthetic(3, 300, seed=7))
+    for draw in (classwise_reliability, bayes_risk_curves):
+        with pytest.raises(ValueError, match="no panel to draw"):
+            draw(logits, labels, classes=[])
+        with pytest.raises(ValueError, match="no panel to draw"):
+            draw(logits, labels, max_panels=0)
+    for log_odds in (torch.tensor([]), torch.tensor([0.0, float("nan")]), torch.tensor([-math.inf, 0.0])):
+        with pytest.raises(ValueError, match="log_odds must be finite operating points, at least one"):
+            bayes_risk_curve(logits, labels, class_index=1, log_odds=log_odds)

@@ -238,6 +238,8 @@ def _which_classes(classes: list[int], num_classes: int, chosen: bool) -> str:
 
 
 def _grid(panels: int):
+    if panels < 1:
+        raise ValueError("no panel to draw: classes= must name at least one class, and max_panels be >= 1.")
     columns = min(panels, 5)
     rows = math.ceil(panels / columns)
     size = (5.4, 4.2) if panels == 1 else (3.6 * columns, 3.3 * rows)
@@ -308,6 +310,9 @@ def bayes_risk_sweep(
     if not 0 <= class_index < num_classes:
         raise ValueError(f"class_index must lie in [0, {num_classes}), got {class_index}.")
     t = _measurable_log_odds(labels, class_index) if log_odds is None else torch.as_tensor(log_odds, dtype=torch.float64)
+    if t.numel() == 0 or not bool(torch.isfinite(t).all()):
+        raise ValueError(f"log_odds must be finite operating points, at least one; got {t.numel()}, of which "
+                         f"{int((~torch.isfinite(t)).sum())} not finite.")
     log_odds, t = t, t.reshape(-1, 1)
     p = class_frequencies(labels, num_classes) if priors is None else check_priors(priors, num_classes)
     if not 0 < float(p[class_index]) < 1:

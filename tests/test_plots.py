@@ -142,3 +142,87 @@ def test_reliability_diagram_from_binned_statistics(synthetic):
     reliability_diagram(bins)  # no labels needed
     with pytest.raises(ValueError, match="needs labels"):
         reliability_diagram(logits)
+
+
+def _numpy_sweep(logits, labels, class_index, log_odds, priors):
+    """NEC of the Bayes decisions for the documented cost family, in NumPy: the costs of a mistake on
+    true class i are r_i = pi_i / P_i, the decision maximises r_j q_j. A class of prior 0 has pi = 0;
+    its ratio is the limit (1 - pi_k) / (1 - P_k) that the other classes share."""
+    z = logits.astype(np.float64)
+    q = np.exp(z - z.max(1, keepdims=True))
+    q /= q.sum(1, keepdims=True)
+    present = np.bincount(labels, minlength=z.shape[1]) > 0
+    nec = []
+    for t in log_odds:
+        pi_k = 1 / (1 + np.exp(-t))
+        pi = (1 - pi_k) * priors / (1 - priors[class_index])
+        pi[class_index] = pi_k
+        ratio = np.full_like(priors, (1 - pi_k) / (1 - priors[class_index]))
+        ratio[class_index] = pi_k / priors[class_index]
+        decisions = (q * ratio).argmax(1)
+        errors = [np.mean(decisions[labels == i] != i) for i in np.flatnonzero(present)]
+        nec.append(np.dot(pi[present], errors) / (1 - pi.max()))
+    return np.array(nec)
+
+
+def test_bayes_risk_curves_of_data_missing_a_class(real):
+    """A class absent from the labels has prior 0 (class frequencies): the other classes' sweeps are
+    still defined, and the figure draws them instead of refusing (the report's bayes_risk.png did)."""
+    data = real("cifar10_resnet110_kangsepp")
+    keep = data["labels_val"] != 9
+    logits, labels = data["logits_val"][keep], data["labels_val"][keep]
+    priors = np.bincount(labels, minlength=10) / len(labels)
+    t = np.linspace(-5, 5, 11)
+    for k in (0, 4):
+        _, nec = bayes_risk_sweep(torch.from_numpy(logits), torch.from_numpy(labels), k, torch.from_numpy(t))
+        np.testing.assert_allclose(nec.numpy(), _numpy_sweep(logits, labels, k, t, priors), rtol=1e-12)
+    fig, axes = bayes_risk_curves(torch.from_numpy(logits), torch.from_numpy(labels))
+    assert [ax.get_title() for ax in axes.flat if ax.get_visible()] == [
+        f"Bayes risk, effective prior of class {k}" for k in range(9)]
+    with pytest.raises(ValueError, match="class 9 has prior 0"):
+        bayes_risk_sweep(torch.from_numpy(logits), torch.from_numpy(labels), class_index=9)
+    with pytest.raises(ValueError, match="class 4 has prior 1: its effective prior can be swept only when it and another"):
+        bayes_risk_curves(torch.from_numpy(logits), torch.full((len(labels),), 4))
+
+
+def test_sweep_refuses_a_positive_prior_for_a_class_without_samples(synthetic):
+    """Its error rate is unknown: as bayes_risk, the sweep says so instead of counting it as 0."""
+    logits, labels = (torch.from_numpy(x) for x in synthetic(3, 300, seed=5))
+    logits, labels = logits[labels != 2], labels[labels != 2]
+    priors = torch.tensor([0.3, 0.3, 0.4], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"classes \[2\] have a positive prior but no sample"):
+        bayes_risk(logits, labels, torch.ones(3, 3) - torch.eye(3), priors)
+    with pytest.raises(ValueError, match=r"classes \[2\] have a positive prior but no sample"):
+        bayes_risk_sweep(logits, labels, class_index=1, priors=priors)
+
+
+@pytest.mark.parametrize("draw", [reliability_diagram, classwise_reliability, bayes_risk_curves,
+                                  lambda logits, labels: bayes_risk_curve(logits, labels, class_index=1)])
+def test_bad_systems_are_named_before_drawing(draw):
+    labels = torch.tensor([0, 1, 2, 1])
+    with pytest.raises(ValueError, match="no system to draw"):
+        draw({}, labels)
+    with pytest.raises(ValueError, match=r"logits must have shape \(N, K\), got shape \(4,\)"):
+        draw(torch.randn(4), labels)
+    with pytest.raises(ValueError, match="labels has 3 entries but the scores have N = 4 rows"):
+        draw(torch.randn(4, 3), labels[:3])
+
+
+def test_bayes_risk_curve_takes_numpy_input_as_the_reliability_diagram_does(synthetic):
+    logits, labels = synthetic(3, 400, seed=6)
+    t = torch.linspace(-2, 2, 5, dtype=torch.float64)
+    _, ax = bayes_risk_curve({"numpy": logits}, labels, class_index=2, log_odds=t)
+    _, nec = bayes_risk_sweep(torch.from_numpy(logits), torch.from_numpy(labels), 2, t)
+    np.testing.assert_allclose(next(line for line in ax.lines if line.get_label() == "numpy").get_ydata(), nec.numpy())
+
+
+def test_empty_panels_and_operating_points_are_refused(synthetic):
+    logits, labels = (torch.from_numpy(x) for x in synthetic(3, 300, seed=7))
+    for draw in (classwise_reliability, bayes_risk_curves):
+        with pytest.raises(ValueError, match="no panel to draw"):
+            draw(logits, labels, classes=[])
+        with pytest.raises(ValueError, match="no panel to draw"):
+            draw(logits, labels, max_panels=0)
+    for log_odds in (torch.tensor([]), torch.tensor([0.0, float("nan")]), torch.tensor([-math.inf, 0.0])):
+        with pytest.raises(ValueError, match="log_odds must be finite operating points, at least one"):
+            bayes_risk_curve(logits, labels, class_index=1, log_odds=log_odds)

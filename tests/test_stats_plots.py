@@ -76,3 +76,20 @@ def test_corp_diagram_draws_the_pav_step_function(real):
     expected = IsotonicRegression(y_min=0, y_max=1).fit(p, data["labels"].astype(float)).predict(p)[order]
     np.testing.assert_allclose(line.get_xdata(), p[order], atol=1e-12)
     np.testing.assert_allclose(line.get_ydata(), expected, atol=1e-12)
+
+
+def test_det_plot_of_perfectly_separated_scores(real):
+    """Separated classes have an EER of 0 and no DET point inside the probit axes (both rates > 0):
+    the plot says EER 0.00 % next to a system that has one, instead of failing (evaluate's det.png)."""
+    from torchcal.functional.detection import det_curve
+    from torchcal.plots import det_plot
+
+    data = real("adrenalmnist3d_resnet50_ferrer")
+    logits, labels = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
+    separated = torch.stack([torch.zeros(len(labels)), 4.0 * labels - 2 + 0.1 * torch.rand(len(labels))], 1).double()
+    curve = det_curve(separated, labels)
+    assert not bool(((curve.false_alarm > 0) & (curve.miss > 0)).any())
+    _, ax = det_plot({"separated": separated, "resnet": logits}, labels)
+    labels_drawn = [line.get_label() for line in ax.lines]
+    assert "separated: EER 0.00 %" in labels_drawn and any(name.startswith("resnet: EER") for name in labels_drawn)
+    det_plot(separated, labels)  # alone

@@ -35,7 +35,7 @@ from torchcal._validation import check_logits_and_labels, check_priors
 from torchcal.functional import ReliabilityBins, reliability_bins
 from torchcal.functional.diagnostics import Strategy
 from torchcal.functional.reliability_intervals import reliability_intervals
-from torchcal.functional.scoring import class_frequencies
+from torchcal.functional.scoring import _check_classes_present, class_frequencies
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -78,9 +78,16 @@ def pyplot():
 
 
 def _systems(logits: BinnedSystems) -> dict[str, Any]:
-    if isinstance(logits, Mapping):
-        return dict(logits)
-    return {"": logits}
+    systems = dict(logits) if isinstance(logits, Mapping) else {"": logits}
+    if not systems:
+        raise ValueError("no system to draw: pass (N, K) scores, or a mapping {name: scores} with at least one entry.")
+    return systems
+
+
+def _classes_and_labels(systems: dict[str, Any], labels: Tensor) -> tuple[int, Tensor]:
+    """K and the labels as a tensor, validated against the first system's scores before anything is drawn."""
+    logits, labels = check_logits_and_labels(next(iter(systems.values())), labels)
+    return logits.shape[1], labels
 
 
 def _colors(names: Sequence[str]) -> dict[str, Any]:
@@ -205,7 +212,7 @@ def classwise_reliability(
     Returns:
         ``(fig, axes)`` with ``axes`` the array of subplot axes.
     """
-    num_classes = next(iter(_systems(logits).values())).shape[1]
+    num_classes, labels = _classes_and_labels(_systems(logits), labels)
     chosen = classes is not None
     classes = list(range(min(num_classes, max_panels))) if classes is None else list(classes)
     fig, axes = _grid(len(classes))
@@ -231,6 +238,8 @@ def _which_classes(classes: list[int], num_classes: int, chosen: bool) -> str:
 
 
 def _grid(panels: int):
+    if panels < 1:
+        raise ValueError("no panel to draw: classes= must name at least one class, and max_panels be >= 1.")
     columns = min(panels, 5)
     rows = math.ceil(panels / columns)
     size = (5.4, 4.2) if panels == 1 else (3.6 * columns, 3.3 * rows)
@@ -271,6 +280,9 @@ def bayes_risk_sweep(
       the input is 1 (values above 1 are worse than ignoring the classifier);
     - at ``t = logit(P_k)`` the costs are 0-1 and EC is the error rate.
 
+    A class other than k with ``P_j = 0`` (e.g. absent from the labels) has ``pi_j = 0`` and adds
+    no cost; its posterior is weighed as the other classes' are, by the limit ``(1 - pi_k) / (1 - P_k)``.
+
     For K = 2 and ``class_index = 1`` this is the binary effective-prior curve (an APE-style normalised
     DCF curve): the decisions threshold the posterior log-odds ``log(q_1/q_0)`` at ``logit(P_1) - t``,
     and up to normalisation it is Ferrer & Ramos' eq.-34 family re-parameterised.
@@ -281,7 +293,7 @@ def bayes_risk_sweep(
         log_odds: (T,) operating points ``t``. The default, 201 points, spans the range the data
             can measure: from ``-log(N_rest / 10)`` to ``log(N_k / 10)``, where one more error
             moves the NEC by at most about 0.1 (beyond it the curve is a few samples' noise).
-        priors: (K,) evaluation priors P.
+        priors: (K,) evaluation priors P; a class with a positive prior needs samples in ``labels``.
 
     Returns:
         ``(log_odds, nec)``, both (T,) float64.
@@ -298,10 +310,16 @@ def bayes_risk_sweep(
     if not 0 <= class_index < num_classes:
         raise ValueError(f"class_index must lie in [0, {num_classes}), got {class_index}.")
     t = _measurable_log_odds(labels, class_index) if log_odds is None else torch.as_tensor(log_odds, dtype=torch.float64)
+    if t.numel() == 0 or not bool(torch.isfinite(t).all()):
+        raise ValueError(f"log_odds must be finite operating points, at least one; got {t.numel()}, of which "
+                         f"{int((~torch.isfinite(t)).sum())} not finite.")
     log_odds, t = t, t.reshape(-1, 1)
     p = class_frequencies(labels, num_classes) if priors is None else check_priors(priors, num_classes)
-    if not bool((p > 0).all()) or float(p[class_index]) >= 1:
-        raise ValueError("every class needs a positive prior for the effective-prior sweep.")
+    if not 0 < float(p[class_index]) < 1:
+        raise ValueError(
+            f"class {class_index} has prior {float(p[class_index]):.3g}: its effective prior can be swept only when "
+            f"it and another class have positive priors (with the class frequencies: samples in the labels)."
+        )
     pi_k = torch.sigmoid(t)
     pi = (1 - pi_k) * p / (1 - p[class_index])
     pi[:, class_index] = pi_k[:, 0]
@@ -318,6 +336,7 @@ def bayes_risk_sweep(
     wrong = torch.where(decide_k, ~is_k, best_other != labels).to(torch.float64)
     one_hot = torch.nn.functional.one_hot(labels, num_classes).to(torch.float64)
     counts = one_hot.sum(0)
+    _check_classes_present(counts, p)  # their error rate is unknown: not 0
     error_rates = (wrong @ one_hot) / counts.clamp_min(1)
     return log_odds, (pi * error_rates).sum(1) / (1 - pi.max(dim=1).values)
 
@@ -348,7 +367,7 @@ def bayes_risk_curve(
         ax: draw into these axes.
     """
     systems = _systems(logits)
-    num_classes = next(iter(systems.values())).shape[1]
+    num_classes, labels = _classes_and_labels(systems, labels)
     if class_index is None:
         if num_classes != 2:
             raise ValueError("for K > 2 pass the class_index whose effective prior is swept.")
@@ -380,10 +399,13 @@ def bayes_risk_curves(
     max_panels: int = 10,
 ) -> tuple[Figure, Any]:
     """:func:`bayes_risk_curve` for each class's effective prior: one panel for K = 2 (class 1),
-    else one per class in ``classes`` (the first ``max_panels`` by default). Returns ``(fig, axes)``."""
-    num_classes = next(iter(_systems(logits).values())).shape[1]
+    else one per class in ``classes`` (by default the first ``max_panels`` classes with a positive
+    prior). Returns ``(fig, axes)``."""
+    num_classes, labels = _classes_and_labels(_systems(logits), labels)
     if classes is None:
-        classes = [1] if num_classes == 2 else list(range(min(num_classes, max_panels)))
+        p = class_frequencies(labels, num_classes) if priors is None else check_priors(priors, num_classes)
+        present = (p > 0).nonzero().flatten().tolist()  # absent classes have no curve
+        classes = [1] if num_classes == 2 else present[:max_panels]
     fig, axes = _grid(len(classes))
     for ax, k in zip(axes.flat, classes):
         bayes_risk_curve(logits, labels, class_index=k, priors=priors, ax=ax)
@@ -465,8 +487,10 @@ def det_plot(logits: Systems, labels: Tensor, *, ax: Axes | None = None) -> tupl
         if eer > 0:
             ax.plot([float(probit(torch.tensor(eer)))] * 2, [float(probit(torch.tensor(eer)))] * 2, "o",
                     color=colors[name], markersize=5)
-        lowest = min(lowest, float(false_alarm[inside].min()), float(miss[inside].min()))
-    ticks = [t for t in (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4) if t >= lowest / 2]
+        if bool(inside.any()):  # not for separated classes: no point has both rates > 0
+            lowest = min(lowest, float(false_alarm[inside].min()), float(miss[inside].min()))
+    rates = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4)
+    ticks = [t for t in rates if t >= lowest / 2] or list(rates[-3:])
     positions = probit(torch.tensor(ticks, dtype=torch.float64)).tolist()
     labels_text = [f"{100 * t:g}" for t in ticks]
     ax.set_xticks(positions, labels_text)

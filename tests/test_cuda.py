@@ -168,3 +168,18 @@ def test_calibrated_model_on_cuda(resnet110):
     model = torchcal.CalibratedModel(network, head).eval()
     out = model(test.logits[:100].to(CUDA))
     torch.testing.assert_close(out, head(test.logits[:100].to(CUDA)))
+
+
+def test_plots_of_cuda_scores_equal_plots_of_cpu_scores(resnet110):
+    """The figures read their data back from the device (a CUDA tensor has no .numpy())."""
+    from torchcal import plots
+
+    plt = plots.pyplot()
+    _, test = resnet110
+    logits, labels = test.logits[:2000], test.labels[:2000]
+    _, nec_cpu = plots.bayes_risk_sweep(logits, labels, 3)
+    _, nec = plots.bayes_risk_sweep(logits.to(CUDA), labels.to(CUDA), 3)
+    torch.testing.assert_close(nec.cpu(), nec_cpu)
+    for draw in (plots.reliability_diagram, plots.bayes_risk_curves, plots.classwise_reliability):
+        fig, _ = draw(logits.to(CUDA), labels.to(CUDA))
+        plt.close(fig)

@@ -153,8 +153,8 @@ def reliability_diagram(
             raise ValueError("reliability_diagram needs labels with scores (or ReliabilityBins instead of scores).")
         else:
             bins = reliability_bins(scores, labels, n_bins=n_bins, strategy=strategy, kind=kind, class_index=class_index)
-        full, sparse = bins.counts > 0, bins.counts < SPARSE_BIN
-        x, y = bins.mean_score.numpy(), bins.frequency.numpy()
+        counts, x, y = (v.cpu().numpy() for v in (bins.counts, bins.mean_score, bins.frequency))
+        full, sparse = counts > 0, counts < SPARSE_BIN
         ax.plot(x[full], y[full], linewidth=1.5, color=colors[name], label=name or None)
         ax.plot(x[full & ~sparse], y[full & ~sparse], "o", markersize=4, color=colors[name])
         ax.plot(x[full & sparse], y[full & sparse], "o", markersize=4, color=colors[name], markerfacecolor="white")
@@ -163,9 +163,9 @@ def reliability_diagram(
             ax.errorbar(x[full], y[full], yerr=[y[full] - lower[full], upper[full] - y[full]], fmt="none",
                         ecolor=colors[name], elinewidth=1, capsize=2)
         if histogram is not None:
-            histogram.stairs(bins.counts.numpy(), bins.edges.numpy(), color=colors[name], alpha=0.8,
+            histogram.stairs(counts, bins.edges.cpu().numpy(), color=colors[name], alpha=0.8,
                              linewidth=1, baseline=0.5)
-            largest = max(largest, float(bins.counts.max()))
+            largest = max(largest, float(counts.max()))
     if histogram is not None:
         _style_histogram(histogram, largest)
     what = {"top-label": ("confidence (top-label probability)", "accuracy"),
@@ -310,6 +310,7 @@ def bayes_risk_sweep(
     if not 0 <= class_index < num_classes:
         raise ValueError(f"class_index must lie in [0, {num_classes}), got {class_index}.")
     t = _measurable_log_odds(labels, class_index) if log_odds is None else torch.as_tensor(log_odds, dtype=torch.float64)
+    t = t.to(labels.device)
     if t.numel() == 0 or not bool(torch.isfinite(t).all()):
         raise ValueError(f"log_odds must be finite operating points, at least one; got {t.numel()}, of which "
                          f"{int((~torch.isfinite(t)).sum())} not finite.")
@@ -377,7 +378,7 @@ def bayes_risk_curve(
     top = 1.0
     for name, scores in systems.items():
         t, nec = bayes_risk_sweep(scores, labels, class_index, log_odds, priors)
-        ax.plot(t.numpy(), nec.numpy(), color=colors[name], linewidth=1.5, label=name or None)
+        ax.plot(t.cpu().numpy(), nec.cpu().numpy(), color=colors[name], linewidth=1.5, label=name or None)
         top = max(top, float(nec.max()))
     p = class_frequencies(labels, num_classes) if priors is None else check_priors(priors, num_classes)
     ax.axhline(1.0, color="0.6", linestyle="--", linewidth=1, label="prior-only system")

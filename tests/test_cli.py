@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import torchcal
 from torchcal.cli import main
 from torchcal.report import load_calibrator
 
@@ -236,6 +237,19 @@ def test_apply_writes_the_format_its_extension_names(scores_file, capsys, tmp_pa
 def test_calibrate_says_what_it_is_fitting(scores_file, capsys, tmp_path):
     code, out, err = run(capsys, "calibrate", scores_file, "--method", "temperature", "--save", tmp_path / "h.pt")
     assert code == 0 and err == "fitting temperature on 600 samples ...\n" and "saved to" in out
+
+
+def test_calibrate_fits_on_the_validation_split_of_a_file_that_has_one(capsys, tmp_path):
+    """Like `evaluate`, `calibrate` keeps a file's main split for evaluation: on the bundled
+    example it fitted the 10,000 test samples, which `evaluate --calibration` then scored."""
+    from torchcal.data import EXAMPLE_PATH, load_scores
+
+    code, out, err = run(capsys, "calibrate", EXAMPLE_PATH, "--method", "temperature", "--save", tmp_path / "h.pt")
+    assert code == 0 and err == "fitting temperature on 5000 samples (the file's validation split) ...\n"
+    val = load_scores(EXAMPLE_PATH, split="val")
+    expected = torchcal.TemperatureScaling().fit(val.logits, val.labels)
+    _, head = load_calibrator(tmp_path / "h.pt")
+    assert float(head.temperature) == pytest.approx(float(expected.temperature), rel=1e-9)
 
 
 def test_help_imports_no_heavy_module():

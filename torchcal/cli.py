@@ -265,6 +265,7 @@ def _estimate_target_priors(
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch
 
+    from torchcal.data import has_split
     from torchcal.functional import cross_entropy
     from torchcal.report import fit_calibrator, make_calibrator, save_calibrator
 
@@ -272,14 +273,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     method = args.method
     options = (settings.get("options") or {}).get(method, {})
     make_calibrator(method, **options)  # bad names and options fail before the data are read
-    scores = _with_two_classes(_load(args.scores, args, priors=_binary_priors(settings.get("priors"))), args.scores)
+    # a file with a validation split keeps its main split for evaluation, as `evaluate` does
+    split = "val" if has_split(args.scores) else "test"
+    scores = _with_two_classes(_load(args.scores, args, priors=_binary_priors(settings.get("priors")), split=split), args.scores)
+    where = f"{scores.num_samples} samples" + (" (the file's validation split)" if split == "val" else "")
     labels = scores.labels
     assert labels is not None  # load_scores requires them here
     priors = parse_priors(settings.get("priors"), scores.num_classes)
     if args.save is None and args.target is None:
         raise UsageError("calibrate needs --save PATH, --target TARGET_SCORES, or both (see torchcal calibrate --help)")
     if not args.quiet:
-        print(f"fitting {method} on {scores.num_samples} samples ...", file=sys.stderr, flush=True)
+        print(f"fitting {method} on {where} ...", file=sys.stderr, flush=True)
     calibrator = fit_calibrator(method, options, scores.logits, labels, priors=priors)
     label_shift = _estimate_target_priors(args, scores, calibrator, method, priors) if args.target else None
     if args.save is None:
@@ -289,7 +293,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         with torch.no_grad():
             after = cross_entropy(calibrator(scores.logits), labels, priors=priors, normalize=True)
         before = cross_entropy(scores.logits, labels, priors=priors, normalize=True)
-        print(f"fitted {method} on {scores.num_samples} samples ({scores.num_classes} classes; scores read as "
+        print(f"fitted {method} on {where} ({scores.num_classes} classes; scores read as "
               f"{scores.read_as}); NCE on these same samples {float(before):.3f} -> {float(after):.3f} "
               f"(optimistic: use `torchcal evaluate` for an honest estimate)")
         print(f"saved to {args.save}")
@@ -419,7 +423,8 @@ def _demo_options(p: argparse.ArgumentParser) -> None:
 
 
 def _calibrate_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("scores", metavar="CAL_SCORES")
+    p.add_argument("scores", metavar="CAL_SCORES", help="calibration scores with labels (an .npz with a validation "
+                   "split: that split)")
     _input_options(p)
     p.add_argument("--method", required=True, metavar="M", help=f"one of: {_method_names()}")
     p.add_argument("--save", metavar="PATH", help="where to write the fitted calibrator (.pt), with the --target priors")

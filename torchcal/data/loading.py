@@ -202,12 +202,16 @@ def load_scores(
 
 
 def has_split(path: str | Path, split: Literal["val"] = "val") -> bool:
-    """Whether the ``.npz`` at ``path`` stores a ``logits_val``/``labels_val`` calibration split."""
+    """Whether the ``.npz`` at ``path`` stores a ``logits_val``/``labels_val`` calibration split
+    (not a file that cannot be read: :func:`load_scores` says what is wrong with it)."""
     path = Path(path)
     if path.suffix != ".npz" or not path.is_file():
         return False
-    with np.load(path, allow_pickle=False) as f:
-        return f"labels_{split}" in f.files and any(f"{k}_{split}" in f.files for k in _SCORE_KEYS)
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            return f"labels_{split}" in f.files and any(f"{k}_{split}" in f.files for k in _SCORE_KEYS)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile):
+        return False
 
 
 # --- reading files -------------------------------------------------------------------------------

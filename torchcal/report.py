@@ -277,8 +277,9 @@ class Report:
 
     def save(self, folder: str | Path, figures: bool = True, progress: bool = False) -> list[Path]:
         """Write report.txt/.json/.csv, the winning calibrator (calibrator.pt) and PNG figures
-        (top-label reliability of every method; per-class reliability and Bayes-risk curves of
-        the raw and the best posteriors). ``progress`` shows a bar while the figures render."""
+        (top-label reliability of every method; the smoothed and per-class reliability diagrams,
+        the Bayes-risk curves and, for K = 2, the DET plot of the raw and the best posteriors).
+        ``progress`` shows a bar while the figures render. Returns the paths written."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         written = [folder / "report.txt", folder / "report.json", folder / "report.csv"]

@@ -201,8 +201,8 @@ def test_cross_validated_lambda_matches_a_cold_started_grid():
     assert model.reg_lambda_ == grid[best]
     tried = np.isfinite(model.cv_losses_)
     assert tried[best] and not tried.all()  # the path stopped once the loss had risen twice
-    # the selection fits stop at a looser tolerance than the cold, final ones
-    np.testing.assert_allclose(np.array(model.cv_losses_)[tried], totals[tried] / len(labels), rtol=1e-6)
+    # the selection fits stop at a looser tolerance than the cold, final ones (about 1e-6 apart)
+    np.testing.assert_allclose(np.array(model.cv_losses_)[tried], totals[tried] / len(labels), rtol=2e-6)
     assert (totals[~tried] > totals[best]).all()
     # the final fit starts from the folds' mean map: the same optimum, reached from elsewhere
     refit = torchcal.StructuredMatrixScaling(reg_lambda=model.reg_lambda_).fit(logits, labels)

@@ -55,17 +55,20 @@ DEFAULT_LAMBDA_GRID: tuple[float, ...] = tuple(4.0**e for e in range(-6, 3))
 #: with fully converged fits to about 1e-6 (relative) on CIFAR-100 logits, far below the steps
 #: between grid points, with 30 % fewer passes (1e-10: 13 % more passes on CIFAR-100 VGG-19).
 _SELECTION_TOL_CHANGE = 1e-9
-#: The fits run L-BFGS on float32 passes (half the cost of float64 ones) down to this loss change,
-#: about their round-off, then on float64 passes from there with the same L-BFGS memory. At 1e-7,
-#: a float32 line search sometimes spent its 25 trials on round-off (13 of a fit's 28 passes at
-#: 10,000 x 100, lambda = 16; 1e-8 and tighter failed at most lambdas).
-_FLOAT32_TOL_CHANGE = 1e-6
+#: The fits run L-BFGS on float32 passes (cheaper than float64 ones) down to this loss change, then
+#: on float64 passes from there with the same L-BFGS memory. The float32 passes sum their losses in
+#: float64: summed in float32, the sum's round-off (1e-7 of the loss) made the float32 line searches
+#: fail below loss changes of about 1e-6, and the float64 stage had to do the rest (at 10,000 x 100,
+#: lambda = 1: 19 of 29 passes float64, now 15; on the real CIFAR-100 logits the weak penalties'
+#: fits need a third fewer passes). Below 1e-8 the terms' own round-off shows (1e-9: 29 -> 45 passes
+#: at lambda = 1).
+_FLOAT32_TOL_CHANGE = 1e-8
 #: The cross-validation path stops once the loss has risen at this many consecutive lambdas.
 _CV_PATIENCE = 2
 
 
 def _log_loss_residual_(scores: Tensor, labels: Tensor, sample_w: Tensor) -> Tensor:
-    """``sum_i w_i (logsumexp(s_i) - s_i[y_i])`` for scores ``s: (n, K)``, which it overwrites
+    """``sum_i w_i (logsumexp(s_i) - s_i[y_i])`` (float64) for scores ``s: (n, K)``, which it overwrites
     with that sum's gradient ``w_i (softmax(s_i) - e_{y_i})``, formed from the same exponentials
     (so a backward pass is one product, not a softmax over the scores again)."""
     top = scores.amax(dim=1, keepdim=True)
@@ -76,7 +79,10 @@ def _log_loss_residual_(scores: Tensor, labels: Tensor, sample_w: Tensor) -> Ten
     residual = scores.sub_(top).clamp_(min=exp_floor(scores.dtype)).exp_()
     total = residual.sum(dim=1)
     residual.mul_((sample_w / total).unsqueeze(1)).scatter_add_(1, rows, -sample_w.unsqueeze(1))
-    return sample_w @ (total.log() + margin)
+    # summed in float64 whatever the inputs: in float32 the sum's round-off (about 1e-7 of the loss)
+    # stopped the float32 stage's line searches at loss changes of 1e-6; the terms' own round-off
+    # averages out over the samples
+    return sample_w.double() @ (total.log() + margin).double()
 
 
 class _WeightedLogLoss(torch.autograd.Function):

@@ -477,7 +477,8 @@ class StructuredMatrixScaling(_StructuredScaling):
         # 46 -> 24 at 10,000 x 10, 46 -> 27 at 50,000 x 100.) The penalty still couples those
         # directions, which the exact per-class 2 x 2 blocks of (diagonal, bias) take (L-BFGS then
         # needs ~30 passes at K = 100 instead of ~65, ~70 instead of ~580 at lambda = 1/16).
-        # Both levels are formed in float32 (half the cost; their round-off is far below the ridge).
+        # Both levels are formed in float32 (half the cost; a change of variables only has to be well
+        # conditioned, not exact).
         k = theta.shape[0]
         design32, w32 = design.float(), sample_w.float()
         q = torch.softmax(StructuredMatrixScaling._map_theta(design32, theta.float()), dim=1)

@@ -16,7 +16,7 @@ from torchcal.calibrators._multinomial import fit_multinomial_logistic
 from torchcal.calibrators.base import Calibrator, sample_weights
 from torchcal.calibrators.temperature import inverse_temperature_start
 from torchcal.distributed import all_reduce_
-from torchcal.fit import FitRecord, cross_validate_path, fold_indices
+from torchcal.fit import FitRecord, cross_validate_path, fold_indices, secant_start
 from torchcal.functional.scoring import PER_SAMPLE_SCORES, weighted_mean
 
 __all__ = ["DEFAULT_REG_GRID", "DirichletCalibration", "MatrixScaling"]
@@ -210,8 +210,9 @@ class MatrixScaling(Calibrator):
         folds' mean ``[W | b]`` at the best point (a start for the final fit).
 
         At the first point every fold starts from the previous fold's fit (the training sets
-        share most samples). Fits are solved to a gradient of ``_CV_TOL_GRAD``: the selection only
-        compares losses; the final fit is tight.
+        share most samples), later from its own fits along the path
+        (:func:`~torchcal.fit.secant_start`). Fits are solved to a gradient of ``_CV_TOL_GRAD``:
+        the selection only compares losses; the final fit is tight.
         """
         order = sorted(range(len(self.reg_grid)), key=lambda i: tuple(-v for v in self.reg_grid[i]))
         per_sample = PER_SAMPLE_SCORES[loss]
@@ -222,12 +223,20 @@ class MatrixScaling(Calibrator):
             train[test] = False
             folds.append((features[train], labels[train], features[test], labels[test], copy.deepcopy(self)))
 
+        path: list[list[tuple[float, Tensor]]] = [[] for _ in folds]  # each fold's (lambda, [W | b]) so far
+
         def fold_loss(point: int, fold: int) -> Tensor:
             train_x, train_y, test_x, test_y, model = folds[fold]
+            lam = self.reg_grid[point][0]
             if point == order[0] and fold > 0:
                 model.load_state_dict(folds[fold - 1][-1].state_dict())
+            elif (start := secant_start(path[fold], lam)) is not None:
+                with torch.no_grad():
+                    model.weight.copy_(start[:, :-1])
+                    model.bias.copy_(start[:, -1])
             model.reg_lambda_, model.reg_mu_ = self.reg_grid[point]
             model._fit_fixed_penalty(train_x, train_y, weights, loss, max_iter, process_group, tol_grad=_CV_TOL_GRAD)
+            path[fold].append((lam, torch.cat([model.weight, model.bias.unsqueeze(1)], 1).detach().clone()))
             with torch.no_grad():
                 log_probs = torch.log_softmax(model._scores(test_x), dim=1)
                 return weighted_mean(per_sample(log_probs, test_y), test_y, weights) * test_y.numel()

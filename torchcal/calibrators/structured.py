@@ -41,7 +41,7 @@ from torchcal.calibrators._linear import LinearDesign, fit_linear_newton
 from torchcal.calibrators.base import Calibrator, sample_weights
 from torchcal.calibrators.temperature import fit_inverse_temperature
 from torchcal.distributed import ProcessGroup, all_reduce_, world_size
-from torchcal.fit import ConvergenceWarning, FitRecord, cross_validate_path, fold_indices, minimize
+from torchcal.fit import ConvergenceWarning, FitRecord, cross_validate_path, fold_indices, minimize, secant_start
 from torchcal.functional.scoring import PER_SAMPLE_SCORES, weighted_mean
 
 __all__ = ["DEFAULT_LAMBDA_GRID", "QuadraticScaling", "StructuredMatrixScaling", "StructuredVectorScaling"]
@@ -305,9 +305,15 @@ class _StructuredScaling(Calibrator):
             x_train = model._fit_ts_mix(log_probs[train], labels[train], weights, process_group)
             folds.append((model, x_train, labels[train], model._design(model._ts_mix(log_probs[test])), labels[test]))
 
+        path: list[list[tuple[float, Tensor]]] = [[] for _ in folds]  # each fold's (lambda, theta) so far
+
         def fold_loss(point: int, fold: int) -> Tensor:
             model, x_train, y_train, design_test, y_test = folds[fold]
+            if (start := secant_start(path[fold], self.reg_grid[point])) is not None:
+                with torch.no_grad():
+                    model._set_theta(start)
             model._fit_map(x_train, y_train, weights, loss, max_iter, self.reg_grid[point], process_group, _SELECTION_TOL_CHANGE)
+            path[fold].append((self.reg_grid[point], model._theta().detach().clone()))
             with torch.no_grad():
                 log_q = torch.log_softmax(model._map_theta(design_test, model._theta()), dim=1)
                 return weighted_mean(per_sample(log_q, y_test), y_test, weights) * y_test.numel()

@@ -81,3 +81,15 @@ def test_the_path_and_the_newton_steps_are_logged(caplog):
     assert logged.keys() == tried.keys()
     for lam, loss in tried.items():
         assert logged[lam] == pytest.approx(loss, abs=1e-6)
+
+
+def test_secant_start_extrapolates_in_log_lambda_at_most_one_step():
+    from torchcal.fit import secant_start
+
+    one, two = torch.tensor([1.0, -2.0]), torch.tensor([2.0, -1.0])
+    torch.testing.assert_close(secant_start([(100.0, one), (10.0, two)], 1.0), torch.tensor([3.0, 0.0]))
+    torch.testing.assert_close(secant_start([(100.0, one), (10.0, two)], 10 ** 0.5), torch.tensor([2.5, -0.5]))
+    torch.testing.assert_close(secant_start([(100.0, one), (10.0, two)], 1e-3), torch.tensor([3.0, 0.0]))  # capped
+    assert secant_start([(10.0, two)], 1.0) is None  # one fit: start from it
+    assert secant_start([(100.0, one), (10.0, two)], 0.0) is None  # lambda = 0 is off the log scale
+    assert secant_start([(10.0, one), (10.0, two)], 1.0) is None  # (lambda, mu) pairs of one lambda

@@ -404,11 +404,12 @@ def cross_validate_path(
     Points are visited in ``order`` (strongest penalty first), every fold's model warm-started
     from its fits at the previous points (:func:`secant_start`), which ``fold_loss(point, fold)``
     does: it fits fold ``fold``'s model at grid point ``point`` and returns the summed loss (a
-    scalar tensor) over that fold's test samples. Work is saved in two ways. A point whose first folds' losses already
-    sum past the best total cannot win (fold losses are non-negative), and its other folds are not
-    fitted. Once the loss has risen at ``patience`` consecutive points past its best, the path
-    stops: weaker penalties only over-fit further. Both leave ``inf`` for the point. ``on_best``
-    is called whenever a point becomes the best so far, while the fold models hold its fits.
+    scalar tensor) over that fold's test samples. Work is saved in two ways. A point whose first
+    folds' losses already sum past the best total cannot win (fold losses are non-negative), and
+    its other folds are not fitted. Once the loss has risen at ``patience`` consecutive points
+    past its best, the path stops: weaker penalties only over-fit further. Both leave ``inf`` for
+    the point. ``on_best`` is called whenever a point becomes the best so far, while the fold
+    models hold its fits.
 
     Args:
         order: grid indices in the order to visit them; the returned list is indexed like the grid,

@@ -114,6 +114,15 @@ class MatrixScaling(Calibrator):
     def _scores(self, features: Tensor) -> Tensor:
         return features @ self.weight.to(features.dtype).T + self.bias.to(features.dtype)
 
+    def _theta(self) -> Tensor:
+        """The fitted map as one tensor ``[W | b]: (K, K + 1)``, detached."""
+        return torch.cat([self.weight, self.bias.unsqueeze(1)], dim=1).detach()
+
+    def _set_theta(self, theta: Tensor) -> None:
+        with torch.no_grad():
+            self.weight.copy_(theta[:, :-1])
+            self.bias.copy_(theta[:, -1])
+
     def _penalty_weights(self, num_classes: int) -> Tensor:
         """The penalty as ``sum(weights * [W | b]^2)``: weights of shape (K, K + 1), float64."""
         k = num_classes
@@ -148,9 +157,7 @@ class MatrixScaling(Calibrator):
             self.cv_losses_, start = self._cross_validate_grid(features, labels, weights, loss, max_iter, process_group)
             best = min(range(len(self.reg_grid)), key=self.cv_losses_.__getitem__)
             self.reg_lambda_, self.reg_mu_ = self.reg_grid[best]
-            with torch.no_grad():  # the final fit starts where the folds ended, near its optimum
-                self.weight.copy_(start[:, :-1])
-                self.bias.copy_(start[:, -1])
+            self._set_theta(start)  # the final fit starts where the folds ended, near its optimum
         elif self.reg is not None:
             self.reg_lambda_ = self.reg_lambda
             self.reg_mu_ = self.reg_lambda if self.reg_mu is None else self.reg_mu
@@ -162,16 +169,13 @@ class MatrixScaling(Calibrator):
         if loss != "log":
             return self._fit_nonconvex(features, labels, weights, loss, max_iter, process_group)
         k = features.shape[1]
-        start = torch.cat([self.weight.detach(), self.bias.detach().unsqueeze(1)], dim=1)
         theta, record = fit_multinomial_logistic(
-            features, labels, sample_weights(labels, weights, process_group), start, self._penalty_weights(k),
+            features, labels, sample_weights(labels, weights, process_group), self._theta(), self._penalty_weights(k),
             tol_grad=tol_grad, max_iter=min(max_iter, _MAX_NEWTON_STEPS), process_group=process_group,
         )
         if not record.converged:  # Newton-CG stalled (degenerate curvature): the L-BFGS driver
             return Calibrator._fit(self, features, labels, weights, loss, max_iter, process_group)
-        with torch.no_grad():
-            self.weight.copy_(theta[:, :k])
-            self.bias.copy_(theta[:, k])
+        self._set_theta(theta)
         return record
 
     def _fit_nonconvex(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
@@ -231,12 +235,10 @@ class MatrixScaling(Calibrator):
             if point == order[0] and fold > 0:
                 model.load_state_dict(folds[fold - 1][-1].state_dict())
             elif (start := secant_start(path[fold], lam)) is not None:
-                with torch.no_grad():
-                    model.weight.copy_(start[:, :-1])
-                    model.bias.copy_(start[:, -1])
+                model._set_theta(start)
             model.reg_lambda_, model.reg_mu_ = self.reg_grid[point]
             model._fit_fixed_penalty(train_x, train_y, weights, loss, max_iter, process_group, tol_grad=_CV_TOL_GRAD)
-            path[fold].append((lam, torch.cat([model.weight, model.bias.unsqueeze(1)], 1).detach().clone()))
+            path[fold].append((lam, model._theta()))
             with torch.no_grad():
                 log_probs = torch.log_softmax(model._scores(test_x), dim=1)
                 return weighted_mean(per_sample(log_probs, test_y), test_y, weights) * test_y.numel()
@@ -244,7 +246,7 @@ class MatrixScaling(Calibrator):
         best_start = [torch.empty(0)]
 
         def keep_best_start() -> None:
-            best_start[0] = torch.stack([torch.cat([m.weight, m.bias.unsqueeze(1)], 1).detach() for *_, m in folds]).mean(0)
+            best_start[0] = torch.stack([m._theta() for *_, m in folds]).mean(0)
 
         names = [f"{type(self).__name__} lambda = {lam:g}, mu = {mu:g}" for lam, mu in self.reg_grid]
         losses = cross_validate_path(order, len(folds), fold_loss, labels.shape[0], process_group, _CV_PATIENCE, keep_best_start, names)

@@ -313,7 +313,7 @@ class _StructuredScaling(Calibrator):
                 with torch.no_grad():
                     model._set_theta(start)
             model._fit_map(x_train, y_train, weights, loss, max_iter, self.reg_grid[point], process_group, _SELECTION_TOL_CHANGE)
-            path[fold].append((self.reg_grid[point], model._theta().detach().clone()))
+            path[fold].append((self.reg_grid[point], model._theta().detach()))
             with torch.no_grad():
                 log_q = torch.log_softmax(model._map_theta(design_test, model._theta()), dim=1)
                 return weighted_mean(per_sample(log_q, y_test), y_test, weights) * y_test.numel()

@@ -49,6 +49,18 @@ def test_path_selects_what_the_exhaustive_grid_selects_on_real_cifar100_logits(r
     assert not all(map(math.isfinite, path.cv_losses_))  # the path did save work here
 
 
+def test_the_default_grid_brackets_the_best_strength_on_real_cifar100_logits(real):
+    """On the CIFAR-100 ResNet-20 logits the out-of-fold Dir-ODIR loss is lowest at lambda = 1e4,
+    above the top of an earlier grid (1e3); the default grid reaches past it, and the path sees the
+    loss rise on both sides."""
+    d = real("cifar100_resnet20_ferrer")
+    logits, labels = torch.from_numpy(d["logits"]).double(), torch.from_numpy(d["labels"])
+    model = torchcal.DirichletCalibration(reg="odir").fit(logits, labels)
+    losses = {lam: loss for (lam, _), loss in zip(model.reg_grid, model.cv_losses_)}
+    assert model.reg_lambda_ == 1e4
+    assert losses[1e5] > losses[1e4] + 5e-4 and losses[1e3] > losses[1e4] + 5e-4, losses
+
+
 @pytest.mark.parametrize("make", [
     lambda lam: torchcal.MatrixScaling(reg="odir", reg_lambda=lam),
     lambda lam: torchcal.DirichletCalibration(reg="l2", reg_lambda=lam),

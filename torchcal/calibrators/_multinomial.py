@@ -255,7 +255,7 @@ def fit_multinomial_logistic(
         digits: a tenth to a fifth less time per fit at 10,000 x 100, the same passes. Near the
         optimum float32 sums would miss the small eigenvalues of nearly singular blocks that weak
         penalties leave (CIFAR-100 ResNet-20 at lambda = 1e-4: 611 -> 716 passes with float32
-        blocks throughout, 632 with them only for loose systems)."""
+        blocks throughout; 611 with them for loose systems only)."""
         nonlocal factor, gathered
         source = x_low if loose else x
         curvature = w.unsqueeze(1) * q * (1 - q)  # (N, K)

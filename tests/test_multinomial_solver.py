@@ -215,6 +215,26 @@ def test_passes_do_not_blow_up_as_lambda_shrinks():
     assert passes[1e-4] <= 3 * passes[1.0], passes
 
 
+@pytest.mark.parametrize("make", [
+    lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=1e5),
+    lambda: torchcal.MatrixScaling(reg="l2", reg_lambda=1e5),
+], ids=["dirichlet-odir", "matrix-l2"])
+def test_a_dominating_penalty_takes_the_diagonal_preconditioner_to_the_same_optimum(monkeypatch, make):
+    """Where the penalty dominates the data's curvature, CG is preconditioned by the blocks'
+    diagonals: the fit reaches the exact Newton optimum and the block path's fit (forced here by an
+    unreachable dominance threshold), by the other path."""
+    logits, labels = _problem(2000, 8, seed=11)
+    diagonal = make().fit(logits, labels)
+    monkeypatch.setattr(torchcal.calibrators._multinomial, "_PENALTY_DOMINANCE", math.inf)
+    blocks = make().fit(logits, labels)
+    reference = _reference(make(), logits, labels)
+    assert diagonal.fit_record_.converged and diagonal.fit_record_.grad_max < 1e-9
+    # the other path ran: other passes, or at least another round-off
+    assert (diagonal.fit_record_.evaluations, diagonal.fit_record_.grad_max) != (blocks.fit_record_.evaluations, blocks.fit_record_.grad_max)
+    torch.testing.assert_close(_fitted(diagonal), reference, rtol=0, atol=1e-6)
+    torch.testing.assert_close(_fitted(diagonal), _fitted(blocks), rtol=0, atol=1e-6)
+
+
 def test_float32_blocks_of_loose_newton_systems_precondition_as_well_as_float64_ones(monkeypatch):
     """Loose Newton systems get per-class blocks summed in float32 about each class's mean row
     (the mean added back in float64). Forced for every system, or for none, the fits take about as

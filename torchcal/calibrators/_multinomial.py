@@ -239,6 +239,10 @@ def fit_multinomial_logistic(
         nonlocal low, x_low, w_low
         low, x_low, w_low = dtype, x, w
 
+    def in_low(q: Tensor) -> Tensor:
+        """The posteriors in ``low``, clamped above float32's subnormals."""
+        return q if low == dtype else q.clamp(min=float32_floor).to(low)
+
     def hessian_product(q: Tensor, v: Tensor) -> Tensor:
         """``H v`` for a centred direction ``v`` (K, D) at posteriors ``q`` in ``low``: one pass."""
         nonlocal passes
@@ -382,7 +386,7 @@ def fit_multinomial_logistic(
     # grad is with respect to the scaled parameters; grad * scale with respect to the original ones
     loss_value, grad_max, size = torch.stack([loss, (grad * scale).abs().max(), grad.abs().max()]).tolist()
     previous: tuple[float, float] | None = None  # (gradient norm, forcing) of the last Newton step
-    if f + 1 <= _MAX_BLOCK_SIZE and not penalty_dominates(q if low == dtype else q.clamp(min=float32_floor).to(low)):
+    if f + 1 <= _MAX_BLOCK_SIZE and not penalty_dominates(in_low(q)):
         preconditioner = block_preconditioner
     else:
         preconditioner = diagonal_preconditioner
@@ -397,7 +401,7 @@ def fit_multinomial_logistic(
         previous = (grad_norm, forcing)
         loose = forcing >= _LOOSE_FORCING
         checked_from = c if preconditioner is diagonal_preconditioner and loose else None
-        q_low = q if low == dtype else q.clamp(min=float32_floor).to(low)
+        q_low = in_low(q)
         solve = preconditioner(q, q_low, loose)
         direction = newton_direction(q_low, grad, solve, forcing, checked_from)
         if direction is None:  # CG stalled by float32 round-off (or a long solve): again in full

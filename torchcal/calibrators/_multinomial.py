@@ -309,7 +309,14 @@ def fit_multinomial_logistic(
                 diagonal += 1e-6 * diagonal.mean(1, keepdim=True)
                 chol = torch.linalg.cholesky(blocks)
             factor[classes] = chol
-        return lambda r: torch.cholesky_solve(r.unsqueeze(2), factor).squeeze(2)
+
+        def solve(r: Tensor) -> Tensor:
+            # two triangular solves: cholesky_solve took 3.3 ms per call at K = 100 inside a fit
+            # against 1.3 ms for these (a fifth of CG's time per step)
+            half = torch.linalg.solve_triangular(factor, r.unsqueeze(2), upper=False)
+            return torch.linalg.solve_triangular(factor.mT, half, upper=True).squeeze(2)
+
+        return solve
 
     def data_diagonal(q_low: Tensor) -> Tensor:
         """The data's part of the blocks' diagonals (K, D), from every row (sums of positive

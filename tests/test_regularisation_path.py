@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import torchcal
+from torchcal.calibrators.matrix import _CV_TIE
 from torchcal.functional import cross_entropy
 
 
@@ -31,8 +32,12 @@ def _check_same_selection(make, logits, labels):
     torch.testing.assert_close(path.bias, final.bias, rtol=0, atol=1e-6)
     tried = [i for i, v in enumerate(path.cv_losses_) if math.isfinite(v)]
     assert grid.index(best) in tried
-    for i in tried:  # the selection tolerance (gradient 1e-5) moves the out-of-fold losses by ~1e-6
-        assert path.cv_losses_[i] == pytest.approx(losses[i], rel=1e-5)
+    for i in tried:  # the selection tolerance (gradient 1e-4) moves the out-of-fold losses by up to ~3e-5
+        assert path.cv_losses_[i] == pytest.approx(losses[i], rel=1e-4)
+    near_ties = [i for i in tried if path.cv_losses_[i] <= min(path.cv_losses_) * (1 + _CV_TIE)]
+    if len(near_ties) > 1:  # fitted again tightly: converged fits' losses
+        for i in near_ties:
+            assert path.cv_losses_[i] == pytest.approx(losses[i], rel=1e-8)
     for i, v in enumerate(path.cv_losses_):  # an abandoned point was indeed worse than the best
         if not math.isfinite(v):
             assert losses[i] > losses[grid.index(best)]
@@ -47,6 +52,8 @@ def test_path_selects_what_the_exhaustive_grid_selects_on_real_cifar100_logits(r
         lambda lam: torchcal.DirichletCalibration(reg="odir", reg_lambda=lam), logits[keep][:, :15], labels[keep]
     )
     assert not all(map(math.isfinite, path.cv_losses_))  # the path did save work here
+    # lambda = 100 and 1000 are 2.3e-4 (relative) apart here: a near-tie, decided by tight fits
+    assert sum(v <= min(path.cv_losses_) * (1 + _CV_TIE) for v in path.cv_losses_) == 2
 
 
 def test_the_default_grid_brackets_the_best_strength_on_real_cifar100_logits(real):
@@ -86,7 +93,8 @@ def test_the_path_and_the_newton_steps_are_logged(caplog):
     assert f"loss {model.fit_record_.loss:.10f}" in steps[-1].getMessage()
     logged = {}
     for record in caplog.records:
-        found = re.match(r"regularisation path: DirichletCalibration lambda = (\S+), mu = \S+, out-of-fold loss (\S+)", record.getMessage())
+        # the first value of a point, and again if it was a near-tie fitted again tightly
+        found = re.match(r"regularisation path: DirichletCalibration lambda = (\S+), mu = \S+[, ].*out-of-fold loss (\S+)", record.getMessage())
         if found:
             logged[float(found[1])] = float(found[2])
     tried = {lam: loss for (lam, _), loss in zip(model.reg_grid, model.cv_losses_) if math.isfinite(loss)}

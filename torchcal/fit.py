@@ -398,6 +398,8 @@ def cross_validate_path(
     patience: int = 2,
     on_best: Callable[[], None] | None = None,
     point_names: Sequence[str] | None = None,
+    refine: Callable[[int, int], Tensor] | None = None,
+    tie: float = 1e-4,
 ) -> list[float]:
     """Out-of-fold loss of the points of a regularisation grid, visited along a path.
 
@@ -417,20 +419,29 @@ def cross_validate_path(
         num_samples: this process's samples over all test folds; in a data-parallel fit the fold
             losses and the counts are summed over ``process_group``.
         point_names: how the log (``logging``, logger ``torchcal.fit``) names the grid points.
+        refine: like ``fold_loss``, but fitting to a tighter tolerance (from the fold's fit at that
+            point). When ``fold_loss`` fits loosely, the points whose loss lies within ``tie``
+            (relative) of the best are evaluated again with it, every fold, and those losses
+            decide: a near-tie is not settled by the loose fits' round-off. ``on_best`` is not
+            called for the refined points.
 
     Returns:
         The mean out-of-fold loss of every grid point (``inf`` where abandoned or not visited).
     """
     losses = [math.inf] * (max(order) + 1)
     names = point_names or [f"grid point {i}" for i in range(len(losses))]
+
+    def mean_of(total: Tensor) -> float:
+        # [summed loss, samples]: on the loss's device, which the process group's backend needs
+        reduced = all_reduce_(torch.stack([total, total.new_tensor(float(num_samples))]), process_group)
+        return float(reduced[0] / reduced[1])
+
     best, rises = math.inf, 0
     for point in order:
         total: Tensor | float = 0.0
         for fold in range(num_folds):
             total = fold_loss(point, fold).to(torch.float64) + total
-            # [summed loss, samples]: on the loss's device, which the process group's backend needs
-            reduced = all_reduce_(torch.stack([total, total.new_tensor(float(num_samples))]), process_group)
-            mean = float(reduced[0] / reduced[1])
+            mean = mean_of(total)
             if fold + 1 < num_folds and mean > best:
                 _log.info("regularisation path: %s abandoned after %d of %d folds (cannot beat %.6f)", names[point], fold + 1, num_folds, best)
                 break
@@ -446,6 +457,11 @@ def cross_validate_path(
         if rises >= patience:
             _log.info("regularisation path: the loss rose at %d points in a row; weaker penalties are not tried", patience)
             break
+    contenders = [point for point, loss in enumerate(losses) if loss <= best + tie * abs(best)]
+    if refine is not None and len(contenders) > 1:
+        for point in contenders:
+            losses[point] = mean_of(torch.stack([refine(point, fold).to(torch.float64) for fold in range(num_folds)]).sum())
+            _log.info("regularisation path: %s within %g of the best, fitted again tightly: out-of-fold loss %.6f", names[point], tie, losses[point])
     return losses
 
 

@@ -23,8 +23,11 @@ truncated Newton method converge in a few dozen passes whatever the penalty:
   preconditioner, feature second moments times the softmax covariance, is cheaper but needs ten
   times as many products here: the curvature of class k is concentrated on the rows whose features
   say "maybe k", which a product of averages cannot represent.) Above ``_MAX_BLOCK_SIZE`` features
-  the blocks cost more than they save, and only their diagonals are used; so too where a strong
-  penalty dominates the curvature (``_PENALTY_DOMINANCE``) and the Hessian is nearly diagonal.
+  the blocks cost more than they save; so too where the penalty is strong (``_STRONG_PENALTY``).
+  There each block is replaced by its diagonal about the class's curvature-weighted mean row plus
+  that mean as a rank-one term, which one pass's arithmetic forms from every row and Sherman and
+  Morrison's formula inverts: the mean is where most of a block's weight lies (the features'
+  common offsets, and the bias, whose column is constant).
 
 Every Hessian-vector product costs the same two matrix products as a gradient (one pass; in
 float32, as CG only solves the Newton systems to a relative 1e-4 at best). The work
@@ -63,18 +66,28 @@ _MAX_CG_STEPS = 250
 #: at K = 300 (Dir-ODIR, 5,000 samples, lambda = 1) they made the fit 5.6x slower than their
 #: diagonals for no fewer passes (1,581 against 1,485: formed from 8 N / (F+1) = 132 rows, they
 #: miss most of the coupling), and at K = 1,000 they take 8 GB and hours. Above this size CG is
-#: preconditioned by the blocks' diagonals (Jacobi), from every row at the cost of one pass.
+#: preconditioned by their diagonals plus a rank-one term (see _STRONG_PENALTY), from every row at
+#: the cost of one pass.
 _MAX_BLOCK_SIZE = 256
-#: Where twice the penalty is at least this many times the data's curvature on the median penalised
-#: entry (at the start of a fit), CG is preconditioned by the blocks' diagonals, which need no
-#: factorising: the Hessian is nearly diagonal there. On the CIFAR-100 logits (10,000 x 100) that is
-#: lambda = 1e5 (ratios 24-31 for Dir-ODIR), where fits took 0.49-0.56 s against 1.02-1.03 s with
-#: the blocks (55-63 passes against 43-47), and where the cross-validation path starts (ResNet-20:
-#: 13.4 -> 11.4 s). At 1e4 (2.4-3.1) the diagonals were faster too (0.91-1.05 s against 1.12-1.16)
-#: but took 118-137 passes against 50-58; at 1e3 (0.24-0.31) 265 against 57.
-_PENALTY_DOMINANCE = 10.0
+#: Where twice the penalty is at least this share of the data's curvature on the median penalised
+#: entry (at the start of a fit), CG is preconditioned by the blocks' diagonals plus their
+#: classes' mean rows (rank one), formed in one pass instead of eight and never factorised. Dir-ODIR
+#: at 10,000 x 100 (passes and seconds, blocks -> rank one; the share in brackets): CIFAR-100
+#: ResNet-20 lambda = 1e4 (3.1) 58 -> 44, 1.32 -> 0.46 s; 1e3 (0.31) 57 -> 59, 1.28 -> 0.66 s;
+#: RepVGG-A2 1e2 (0.17) 50 -> 49, 1.16 -> 0.62 s; LeNet-5 1e3 (0.71) 83 -> 46, 1.63 -> 0.58 s.
+#: Below 0.1 the blocks' coupling pays: ResNet-20 1e2 (0.031) 72 -> 110 passes, LeNet-5 1e2 (0.071)
+#: 106 -> 130, ResNet-20 10 (0.0031) 75 -> 297 (1.50 -> 2.62 s). (The blocks' diagonals alone,
+#: used here before: 63 passes at ResNet-20 1e5 where the rank-one term needs 32, and 6,016 at 1.)
+_STRONG_PENALTY = 0.1
+#: CG steps per decade of residual reduction above which a fit leaves the rank-one preconditioner
+#: for the blocks (where they fit), from its next Newton step on: forming the blocks costs about
+#: ten Hessian products at K = 100, and CG needs 3-4 steps per decade with them. The penalty's share
+#: does not tell every case: MS-ODIR on the CIFAR-100 VGG-19 logits at lambda = 100 (share above
+#: _STRONG_PENALTY) took 352 passes on the rank-one preconditioner (40 CG steps per decade)
+#: against 54 on the blocks; the fits it suits take 4-10 per decade.
+_RANK_ONE_STEPS_PER_DECADE = 12.0
 #: A Newton system is solved loosely (far from the optimum) when its forcing term is at least
-#: this. Then the per-class blocks are summed in float32, and with the diagonal preconditioner CG
+#: this. Then the per-class blocks are summed in float32, and with the rank-one preconditioner CG
 #: checks the objective at its iterate every _CHECK_EVERY steps (near the optimum the objective's
 #: changes are round-off).
 _LOOSE_FORCING = 0.1
@@ -205,6 +218,7 @@ def fit_multinomial_logistic(
         return v - v.mean(0, keepdim=True)
 
     passes = 0
+    products = 0  # Hessian-vector products (CG steps), a part of the passes
 
     def forward(c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """This process's data loss, the log-posteriors (N, K) and the full parameters at the
@@ -245,8 +259,9 @@ def fit_multinomial_logistic(
 
     def hessian_product(q: Tensor, v: Tensor) -> Tensor:
         """``H v`` for a centred direction ``v`` (K, D) at posteriors ``q`` in ``low``: one pass."""
-        nonlocal passes
+        nonlocal passes, products
         passes += 1
+        products += 1
         qs = torch.mm(x_low, v.to(low).T).mul_(q)  # one (N, K) buffer for the whole product
         r = qs.addcmul_(q, qs.sum(1, keepdim=True), value=-1).mul_(w_low.unsqueeze(1))
         data = all_reduce_((r.T @ x_low).to(torch.float64), process_group)
@@ -318,26 +333,41 @@ def fit_multinomial_logistic(
 
         return solve
 
-    def data_diagonal(q_low: Tensor) -> Tensor:
-        """The data's part of the blocks' diagonals (K, D), from every row (sums of positive
-        terms: float32 is enough)."""
+    def class_moments(q_low: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Per class k, the sums over rows of ``c_ik``, ``c_ik x_i`` and ``c_ik x_i^2`` (squared
+        entrywise), ``c_ik = w_i q_ik (1 - q_ik)`` the class's curvature: (K,), (K, D), (K, D),
+        float64, the products in ``low`` (every row, about one pass)."""
         curvature = w_low.unsqueeze(1) * q_low * (1 - q_low)  # (N, K)
-        return all_reduce_((curvature.T @ x_low.square()).to(torch.float64), process_group)
+        sums = torch.cat([curvature.sum(0).unsqueeze(1), curvature.T @ x_low, curvature.T @ x_low.square()], dim=1)
+        sums = all_reduce_(sums.to(torch.float64), process_group)
+        return sums[:, 0], sums[:, 1 : f + 2], sums[:, f + 2 :]
 
-    def diagonal_preconditioner(q: Tensor, q_low: Tensor, loose: bool) -> Callable[[Tensor], Tensor]:
-        """The diagonals (K, D) of the same blocks."""
-        diagonal = data_diagonal(q_low) + 2 * penalty
+    def rank_one_preconditioner(q: Tensor, q_low: Tensor, loose: bool) -> Callable[[Tensor], Tensor]:
+        """Each class's block as ``diag(s_k) + t_k m_k m_k^T``: ``t_k`` its total curvature,
+        ``m_k`` its curvature-weighted mean row, ``s_k`` the diagonal of the block about that mean
+        (plus the penalty); inverted by Sherman and Morrison's formula."""
+        total, first, second = class_moments(q_low)
+        mean = first / total.clamp(min=1e-300).unsqueeze(1)
+        diagonal = (second - first * mean).clamp(min=0) + 2 * penalty
         diagonal += 1e-10 * diagonal + 1e-14 * diagonal.mean(1, keepdim=True) + 1e-300
-        return lambda r: r / diagonal
+        scaled_mean = mean / diagonal
+        gain = total / (1 + total * (mean * scaled_mean).sum(1))
 
-    def penalty_dominates(q_low: Tensor) -> bool:
-        """Whether ``2 penalty / curvature`` is at least ``_PENALTY_DOMINANCE`` on the median
-        penalised entry (the same decision in every process: the curvature is all-reduced)."""
+        def solve(r: Tensor) -> Tensor:
+            z = r / diagonal
+            return z - scaled_mean * (gain * (mean * z).sum(1)).unsqueeze(1)
+
+        return solve
+
+    def penalty_is_strong(q_low: Tensor) -> bool:
+        """Whether ``2 penalty / curvature`` is at least ``_STRONG_PENALTY`` on the median
+        penalised entry, the curvature the blocks' diagonal (the same decision in every process:
+        the curvature is all-reduced)."""
         penalised = penalty > 0
         if not bool(penalised.any()):
             return False
-        ratio = 2 * penalty[penalised] / data_diagonal(q_low)[penalised]
-        return float(ratio.median()) >= _PENALTY_DOMINANCE
+        ratio = 2 * penalty[penalised] / class_moments(q_low)[2][penalised]
+        return float(ratio.median()) >= _STRONG_PENALTY
 
     def newton_direction(q: Tensor, grad: Tensor, solve: Callable[[Tensor], Tensor], forcing: float, checked_from: Tensor | None) -> Tensor | None:
         """Preconditioned CG on ``H d = -grad`` in the centred subspace, to relative residual
@@ -349,8 +379,8 @@ def fit_multinomial_logistic(
         the objective is evaluated at the iterate, and CG returns the last checked iterate once
         it stops decreasing. Far from the optimum of a nearly separable fit, the quadratic model
         fails along CG's long low-curvature steps: one step of a 5,000 x 300 fit (Jacobi) took
-        259 passes for a direction the line search then cut to 1/256. Only with the diagonal
-        preconditioner and loose Newton systems; with the blocks, CG's steps are few and the
+        259 passes for a direction the line search then cut to 1/256. Only with the rank-one (or
+        diagonal) preconditioner and loose Newton systems; with the blocks, CG's steps are few and the
         checks cost more than they save (real CIFAR-100, lambda = 1e-3: 339 -> 367 passes).
         """
         def precondition(r: Tensor) -> Tensor:
@@ -393,10 +423,8 @@ def fit_multinomial_logistic(
     # grad is with respect to the scaled parameters; grad * scale with respect to the original ones
     loss_value, grad_max, size = torch.stack([loss, (grad * scale).abs().max(), grad.abs().max()]).tolist()
     previous: tuple[float, float] | None = None  # (gradient norm, forcing) of the last Newton step
-    if f + 1 <= _MAX_BLOCK_SIZE and not penalty_dominates(in_low(q)):
-        preconditioner = block_preconditioner
-    else:
-        preconditioner = diagonal_preconditioner
+    blocks_fit = f + 1 <= _MAX_BLOCK_SIZE
+    preconditioner = block_preconditioner if blocks_fit and not penalty_is_strong(in_low(q)) else rank_one_preconditioner
     for iteration in range(max_iter):
         if max(grad_max, size) <= tol_grad:
             return (shift(c) / scale).to(theta.dtype), FitRecord(iteration, passes, loss_value, grad_max, True, "gradient below tolerance")
@@ -407,14 +435,18 @@ def fit_multinomial_logistic(
         forcing = _forcing(grad_norm, previous, max(_MIN_FORCING, 0.5 * tol_grad / (grad_norm * largest_scale)))
         previous = (grad_norm, forcing)
         loose = forcing >= _LOOSE_FORCING
-        checked_from = c if preconditioner is diagonal_preconditioner and loose else None
+        checked_from = c if preconditioner is rank_one_preconditioner and loose else None
         q_low = in_low(q)
         solve = preconditioner(q, q_low, loose)
+        products_before = products
         direction = newton_direction(q_low, grad, solve, forcing, checked_from)
         if direction is None:  # CG stalled by float32 round-off (or a long solve): again in full
             products_in_full_precision()
             direction = newton_direction(q, grad, solve, forcing, checked_from)
             assert direction is not None  # (full-precision CG always returns one)
+        steps = products - products_before
+        if preconditioner is rank_one_preconditioner and blocks_fit and steps >= 8 and steps > _RANK_ONE_STEPS_PER_DECADE * math.log10(1 / forcing):
+            preconditioner = block_preconditioner  # (see _RANK_ONE_STEPS_PER_DECADE)
         slope = float((grad * direction).sum())
         slack = 1e-14 * max(1.0, abs(loss_value))  # the decrease near the optimum is round-off
         t = 1.0

@@ -396,7 +396,6 @@ def cross_validate_path(
     num_samples: int,
     process_group: ProcessGroup | None = None,
     patience: int = 2,
-    on_best: Callable[[], None] | None = None,
     point_names: Sequence[str] | None = None,
     refine: Callable[[int, int], Tensor] | None = None,
     tie: float = 1e-4,
@@ -410,8 +409,7 @@ def cross_validate_path(
     folds' losses already sum past the best total cannot win (fold losses are non-negative), and
     its other folds are not fitted. Once the loss has risen at ``patience`` consecutive points
     past its best, the path stops: weaker penalties only over-fit further. Both leave ``inf`` for
-    the point. ``on_best`` is called whenever a point becomes the best so far, while the fold
-    models hold its fits.
+    the point.
 
     Args:
         order: grid indices in the order to visit them; the returned list is indexed like the grid,
@@ -422,8 +420,7 @@ def cross_validate_path(
         refine: like ``fold_loss``, but fitting to a tighter tolerance (from the fold's fit at that
             point). When ``fold_loss`` fits loosely, the points whose loss lies within ``tie``
             (relative) of the best are evaluated again with it, every fold, and those losses
-            decide: a near-tie is not settled by the loose fits' round-off. ``on_best`` is not
-            called for the refined points.
+            decide: a near-tie is not settled by the loose fits' error.
 
     Returns:
         The mean out-of-fold loss of every grid point (``inf`` where abandoned or not visited).
@@ -450,8 +447,6 @@ def cross_validate_path(
             _log.info("regularisation path: %s, out-of-fold loss %.6f", names[point], mean)
         if losses[point] < best:
             best, rises = losses[point], 0
-            if on_best is not None:
-                on_best()
         else:
             rises += 1
         if rises >= patience:

@@ -260,12 +260,12 @@ def test_the_large_k_rank_one_preconditioner_reaches_the_same_optimum(monkeypatc
     blocks = torchcal.DirichletCalibration(reg="odir", reg_lambda=lam).fit(logits, labels)
     monkeypatch.setattr(torchcal.calibrators._multinomial, "_MAX_BLOCK_SIZE", 0)
     monkeypatch.setattr(torchcal.calibrators._multinomial, "_CHECK_EVERY", check_every)
-    diagonal = torchcal.DirichletCalibration(reg="odir", reg_lambda=lam).fit(logits, labels)
+    rank_one = torchcal.DirichletCalibration(reg="odir", reg_lambda=lam).fit(logits, labels)
     reference = _reference(torchcal.DirichletCalibration(reg="odir", reg_lambda=lam), logits, labels)
-    assert diagonal.fit_record_.converged and diagonal.fit_record_.grad_max < 1e-9
-    assert diagonal.fit_record_.evaluations != blocks.fit_record_.evaluations  # the other path ran
-    torch.testing.assert_close(_fitted(diagonal), reference, rtol=0, atol=1e-6)
-    torch.testing.assert_close(_fitted(diagonal), _fitted(blocks), rtol=0, atol=1e-6)
+    assert rank_one.fit_record_.converged and rank_one.fit_record_.grad_max < 1e-9
+    assert rank_one.fit_record_.evaluations != blocks.fit_record_.evaluations  # the other path ran
+    torch.testing.assert_close(_fitted(rank_one), reference, rtol=0, atol=1e-6)
+    torch.testing.assert_close(_fitted(rank_one), _fitted(blocks), rtol=0, atol=1e-6)
 
 
 def test_the_rank_one_term_cuts_the_large_k_passes_on_real_logits(monkeypatch, real):

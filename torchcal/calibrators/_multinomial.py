@@ -219,6 +219,7 @@ def fit_multinomial_logistic(
 
     passes = 0
     products = 0  # Hessian-vector products (CG steps), a part of the passes
+    start_moments: tuple[Tensor, Tensor, Tensor] | None = None  # (see rank_one_preconditioner)
 
     def forward(c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """This process's data loss, the log-posteriors (N, K) and the full parameters at the
@@ -346,7 +347,9 @@ def fit_multinomial_logistic(
         """Each class's block as ``diag(s_k) + t_k m_k m_k^T``: ``t_k`` its total curvature,
         ``m_k`` its curvature-weighted mean row, ``s_k`` the diagonal of the block about that mean
         (plus the penalty); inverted by Sherman and Morrison's formula."""
-        total, first, second = class_moments(q_low)
+        nonlocal start_moments
+        total, first, second = start_moments if start_moments is not None else class_moments(q_low)
+        start_moments = None  # (those of the starting point, where the fit's first step is)
         mean = first / total.clamp(min=1e-300).unsqueeze(1)
         diagonal = (second - first * mean).clamp(min=0) + 2 * penalty
         diagonal += 1e-10 * diagonal + 1e-14 * diagonal.mean(1, keepdim=True) + 1e-300
@@ -359,14 +362,14 @@ def fit_multinomial_logistic(
 
         return solve
 
-    def penalty_is_strong(q_low: Tensor) -> bool:
+    def penalty_is_strong(second: Tensor) -> bool:
         """Whether ``2 penalty / curvature`` is at least ``_STRONG_PENALTY`` on the median
-        penalised entry, the curvature the blocks' diagonal (the same decision in every process:
-        the curvature is all-reduced)."""
+        penalised entry, the curvature the blocks' diagonal ``second`` (:func:`class_moments`;
+        the same decision in every process: it is all-reduced)."""
         penalised = penalty > 0
         if not bool(penalised.any()):
             return False
-        ratio = 2 * penalty[penalised] / class_moments(q_low)[2][penalised]
+        ratio = 2 * penalty[penalised] / second[penalised]
         return float(ratio.median()) >= _STRONG_PENALTY
 
     def newton_direction(q: Tensor, grad: Tensor, solve: Callable[[Tensor], Tensor], forcing: float, checked_from: Tensor | None) -> Tensor | None:
@@ -424,7 +427,9 @@ def fit_multinomial_logistic(
     loss_value, grad_max, size = torch.stack([loss, (grad * scale).abs().max(), grad.abs().max()]).tolist()
     previous: tuple[float, float] | None = None  # (gradient norm, forcing) of the last Newton step
     blocks_fit = f + 1 <= _MAX_BLOCK_SIZE
-    preconditioner = block_preconditioner if blocks_fit and not penalty_is_strong(in_low(q)) else rank_one_preconditioner
+    # the moments at the start decide, and are the rank-one preconditioner's for the first step
+    start_moments = moments = class_moments(in_low(q))
+    preconditioner = block_preconditioner if blocks_fit and not penalty_is_strong(moments[2]) else rank_one_preconditioner
     for iteration in range(max_iter):
         if max(grad_max, size) <= tol_grad:
             return (shift(c) / scale).to(theta.dtype), FitRecord(iteration, passes, loss_value, grad_max, True, "gradient below tolerance")

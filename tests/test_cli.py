@@ -334,7 +334,7 @@ def test_verbose_says_what_the_fits_are_doing(capsys, tmp_path):
         logger.handlers.clear()
         logger.setLevel(logging.NOTSET)
     assert code == 0
-    assert re.search(r"torchcal: Newton-CG \(5000 x 10, K = 10\) step 1: loss", err)
+    assert re.search(r"torchcal: Newton-CG \(5000 x 10, K = 10\) step 1 on float(32|64) passes: loss", err)
     assert re.search(r"torchcal: regularisation path: DirichletCalibration lambda = 1000, mu = 1000, out-of-fold loss 0\.\d+", err)
     code, _, err = run(capsys, "calibrate", calibration, "--method", "dirichlet-odir", "--save", tmp_path / "h.pt")
     assert code == 0 and "Newton-CG" not in err and "regularisation path" not in err

@@ -30,9 +30,10 @@ truncated Newton method converge in a few dozen passes whatever the penalty:
   common offsets, and the bias, whose column is constant).
 
 Every Hessian-vector product costs the same two matrix products as a gradient (one pass; in
-float32, as CG only solves the Newton systems to a relative 1e-4 at best). The work
-stays on the data's device; each conjugate-gradient step reads one number back to the host (its
-residual), each Newton step three.
+float32, as CG only solves the Newton systems to a relative 1e-4 at best), and so do the
+gradients and losses far from the optimum (``_FLOAT32_TOL_GRAD``). The work stays on the data's
+device; each conjugate-gradient step reads one number back to the host (its residual), each
+Newton step three.
 """
 
 from __future__ import annotations
@@ -98,6 +99,18 @@ _MIN_FORCING = 1e-4
 #: for a solve stalled by their round-off that the sign test in newton_direction misses. The longest
 #: solves of converging fits took 105 steps on the real CIFAR-100 logits, 98 at K = 1,000.
 _FLOAT32_CG_STEPS = 200
+#: A fit on float64 features computes its gradients and losses on their float32 copy (the one the
+#: Hessian products use), in half the time, until the gradient is below this, and in float64 from
+#: there on: a fit to this tolerance or a looser one (cross-validation's selection fits) runs on
+#: float32 passes alone. Their losses are summed in float64: summed in float32, the loss's round-off
+#: (about 1e-7) let the Armijo test pass steps that only rode on it, and one fold fit of the
+#: CIFAR-100 VGG-19 cross-validation crawled at a gradient of 1.2e-4 for 20 steps (449 passes; 15
+#: on float64 passes). Where large scores leave the float32 softmax few digits, the gradient's
+#: round-off can exceed this tolerance: a step that the line search cuts short while its predicted
+#: decrease is near the float32 loss's round-off ends the float32 passes (a strong-penalty fit:
+#: 6,339 passes -> 25). Dir-ODIR on the ResNet-20 logits, lambda = 1e5 ... 1e-4: 15-23 % less
+#: time for about the same passes (1e-4: 714 -> 624 passes, 9.7 -> 7.8 s).
+_FLOAT32_TOL_GRAD = 1e-4
 
 
 def _forcing(grad_norm: float, previous: tuple[float, float] | None, floor: float) -> float:
@@ -200,11 +213,14 @@ def fit_multinomial_logistic(
     x /= scale.to(dtype)
     # Newton directions only need the forcing term's accuracy (at least _MIN_FORCING): the
     # Hessian products run in float32, half the time of a float64 pass, while the gradients,
-    # losses, steps and preconditioner blocks stay in the features' precision (float32 blocks
-    # need a ridge against their round-off that weakens them: 133 -> 471 passes on the CIFAR-100
-    # LeNet-5 logits at lambda = 1e-4).
+    # losses, steps and preconditioner blocks near the optimum stay in the features' precision
+    # (float32 blocks need a ridge against their round-off that weakens them: 133 -> 471 passes
+    # on the CIFAR-100 LeNet-5 logits at lambda = 1e-4).
     low = torch.float32 if _float32_products_are_ieee(x.device) else dtype
     x_low, w_low = x.to(low), w.to(low)
+    full_dtype, x_full, w_full = dtype, x, w
+    loss_w = sample_w.to(torch.float64)  # (the losses' sums in float64 whatever the passes' precision)
+    dtype, x, w = low, x_low, w_low  # gradients and losses too, far from the optimum (_FLOAT32_TOL_GRAD)
     float32_floor = math.exp(exp_floor(torch.float32))  # posteriors below it: float32 subnormals
     penalty = penalty.to(device=x.device, dtype=torch.float64) / scale.square()
     column_penalty = penalty.sum(0)  # (D,)
@@ -228,7 +244,7 @@ def fit_multinomial_logistic(
         passes += 1
         full = shift(c)
         log_q = torch.log_softmax(x @ full.to(dtype).T, dim=1)
-        return -(w @ log_q[rows, labels]).to(torch.float64), log_q, full
+        return -(loss_w @ log_q[rows, labels].to(torch.float64)), log_q, full
 
     def objective(c: Tensor) -> float:
         """The objective at the centred ``c``: one forward pass."""
@@ -245,13 +261,19 @@ def fit_multinomial_logistic(
         grad = sums[1:].view(k, -1) + 2 * penalty * full
         return sums[0] + (penalty * full.square()).sum(), grad, q
 
+    def passes_in_full_precision() -> None:
+        """Gradients and losses in the features' precision from now on."""
+        nonlocal dtype, x, w
+        dtype, x, w = full_dtype, x_full, w_full
+
     def products_in_full_precision() -> None:
-        """Hessian products in the features' precision from now on. Float32 ones can stall CG
-        where the Newton system needs curvature below their round-off: on the CIFAR-100 ResNet-20
-        logits without 3 of the classes (whose scores the fit drives down without bound), CG's
-        step lengths fell 1e4-fold per step and turned negative, CG ran to its cap at every Newton
-        step and the fit to the iteration cap, unconverged."""
+        """Hessian products (and passes) in the features' precision from now on. Float32 ones can
+        stall CG where the Newton system needs curvature below their round-off: on the CIFAR-100
+        ResNet-20 logits without 3 of the classes (whose scores the fit drives down without
+        bound), CG's step lengths fell 1e4-fold per step and turned negative, CG ran to its cap at
+        every Newton step and the fit to the iteration cap, unconverged."""
         nonlocal low, x_low, w_low
+        passes_in_full_precision()
         low, x_low, w_low = dtype, x, w
 
     def in_low(q: Tensor) -> Tensor:
@@ -267,6 +289,13 @@ def fit_multinomial_logistic(
         r = qs.addcmul_(q, qs.sum(1, keepdim=True), value=-1).mul_(w_low.unsqueeze(1))
         data = all_reduce_((r.T @ x_low).to(torch.float64), process_group)
         return data + centre(2 * penalty * shift(v))
+
+    def evaluate(c: Tensor) -> tuple[float, Tensor, Tensor, float, float]:
+        """Loss, gradient, posteriors and the gradient's largest entry (for the original and for
+        the scaled features) at the centred ``c``: one pass."""
+        loss, grad, q = loss_grad(c)
+        loss_value, grad_max, size = torch.stack([loss, (grad * scale).abs().max(), grad.abs().max()]).tolist()
+        return loss_value, grad, q, grad_max, size
 
     factor = torch.empty(0, dtype=torch.float64, device=x.device)
     gathered = torch.empty(0, dtype=dtype, device=x.device)
@@ -397,7 +426,7 @@ def fit_multinomial_logistic(
         target = forcing * float(grad.norm())
         checked, checked_loss = step, math.inf
         for i in range(_MAX_CG_STEPS):
-            if i == _FLOAT32_CG_STEPS and low != dtype:
+            if i == _FLOAT32_CG_STEPS and low != full_dtype:
                 return None  # (see products_in_full_precision)
             hp = hessian_product(q, p)
             curvature = (p * hp).sum()
@@ -405,7 +434,7 @@ def fit_multinomial_logistic(
             step = step + alpha * p
             r = r - alpha * hp
             residual, curvature_value, rz_value = torch.stack([r.norm(), curvature, rz]).tolist()
-            if low != dtype and not (curvature_value > 0 and rz_value > 0):
+            if low != full_dtype and not (curvature_value > 0 and rz_value > 0):
                 return None  # (see products_in_full_precision)
             if residual <= target or not curvature_value > 0:
                 break
@@ -422,15 +451,18 @@ def fit_multinomial_logistic(
 
     started = time.perf_counter()
     c = centre(theta.to(device=x.device, dtype=torch.float64) * scale)
-    loss, grad, q = loss_grad(c)
     # grad is with respect to the scaled parameters; grad * scale with respect to the original ones
-    loss_value, grad_max, size = torch.stack([loss, (grad * scale).abs().max(), grad.abs().max()]).tolist()
+    loss_value, grad, q, grad_max, size = evaluate(c)
     previous: tuple[float, float] | None = None  # (gradient norm, forcing) of the last Newton step
     blocks_fit = f + 1 <= _MAX_BLOCK_SIZE
     # the moments at the start decide, and are the rank-one preconditioner's for the first step
     start_moments = moments = class_moments(in_low(q))
     preconditioner = block_preconditioner if blocks_fit and not penalty_is_strong(moments[2]) else rank_one_preconditioner
     for iteration in range(max_iter):
+        if dtype != full_dtype and tol_grad < max(grad_max, size) <= _FLOAT32_TOL_GRAD:
+            passes_in_full_precision()
+        if q.dtype != dtype:  # the passes' precision has just risen: the state again, in it
+            loss_value, grad, q, grad_max, size = evaluate(c)
         if max(grad_max, size) <= tol_grad:
             return (shift(c) / scale).to(theta.dtype), FitRecord(iteration, passes, loss_value, grad_max, True, "gradient below tolerance")
         if not math.isfinite(loss_value + grad_max):
@@ -438,7 +470,6 @@ def fit_multinomial_logistic(
         grad_norm = float(grad.norm())
         # CG's residual is about the next gradient; the stopping test reads it times scale too
         forcing = _forcing(grad_norm, previous, max(_MIN_FORCING, 0.5 * tol_grad / (grad_norm * largest_scale)))
-        previous = (grad_norm, forcing)
         loose = forcing >= _LOOSE_FORCING
         checked_from = c if preconditioner is rank_one_preconditioner and loose else None
         q_low = in_low(q)
@@ -447,8 +478,8 @@ def fit_multinomial_logistic(
         direction = newton_direction(q_low, grad, solve, forcing, checked_from)
         if direction is None:  # CG stalled by float32 round-off (or a long solve): again in full
             products_in_full_precision()
-            direction = newton_direction(q, grad, solve, forcing, checked_from)
-            assert direction is not None  # (full-precision CG always returns one)
+            continue
+        previous = (grad_norm, forcing)
         steps = products - products_before
         if preconditioner is rank_one_preconditioner and blocks_fit and steps >= 8 and steps > _RANK_ONE_STEPS_PER_DECADE * math.log10(1 / forcing):
             preconditioner = block_preconditioner  # (see _RANK_ONE_STEPS_PER_DECADE)
@@ -456,22 +487,26 @@ def fit_multinomial_logistic(
         slack = 1e-14 * max(1.0, abs(loss_value))  # the decrease near the optimum is round-off
         t = 1.0
         while t > 1e-10:
-            new_loss, new_grad, new_q = loss_grad(c + t * direction)
-            new_loss_value, new_grad_max, new_size = torch.stack([new_loss, (new_grad * scale).abs().max(), new_grad.abs().max()]).tolist()
+            new_loss_value, new_grad, new_q, new_grad_max, new_size = evaluate(c + t * direction)
             if new_loss_value <= loss_value + 1e-4 * t * slope + slack:
                 break
             t /= 2
         if t <= 1e-10 or (new_loss_value >= loss_value and new_grad_max >= grad_max):
-            if low != dtype:  # perhaps a direction spoilt by float32 round-off: again in full
+            if dtype != full_dtype:  # perhaps a step spoilt by float32 round-off: again in more precision
+                passes_in_full_precision()
+                continue
+            if low != full_dtype:
                 products_in_full_precision()
                 continue
             converged = grad_max <= 1e-6
             message = "no further decrease" if converged else "line search failed"
             return (shift(c) / scale).to(theta.dtype), FitRecord(iteration, passes, loss_value, grad_max, converged, message)
+        if t < 1 and dtype != full_dtype and -slope < 1e3 * torch.finfo(dtype).eps * abs(loss_value):
+            passes_in_full_precision()  # a short step that round-off may have cut (see _FLOAT32_TOL_GRAD)
         c, grad, q = c + t * direction, new_grad, new_q
         loss_value, grad_max, size = new_loss_value, new_grad_max, new_size
-        _log.debug("Newton-CG (%d x %d, K = %d) step %d: loss %.10f, max gradient %.1e, step length %g, %d passes, %.1f s",
-                   n, f, k, iteration + 1, loss_value, grad_max, t, passes, time.perf_counter() - started)
+        _log.debug("Newton-CG (%d x %d, K = %d) step %d on %s passes: loss %.10f, max gradient %.1e, step length %g, %d passes, %.1f s",
+                   n, f, k, iteration + 1, str(new_q.dtype).removeprefix("torch."), loss_value, grad_max, t, passes, time.perf_counter() - started)
     else:
         warnings.warn(f"Newton-CG did not converge in {max_iter} iterations", ConvergenceWarning, stacklevel=4)
         return (shift(c) / scale).to(theta.dtype), FitRecord(max_iter, passes, loss_value, grad_max, False, f"stopped at the iteration cap ({max_iter})")

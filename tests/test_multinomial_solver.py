@@ -205,6 +205,17 @@ def test_float32_passes_far_from_the_optimum_then_float64_ones(monkeypatch, capl
     assert record.converged and set(_pass_precisions(caplog)) == {"float32"}
     assert (theta - reference).abs().max() < 1e-2
 
+    # A float32 gradient that falls below a tighter tolerance (here 1e-3 -> 3e-6 in one step) is
+    # checked on a float64 pass: the record holds the float64 objective, not the float32 one
+    # (4e-9 below it here).
+    theta, record = fit_multinomial_logistic(
+        features, labels, torch.full((3000,), 1 / 3000, dtype=torch.float64), torch.eye(k, k + 1, dtype=torch.float64),
+        loose._penalty_weights(k), tol_grad=1e-5,
+    )
+    scores = features @ theta[:, :-1].T + theta[:, -1]
+    objective = torch.nn.functional.cross_entropy(scores, labels) + (loose._penalty_weights(k) * theta.square()).sum()
+    assert record.converged and record.loss == pytest.approx(float(objective), abs=1e-13)
+
 
 def test_a_short_step_on_float32_passes_ends_them(monkeypatch, caplog):
     """Here the float32 gradient's round-off (2e-4: large scores leave the softmax few digits)

@@ -459,7 +459,7 @@ def fit_multinomial_logistic(
     start_moments = moments = class_moments(in_low(q))
     preconditioner = block_preconditioner if blocks_fit and not penalty_is_strong(moments[2]) else rank_one_preconditioner
     for iteration in range(max_iter):
-        if dtype != full_dtype and tol_grad < max(grad_max, size) <= _FLOAT32_TOL_GRAD:
+        if dtype != full_dtype and tol_grad < _FLOAT32_TOL_GRAD and max(grad_max, size) <= _FLOAT32_TOL_GRAD:
             passes_in_full_precision()
         if q.dtype != dtype:  # the passes' precision has just risen: the state again, in it
             loss_value, grad, q, grad_max, size = evaluate(c)

@@ -231,6 +231,24 @@ def test_a_short_step_on_float32_passes_ends_them(monkeypatch, caplog):
     assert cal.fit_record_.converged and cal.fit_record_.grad_max < 1e-9 and cal.fit_record_.evaluations <= 40
 
 
+def test_tight_systems_on_float32_passes_sum_their_blocks_about_the_mean(real):
+    """The cross-validation's path fits lambda = 1e-3 from its 1e-2 fit, both to a gradient of
+    1e-4, so on float32 passes throughout. Blocks for its tight Newton systems summed from the
+    float32 rows as they are (not about their mean, as for loose systems) lost the small
+    eigenvalues of these nearly singular blocks to round-off: Cholesky failed even with the
+    stronger ridge, and the fit raised. Summed about the mean, they converge."""
+    d = real("cifar100_resnet20_ferrer")
+    features, labels = torch.log_softmax(torch.from_numpy(d["logits"]).double(), dim=1), torch.from_numpy(d["labels"])
+    n, k = features.shape
+    sample_w = torch.full((n,), 1 / n, dtype=torch.float64)
+    theta = torch.eye(k, k + 1, dtype=torch.float64)
+    for lam in (1e-2, 1e-3):
+        cal = torchcal.DirichletCalibration(reg="odir", reg_lambda=lam)
+        cal.reg_lambda_ = cal.reg_mu_ = lam
+        theta, record = fit_multinomial_logistic(features, labels, sample_w, theta, cal._penalty_weights(k), tol_grad=1e-4)
+        assert record.converged and record.grad_max < 1e-4
+
+
 def test_float32_passes_sum_their_losses_in_float64(real, monkeypatch):
     """With the float32 passes' losses summed in float32, the first fold fit at lambda = 1e4 of
     the CIFAR-100 VGG-19 cross-validation crawled at a gradient of 1.2e-4 for 20 Newton steps (449

@@ -108,8 +108,8 @@ _FLOAT32_CG_STEPS = 200
 #: on float64 passes). Where large scores leave the float32 softmax few digits, the gradient's
 #: round-off can exceed this tolerance: a step that the line search cuts short while its predicted
 #: decrease is near the float32 loss's round-off ends the float32 passes (a strong-penalty fit:
-#: 6,339 passes -> 25). Dir-ODIR on the ResNet-20 logits, lambda = 1e5 ... 1e-4: 15-23 % less
-#: time for about the same passes (1e-4: 714 -> 624 passes, 9.7 -> 7.8 s).
+#: 6,339 passes -> 25). Dir-ODIR on the ResNet-20 logits, lambda = 1e5 ... 1e-4: 6-25 % less time
+#: for about the same passes (1e-4: 714 -> 669 passes, 9.7 -> 7.7 s).
 _FLOAT32_TOL_GRAD = 1e-4
 
 
@@ -303,7 +303,7 @@ def fit_multinomial_logistic(
     def block_preconditioner(q: Tensor, q_low: Tensor, loose: bool) -> Callable[[Tensor], Tensor]:
         """Cholesky factors (K, D, D) of the per-class diagonal Hessian blocks, a few classes at
         a time, into one buffer reused by every Newton step (at K = 1,000 the factors are 8 GB),
-        from the posteriors ``q`` in full precision (not ``q_low``: see the comment at ``low``).
+        from the passes' posteriors ``q`` (not ``q_low``: see the comment at ``low``).
         The classes' rows are gathered into one buffer too: a fresh one of 64 MB (10,000 x 100)
         costs more in page faults than the copy itself.
 
@@ -313,7 +313,11 @@ def fit_multinomial_logistic(
         digits: a tenth to a fifth less time per fit at 10,000 x 100, the same passes. Near the
         optimum float32 sums would miss the small eigenvalues of nearly singular blocks that weak
         penalties leave (CIFAR-100 ResNet-20 at lambda = 1e-4: 611 -> 716 passes with float32
-        blocks throughout; 611 with them for loose systems only)."""
+        blocks throughout; 611 with them for loose systems only). On float32 passes every system
+        counts as loose here: float32 rows summed as they are lost the nearly singular blocks of
+        weak penalties to round-off (CIFAR-100 ResNet-20, lambda = 1e-3 from the 1e-2 fit:
+        Cholesky failed even with the stronger ridge), and float64 rows cost a tenth more time
+        in the cross-validation."""
         nonlocal factor, gathered
         source = x_low if loose else x
         curvature = w.unsqueeze(1) * q * (1 - q)  # (N, K)
@@ -473,7 +477,7 @@ def fit_multinomial_logistic(
         loose = forcing >= _LOOSE_FORCING
         checked_from = c if preconditioner is rank_one_preconditioner and loose else None
         q_low = in_low(q)
-        solve = preconditioner(q, q_low, loose)
+        solve = preconditioner(q, q_low, loose or dtype != full_dtype)  # (see block_preconditioner)
         products_before = products
         direction = newton_direction(q_low, grad, solve, forcing, checked_from)
         if direction is None:  # CG stalled by float32 round-off (or a long solve): again in full

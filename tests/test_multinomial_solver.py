@@ -249,6 +249,17 @@ def test_tight_systems_on_float32_passes_sum_their_blocks_about_the_mean(real):
         assert record.converged and record.grad_max < 1e-4
 
 
+def test_blocks_left_indefinite_by_round_off_get_a_stronger_ridge(real):
+    """Raw CIFAR-100 logits 100 times too large, matrix scaling at lambda = 1e-4: some blocks
+    summed from float32 rows had eigenvalues of -6e-9 times their largest, which the ridge of 1e-6
+    of the mean diagonal did not cover, and Cholesky raised. The ridge grows on the blocks that
+    fail until they factorise."""
+    d = real("cifar100_resnet20_ferrer")
+    logits, labels = 100 * torch.from_numpy(d["logits"][:1000]).double(), torch.from_numpy(d["labels"][:1000])
+    cal = torchcal.MatrixScaling(reg="odir", reg_lambda=1e-4).fit(logits, labels)
+    assert cal.fit_record_.converged and cal.fit_record_.grad_max < 1e-9
+
+
 def test_float32_passes_sum_their_losses_in_float64(real, monkeypatch):
     """With the float32 passes' losses summed in float32, the first fold fit at lambda = 1e4 of
     the CIFAR-100 VGG-19 cross-validation crawled at a gradient of 1.2e-4 for 20 Newton steps (449

@@ -354,9 +354,19 @@ def fit_multinomial_logistic(
             # curvature is tiny is not swamped by the others' (and a floor for all-zero blocks).
             diagonal += 1e-10 * diagonal + 1e-14 * diagonal.mean(1, keepdim=True) + 1e-300
             chol, info = torch.linalg.cholesky_ex(blocks)
-            if bool(info.any()):  # numerically indefinite: a stronger ridge
-                diagonal += 1e-6 * diagonal.mean(1, keepdim=True)
-                chol = torch.linalg.cholesky(blocks)
+            ridge = 1e-6
+            while bool(info.any()):
+                # numerically indefinite (the round-off of float32 rows): a stronger ridge on those
+                # blocks, relative to their largest diagonal entry (raw logits 100 times too large:
+                # eigenvalues of -6e-9 times the largest, below 1e-6 of the mean diagonal)
+                failed = info.nonzero().flatten()
+                retry = blocks[failed]
+                retry.diagonal(dim1=1, dim2=2).add_(ridge * retry.diagonal(dim1=1, dim2=2).amax(1, keepdim=True))
+                if ridge >= 1e-2:  # beyond round-off: torch's error says what is wrong
+                    chol[failed] = torch.linalg.cholesky(retry)
+                    break
+                chol[failed], info[failed] = torch.linalg.cholesky_ex(retry)
+                ridge *= 100
             factor[classes] = chol
 
         def solve(r: Tensor) -> Tensor:

@@ -260,6 +260,31 @@ def test_blocks_left_indefinite_by_round_off_get_a_stronger_ridge(real):
     assert cal.fit_record_.converged and cal.fit_record_.grad_max < 1e-9
 
 
+def test_a_loose_warm_started_fit_keeps_its_blocks(real, monkeypatch):
+    """A fit to ``_KEEP_BLOCKS_TOL_GRAD`` started from the fit at the next stronger penalty (as the
+    cross-validation's path does) forms its blocks once and keeps them while CG converges fast; a
+    tight fit forms them at every Newton step. Both reach their tolerance."""
+    logits, labels = _real_subset(real)
+    features = torch.log_softmax(logits, dim=1)
+    n, k = features.shape
+    sample_w = torch.full((n,), 1 / n, dtype=torch.float64)
+    cal = torchcal.DirichletCalibration(reg="odir", reg_lambda=1.0)
+    cal.reg_lambda_ = cal.reg_mu_ = 10.0
+    start, _ = fit_multinomial_logistic(features, labels, sample_w, torch.eye(k, k + 1, dtype=torch.float64), cal._penalty_weights(k))
+    cal.reg_lambda_ = cal.reg_mu_ = 1.0
+    factorisations = []
+    original = torch.linalg.cholesky_ex
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", lambda *args, **kwargs: factorisations.append(1) or original(*args, **kwargs))
+    records = {}
+    for tol in (torchcal.calibrators._multinomial._KEEP_BLOCKS_TOL_GRAD, 1e-9):
+        factorisations.clear()
+        _, records[tol] = fit_multinomial_logistic(features, labels, sample_w, start, cal._penalty_weights(k), tol_grad=tol)
+        assert records[tol].converged and records[tol].grad_max <= tol
+        records[tol] = (records[tol].iterations, len(factorisations))
+    (loose_steps, loose_formed), (tight_steps, tight_formed) = records.values()
+    assert loose_formed == 1 < loose_steps and tight_formed == tight_steps
+
+
 def test_float32_passes_sum_their_losses_in_float64(real, monkeypatch):
     """With the float32 passes' losses summed in float32, the first fold fit at lambda = 1e4 of
     the CIFAR-100 VGG-19 cross-validation crawled at a gradient of 1.2e-4 for 20 Newton steps (449

@@ -113,3 +113,32 @@ def test_secant_start_extrapolates_in_log_lambda_at_most_one_step():
     assert secant_start([(10.0, two)], 1.0) is None  # one fit: start from it
     assert secant_start([(100.0, one), (10.0, two)], 0.0) is None  # lambda = 0 is off the log scale
     assert secant_start([(10.0, one), (10.0, two)], 1.0) is None  # (lambda, mu) pairs of one lambda
+
+
+def test_the_warm_path_chains_the_starts_and_refits_near_ties_from_the_loose_fits():
+    """``cross_validate_warm_path`` hands every fold fit its start: nothing (the model's own
+    state) for the first fold at the first point, the previous fold's fit for the other folds
+    there, the fold's own last fit at the second point (``None``), the secant extrapolation from
+    the third on, and the loose fit itself for a near-tie's tight refit. It returns the folds'
+    mean parameters at the best point."""
+    from torchcal.fit import cross_validate_warm_path
+
+    strengths = [100.0, 10.0, 1.0, 1.0 + 1e-9]
+    # fold losses: point 1 is best, point 3 within the tie margin of it, point 2 well behind
+    point_loss = {0: 3.0, 1: 1.0, 2: 2.0, 3: 1.0 + 1e-6}
+    calls = []
+
+    def fit_fold(point, fold, start, tight):
+        calls.append((point, fold, None if start is None else start.tolist(), tight))
+        theta = torch.tensor([float(point), float(fold)]) + (0.5 if tight else 0.0)
+        return torch.tensor(point_loss[point], dtype=torch.float64), theta
+
+    losses, start = cross_validate_warm_path([0, 1, 2, 3], strengths, 2, fit_fold, 2, patience=5, tie=1e-4)
+    loose = {(p, f): s for p, f, s, tight in calls if not tight}
+    assert loose[0, 0] is None and loose[0, 1] == [0.0, 0.0]  # the first point: the previous fold's fit
+    assert loose[1, 0] is None and loose[1, 1] is None  # one fit before: the model's own last fit
+    assert loose[2, 0] == [2.0, 0.0] and loose[2, 1] == [2.0, 1.0]  # secant from (100, 10) to 1
+    refits = {(p, f): s for p, f, s, tight in calls if tight}
+    assert refits == {(1, 0): [1.0, 0.0], (1, 1): [1.0, 1.0], (3, 0): [3.0, 0.0], (3, 1): [3.0, 1.0]}
+    assert losses == pytest.approx([3.0, 1.0, 2.0, 1.0 + 1e-6])  # (2 samples: a fold loss each)
+    torch.testing.assert_close(start, torch.tensor([1.5, 1.0]))  # the best point's refits, averaged

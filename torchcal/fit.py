@@ -25,7 +25,10 @@ from torchcal.distributed import ProcessGroup, all_reduce_, validate_together
 if TYPE_CHECKING:
     from torchcal.calibrators.base import Calibrator
 
-__all__ = ["ConvergenceWarning", "FitRecord", "cross_validate", "cross_validate_path", "fold_indices", "minimize", "newton"]
+__all__ = [
+    "ConvergenceWarning", "FitRecord", "cross_validate", "cross_validate_path", "cross_validate_warm_path", "fold_indices",
+    "minimize", "newton",
+]
 
 
 _log = logging.getLogger(__name__)
@@ -458,6 +461,48 @@ def cross_validate_path(
             losses[point] = mean_of(torch.stack([refine(point, fold).to(torch.float64) for fold in range(num_folds)]).sum())
             _log.info("regularisation path: %s within %g of the best, fitted again tightly: out-of-fold loss %.6f", names[point], tie, losses[point])
     return losses
+
+
+def cross_validate_warm_path(
+    order: Sequence[int],
+    strengths: Sequence[float],
+    num_folds: int,
+    fit_fold: Callable[[int, int, Tensor | None, bool], tuple[Tensor, Tensor]],
+    num_samples: int,
+    process_group: ProcessGroup | None = None,
+    patience: int = 2,
+    point_names: Sequence[str] | None = None,
+    tie: float = 1e-4,
+) -> tuple[list[float], Tensor]:
+    """:func:`cross_validate_path` for calibrators whose fold fits warm-start one another.
+
+    ``fit_fold(point, fold, start, tight)`` fits fold ``fold``'s model at grid point ``point``
+    from the parameters ``start`` (from its own last fit where ``None``), loosely for selection
+    or, with ``tight``, to the tolerance that settles a near-tie, and returns the summed loss over
+    the fold's test samples (a scalar tensor) and the fitted parameters. The starts: the fold's
+    fits at the points before, extrapolated in ``strengths`` (the lambda of every grid point; see
+    :func:`secant_start`); at the fold's first point, the previous fold's fit there (the training
+    sets share most of their samples); for a tight refit, the loose fit it refines.
+
+    Returns:
+        The out-of-fold losses of :func:`cross_validate_path`, and the folds' mean parameters at
+        the best point: a start for the final fit, near its optimum.
+    """
+    fits: dict[int, dict[int, Tensor]] = {}  # grid point -> fold -> parameters, in the order visited
+
+    def fold_loss(point: int, fold: int) -> Tensor:
+        path = [(strengths[p], thetas[fold]) for p, thetas in fits.items() if fold in thetas]
+        start = secant_start(path, strengths[point]) if path else fits.get(point, {}).get(fold - 1)
+        loss, fits.setdefault(point, {})[fold] = fit_fold(point, fold, start, False)
+        return loss
+
+    def refined_loss(point: int, fold: int) -> Tensor:
+        loss, fits[point][fold] = fit_fold(point, fold, fits[point][fold], True)
+        return loss
+
+    losses = cross_validate_path(order, num_folds, fold_loss, num_samples, process_group, patience, point_names, refined_loss, tie)
+    best = min(range(len(losses)), key=losses.__getitem__)
+    return losses, torch.stack(list(fits[best].values())).mean(0)
 
 
 def secant_start(fits: Sequence[tuple[float, Tensor]], lam: float) -> Tensor | None:

@@ -16,7 +16,7 @@ from torchcal.calibrators._multinomial import fit_multinomial_logistic
 from torchcal.calibrators.base import Calibrator, sample_weights
 from torchcal.calibrators.temperature import inverse_temperature_start
 from torchcal.distributed import all_reduce_
-from torchcal.fit import FitRecord, cross_validate_path, fold_indices, secant_start
+from torchcal.fit import FitRecord, cross_validate_warm_path, fold_indices
 from torchcal.functional.scoring import PER_SAMPLE_SCORES, weighted_mean
 
 __all__ = ["DEFAULT_REG_GRID", "DirichletCalibration", "MatrixScaling"]
@@ -222,14 +222,11 @@ class MatrixScaling(Calibrator):
 
     def _cross_validate_grid(self, features, labels, weights, loss, max_iter, process_group=None) -> tuple[list[float], Tensor]:
         """Out-of-fold loss of every grid point along the warm-started path of
-        :func:`~torchcal.fit.cross_validate_path` (``inf`` for the points it abandoned), and the
-        folds' mean ``[W | b]`` at the best point (a start for the final fit).
+        :func:`~torchcal.fit.cross_validate_warm_path` (``inf`` for the points it abandoned), and
+        the folds' mean ``[W | b]`` at the best point (a start for the final fit).
 
-        At the first point every fold starts from the previous fold's fit (the training sets
-        share most samples), later from its own fits along the path
-        (:func:`~torchcal.fit.secant_start`). Fits are solved to a gradient of ``_CV_TOL_GRAD``:
-        the selection only compares losses, and near-ties are fitted again to
-        ``_CV_TIE_TOL_GRAD``; the final fit is tight.
+        Fits are solved to a gradient of ``_CV_TOL_GRAD``: the selection only compares losses, and
+        near-ties are fitted again to ``_CV_TIE_TOL_GRAD``; the final fit is tight.
         """
         order = sorted(range(len(self.reg_grid)), key=lambda i: tuple(-v for v in self.reg_grid[i]))
         per_sample = PER_SAMPLE_SCORES[loss]
@@ -240,35 +237,20 @@ class MatrixScaling(Calibrator):
             train[test] = False
             folds.append((features[train], labels[train], features[test], labels[test], copy.deepcopy(self)))
 
-        fits: dict[int, dict[int, Tensor]] = {}  # grid point -> fold -> [W | b], in the order visited
-
-        def fitted_loss(point: int, fold: int, tol_grad: float) -> Tensor:
+        def fit_fold(point: int, fold: int, start: Tensor | None, tight: bool) -> tuple[Tensor, Tensor]:
             train_x, train_y, test_x, test_y, model = folds[fold]
             model.reg_lambda_, model.reg_mu_ = self.reg_grid[point]
+            if start is not None:
+                model._set_theta(start)
+            tol_grad = _CV_TIE_TOL_GRAD if tight else _CV_TOL_GRAD
             model._fit_fixed_penalty(train_x, train_y, weights, loss, max_iter, process_group, tol_grad=tol_grad)
-            fits.setdefault(point, {})[fold] = model._theta()
             with torch.no_grad():
                 log_probs = torch.log_softmax(model._scores(test_x), dim=1)
-                return weighted_mean(per_sample(log_probs, test_y), test_y, weights) * test_y.numel()
-
-        def fold_loss(point: int, fold: int) -> Tensor:
-            model = folds[fold][-1]
-            path = [(self.reg_grid[p][0], thetas[fold]) for p, thetas in fits.items() if fold in thetas]
-            if point == order[0] and fold > 0:
-                model.load_state_dict(folds[fold - 1][-1].state_dict())
-            elif (start := secant_start(path, self.reg_grid[point][0])) is not None:
-                model._set_theta(start)
-            return fitted_loss(point, fold, _CV_TOL_GRAD)
-
-        def refined_loss(point: int, fold: int) -> Tensor:
-            folds[fold][-1]._set_theta(fits[point][fold])
-            return fitted_loss(point, fold, _CV_TIE_TOL_GRAD)
+                return weighted_mean(per_sample(log_probs, test_y), test_y, weights) * test_y.numel(), model._theta()
 
         names = [f"{type(self).__name__} lambda = {lam:g}, mu = {mu:g}" for lam, mu in self.reg_grid]
-        losses = cross_validate_path(order, len(folds), fold_loss, labels.shape[0], process_group, _CV_PATIENCE,
-                                     point_names=names, refine=refined_loss, tie=_CV_TIE)
-        best = min(range(len(losses)), key=losses.__getitem__)
-        return losses, torch.stack(list(fits[best].values())).mean(0)
+        return cross_validate_warm_path(order, [lam for lam, _ in self.reg_grid], len(folds), fit_fold, labels.shape[0],
+                                        process_group, _CV_PATIENCE, point_names=names, tie=_CV_TIE)
 
     def get_extra_state(self):
         return {**super().get_extra_state(), "reg": self.reg, "reg_lambda_": self.reg_lambda_, "reg_mu_": self.reg_mu_,

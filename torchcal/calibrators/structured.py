@@ -41,7 +41,7 @@ from torchcal.calibrators._linear import LinearDesign, fit_linear_newton
 from torchcal.calibrators.base import Calibrator, sample_weights
 from torchcal.calibrators.temperature import fit_inverse_temperature
 from torchcal.distributed import ProcessGroup, all_reduce_, world_size
-from torchcal.fit import ConvergenceWarning, FitRecord, cross_validate_path, fold_indices, minimize, secant_start
+from torchcal.fit import ConvergenceWarning, FitRecord, cross_validate_warm_path, fold_indices, minimize
 from torchcal.functional.scoring import PER_SAMPLE_SCORES, weighted_mean
 
 __all__ = ["DEFAULT_LAMBDA_GRID", "QuadraticScaling", "StructuredMatrixScaling", "StructuredVectorScaling"]
@@ -298,8 +298,8 @@ class _StructuredScaling(Calibrator):
 
     def _cross_validate(self, log_probs, labels, weights, loss, max_iter, process_group=None) -> tuple[list[float], Tensor]:
         """Out-of-fold loss of every lambda of the grid along the warm-started path of
-        :func:`~torchcal.fit.cross_validate_path` (``inf`` for the points it abandoned), and the
-        folds' mean deviation ``theta`` at the best lambda (a start for the final fit). Selection
+        :func:`~torchcal.fit.cross_validate_warm_path` (``inf`` for the points it abandoned), and
+        the folds' mean deviation ``theta`` at the best lambda (a start for the final fit). Selection
         fits stop at ``_SELECTION_TOL_CHANGE`` (float32 passes), near-ties are fitted again to
         ``_TIE_TOL_CHANGE``. The ts-mix step is refitted on every training fold, as it is part of
         the calibrator."""
@@ -314,34 +314,21 @@ class _StructuredScaling(Calibrator):
             x_train = model._fit_ts_mix(log_probs[train], labels[train], weights, process_group)
             folds.append((model, x_train, labels[train], model._design(model._ts_mix(log_probs[test])), labels[test]))
 
-        fits: dict[int, dict[int, Tensor]] = {}  # grid point -> fold -> theta, in the order visited
-
-        def fitted_loss(point: int, fold: int, tol_change: float) -> Tensor:
+        def fit_fold(point: int, fold: int, start: Tensor | None, tight: bool) -> tuple[Tensor, Tensor]:
             model, x_train, y_train, design_test, y_test = folds[fold]
+            if start is not None:
+                with torch.no_grad():
+                    model._set_theta(start)
+            tol_change = _TIE_TOL_CHANGE if tight else _SELECTION_TOL_CHANGE
             model._fit_map(x_train, y_train, weights, loss, max_iter, self.reg_grid[point], process_group, tol_change)
-            fits.setdefault(point, {})[fold] = model._theta().detach()
             with torch.no_grad():
                 log_q = torch.log_softmax(model._map_theta(design_test, model._theta()), dim=1)
-                return weighted_mean(per_sample(log_q, y_test), y_test, weights) * y_test.numel()
-
-        def fold_loss(point: int, fold: int) -> Tensor:
-            path = [(self.reg_grid[p], thetas[fold]) for p, thetas in fits.items() if fold in thetas]
-            if (start := secant_start(path, self.reg_grid[point])) is not None:
-                with torch.no_grad():
-                    folds[fold][0]._set_theta(start)
-            return fitted_loss(point, fold, _SELECTION_TOL_CHANGE)
-
-        def refined_loss(point: int, fold: int) -> Tensor:
-            with torch.no_grad():
-                folds[fold][0]._set_theta(fits[point][fold])
-            return fitted_loss(point, fold, _TIE_TOL_CHANGE)
+                return weighted_mean(per_sample(log_q, y_test), y_test, weights) * y_test.numel(), model._theta().detach()
 
         order = sorted(range(len(self.reg_grid)), key=lambda i: -self.reg_grid[i])
         names = [f"{type(self).__name__} lambda = {lam:g}" for lam in self.reg_grid]
-        losses = cross_validate_path(order, len(folds), fold_loss, labels.shape[0], process_group, _CV_PATIENCE,
-                                     point_names=names, refine=refined_loss, tie=_CV_TIE)
-        best = min(range(len(losses)), key=losses.__getitem__)
-        return losses, torch.stack(list(fits[best].values())).mean(0)
+        return cross_validate_warm_path(order, self.reg_grid, len(folds), fit_fold, labels.shape[0], process_group,
+                                        _CV_PATIENCE, point_names=names, tie=_CV_TIE)
 
     # --------------------------------------------------------------------------- state
     def get_extra_state(self):

@@ -477,9 +477,10 @@ def cross_validate_warm_path(
     """:func:`cross_validate_path` for calibrators whose fold fits warm-start one another.
 
     ``fit_fold(point, fold, start, tight)`` fits fold ``fold``'s model at grid point ``point``
-    from the parameters ``start`` (from its own last fit where ``None``), loosely for selection
-    or, with ``tight``, to the tolerance that settles a near-tie, and returns the summed loss over
-    the fold's test samples (a scalar tensor) and the fitted parameters. The starts: the fold's
+    from the parameters ``start`` (where ``None``, from the model's own: its last fit, or its
+    starting point), loosely for selection or, with ``tight``, to the tolerance that settles a
+    near-tie, and returns the summed loss over the fold's test samples (a scalar tensor) and the
+    fitted parameters. The starts: the fold's
     fits at the points before, extrapolated in ``strengths`` (the lambda of every grid point; see
     :func:`secant_start`); at the fold's first point, the previous fold's fit there (the training
     sets share most of their samples); for a tight refit, the loose fit it refines.

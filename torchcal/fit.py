@@ -480,10 +480,10 @@ def cross_validate_warm_path(
     from the parameters ``start`` (where ``None``, from the model's own: its last fit, or its
     starting point), loosely for selection or, with ``tight``, to the tolerance that settles a
     near-tie, and returns the summed loss over the fold's test samples (a scalar tensor) and the
-    fitted parameters. The starts: the fold's
-    fits at the points before, extrapolated in ``strengths`` (the lambda of every grid point; see
-    :func:`secant_start`); at the fold's first point, the previous fold's fit there (the training
-    sets share most of their samples); for a tight refit, the loose fit it refines.
+    fitted parameters. The starts: the fold's fits at the points before, extrapolated in
+    ``strengths`` (the lambda of every grid point; see :func:`secant_start`); at the fold's first
+    point, the previous fold's fit there (the training sets share most of their samples); for a
+    tight refit, the loose fit it refines.
 
     Returns:
         The out-of-fold losses of :func:`cross_validate_path`, and the folds' mean parameters at

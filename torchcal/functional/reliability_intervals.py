@@ -138,8 +138,11 @@ def consistency_bands(
         sums = torch.zeros(3, draws.shape[0], n_bins, dtype=torch.float64, device=scores.device)
         for total, value in zip(sums, (torch.ones_like(surrogate), surrogate, outcome)):
             total.scatter_add_(1, keys, value)
-        deviation = (sums[2] - sums[1]) / sums[0]  # NaN where a resample leaves the bin empty
-        deviations.append(deviation)
+        # NaN where a resample leaves the bin empty: a positive NaN, not 0 / 0's, whose sign bit
+        # CUDA's sort puts before the numbers, against what nanquantile assumes (pytorch#190781;
+        # on an H200 with torch 2.11 a band's end moved from 1 to 0)
+        empty = torch.tensor(float("nan"), dtype=torch.float64, device=scores.device)
+        deviations.append(torch.where(sums[0] > 0, (sums[2] - sums[1]) / sums[0].clamp_min(1), empty))
     alpha = (1 - confidence) / 2
     levels = torch.tensor([alpha, 1 - alpha], dtype=torch.float64, device=scores.device)
     lower, upper = torch.nanquantile(torch.cat(deviations), levels, dim=0)

@@ -48,13 +48,20 @@ STATISTICS = {
 }
 
 
+#: The smoothed curve is a ratio of two smoothed densities. Where the density is a millionth of its
+#: peak (6e4 at confidence 1 on ResNet-110), the smoothing's round-off (1e-16 of the peak) becomes
+#: 1e-9 to 1e-8 of the curve: a relative 1e-15 change of the float64 logits moves the band by 3.5e-8
+#: on the CPU alone; the H200 differed from the CPU by 5e-8.
+ATOL = {"curve": 1e-6}
+
+
 @pytest.mark.parametrize("name", STATISTICS)
 def test_statistics_agree_with_the_cpu(name):
     scores = load_scores(EXAMPLE_PATH)
     cpu = STATISTICS[name](scores.logits, scores.labels)
     gpu = STATISTICS[name](scores.logits.to(CUDA), scores.labels.to(CUDA))
     assert gpu.device.type == "cuda"
-    torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-6, atol=1e-9, equal_nan=True)
+    torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-6, atol=ATOL.get(name, 1e-9), equal_nan=True)
 
 
 def test_detection_and_streaming_smooth_ece_on_the_gpu():

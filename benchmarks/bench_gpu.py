@@ -10,7 +10,15 @@ by the recipe of ``bench_common.make_data``: latent ``z ~ 3 N(0, 1)``, labels dr
   the reached objective (float64) and the bytes the solver must read (one pass per evaluation).
 - ``fits``: the 50,000 x 100 affine, vector, matrix and Dirichlet-ODIR fits of ``bench_fit.py``.
 - ``dirichlet``: Dirichlet-ODIR (lambda = mu = 1e-3, the normalised ODIR of ``bench_fit.py``) on
-  100,000 x 1,000: 1,001,000 parameters.
+  100,000 x 1,000: 1,001,000 parameters; time, Newton steps, passes, host syncs, peak memory.
+- ``dirichlet-cv``: the default Dirichlet-ODIR fit (lambda cross-validated over ``--reg-grid``, by
+  default the default grid) on the same data, then a fixed fit at the chosen lambda (``--verbose``
+  logs the regularisation path as it goes).
+- ``structured``: SVS / SMS at lambda = 1 on 10,000 x K (``--structured-k``, the seeded data of
+  ``bench_structured.py``) on the GPU, against probmetrics and torchcal on the machine's CPU.
+- ``real``: the default cross-validated Dir-ODIR, MS-ODIR, SVS and SMS fits on the real CIFAR-100
+  logits (``TORCHCAL_REAL_DATA`` or ``../shared/data/real``) on the GPU, against the same fits on
+  the CPU: time, host syncs, chosen lambda, the CV / fixed-lambda ratio.
 - ``metrics``: cross-entropy + Brier + ECE streamed over 1,000,000 x 1,000 in batches of 10,000
   and of 100,000 rows: torchcal's fused ``PosteriorQuality`` against torchmetrics' ``MulticlassCalibrationError``.
 - ``syncs``: host synchronisations per solver iteration and per metric update, counted by
@@ -21,6 +29,7 @@ Times are medians of ``--repeat`` runs after a warm-up, bracketed by ``torch.cud
 Usage (on a machine with a GPU):
     python benchmarks/bench_gpu.py                       # every section, full size
     python benchmarks/bench_gpu.py --scale 0.1 --repeat 1 --sections temperature metrics
+    python benchmarks/bench_gpu.py --sections real structured dirichlet dirichlet-cv --verbose
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from bench_temperature import gpleiss
 
 import torchcal
 from tests.sync_count import count_host_syncs
+from torchcal.calibrators.matrix import DEFAULT_REG_GRID
 from torchcal.metrics import PosteriorQuality
 
 DEVICE = torch.device("cuda")
@@ -162,33 +172,130 @@ def section_fits(args) -> None:
     table(f"fits, {logits.shape[0]:,} x 100 float32 on the GPU", ["calibrator", "median s", "evaluations", "objective", "max |grad|"], rows)
 
 
-def section_dirichlet(args) -> None:
+def fit_counted(make: Callable[[], torch.nn.Module], logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, int, object]:
+    """Seconds and host synchronisations of one fit (no warm-up; counted while timed), and the model."""
+    holder = []
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        syncs = count_host_syncs(lambda: holder.append(make().fit(logits, labels)))
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, syncs, holder[0]
+
+
+def section_dirichlet(args, cross_validate: bool = False) -> None:
+    """Dirichlet-ODIR on 100,000 x 1,000 at lambda = mu = 1e-3, or (``cross_validate``) the default
+    fit, which cross-validates lambda over the default grid, then a fixed fit at the chosen lambda."""
     n, k = int(100_000 * args.scale), 1000
     logits, labels = make_data(n, k)
-    problem = dirichlet_odir(1e-3, 1e-3)
     rows = []
 
-    def fit():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return torchcal.DirichletCalibration(reg="odir", reg_lambda=1e-3, reg_mu=1e-3).fit(logits, labels)
-
-    torch.cuda.reset_peak_memory_stats()
-    try:
-        seconds, model = timed(fit, 1, warm_up=False)  # tens of seconds: kernels' first-call costs are noise
-    except torch.OutOfMemoryError as error:
-        rows.append(["torchcal DirichletCalibration", "out of memory", "", "", "", "", str(error)[:60]])
-    else:
+    def run(name: str, make: Callable[[], torch.nn.Module]) -> object | None:
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            seconds, syncs, model = fit_counted(make, logits, labels)  # tens of seconds: first-call costs are noise
+        except torch.OutOfMemoryError as error:
+            rows.append([name, "out of memory", "", "", "", "", "", "", str(error)[:60]])
+            return None
         theta = torch.cat([model.weight, model.bias.unsqueeze(1)], 1)
-        loss, grad = problem.evaluate(theta, logits, labels)
+        loss, grad = dirichlet_odir(model.reg_lambda_, model.reg_mu_).evaluate(theta, logits, labels)
         r = model.fit_record_
-        rows.append(["torchcal DirichletCalibration (Newton-CG)", f"{seconds:.2f}", f"{r.iterations}/{r.evaluations}", f"{loss:.10f}",
+        rows.append([name, f"{seconds:.2f}", f"{model.reg_lambda_:g}", f"{r.iterations}/{r.evaluations}", str(syncs), f"{loss:.10f}",
                      f"{grad:.1e}", str(r.converged), f"{torch.cuda.max_memory_allocated() / GB:.1f}"])
-        print(rows[-1], flush=True)
+        print(rows[-1], model.cv_losses_ or "", flush=True)
+        return model
+
+    if not cross_validate:
+        run("lambda = mu = 1e-3", lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=1e-3, reg_mu=1e-3))
+    elif (model := run(f"lambda cross-validated over {args.reg_grid or 'the default grid'}",
+                       lambda: torchcal.DirichletCalibration(reg="odir", reg_grid=args.reg_grid or DEFAULT_REG_GRID))) is not None:
+        lam, mu = model.reg_lambda_, model.reg_mu_
+        run("fixed at the chosen lambda", lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=lam, reg_mu=mu))
     table(f"Dirichlet-ODIR, {n:,} x {k:,} ({k * (k + 1):,} parameters)",
-          ["row", "s", "Newton iterations/passes", "objective", "max |grad|", "converged", "peak GB"], rows)
+          ["fit", "s", "lambda", "Newton steps/passes (final fit)", "host syncs", "objective", "max |grad|", "converged", "peak GB"], rows)
     del logits, labels
     torch.cuda.empty_cache()
+
+
+def section_real(args) -> None:
+    """The default cross-validated fits on the real CIFAR-100 logits (10,000 x 100), on the GPU:
+    time, host syncs and the chosen lambda; the fixed fit at that lambda for the ratio; the same
+    default fit on this machine's CPU for the selection and the parameters."""
+    import numpy as np
+    from bench_structured import REAL as real
+
+    families = {
+        "Dir-ODIR": (torchcal.DirichletCalibration, {"reg": "odir"}),
+        "MS-ODIR": (torchcal.MatrixScaling, {"reg": "odir"}),
+        "SVS": (torchcal.StructuredVectorScaling, {}),
+        "SMS": (torchcal.StructuredMatrixScaling, {}),
+    }
+    rows = []
+    for file in ("cifar100_resnet20_ferrer", "cifar100_vgg19bn_ferrer", "cifar100_repvgg-a2_ferrer", "cifar100_lenet5_netcal"):
+        if not (real / f"{file}.npz").exists():
+            print(f"{file}: not found in {real}")
+            continue
+        with np.load(real / f"{file}.npz") as d:
+            cpu_logits, cpu_labels = torch.from_numpy(d["logits"]).float(), torch.from_numpy(d["labels"]).long()
+        logits, labels = cpu_logits.to(DEVICE), cpu_labels.to(DEVICE)
+        for family, (cls, kwargs) in families.items():
+            if family not in args.families:
+                continue
+            if not rows:
+                cls(**kwargs, reg_lambda=1.0).fit(logits, labels)  # warm-up: kernels' first calls
+            seconds, syncs, model = fit_counted(lambda: cls(**kwargs), logits, labels)
+            fixed = {"reg_lambda": model.reg_lambda_} | ({"reg_mu": model.reg_mu_} if "reg" in kwargs else {})
+            fixed_seconds, _, _ = fit_counted(lambda: cls(**kwargs, **fixed), logits, labels)
+            start = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                on_cpu = cls(**kwargs).fit(cpu_logits, cpu_labels)
+            cpu_seconds = time.perf_counter() - start
+            same = on_cpu.reg_lambda_ == model.reg_lambda_
+            diff = max((a.detach().cpu() - b.detach()).abs().max().item() for a, b in zip(model.parameters(), on_cpu.parameters()))
+            test = -torch.log_softmax(model(logits).double(), 1)[torch.arange(len(labels)), labels].mean().item()
+            rows.append([f"{file} {family}", f"{seconds:.2f}", str(syncs), f"{fixed_seconds:.3f}", f"{seconds / fixed_seconds:.1f}x",
+                         f"{model.reg_lambda_:g}", f"{cpu_seconds:.2f} ({torch.get_num_threads()} threads)", "yes" if same else f"no ({on_cpu.reg_lambda_:g})",
+                         f"{diff:.1e}", f"{test:.6f}"])
+            print(rows[-1], flush=True)
+    table("default cross-validated fits on the real CIFAR-100 logits (10,000 x 100), GPU against this machine's CPU",
+          ["set / family", "GPU s", "host syncs", "GPU fixed-lambda s", "CV / fixed", "lambda", "CPU s", "same lambda on CPU", "max |param diff|", "training log-loss"], rows)
+
+
+def section_structured(args) -> None:
+    """SVS / SMS at lambda = 1 (``bench_structured.py``'s rows, same seeded data) on the GPU, against
+    probmetrics and torchcal on this machine's CPU (all threads), with the reached objective."""
+    import bench_structured
+    from bench_common import make_data as make_cpu_data
+
+    rows = []
+    for k in args.structured_k:
+        n = 10_000
+        cpu_logits, cpu_labels = make_cpu_data(n, k)
+        logits, labels = cpu_logits.to(DEVICE), cpu_labels.to(DEVICE)
+        problems = bench_structured._problems(n)
+        for name in ("svs", "sms") if k <= 100 else ("sms",):
+            repeat = args.repeat if k <= 100 else 1
+            candidates = [("torchcal GPU", lambda: bench_structured.torchcal_fit(name)(logits, labels), True),
+                          ("torchcal CPU", lambda: bench_structured.torchcal_fit(name)(cpu_logits, cpu_labels), False),
+                          ("probmetrics CPU", lambda: bench_structured.probmetrics_fit(name)(cpu_logits, cpu_labels), False)]
+            times = {}
+            for row, run, gpu in candidates:
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        times[row], theta = timed(run, repeat, warm_up=gpu or k <= 100)
+                except ImportError as error:
+                    rows.append([f"{n:,} x {k} {name}", row, "not installed", "", "", str(error)[:50]])
+                    continue
+                loss, grad = problems[name].evaluate(theta.detach().cpu(), cpu_logits, cpu_labels)
+                rows.append([f"{n:,} x {k} {name}", row, f"{times[row]:.3f}", "", f"{loss:.10f}", f"{grad:.1e}"])
+            for row in rows[-len(times):]:
+                row[3] = f"{times[row[1]] / times['torchcal GPU']:.1f}x" if "torchcal GPU" in times else ""
+            print(*rows[-len(times):], sep="\n", flush=True)
+    table("SVS / SMS (lambda = 1): torchcal on the GPU against probmetrics and torchcal on the CPU (all threads)",
+          ["problem", "row", "median s", "x torchcal GPU time", "objective", "max |grad|"], rows)
 
 
 def section_metrics(args, ceiling: float) -> None:
@@ -276,8 +383,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of the default sizes")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--sections", nargs="+", default=["copy", "temperature", "metrics", "syncs", "fits", "dirichlet"])
+    parser.add_argument("--sections", nargs="+", default=["copy", "temperature", "metrics", "syncs", "fits", "dirichlet", "structured", "real", "dirichlet-cv"])
+    parser.add_argument("--families", nargs="+", default=["Dir-ODIR", "MS-ODIR", "SVS", "SMS"], help="families of the real section")
+    parser.add_argument("--structured-k", nargs="+", type=int, default=[10, 100, 1000], help="K of the structured section")
+    parser.add_argument("--reg-grid", nargs="+", type=float, help="lambdas of the dirichlet-cv section (default: the default grid)")
+    parser.add_argument("--verbose", action="store_true", help="log the regularisation paths and Newton steps")
     args = parser.parse_args()
+    if args.verbose:
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
     if not torch.cuda.is_available():
         sys.exit("bench_gpu.py needs a CUDA device.")
     props = torch.cuda.get_device_properties(DEVICE)
@@ -289,6 +404,12 @@ def main() -> None:
             section_temperature(args, ceiling)
         elif name == "dirichlet":
             section_dirichlet(args)
+        elif name == "dirichlet-cv":
+            section_dirichlet(args, cross_validate=True)
+        elif name == "real":
+            section_real(args)
+        elif name == "structured":
+            section_structured(args)
         elif name == "fits":
             section_fits(args)
         elif name == "metrics":

@@ -133,7 +133,7 @@ def test_the_warm_path_chains_the_starts_and_refits_near_ties_from_the_loose_fit
         theta = torch.tensor([float(point), float(fold)]) + (0.5 if tight else 0.0)
         return torch.tensor(point_loss[point], dtype=torch.float64), theta
 
-    losses, start = cross_validate_warm_path([0, 1, 2, 3], strengths, 2, fit_fold, 2, patience=5, tie=1e-4)
+    losses, start = cross_validate_warm_path([0, 1, 2, 3], strengths, 2, fit_fold, 2, patience=5, tie=1e-4, race=None)
     loose = {(p, f): s for p, f, s, tight in calls if not tight}
     assert loose[0, 0] is None and loose[0, 1] == [0.0, 0.0]  # the first point: the previous fold's fit
     assert loose[1, 0] is None and loose[1, 1] is None  # one fit before: the model's own last fit
@@ -142,3 +142,29 @@ def test_the_warm_path_chains_the_starts_and_refits_near_ties_from_the_loose_fit
     assert refits == {(1, 0): [1.0, 0.0], (1, 1): [1.0, 1.0], (3, 0): [3.0, 0.0], (3, 1): [3.0, 1.0]}
     assert losses == pytest.approx([3.0, 1.0, 2.0, 1.0 + 1e-6])  # (2 samples: a fold loss each)
     torch.testing.assert_close(start, torch.tensor([1.5, 1.0]))  # the best point's refits, averaged
+
+
+def test_the_path_races_a_point_behind_the_best_on_the_same_folds(caplog):
+    """A point whose loss on its first folds exceeds the best point's on the same folds by more
+    than ``race / sqrt(n)`` (n: their test samples) is abandoned there; one inside that margin, or
+    any point with ``race=None`` that could still win, is fitted on every fold."""
+    from torchcal.fit import cross_validate_path
+
+    # 5 folds of 100 test samples, summed losses; point 0 is the best (mean 1.0)
+    fold_losses = {0: [100.0] * 5, 1: [104.0, 90.0, 90.0, 90.0, 90.0], 2: [106.0] * 5, 3: [102.0] * 5}
+    fitted = []
+
+    def fold_loss(point, fold):
+        fitted.append((point, fold))
+        return torch.tensor(fold_losses[point][fold], dtype=torch.float64)
+
+    # the margin after one fold: 0.5 / sqrt(100) = 5 %; after two 3.5 %, after four 2.5 %
+    with caplog.at_level(logging.INFO, logger="torchcal.fit"):
+        losses = cross_validate_path([0, 2, 3, 1], 5, fold_loss, 500, patience=5)
+    assert [f for p, f in fitted if p == 2] == [0] and losses[2] == math.inf  # 6 % behind after one fold
+    assert "grid point 2 abandoned after 1 of 5 folds (0.212000 on them against the best's 0.200000)" in caplog.text
+    assert [f for p, f in fitted if p == 3] == [0, 1, 2, 3, 4] and losses[3] == pytest.approx(1.02)  # 2 %: inside
+    assert [f for p, f in fitted if p == 1] == [0, 1, 2, 3, 4] and losses[1] == pytest.approx(0.928)  # 4 %, then ahead
+    fitted.clear()
+    losses = cross_validate_path([0, 2, 3, 1], 5, fold_loss, 500, patience=5, race=None)
+    assert losses == pytest.approx([1.0, 0.928, 1.06, 1.02])  # the bound alone rules nothing out here

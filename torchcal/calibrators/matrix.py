@@ -69,8 +69,9 @@ class MatrixScaling(Calibrator):
 
     After fitting, ``reg_lambda_`` / ``reg_mu_`` hold the strengths used and ``cv_losses_`` the
     cross-validated loss of every grid point; ``inf`` marks the points abandoned once they could no
-    longer win, and the weak penalties not tried because the loss had risen at two consecutive
-    points past its best.
+    longer win or trailed the best on the same folds by more than their noise
+    (:func:`~torchcal.fit.cross_validate_path`), and the weak penalties not tried because the loss
+    had risen at two consecutive points past its best.
 
     Example:
         >>> import torch

@@ -429,9 +429,9 @@ def cross_validate_path(
             (relative) of the best are evaluated again with it, every fold, and those losses
             decide: a near-tie is not settled by the loose fits' error.
         race: ``None`` to abandon only the points that cannot win. On the four CIFAR-100 sets of
-            ../shared/data/real and the synthetic benchmark (Dir- and MS-ODIR), the paired excess
-            of the points that ended within 1 % of the best never passed 0.4 % after any fold;
-            the points it abandons were 2-33 % worse after their first fold.
+            ../shared/data/real and the synthetic benchmark (Dir- and MS-ODIR), the points that
+            ended within 0.6 % of the best trailed it by at most 0.6 % after any fold; those it
+            abandons trailed by 1.6-34 % after their first fold (benchmarks/README.md).
 
     Returns:
         The mean out-of-fold loss of every grid point (``inf`` where abandoned or not visited).

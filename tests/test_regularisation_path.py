@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import torchcal
-from torchcal.calibrators.matrix import _CV_TIE
+from torchcal.fit import _TIE
 from torchcal.functional import cross_entropy
 
 
@@ -34,7 +34,7 @@ def _check_same_selection(make, logits, labels):
     assert grid.index(best) in tried
     for i in tried:  # the selection tolerance (gradient 1e-4) moves the out-of-fold losses by up to ~3e-5
         assert path.cv_losses_[i] == pytest.approx(losses[i], rel=1e-4)
-    near_ties = [i for i in tried if path.cv_losses_[i] <= min(path.cv_losses_) * (1 + _CV_TIE)]
+    near_ties = [i for i in tried if path.cv_losses_[i] <= min(path.cv_losses_) * (1 + _TIE)]
     if len(near_ties) > 1:  # fitted again tightly: converged fits' losses
         for i in near_ties:
             assert path.cv_losses_[i] == pytest.approx(losses[i], rel=1e-8)
@@ -53,7 +53,7 @@ def test_path_selects_what_the_exhaustive_grid_selects_on_real_cifar100_logits(r
     )
     assert not all(map(math.isfinite, path.cv_losses_))  # the path did save work here
     # lambda = 100 and 1000 are 2.3e-4 (relative) apart here: a near-tie, decided by tight fits
-    assert sum(v <= min(path.cv_losses_) * (1 + _CV_TIE) for v in path.cv_losses_) == 2
+    assert sum(v <= min(path.cv_losses_) * (1 + _TIE) for v in path.cv_losses_) == 2
 
 
 def test_the_default_grid_brackets_the_best_strength_on_real_cifar100_logits(real):

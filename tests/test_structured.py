@@ -211,7 +211,7 @@ def test_cross_validated_lambda_matches_a_cold_started_grid():
 
 
 def test_near_ties_of_the_cross_validation_are_fitted_again_tightly(caplog):
-    """Two lambdas 0.1 % apart have out-of-fold losses within _CV_TIE of each other: both are
+    """Two lambdas 0.1 % apart have out-of-fold losses within fit._TIE of each other: both are
     fitted again to _TIE_TOL_CHANGE from their loose fits, and their losses then agree with cold,
     converged fits (the loose ones were 2.3e-6 off here)."""
     logits, labels = _data(300, 4, seed=5)

@@ -34,13 +34,11 @@ DEFAULT_REG_GRID: tuple[float, ...] = tuple(10.0**e for e in range(-4, 6))
 #: saved 17 % of the passes of 1e-6), 1e-4 takes 10-28 % less time on the four CIFAR-100 sets of
 #: ../shared/data/real and the synthetic benchmark (RepVGG-A2: 13.4 -> 9.7 s) and selects the same
 #: lambda on all five. It moves out-of-fold losses by up to 3e-5 (relative) against converged
-#: fits, so the points within _CV_TIE (relative) of the best are fitted again to _CV_TIE_TOL_GRAD
+#: fits, so the points within fit._TIE (relative) of the best are fitted again to _CV_TIE_TOL_GRAD
 #: and their losses decide: a near-tie is not settled by the loose fits' error. (On those five
 #: sets the runner-up was at least 8e-4 behind, and nothing was fitted again.)
 _CV_TOL_GRAD = 1e-4
-_CV_TIE = 3e-4
 _CV_TIE_TOL_GRAD = 1e-7
-_CV_PATIENCE = 2
 #: Newton steps before a fit falls back to L-BFGS. At K = 1,000 (CG stopped where the objective
 #: stops decreasing) a converging fit took 100 steps with the plain diagonal preconditioner, 68
 #: with the rank-one one (10,000 samples, lambda = 1000).
@@ -251,7 +249,7 @@ class MatrixScaling(Calibrator):
 
         names = [f"{type(self).__name__} lambda = {lam:g}, mu = {mu:g}" for lam, mu in self.reg_grid]
         return cross_validate_warm_path(order, [lam for lam, _ in self.reg_grid], len(folds), fit_fold, labels.shape[0],
-                                        process_group, _CV_PATIENCE, point_names=names, tie=_CV_TIE)
+                                        process_group, point_names=names)
 
     def get_extra_state(self):
         return {**super().get_extra_state(), "reg": self.reg, "reg_lambda_": self.reg_lambda_, "reg_mu_": self.reg_mu_,

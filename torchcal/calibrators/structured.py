@@ -56,10 +56,9 @@ DEFAULT_LAMBDA_GRID: tuple[float, ...] = tuple(4.0**e for e in range(-6, 3))
 #: stage, the default cross-validated SMS fit on the four CIFAR-100 sets of ../shared/data/real
 #: takes 20-35 % less time (ResNet-20 8.4 -> 5.9 s, RepVGG-A2 21.1 -> 13.9 s), selects the same
 #: lambda and moves the out-of-fold losses by at most 8e-6 (relative), a hundredth of the smallest
-#: gap between the best point and the next. Points within _CV_TIE (relative) of the best are
+#: gap between the best point and the next. Points within fit._TIE (relative) of the best are
 #: fitted again to _TIE_TOL_CHANGE, and those losses decide.
 _SELECTION_TOL_CHANGE = 1e-8
-_CV_TIE = 3e-4
 _TIE_TOL_CHANGE = 1e-11
 #: The fits run L-BFGS on float32 passes (cheaper than float64 ones) down to this loss change, then
 #: on float64 passes from there with the same L-BFGS memory. The float32 passes sum their losses in
@@ -69,8 +68,6 @@ _TIE_TOL_CHANGE = 1e-11
 #: fits need a third fewer passes). Below 1e-8 the terms' own round-off shows (1e-9: 29 -> 45 passes
 #: at lambda = 1).
 _FLOAT32_TOL_CHANGE = 1e-8
-#: The cross-validation path stops once the loss has risen at this many consecutive lambdas.
-_CV_PATIENCE = 2
 
 
 def _log_loss_residual_(scores: Tensor, labels: Tensor, sample_w: Tensor) -> Tensor:
@@ -328,7 +325,7 @@ class _StructuredScaling(Calibrator):
         order = sorted(range(len(self.reg_grid)), key=lambda i: -self.reg_grid[i])
         names = [f"{type(self).__name__} lambda = {lam:g}" for lam in self.reg_grid]
         return cross_validate_warm_path(order, self.reg_grid, len(folds), fit_fold, labels.shape[0], process_group,
-                                        _CV_PATIENCE, point_names=names, tie=_CV_TIE)
+                                        point_names=names)
 
     # --------------------------------------------------------------------------- state
     def get_extra_state(self):

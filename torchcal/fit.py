@@ -413,7 +413,7 @@ def cross_validate_path(
     Points are visited in ``order`` (strongest penalty first), every fold's model warm-started
     from its fits at the previous points (:func:`secant_start`), which ``fold_loss(point, fold)``
     does: it fits fold ``fold``'s model at grid point ``point`` and returns the summed loss (a
-    scalar tensor) over that fold's test samples. Work is saved in two ways. A point whose first
+    scalar tensor) over that fold's test samples. Work is saved in three ways. A point whose first
     folds' losses already sum past the best total cannot win (fold losses are non-negative), and
     its other folds are not fitted. With ``race``, neither are those of a point whose loss on the
     folds fitted so far exceeds the best point's on the same folds by more than ``race /

@@ -165,6 +165,7 @@ def fit_multinomial_logistic(
     penalty: Tensor,
     *,
     tol_grad: float = 1e-9,
+    tol_decrease: float | None = None,
     max_iter: int = 100,
     process_group: ProcessGroup | None = None,
 ) -> tuple[Tensor, FitRecord]:
@@ -182,6 +183,10 @@ def fit_multinomial_logistic(
         penalty: (K, F + 1) non-negative penalty weights (e.g. ODIR: zero on the diagonal of W).
         tol_grad: converged when the largest absolute gradient entry is below this, both as it is
             and for the features scaled to unit root mean square.
+        tol_decrease: if given, converged only after a Newton step that decreased the objective
+            by less than this as well. A weak penalty leaves directions so flat that the gradient
+            is small far from the optimum; a fit warm-started from a stronger penalty's optimum
+            (the cross-validation's path) can start, or stop, far from its own.
         max_iter: Newton iterations at most.
         process_group: data-parallel fit; every process passes its shard (and weights that sum
             to 1 over the group), sums over samples are all-reduced, the penalty counted once.
@@ -494,12 +499,13 @@ def fit_multinomial_logistic(
     start_moments = moments = class_moments(in_low(q))
     preconditioner = block_preconditioner if blocks_fit and not penalty_is_strong(moments[2]) else rank_one_preconditioner
     solve, kept = None, False  # kept: the last step's blocks serve this one (_KEEP_BLOCKS_TOL_GRAD)
+    decrease = math.inf  # of the objective by the last Newton step (tol_decrease)
     for iteration in range(max_iter):
         if dtype != full_dtype and tol_grad < _FLOAT32_TOL_GRAD and max(grad_max, size) <= _FLOAT32_TOL_GRAD:
             passes_in_full_precision()
         if q.dtype != dtype:  # the passes' precision has just risen: the state again, in it
             loss_value, grad, q, grad_max, size = evaluate(c)
-        if max(grad_max, size) <= tol_grad:
+        if max(grad_max, size) <= tol_grad and (tol_decrease is None or decrease <= tol_decrease):
             return (shift(c) / scale).to(theta.dtype), FitRecord(iteration, passes, loss_value, grad_max, True, "gradient below tolerance")
         if not math.isfinite(loss_value + grad_max):
             break
@@ -543,6 +549,7 @@ def fit_multinomial_logistic(
         if t < 1 and dtype != full_dtype and -slope < 1e3 * torch.finfo(dtype).eps * abs(loss_value):
             passes_in_full_precision()  # a short step that round-off may have cut (see _FLOAT32_TOL_GRAD)
         c, grad, q = c + t * direction, new_grad, new_q
+        decrease = loss_value - new_loss_value
         loss_value, grad_max, size = new_loss_value, new_grad_max, new_size
         _log.debug("Newton-CG (%d x %d, K = %d) step %d on %s passes: loss %.10f, max gradient %.1e, step length %g, %d passes, %.1f s",
                    n, f, k, iteration + 1, str(new_q.dtype).removeprefix("torch."), loss_value, grad_max, t, passes, time.perf_counter() - started)

@@ -128,6 +128,10 @@ def consistency_bands(
     counts = torch.zeros(n_bins, dtype=torch.float64, device=scores.device).index_add_(0, index, torch.ones_like(scores))
     observed_mean = torch.zeros_like(counts).index_add_(0, index, scores) / counts.clamp_min(1)
     generator = torch.Generator().manual_seed(seed)
+    # NaN where a resample leaves the bin empty: a positive NaN, not 0 / 0's, whose sign bit CUDA's
+    # sort puts before the numbers, against what nanquantile assumes (pytorch#190781; on an H200
+    # with torch 2.11 a band's end moved from 1 to 0)
+    empty = torch.tensor(float("nan"), dtype=torch.float64, device=scores.device)
     deviations = []
     for draws in resample_indices(scores.shape[0], num_resamples, seed):
         draws = draws.to(scores.device)
@@ -138,10 +142,6 @@ def consistency_bands(
         sums = torch.zeros(3, draws.shape[0], n_bins, dtype=torch.float64, device=scores.device)
         for total, value in zip(sums, (torch.ones_like(surrogate), surrogate, outcome)):
             total.scatter_add_(1, keys, value)
-        # NaN where a resample leaves the bin empty: a positive NaN, not 0 / 0's, whose sign bit
-        # CUDA's sort puts before the numbers, against what nanquantile assumes (pytorch#190781;
-        # on an H200 with torch 2.11 a band's end moved from 1 to 0)
-        empty = torch.tensor(float("nan"), dtype=torch.float64, device=scores.device)
         deviations.append(torch.where(sums[0] > 0, (sums[2] - sums[1]) / sums[0].clamp_min(1), empty))
     alpha = (1 - confidence) / 2
     levels = torch.tensor([alpha, 1 - alpha], dtype=torch.float64, device=scores.device)

@@ -280,7 +280,7 @@ def section_structured(args) -> None:
             candidates = [("torchcal GPU", lambda: bench_structured.torchcal_fit(name)(logits, labels), True),
                           ("torchcal CPU", lambda: bench_structured.torchcal_fit(name)(cpu_logits, cpu_labels), False),
                           ("probmetrics CPU", lambda: bench_structured.probmetrics_fit(name)(cpu_logits, cpu_labels), False)]
-            times = {}
+            times, measured = {}, []
             for row, run, gpu in candidates:
                 try:
                     with warnings.catch_warnings():
@@ -290,10 +290,11 @@ def section_structured(args) -> None:
                     rows.append([f"{n:,} x {k} {name}", row, "not installed", "", "", str(error)[:50]])
                     continue
                 loss, grad = problems[name].evaluate(theta.detach().cpu(), cpu_logits, cpu_labels)
-                rows.append([f"{n:,} x {k} {name}", row, f"{times[row]:.3f}", "", f"{loss:.10f}", f"{grad:.1e}"])
-            for row in rows[-len(times):]:
-                row[3] = f"{times[row[1]] / times['torchcal GPU']:.1f}x" if "torchcal GPU" in times else ""
-            print(*rows[-len(times):], sep="\n", flush=True)
+                measured.append([f"{n:,} x {k} {name}", row, f"{times[row]:.3f}", "", f"{loss:.10f}", f"{grad:.1e}"])
+            for cells in measured:
+                cells[3] = f"{times[cells[1]] / times['torchcal GPU']:.1f}x"
+            rows.extend(measured)
+            print(*measured, sep="\n", flush=True)
     table("SVS / SMS (lambda = 1): torchcal on the GPU against probmetrics and torchcal on the CPU (all threads)",
           ["problem", "row", "median s", "x torchcal GPU time", "objective", "max |grad|"], rows)
 

@@ -118,6 +118,9 @@ _FLOAT32_CG_STEPS = 200
 #: 6,339 passes -> 25). Dir-ODIR on the ResNet-20 logits, lambda = 1e5 ... 1e-4: 6-25 % less time
 #: for about the same passes (1e-4: 714 -> 669 passes, 9.7 -> 7.7 s).
 _FLOAT32_TOL_GRAD = 1e-4
+#: The ridges, relative to a block's largest diagonal entry, that a numerically indefinite block
+#: gets in turn; past the last, Cholesky's own error is raised.
+_RIDGES = (1e-6, 1e-4, 1e-2)
 
 
 def _forcing(grad_norm: float, previous: tuple[float, float] | None, floor: float) -> float:
@@ -382,18 +385,18 @@ def fit_multinomial_logistic(
             retried = failed[start : start + step]
             blocks = class_blocks(retried)
             largest = blocks.diagonal(dim1=1, dim2=2).amax(1, keepdim=True)
-            pending, ridge = torch.arange(retried.numel(), device=x.device), 1e-6
-            while True:
+            pending = torch.arange(retried.numel(), device=x.device)
+            for rung, ridge in enumerate(_RIDGES):
                 retry = blocks[pending]
                 retry.diagonal(dim1=1, dim2=2).add_(ridge * largest[pending])
-                if ridge >= 1e-2:  # beyond round-off: torch's error says what is wrong
+                if rung == len(_RIDGES) - 1:  # beyond round-off: torch's error says what is wrong
                     factor[retried[pending]] = torch.linalg.cholesky(retry)
                     break
                 chol, info_retry = torch.linalg.cholesky_ex(retry)
                 factor[retried[pending]] = chol
                 if not bool(info_retry.any()):
                     break
-                pending, ridge = pending[info_retry != 0], ridge * 100
+                pending = pending[info_retry != 0]
 
         def solve(r: Tensor) -> Tensor:
             # two triangular solves: cholesky_solve took 3.3 ms per call at K = 100 inside a fit

@@ -417,8 +417,9 @@ def cross_validate_path(
     folds' losses already sum past the best total cannot win (fold losses are non-negative), and
     its other folds are not fitted. With ``race``, neither are those of a point whose loss on the
     folds fitted so far exceeds the best point's on the same folds by more than ``race /
-    sqrt(n)`` (relative, ``n`` the test samples of those folds: 1.1 % after the first fold of
-    10,000 samples), a paired comparison whose noise shrinks like that. Once the loss has risen at
+    sqrt(n)`` (relative, ``n`` the test samples of those folds, counted as their share of all the
+    test samples: 1.1 % after the first fold of 10,000 samples), a paired comparison whose noise
+    shrinks like that. Once the loss has risen at
     ``patience`` consecutive points past its best, the path stops: weaker penalties only over-fit
     further. All three leave ``inf`` for the point.
 

@@ -32,8 +32,8 @@ truncated Newton method converge in a few dozen passes whatever the penalty:
 Every Hessian-vector product costs the same two matrix products as a gradient (one pass; in
 float32, as CG only solves the Newton systems to a relative 1e-4 at best), and so do the
 gradients and losses far from the optimum (``_FLOAT32_TOL_GRAD``). The work stays on the data's
-device; each conjugate-gradient step reads one number back to the host (its residual), each
-Newton step three.
+device; conjugate gradients read their tests back to the host every few steps (_CG_READ_EVERY), each
+Newton step about three numbers.
 """
 
 from __future__ import annotations
@@ -100,6 +100,18 @@ _KEEP_BLOCKS_TOL_GRAD = 1e-4
 #: changes are round-off).
 _LOOSE_FORCING = 0.1
 _CHECK_EVERY = 8
+#: On a GPU, CG reads its tests' outcome back every this many steps (on a CPU, where reading
+#: costs nothing, every step). The steps between a test met and the read-back are passes spent for
+#: nothing (they leave the solution as it was). Measured on an H200 (bench_gpu.py --sections
+#: cg-reads), every 1 / 2 / 4 / 8 steps: 100,000 x 1,000 at lambda = 1e-3 8.84 / 8.99 / 9.41 /
+#: 10.67 s (1,045 / 675 / 489 / 402 host syncs), the CIFAR-100 ResNet-20 default CV 0.25 / 0.27 /
+#: 0.29 / 0.35 s: the wasted passes cost more than the syncs. A divisor of _CHECK_EVERY.
+_CG_READ_EVERY = 1
+
+
+def _cg_read_every(device: torch.device) -> int:
+    """CG steps per read-back of its tests on ``device`` (see _CG_READ_EVERY)."""
+    return 1 if device.type == "cpu" else _CG_READ_EVERY
 #: CG's relative residual at least: the round-off of the float32 Hessian products.
 _MIN_FORCING = 1e-4
 #: CG steps with float32 Hessian products after which a fit goes on with float64 ones: a safety net
@@ -305,12 +317,12 @@ def fit_multinomial_logistic(
         data = all_reduce_((r.T @ x_low).to(torch.float64), process_group)
         return data + centre(2 * penalty * shift(v))
 
-    def evaluate(c: Tensor) -> tuple[float, Tensor, Tensor, float, float]:
-        """Loss, gradient, posteriors and the gradient's largest entry (for the original and for
-        the scaled features) at the centred ``c``: one pass."""
+    def evaluate(c: Tensor) -> tuple[float, Tensor, Tensor, float, float, float]:
+        """Loss, gradient, posteriors, the gradient's largest entry (for the original and for
+        the scaled features) and its norm at the centred ``c``: one pass, one read-back."""
         loss, grad, q = loss_grad(c)
-        loss_value, grad_max, size = torch.stack([loss, (grad * scale).abs().max(), grad.abs().max()]).tolist()
-        return loss_value, grad, q, grad_max, size
+        loss_value, grad_max, size, norm = torch.stack([loss, (grad * scale).abs().max(), grad.abs().max(), grad.norm()]).tolist()
+        return loss_value, grad, q, grad_max, size, norm
 
     factor = torch.empty(0, dtype=torch.float64, device=x.device)
     gathered = torch.empty(0, dtype=dtype, device=x.device)
@@ -444,7 +456,8 @@ def fit_multinomial_logistic(
         ratio = 2 * penalty[penalised] / second[penalised]
         return float(ratio.median()) >= _STRONG_PENALTY
 
-    def newton_direction(q: Tensor, grad: Tensor, solve: Callable[[Tensor], Tensor], forcing: float, checked_from: Tensor | None) -> Tensor | None:
+    def newton_direction(q: Tensor, grad: Tensor, grad_norm: float, solve: Callable[[Tensor], Tensor], forcing: float,
+                         checked_from: Tensor | None) -> Tensor | None:
         """Preconditioned CG on ``H d = -grad`` in the centred subspace, to relative residual
         ``forcing``; ``None`` where float32 products fail it: a step whose ``r.z`` or curvature
         ``p.Hp`` is not positive (impossible in exact arithmetic: the sign of round-off swamping
@@ -461,12 +474,17 @@ def fit_multinomial_logistic(
         def precondition(r: Tensor) -> Tensor:
             return centre(solve(r))
 
+        read_every = _cg_read_every(grad.device)
         step = torch.zeros_like(grad)
         r = -grad
         z = precondition(r)
         p = z
         rz = (r * z).sum()
-        target = forcing * float(grad.norm())
+        target = forcing * grad_norm
+        # CG's tests run on the device: ``running`` turns False at the step that meets one, and
+        # the steps after it (until the next read-back) leave step and r as they are.
+        running = torch.ones((), dtype=torch.bool, device=grad.device)
+        stalled = torch.zeros((), dtype=torch.bool, device=grad.device)  # (float32 products only)
         checked, checked_loss = step, math.inf
         for i in range(_MAX_CG_STEPS):
             if i == _FLOAT32_CG_STEPS and low != full_dtype:
@@ -474,18 +492,22 @@ def fit_multinomial_logistic(
             hp = hessian_product(q, p)
             curvature = (p * hp).sum()
             alpha = rz / curvature
-            step = step + alpha * p
-            r = r - alpha * hp
-            residual, curvature_value, rz_value = torch.stack([r.norm(), curvature, rz]).tolist()
-            if low != full_dtype and not (curvature_value > 0 and rz_value > 0):
-                return None  # (see products_in_full_precision)
-            if residual <= target or not curvature_value > 0:
-                break
-            if checked_from is not None and (i + 1) % _CHECK_EVERY == 0:
-                trial = objective(checked_from + step)
-                if not trial < checked_loss:  # (a first check that is not finite: the gradient)
-                    return checked if math.isfinite(checked_loss) else -grad
-                checked, checked_loss = step, trial
+            step = torch.where(running, step + alpha * p, step)
+            r = torch.where(running, r - alpha * hp, r)
+            if low != full_dtype:
+                stalled |= running & ~((curvature > 0) & (rz > 0))
+            running &= (r.norm() > target) & (curvature > 0)
+            if (i + 1) % read_every == 0 or i + 1 == _MAX_CG_STEPS:
+                still_running, has_stalled = torch.stack([running, stalled]).tolist()
+                if has_stalled:
+                    return None  # (see products_in_full_precision)
+                if not still_running:
+                    break
+                if checked_from is not None and (i + 1) % _CHECK_EVERY == 0:
+                    trial = objective(checked_from + step)
+                    if not trial < checked_loss:  # (a first check that is not finite: the gradient)
+                        return checked if math.isfinite(checked_loss) else -grad
+                    checked, checked_loss = step, trial
             z = precondition(r)
             rz_new = (r * z).sum()
             p = z + (rz_new / rz) * p
@@ -495,7 +517,7 @@ def fit_multinomial_logistic(
     started = time.perf_counter()
     c = centre(theta.to(device=x.device, dtype=torch.float64) * scale)
     # grad is with respect to the scaled parameters; grad * scale with respect to the original ones
-    loss_value, grad, q, grad_max, size = evaluate(c)
+    loss_value, grad, q, grad_max, size, grad_norm = evaluate(c)
     previous: tuple[float, float] | None = None  # (gradient norm, forcing) of the last Newton step
     blocks_fit = f + 1 <= _MAX_BLOCK_SIZE
     # the moments at the start decide, and are the rank-one preconditioner's for the first step
@@ -507,12 +529,11 @@ def fit_multinomial_logistic(
         if dtype != full_dtype and tol_grad < _FLOAT32_TOL_GRAD and max(grad_max, size) <= _FLOAT32_TOL_GRAD:
             passes_in_full_precision()
         if q.dtype != dtype:  # the passes' precision has just risen: the state again, in it
-            loss_value, grad, q, grad_max, size = evaluate(c)
+            loss_value, grad, q, grad_max, size, grad_norm = evaluate(c)
         if max(grad_max, size) <= tol_grad and (tol_decrease is None or decrease <= tol_decrease):
             return (shift(c) / scale).to(theta.dtype), FitRecord(iteration, passes, loss_value, grad_max, True, "gradient below tolerance")
         if not math.isfinite(loss_value + grad_max):
             break
-        grad_norm = float(grad.norm())
         # CG's residual is about the next gradient; the stopping test reads it times scale too
         forcing = _forcing(grad_norm, previous, max(_MIN_FORCING, 0.5 * tol_grad / (grad_norm * largest_scale)))
         loose = forcing >= _LOOSE_FORCING
@@ -521,7 +542,7 @@ def fit_multinomial_logistic(
         if not kept or solve is None:
             solve = preconditioner(q, q_low, loose or dtype != full_dtype)  # (see block_preconditioner)
         products_before = products
-        direction = newton_direction(q_low, grad, solve, forcing, checked_from)
+        direction = newton_direction(q_low, grad, grad_norm, solve, forcing, checked_from)
         if direction is None:  # CG stalled by float32 round-off (or a long solve): again in full
             products_in_full_precision()
             continue
@@ -535,7 +556,7 @@ def fit_multinomial_logistic(
         slack = 1e-14 * max(1.0, abs(loss_value))  # the decrease near the optimum is round-off
         t = 1.0
         while t > 1e-10:
-            new_loss_value, new_grad, new_q, new_grad_max, new_size = evaluate(c + t * direction)
+            new_loss_value, new_grad, new_q, new_grad_max, new_size, new_grad_norm = evaluate(c + t * direction)
             if new_loss_value <= loss_value + 1e-4 * t * slope + slack:
                 break
             t /= 2
@@ -553,7 +574,7 @@ def fit_multinomial_logistic(
             passes_in_full_precision()  # a short step that round-off may have cut (see _FLOAT32_TOL_GRAD)
         c, grad, q = c + t * direction, new_grad, new_q
         decrease = loss_value - new_loss_value
-        loss_value, grad_max, size = new_loss_value, new_grad_max, new_size
+        loss_value, grad_max, size, grad_norm = new_loss_value, new_grad_max, new_size, new_grad_norm
         _log.debug("Newton-CG (%d x %d, K = %d) step %d on %s passes: loss %.10f, max gradient %.1e, step length %g, %d passes, %.1f s",
                    n, f, k, iteration + 1, str(new_q.dtype).removeprefix("torch."), loss_value, grad_max, t, passes, time.perf_counter() - started)
     else:

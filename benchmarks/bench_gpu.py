@@ -21,10 +21,6 @@ by the recipe of ``bench_common.make_data``: latent ``z ~ 3 N(0, 1)``, labels dr
   the CPU: time, host syncs, chosen lambda, the CV / fixed-lambda ratio.
 - ``metrics``: cross-entropy + Brier + ECE streamed over 1,000,000 x 1,000 in batches of 10,000
   and of 100,000 rows: torchcal's fused ``PosteriorQuality`` against torchmetrics' ``MulticlassCalibrationError``.
-- ``cg-reads``: Newton-CG's conjugate gradients reading their tests back every 1, 2, 4, 8 steps
-  (``_CG_READ_EVERY``): time, passes and host syncs of Dirichlet-ODIR at lambda = 1e-3 on
-  100,000 x 1,000 and of the real CIFAR-100 ResNet-20 logits' fixed (lambda = 1e-2) and default
-  cross-validated fits.
 - ``syncs``: host synchronisations per solver iteration and per metric update, counted by
   ``torch.cuda.set_sync_debug_mode``.
 
@@ -363,31 +359,6 @@ def metrics_table(logits: torch.Tensor, labels: torch.Tensor, batch: int, args, 
           ["row", "median ms", "x torchmetrics speed", "GB/s (logits read once)", "x ceiling", "peak MiB above data", "values"], rows)
 
 
-def section_cg_reads(args) -> None:
-    import numpy as np
-    from bench_structured import REAL as real
-
-    from torchcal.calibrators import _multinomial
-
-    n = int(100_000 * args.scale)
-    problems = {f"{n:,} x 1,000 Dir-ODIR 1e-3": (*make_data(n, 1000), lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=1e-3))}
-    if (real / "cifar100_resnet20_ferrer.npz").exists():
-        with np.load(real / "cifar100_resnet20_ferrer.npz") as d:
-            logits, labels = torch.from_numpy(d["logits"]).float().to(DEVICE), torch.from_numpy(d["labels"]).long().to(DEVICE)
-        problems["ResNet-20 Dir-ODIR 1e-2"] = (logits, labels, lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=1e-2))
-        problems["ResNet-20 Dir-ODIR default CV"] = (logits, labels, lambda: torchcal.DirichletCalibration(reg="odir"))
-    rows = []
-    for name, (logits, labels, make) in problems.items():
-        make().fit(logits, labels)  # warm-up
-        for every in (1, 2, 4, 8):
-            _multinomial._CG_READ_EVERY = every
-            seconds, syncs, model = fit_counted(make, logits, labels)
-            r = model.fit_record_
-            rows.append([name, str(every), f"{seconds:.3f}", f"{r.iterations}/{r.evaluations}", str(syncs), f"{r.loss:.12f}", f"{model.reg_lambda_:g}"])
-            print(rows[-1], flush=True)
-    table("CG read-backs", ["problem", "read every", "s", "Newton steps / passes (last fit)", "host syncs", "loss", "lambda"], rows)
-
-
 def section_syncs(args) -> None:
     logits, labels = make_data(20_000, 100)
     rows = []
@@ -446,8 +417,6 @@ def main() -> None:
             section_metrics(args, ceiling)
         elif name == "syncs":
             section_syncs(args)
-        elif name == "cg-reads":
-            section_cg_reads(args)
         elif name != "copy":
             sys.exit(f"unknown section {name!r}")
         print(f"({name}: {time.perf_counter() - start:.0f} s)")

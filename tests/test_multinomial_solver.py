@@ -154,27 +154,6 @@ def test_a_stalled_float32_cg_hands_over_to_float64_products(monkeypatch):
     torch.testing.assert_close(_fitted(cal), reference, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("reg, lam", [("odir", 1e-3), ("odir", 1e3), ("l2", 1e-2)])
-def test_cg_reading_its_tests_back_every_few_steps_takes_the_same_steps(monkeypatch, reg, lam):
-    """On a GPU, CG reads its stopping and stall tests back every ``_CG_READ_EVERY`` steps; the
-    steps after a test is met leave the solution as it was. So the fit (here on a CPU told to read
-    every 4 steps) takes the same Newton steps: the same optimum, and the passes of the
-    every-step fit plus at most 3 wasted ones per CG solve. Both preconditioners (the strong
-    penalty's rank-one one, with its objective checks every 8 steps, and the blocks) and float32
-    products that stall (the hand-over at the first step) are covered."""
-    logits, labels = _problem(3000, 12, seed=11)
-    module = torchcal.calibrators._multinomial
-    fits = {}
-    for every in (1, 4):
-        monkeypatch.setattr(module, "_cg_read_every", lambda device, every=every: every)
-        fits[every] = torchcal.DirichletCalibration(reg=reg, reg_lambda=lam).fit(logits, labels)
-    once, batched = fits[1].fit_record_, fits[4].fit_record_
-    assert once.converged and batched.converged
-    assert batched.iterations == once.iterations
-    assert once.evaluations <= batched.evaluations <= once.evaluations + 3 * once.iterations
-    torch.testing.assert_close(_fitted(fits[4]), _fitted(fits[1]), rtol=0, atol=1e-12)
-
-
 def test_absent_classes_converge_with_float32_products(real, monkeypatch):
     """CIFAR-100 ResNet-20 logits without 3 of the classes: ODIR leaves their diagonal weights
     free, so their scores run down without bound and CG needs curvature below float32 round-off.

@@ -32,8 +32,10 @@ truncated Newton method converge in a few dozen passes whatever the penalty:
 Every Hessian-vector product costs the same two matrix products as a gradient (one pass; in
 float32, as CG only solves the Newton systems to a relative 1e-4 at best), and so do the
 gradients and losses far from the optimum (``_FLOAT32_TOL_GRAD``). The work stays on the data's
-device; conjugate gradients read their tests back to the host every few steps (_CG_READ_EVERY), each
-Newton step about three numbers.
+device; each conjugate-gradient step reads one number back to the host (its residual), each
+Newton step a few: on an H200, reading CG's tests back only every 2, 4 or 8 steps wasted more
+passes (the steps between a test met and its read-back) than the synchronisations cost
+(benchmarks/README.md, "GPU: how often CG reads back").
 """
 
 from __future__ import annotations
@@ -100,18 +102,6 @@ _KEEP_BLOCKS_TOL_GRAD = 1e-4
 #: changes are round-off).
 _LOOSE_FORCING = 0.1
 _CHECK_EVERY = 8
-#: On a GPU, CG reads its tests' outcome back every this many steps (on a CPU, where reading
-#: costs nothing, every step). The steps between a test met and the read-back are passes spent for
-#: nothing (they leave the solution as it was). Measured on an H200 (bench_gpu.py --sections
-#: cg-reads), every 1 / 2 / 4 / 8 steps: 100,000 x 1,000 at lambda = 1e-3 8.84 / 8.99 / 9.41 /
-#: 10.67 s (1,045 / 675 / 489 / 402 host syncs), the CIFAR-100 ResNet-20 default CV 0.25 / 0.27 /
-#: 0.29 / 0.35 s: the wasted passes cost more than the syncs. A divisor of _CHECK_EVERY.
-_CG_READ_EVERY = 1
-
-
-def _cg_read_every(device: torch.device) -> int:
-    """CG steps per read-back of its tests on ``device`` (see _CG_READ_EVERY)."""
-    return 1 if device.type == "cpu" else _CG_READ_EVERY
 #: CG's relative residual at least: the round-off of the float32 Hessian products.
 _MIN_FORCING = 1e-4
 #: CG steps with float32 Hessian products after which a fit goes on with float64 ones: a safety net
@@ -474,17 +464,12 @@ def fit_multinomial_logistic(
         def precondition(r: Tensor) -> Tensor:
             return centre(solve(r))
 
-        read_every = _cg_read_every(grad.device)
         step = torch.zeros_like(grad)
         r = -grad
         z = precondition(r)
         p = z
         rz = (r * z).sum()
         target = forcing * grad_norm
-        # CG's tests run on the device: ``running`` turns False at the step that meets one, and
-        # the steps after it (until the next read-back) leave step and r as they are.
-        running = torch.ones((), dtype=torch.bool, device=grad.device)
-        stalled = torch.zeros((), dtype=torch.bool, device=grad.device)  # (float32 products only)
         checked, checked_loss = step, math.inf
         for i in range(_MAX_CG_STEPS):
             if i == _FLOAT32_CG_STEPS and low != full_dtype:
@@ -492,22 +477,18 @@ def fit_multinomial_logistic(
             hp = hessian_product(q, p)
             curvature = (p * hp).sum()
             alpha = rz / curvature
-            step = torch.where(running, step + alpha * p, step)
-            r = torch.where(running, r - alpha * hp, r)
-            if low != full_dtype:
-                stalled |= running & ~((curvature > 0) & (rz > 0))
-            running &= (r.norm() > target) & (curvature > 0)
-            if (i + 1) % read_every == 0 or i + 1 == _MAX_CG_STEPS:
-                still_running, has_stalled = torch.stack([running, stalled]).tolist()
-                if has_stalled:
-                    return None  # (see products_in_full_precision)
-                if not still_running:
-                    break
-                if checked_from is not None and (i + 1) % _CHECK_EVERY == 0:
-                    trial = objective(checked_from + step)
-                    if not trial < checked_loss:  # (a first check that is not finite: the gradient)
-                        return checked if math.isfinite(checked_loss) else -grad
-                    checked, checked_loss = step, trial
+            step = step + alpha * p
+            r = r - alpha * hp
+            residual, curvature_value, rz_value = torch.stack([r.norm(), curvature, rz]).tolist()
+            if low != full_dtype and not (curvature_value > 0 and rz_value > 0):
+                return None  # (see products_in_full_precision)
+            if residual <= target or not curvature_value > 0:
+                break
+            if checked_from is not None and (i + 1) % _CHECK_EVERY == 0:
+                trial = objective(checked_from + step)
+                if not trial < checked_loss:  # (a first check that is not finite: the gradient)
+                    return checked if math.isfinite(checked_loss) else -grad
+                checked, checked_loss = step, trial
             z = precondition(r)
             rz_new = (r * z).sum()
             p = z + (rz_new / rz) * p

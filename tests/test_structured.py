@@ -109,6 +109,25 @@ def test_reaches_the_optimum_of_an_independent_scipy_fit(name, reg_lambda):
     np.testing.assert_allclose(model(logits.double()).detach().numpy(), log_softmax(scores, axis=1), atol=5e-5)
 
 
+def test_sms_hands_over_to_lbfgs_where_newton_cg_stops_short(monkeypatch):
+    """SMS fits the log-loss by Newton-CG, without L-BFGS; a Newton-CG fit capped at one step
+    (unconverged) hands over to the preconditioned L-BFGS, which reaches SciPy's optimum too."""
+    logits, labels = _data()
+    z, y = logits.numpy(), labels.numpy()
+    _, x = ts_mix_features(z, y)
+    best, _ = scipy_fit("sms", x, y, penalty_weights("sms", z.shape[1], len(y), 0.02))
+    module = torchcal.calibrators.structured
+    calls = []
+    monkeypatch.setattr(module, "minimize", lambda *args, **kwargs: calls.append(1) or torchcal.fit.minimize(*args, **kwargs))
+    newton = torchcal.StructuredMatrixScaling(reg_lambda=0.02).fit(logits, labels)
+    assert not calls and newton.fit_record_.loss == pytest.approx(best, abs=1e-10)
+    monkeypatch.setattr(module, "MAX_NEWTON_STEPS", 1)
+    with pytest.warns(torchcal.fit.ConvergenceWarning, match="Newton-CG did not converge"):
+        handed_over = torchcal.StructuredMatrixScaling(reg_lambda=0.02).fit(logits, labels)
+    assert calls and handed_over.fit_record_.converged
+    assert handed_over.fit_record_.loss == pytest.approx(best, abs=1e-10)
+
+
 def test_quadratic_scaling_is_logistic_regression_on_llr_and_its_square():
     gen = torch.Generator().manual_seed(3)
     llr = 2.5 * torch.randn(600, generator=gen, dtype=torch.float64)

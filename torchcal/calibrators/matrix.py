@@ -12,7 +12,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from torchcal.calibrators._multinomial import fit_multinomial_logistic
+from torchcal.calibrators._multinomial import (
+    MAX_NEWTON_STEPS,
+    SELECTION_TOLERANCES,
+    TIE_TOLERANCES,
+    fit_multinomial_logistic,
+)
 from torchcal.calibrators.base import Calibrator, sample_weights
 from torchcal.calibrators.temperature import inverse_temperature_start
 from torchcal.distributed import all_reduce_
@@ -29,28 +34,6 @@ __all__ = ["DEFAULT_REG_GRID", "DirichletCalibration", "MatrixScaling"]
 #: the strongest penalties first and stops after two rises, so the weak end costs nothing where
 #: the loss has turned.
 DEFAULT_REG_GRID: tuple[float, ...] = tuple(10.0**e for e in range(-4, 6))
-#: Cross-validation solves every grid point to this gradient (the final fit to 1e-9), and stops
-#: the path once the loss has risen at this many consecutive grid points. Against 1e-5 (which had
-#: saved 17 % of the passes of 1e-6), 1e-4 takes 10-28 % less time on the four CIFAR-100 sets of
-#: ../shared/data/real and the synthetic benchmark (RepVGG-A2: 13.4 -> 9.7 s) and selects the same
-#: lambda on all five. It moves out-of-fold losses by up to 3e-5 (relative) against converged
-#: fits, so the points within fit._TIE (relative) of the best are fitted again to _CV_TIE_TOL_GRAD
-#: and their losses decide: a near-tie is not settled by the loose fits' error. (On those five
-#: sets the runner-up was at least 8e-4 behind, and nothing was fitted again.)
-_CV_TOL_GRAD = 1e-4
-#: ... and until a Newton step decreased the objective by less than this. A weak penalty's fit,
-#: warm-started from the stronger one's, can meet the gradient tolerance far from its optimum
-#: along directions only the penalty curves. At 100,000 x 1,000 (an H200, grid 100, 1, 0.01) the
-#: three points' loose out-of-fold losses came out equal to 1e-6 (13.490717), so all three were
-#: near-ties fitted again tightly (13.48, 20.34, 24.62); at 10,000 x 300, lambda = 1 after 100
-#: scored 1.71 on its first fold against 2.36 with this test. The CIFAR-100 sets take 0-18 % more
-#: passes (mean 5 %) for the same selections; 1e-5 took 4-27 % more.
-_CV_TOL_DECREASE = 1e-4
-_CV_TIE_TOL_GRAD = 1e-7
-#: Newton steps before a fit falls back to L-BFGS. At K = 1,000 (CG stopped where the objective
-#: stops decreasing) a converging fit took 100 steps with the plain diagonal preconditioner, 68
-#: with the rank-one one (10,000 samples, lambda = 1000).
-_MAX_NEWTON_STEPS = 300
 
 
 class MatrixScaling(Calibrator):
@@ -191,7 +174,7 @@ class MatrixScaling(Calibrator):
         k = features.shape[1]
         theta, record = fit_multinomial_logistic(
             features, labels, sample_weights(labels, weights, process_group), self._theta(), self._penalty_weights(k),
-            tol_grad=tol_grad, tol_decrease=tol_decrease, max_iter=min(max_iter, _MAX_NEWTON_STEPS), process_group=process_group,
+            tol_grad=tol_grad, tol_decrease=tol_decrease, max_iter=min(max_iter, MAX_NEWTON_STEPS), process_group=process_group,
         )
         if not record.converged:  # Newton-CG stalled (degenerate curvature): the L-BFGS driver
             return Calibrator._fit(self, features, labels, weights, loss, max_iter, process_group)
@@ -233,8 +216,8 @@ class MatrixScaling(Calibrator):
         :func:`~torchcal.fit.cross_validate_warm_path` (``inf`` for the points it abandoned), and
         the folds' mean ``[W | b]`` at the best point (a start for the final fit).
 
-        Fits are solved to a gradient of ``_CV_TOL_GRAD``: the selection only compares losses, and
-        near-ties are fitted again to ``_CV_TIE_TOL_GRAD``; the final fit is tight.
+        Fits are solved to ``SELECTION_TOLERANCES``: the selection only compares losses, and
+        near-ties are fitted again to ``TIE_TOLERANCES``; the final fit is tight.
         """
         order = sorted(range(len(self.reg_grid)), key=lambda i: tuple(-v for v in self.reg_grid[i]))
         per_sample = PER_SAMPLE_SCORES[loss]
@@ -250,7 +233,7 @@ class MatrixScaling(Calibrator):
             model.reg_lambda_, model.reg_mu_ = self.reg_grid[point]
             if start is not None:
                 model._set_theta(start)
-            tolerances = {"tol_grad": _CV_TIE_TOL_GRAD} if tight else {"tol_grad": _CV_TOL_GRAD, "tol_decrease": _CV_TOL_DECREASE}
+            tolerances = TIE_TOLERANCES if tight else SELECTION_TOLERANCES
             model._fit_fixed_penalty(train_x, train_y, weights, loss, max_iter, process_group, **tolerances)
             with torch.no_grad():
                 log_probs = torch.log_softmax(model._scores(test_x), dim=1)

@@ -16,13 +16,16 @@ entries are shrunk hardest, so SMS departs from SVS only as far as the data insi
 keeps matrix scaling from diverging at K = 100. lambda is cross-validated by default (the paper
 fixes lambda = 1, which ``reg_lambda=1.0`` reproduces).
 
-The fits are L-BFGS in coordinates in which the curvature is close to the identity: exact 2 x 2
-blocks per class for SVS; for SMS the Kronecker-factored curvature of a softmax layer (class
-covariance x feature second moments, as K-FAC; two K x K eigendecompositions) plus the exact
-per-class blocks of the diagonal and the bias, whose penalty is K - 1 times weaker than that of
-the off-diagonal entries. The ts-mix features share a large negative offset (every unlikely class
-sits near ``log(eps / K)``), which makes plain L-BFGS crawl along that direction; the feature
-factor takes it out. Measured at K = 100: about 30 passes over the data instead of 500.
+SMS's log-loss fit is multinomial logistic regression on ``[x, 1]`` about the identity, solved by
+the Newton-CG solver of Dirichlet calibration (:mod:`torchcal.calibrators._multinomial`). The
+other fits are L-BFGS in coordinates in which the curvature is close to the identity: exact 2 x 2
+blocks per class for SVS; for SMS (other losses) the Kronecker-factored curvature of a softmax
+layer (class covariance x feature second moments, as K-FAC; two K x K eigendecompositions) plus
+the exact per-class blocks of the diagonal and the bias, whose penalty is K - 1 times weaker than
+that of the off-diagonal entries. The ts-mix features share a large negative offset (every
+unlikely class sits near ``log(eps / K)``), which makes plain L-BFGS crawl along that direction;
+the feature factor takes it out. Measured at K = 100: about 30 passes over the data instead of
+500 (Newton-CG: 16).
 """
 
 from __future__ import annotations

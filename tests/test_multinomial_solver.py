@@ -263,7 +263,8 @@ def test_blocks_left_indefinite_by_round_off_get_a_stronger_ridge(real):
 def test_a_loose_warm_started_fit_keeps_its_blocks(real, monkeypatch):
     """A fit to ``_KEEP_BLOCKS_TOL_GRAD`` started from the fit at the next stronger penalty (as the
     cross-validation's path does) forms its blocks once and keeps them while CG converges fast; a
-    tight fit forms them at every Newton step. Both reach their tolerance."""
+    tight fit keeps them only while CG needs at most ``_KEEP_STEPS_PER_DECADE`` steps per decade
+    (none: it forms them at every Newton step). All reach their tolerance."""
     logits, labels = _real_subset(real)
     features = torch.log_softmax(logits, dim=1)
     n, k = features.shape
@@ -275,14 +276,21 @@ def test_a_loose_warm_started_fit_keeps_its_blocks(real, monkeypatch):
     factorisations = []
     original = torch.linalg.cholesky_ex
     monkeypatch.setattr(torch.linalg, "cholesky_ex", lambda *args, **kwargs: factorisations.append(1) or original(*args, **kwargs))
-    records = {}
-    for tol in (torchcal.calibrators._multinomial._KEEP_BLOCKS_TOL_GRAD, 1e-9):
+    module = torchcal.calibrators._multinomial
+
+    def steps_and_factorisations(tol: float) -> tuple[int, int]:
         factorisations.clear()
-        _, records[tol] = fit_multinomial_logistic(features, labels, sample_w, start, cal._penalty_weights(k), tol_grad=tol)
-        assert records[tol].converged and records[tol].grad_max <= tol
-        records[tol] = (records[tol].iterations, len(factorisations))
-    (loose_steps, loose_formed), (tight_steps, tight_formed) = records.values()
-    assert loose_formed == 1 < loose_steps and tight_formed == tight_steps
+        _, record = fit_multinomial_logistic(features, labels, sample_w, start, cal._penalty_weights(k), tol_grad=tol)
+        assert record.converged and record.grad_max <= tol
+        return record.iterations, len(factorisations)
+
+    loose_steps, loose_formed = steps_and_factorisations(module._KEEP_BLOCKS_TOL_GRAD)
+    tight_steps, tight_formed = steps_and_factorisations(1e-9)
+    monkeypatch.setattr(module, "_KEEP_STEPS_PER_DECADE", 0.0)
+    never_kept_steps, never_kept_formed = steps_and_factorisations(1e-9)
+    assert loose_formed == 1 < loose_steps
+    assert 1 < tight_formed < tight_steps
+    assert never_kept_formed == never_kept_steps
 
 
 def test_float32_passes_sum_their_losses_in_float64(real, monkeypatch):

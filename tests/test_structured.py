@@ -398,4 +398,5 @@ def test_two_processes_cross_validate_along_one_path(tmp_path):
             train[test] = False
             log_q = torchcal.StructuredMatrixScaling(reg_lambda=grid[i]).fit(logits[train], labels[train])(logits[test]).detach()
             total -= log_q[torch.arange(len(test)), labels[test]].sum().item()
-        assert loss == pytest.approx(total / len(labels), rel=1e-5)
+        # the selection fits stop at a gradient of 1e-4: out-of-fold losses within 3e-5 (SELECTION_TOLERANCES)
+        assert loss == pytest.approx(total / len(labels), rel=3e-5)

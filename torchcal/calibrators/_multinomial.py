@@ -27,8 +27,8 @@ truncated Newton method converge in a few dozen passes whatever the penalty:
   There each block is replaced by its diagonal about the class's curvature-weighted mean row plus
   that mean as a rank-one term, which one pass's arithmetic forms from every row and Sherman and
   Morrison's formula inverts: the mean is where most of a block's weight lies (the features'
-  common offsets, and the bias, whose column is constant). Each Newton step's CG also reuses the
-  last step's conjugate directions, as an L-BFGS update of that preconditioner
+  common offsets, and the bias, whose column is constant). With the blocks, each Newton step's CG
+  also reuses the last step's conjugate directions, as an L-BFGS update of the blocks
   (``_RECYCLED_PAIRS``): they carry the coupling between classes that the blocks miss.
 
 Every Hessian-vector product costs the same two matrix products as a gradient (one pass; in
@@ -128,20 +128,21 @@ _KEEP_BLOCKS_TOL_GRAD = 1e-4
 #: -> 223, 187 -> 231 passes), LeNet-5 and the cross-validation unchanged. Kept whenever CG is not
 #: slow (at most _RANK_ONE_STEPS_PER_DECADE), ResNet-20 at 1e-4 took 12.1 -> 16.5 s.
 _KEEP_STEPS_PER_DECADE = 5.0
-#: CG is preconditioned by the blocks (or the rank-one terms) updated, L-BFGS fashion, with up to
+#: With the per-class blocks, CG is preconditioned by them updated, L-BFGS fashion, with up to
 #: this many of the last Newton step's conjugate directions p and their products Hp (Morales and
 #: Nocedal 2000, "automatic preconditioning by limited memory quasi-Newton updating"): the blocks
 #: miss the coupling between classes, and the previous solve has already found the directions
 #: where it matters; the Hessian changes little from one Newton step to the next near the
 #: optimum. Spread evenly over the solve (every other one dropped when 2x this many are held).
 #: One thread, 10,000 x 100, passes (seconds) without -> with: CIFAR-100 ResNet-20 Dir-ODIR at
-#: lambda = 1e-2 223 -> 187 (3.07 -> 2.72 s), at 1e-3 360 -> 276 (4.10 -> 3.64 s), MS-ODIR 1e-3
-#: 231 -> 157 (3.06 -> 2.46 s), VGG-19 Dir-ODIR at 10 119 -> 94 (1.91 -> 1.49 s), LeNet-5 at 1e-2
-#: 118 -> 113; the synthetic benchmark's matrix scaling 43 -> 52 (0.62 -> 0.73 s), where the first
-#: Newton steps move far. Used only after long solves, or only for tight systems, it lost most of
-#: the gains on the real logits. At most _RECYCLED_ELEMENTS numbers per kept set (K = 1,000: 8 pairs).
+#: lambda = 1e-4 1,112 -> 795 (12.1 -> 9.7 s), 1e-3 360 -> 288 (4.10 -> 3.74 s), 1e-2 223 -> 198,
+#: MS-ODIR 1e-3 231 -> 176 (3.06 -> 2.57 s), VGG-19 Dir-ODIR at 10 119 -> 95 (1.91 -> 1.39 s),
+#: LeNet-5 at 1e-2 118 -> 113; the synthetic benchmark's matrix scaling 43 -> 52 (0.62 -> 0.67 s),
+#: where the first Newton steps move far. Used only after long solves, or only for tight systems,
+#: it lost most of the gains on the real logits; with the rank-one preconditioner it costs passes
+#: (5,000 x 300, lambda = 1: 265 -> 413), so it is not used there. (Blocks mean F < _MAX_BLOCK_SIZE:
+#: the pairs take 32 MB at most.)
 _RECYCLED_PAIRS = 10
-_RECYCLED_ELEMENTS = 1 << 23
 #: A Newton system is solved loosely (far from the optimum) when its forcing term is at least
 #: this. Then the per-class blocks are summed in float32, and with the rank-one preconditioner CG
 #: checks the objective at its iterate every _CHECK_EVERY steps (near the optimum the objective's
@@ -498,7 +499,6 @@ def fit_multinomial_logistic(
         return float(ratio.median()) >= _STRONG_PENALTY
 
     recycled: list[tuple[Tensor, Tensor, Tensor]] = []  # (p, Hp, 1 / p.Hp) of the last CG solve
-    recycled_pairs = max(2, min(_RECYCLED_PAIRS, _RECYCLED_ELEMENTS // (k * (f + 1))))
 
     def newton_direction(q: Tensor, grad: Tensor, grad_norm: float, solve: Callable[[Tensor], Tensor], forcing: float,
                          checked_from: Tensor | None) -> Tensor | None:
@@ -514,6 +514,9 @@ def fit_multinomial_logistic(
         259 passes for a direction the line search then cut to 1/256. Only with the rank-one (or
         diagonal) preconditioner and loose Newton systems; with the blocks, CG's steps are few and the
         checks cost more than they save (real CIFAR-100, lambda = 1e-3: 339 -> 367 passes).
+
+        With the blocks, the preconditioner is their L-BFGS update by the last solve's conjugate
+        pairs (``_RECYCLED_PAIRS``); this solve's pairs are kept for the next.
         """
         nonlocal recycled
         old_pairs = recycled if preconditioner is block_preconditioner else []
@@ -553,7 +556,7 @@ def fit_multinomial_logistic(
                 return None  # (see products_in_full_precision)
             if curvature_value > 0 and i % stride == 0:
                 pairs.append((p, hp, 1 / curvature))
-                if len(pairs) > 2 * recycled_pairs:
+                if len(pairs) > 2 * _RECYCLED_PAIRS:
                     pairs, stride = pairs[::2], 2 * stride
             if residual <= target or not curvature_value > 0:
                 break
@@ -566,7 +569,7 @@ def fit_multinomial_logistic(
             rz_new = (r * z).sum()
             p = z + (rz_new / rz) * p
             rz = rz_new
-        recycled = pairs if len(pairs) <= recycled_pairs else pairs[::2]
+        recycled = pairs if len(pairs) <= _RECYCLED_PAIRS else pairs[::2]
         return step if bool(torch.isfinite(step).all()) else -grad
 
     started = time.perf_counter()

@@ -81,7 +81,7 @@ TIE_TOLERANCES: dict[str, float] = {"tol_grad": 1e-7}
 #: with the rank-one one (10,000 samples, lambda = 1000).
 MAX_NEWTON_STEPS = 300
 #: Rows per class (those of largest curvature) that form its preconditioner block: ``8 N / (F+1)``,
-#: so that forming the K blocks costs about two passes' arithmetic, and at least this many.
+#: so that forming the K blocks costs about four passes' arithmetic, and at least this many.
 _BLOCK_ROWS_PER_FEATURE = 8
 _MIN_BLOCK_ROWS = 64
 #: Elements of the temporaries (classes x rows x features) while forming the blocks.

@@ -256,11 +256,16 @@ class Calibrator(nn.Module):
         return f"num_classes={self.num_classes}" if self.is_fitted else "not fitted"
 
 
+def total_samples(labels: Tensor, process_group: ProcessGroup | None = None) -> Tensor:
+    """The number of samples over the group's processes, a float64 scalar on ``labels``' device."""
+    return all_reduce_(torch.tensor(float(labels.shape[0]), dtype=torch.float64, device=labels.device), process_group)
+
+
 def sample_weights(labels: Tensor, weights: Tensor | None, process_group: ProcessGroup | None = None) -> Tensor:
     """Per-sample weights (N,) float64 whose weighted sum of per-sample scores is the (weighted)
     mean over all samples of the group: ``weights[labels] / N_total`` (``1 / N_total`` without
     class weights)."""
-    n_total = all_reduce_(torch.tensor(float(labels.shape[0]), dtype=torch.float64, device=labels.device), process_group)
+    n_total = total_samples(labels, process_group)
     if weights is None:
         return torch.full(labels.shape, 1.0, dtype=torch.float64, device=labels.device) / n_total
     return weights[labels] / n_total

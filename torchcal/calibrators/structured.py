@@ -47,7 +47,7 @@ from torchcal.calibrators._multinomial import (
     TIE_TOLERANCES,
     fit_multinomial_logistic,
 )
-from torchcal.calibrators.base import Calibrator, sample_weights
+from torchcal.calibrators.base import Calibrator, sample_weights, total_samples
 from torchcal.calibrators.temperature import fit_inverse_temperature
 from torchcal.distributed import ProcessGroup, all_reduce_, world_size
 from torchcal.fit import ConvergenceWarning, FitRecord, cross_validate_warm_path, fold_indices, minimize
@@ -246,7 +246,7 @@ class _StructuredScaling(Calibrator):
             # An infinite or zero temperature is a valid start for the map, which can still scale.
             warnings.simplefilter("ignore", ConvergenceWarning)
             beta, _ = fit_inverse_temperature(log_probs, labels, weights, process_group=process_group)
-        n_total = all_reduce_(torch.tensor(float(labels.shape[0]), dtype=torch.float64, device=labels.device), process_group)
+        n_total = total_samples(labels, process_group)
         with torch.no_grad():
             self.inverse_temperature.fill_(beta)
             self.mix.copy_(1.0 / (n_total + 1.0))
@@ -271,7 +271,7 @@ class _StructuredScaling(Calibrator):
         design = self._design(x)
         per_sample = PER_SAMPLE_SCORES[loss]
         sample_w = sample_weights(labels, weights, process_group)
-        n_total = float(all_reduce_(torch.tensor(float(labels.shape[0]), dtype=torch.float64, device=x.device), process_group))
+        n_total = float(total_samples(labels, process_group))
         penalty = self._penalty_weights(k, n_total, reg_lambda).to(x.device)
         theta = self._theta().detach().clone()
         to_theta, from_theta = self._preconditioner(design, sample_w, theta, penalty, process_group)
@@ -485,7 +485,7 @@ class StructuredMatrixScaling(_StructuredScaling):
         if loss != "log":
             return super()._fit_map(x, labels, weights, loss, max_iter, reg_lambda, process_group, accuracy)
         k = x.shape[1]
-        n_total = float(all_reduce_(torch.tensor(float(labels.shape[0]), dtype=torch.float64, device=x.device), process_group))
+        n_total = float(total_samples(labels, process_group))
         tolerances = {"final": {}, "selection": SELECTION_TOLERANCES, "tie": TIE_TOLERANCES}[accuracy]
         theta, record = fit_multinomial_logistic(
             x.detach(), labels, sample_weights(labels, weights, process_group), self._theta().detach(), self._penalty_weights(k, n_total, reg_lambda),

@@ -438,21 +438,26 @@ def test_a_slow_rank_one_solve_hands_over_to_the_blocks(monkeypatch, real):
     torch.testing.assert_close(_fitted(switching), _fitted(staying), rtol=0, atol=1e-6)
 
 
-def test_the_solver_function_on_its_own():
-    """The module-level interface (for other full linear maps): a 2-class problem whose optimum
-    SciPy finds in float64 from the same objective written out by hand."""
+@pytest.mark.parametrize("anchored", [False, True])
+def test_the_solver_function_on_its_own(anchored):
+    """The module-level interface (for other full linear maps): a 3-class problem on 2 features
+    whose optimum SciPy finds in float64 from the same objective written out by hand; with an
+    ``anchor`` (SMS's identity, here a random map) the scores are those of ``anchor + theta`` and
+    the penalty acts on ``theta``."""
     logits, labels = _problem(1500, 3, seed=8)
     x = logits[:, :2]
     w = torch.full((1500,), 1 / 1500, dtype=torch.float64)
     penalty = torch.tensor([[0.0, 0.1, 0.2], [0.3, 0.0, 0.1], [0.1, 0.1, 0.0]], dtype=torch.float64)
-    theta, record = fit_multinomial_logistic(x, labels, w, torch.zeros(3, 3, dtype=torch.float64), penalty)
+    anchor = torch.randn(3, 3, generator=torch.Generator().manual_seed(4), dtype=torch.float64) if anchored else None
+    theta, record = fit_multinomial_logistic(x, labels, w, torch.zeros(3, 3, dtype=torch.float64), penalty, anchor=anchor)
     xa = np.c_[x.numpy(), np.ones(1500)]
     y = labels.numpy()
     p = penalty.numpy()
+    a = anchor.numpy() if anchored else 0.0
 
     def fun(t):
         t = t.reshape(3, 3)
-        log_q = log_softmax(xa @ t.T, axis=1)
+        log_q = log_softmax(xa @ (a + t).T, axis=1)
         grad = (np.exp(log_q) - np.eye(3)[y]).T @ xa / 1500 + 2 * p * t
         return -log_q[np.arange(1500), y].mean() + (p * t**2).sum(), grad.ravel()
 

@@ -554,7 +554,7 @@ def fit_multinomial_logistic(
             residual, curvature_value, rz_value = torch.stack([r.norm(), curvature, rz]).tolist()
             if low != full_dtype and not (curvature_value > 0 and rz_value > 0):
                 return None  # (see products_in_full_precision)
-            if curvature_value > 0 and i % stride == 0:
+            if blocks_fit and curvature_value > 0 and i % stride == 0:  # (only the blocks use them)
                 pairs.append((p, hp, 1 / curvature))
                 if len(pairs) > 2 * _RECYCLED_PAIRS:
                     pairs, stride = pairs[::2], 2 * stride

@@ -209,6 +209,184 @@ def _float32_products_are_ieee(device: torch.device) -> bool:
     return precision in ("none", "ieee")
 
 
+class _ClassBlocks:
+    """The per-class diagonal Hessian blocks ``sum_i w_i q_ik (1 - q_ik) x_i x_i^T + 2 diag(penalty_k)``
+    of one fit, formed from each class's ``8 N / D`` rows of largest curvature
+    (``_BLOCK_ROWS_PER_FEATURE``) and Cholesky-factorised.
+
+    The factors (K, D, D) go into one buffer that every Newton step reuses (at K = 1,000 they are
+    8 GB), and the classes' rows are gathered into one buffer too: a fresh one of 64 MB (10,000 x
+    100) costs more in page faults than the copy itself.
+    """
+
+    def __init__(self) -> None:
+        self.factor = torch.empty(0, dtype=torch.float64)
+        self.gathered = torch.empty(0)
+
+    def factorise(self, source: Tensor, w: Tensor, q: Tensor, penalty: Tensor, loose: bool,
+                  process_group: ProcessGroup | None) -> Callable[[Tensor], Tensor]:
+        """Form and factorise the blocks, a few classes at a time; returns the solve
+        ``r -> (B_k^{-1} r_k)_k`` for ``r: (K, D)``.
+
+        Args:
+            source: (N, D) the features ``[x_i, 1]`` whose rows are summed.
+            w: (N,) the sample weights and ``q: (N, K)`` the posteriors, in the passes' precision.
+            penalty: (K, D) float64, added twice to the diagonals.
+            loose: the Newton system is solved loosely (``source`` is then the float32 copy).
+
+        For a ``loose`` Newton system the sums run in ``source``'s precision, in half the time,
+        about each class's weighted mean row (added back as a rank-one term in float64), so that
+        the features' large common offsets (log-probabilities near -10) cost the float32 sums no
+        digits: a tenth to a fifth less time per fit at 10,000 x 100, the same passes. Near the
+        optimum float32 sums would miss the small eigenvalues of nearly singular blocks that weak
+        penalties leave (CIFAR-100 ResNet-20 at lambda = 1e-4: 611 -> 716 passes with float32
+        blocks throughout; 611 with them for loose systems only). On float32 passes every system
+        counts as loose: float32 rows summed as they are lost the nearly singular blocks of weak
+        penalties to round-off (CIFAR-100 ResNet-20, lambda = 1e-3 from the 1e-2 fit: Cholesky
+        failed even with the stronger ridge), and float64 rows cost a tenth more time in the
+        cross-validation.
+        """
+        n, d = source.shape
+        k = q.shape[1]
+        curvature = w.unsqueeze(1) * q * (1 - q)  # (N, K)
+        m = min(n, max(_MIN_BLOCK_ROWS, _BLOCK_ROWS_PER_FEATURE * n // d))
+        if m < n:
+            top, index = curvature.topk(m, dim=0, sorted=False)
+        else:
+            top, index = curvature, torch.arange(n, device=source.device).unsqueeze(1).expand(n, k)
+        if self.factor.shape != (k, d, d) or self.factor.device != source.device:
+            self.factor = torch.empty(k, d, d, dtype=torch.float64, device=source.device)
+        factor = self.factor
+        step = max(1, _CHUNK_ELEMENTS // (d * max(m, d)))
+        shape = (min(step, k) * m, d)
+        if self.gathered.shape != shape or self.gathered.dtype != source.dtype or self.gathered.device != source.device:
+            self.gathered = torch.empty(shape, dtype=source.dtype, device=source.device)
+        gathered = self.gathered
+
+        def class_blocks(classes: slice | Tensor) -> Tensor:
+            """The regularised blocks (classes, D, D) float64 of at most ``step`` classes."""
+            chosen_rows = index[:, classes].T.flatten()
+            chosen = torch.index_select(source, 0, chosen_rows, out=gathered[: chosen_rows.numel()]).view(-1, m, d)  # (classes, m, D)
+            weight = top[:, classes].T.to(source.dtype)  # (classes, m)
+            if loose:  # about the weighted mean row (see above)
+                total = weight.sum(1, dtype=torch.float64)
+                mean = torch.bmm(weight.unsqueeze(1), chosen).squeeze(1).to(torch.float64) / total.clamp(min=1e-300).unsqueeze(1)
+                rounded = mean.to(source.dtype)
+                chosen -= rounded.unsqueeze(1)
+            chosen *= weight.sqrt().unsqueeze(2)  # not in place: weight may be a view of top
+            blocks = torch.bmm(chosen.transpose(1, 2), chosen).to(torch.float64)
+            if loose:
+                # sum_i w_i x_i x_i^T = sum_i w_i (x_i - r)(x_i - r)^T + total (m r^T + r m^T - r r^T)
+                # for the mean m and any r, here m rounded to float32
+                rounded = rounded.to(torch.float64)
+                cross = mean.unsqueeze(2) * rounded.unsqueeze(1)
+                blocks += total[:, None, None] * (cross + cross.transpose(1, 2) - rounded.unsqueeze(2) * rounded.unsqueeze(1))
+            blocks = all_reduce_(blocks, process_group)
+            diagonal = blocks.diagonal(dim1=1, dim2=2)
+            diagonal += 2 * penalty[classes]
+            # Scale-aware jitter: relative to each block's own diagonal, so that a class whose
+            # curvature is tiny is not swamped by the others' (and a floor for all-zero blocks).
+            diagonal += 1e-10 * diagonal + 1e-14 * diagonal.mean(1, keepdim=True) + 1e-300
+            return blocks
+
+        # Failures are read back once per factorisation, not per chunk (on a GPU a read-back
+        # each): 70 of a fit's 170 host synchronisations at 100,000 x 200 on an H200.
+        info = torch.empty(k, dtype=torch.int32, device=source.device)
+        for start in range(0, k, step):
+            classes = slice(start, start + step)
+            factor[classes], info[classes] = torch.linalg.cholesky_ex(class_blocks(classes))
+        failed = info.nonzero().flatten() if bool(info.any()) else info[:0]
+        for start in range(0, failed.numel(), step):
+            # numerically indefinite (the round-off of float32 rows): formed again with a stronger
+            # ridge, relative to each block's largest diagonal entry (raw logits 100 times too
+            # large: eigenvalues of -6e-9 times the largest, below 1e-6 of the mean diagonal)
+            retried = failed[start : start + step]
+            blocks = class_blocks(retried)
+            largest = blocks.diagonal(dim1=1, dim2=2).amax(1, keepdim=True)
+            pending = torch.arange(retried.numel(), device=source.device)
+            for rung, ridge in enumerate(_RIDGES):
+                retry = blocks[pending]
+                retry.diagonal(dim1=1, dim2=2).add_(ridge * largest[pending])
+                if rung == len(_RIDGES) - 1:  # beyond round-off: torch's error says what is wrong
+                    factor[retried[pending]] = torch.linalg.cholesky(retry)
+                    break
+                chol, info_retry = torch.linalg.cholesky_ex(retry)
+                factor[retried[pending]] = chol
+                if not bool(info_retry.any()):
+                    break
+                pending = pending[info_retry != 0]
+
+        def solve(r: Tensor) -> Tensor:
+            # two triangular solves: cholesky_solve took 3.3 ms per call at K = 100 inside a fit
+            # against 1.3 ms for these (a fifth of CG's time per step)
+            half = torch.linalg.solve_triangular(factor, r.unsqueeze(2), upper=False)
+            return torch.linalg.solve_triangular(factor.mT, half, upper=True).squeeze(2)
+
+        return solve
+
+
+def _class_moments(x: Tensor, w: Tensor, q: Tensor, process_group: ProcessGroup | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Per class k, the sums over rows of ``c_ik``, ``c_ik x_i`` and ``c_ik x_i^2`` (squared
+    entrywise), ``c_ik = w_i q_ik (1 - q_ik)`` the class's curvature: (K,), (K, D), (K, D)
+    float64, the products in the precision of ``x: (N, D)`` (every row, about one pass)."""
+    d = x.shape[1]
+    curvature = w.unsqueeze(1) * q * (1 - q)  # (N, K)
+    sums = torch.cat([curvature.sum(0).unsqueeze(1), curvature.T @ x, curvature.T @ x.square()], dim=1)
+    sums = all_reduce_(sums.to(torch.float64), process_group)
+    return sums[:, 0], sums[:, 1 : d + 1], sums[:, d + 1 :]
+
+
+def _rank_one_preconditioner(moments: tuple[Tensor, Tensor, Tensor], penalty: Tensor) -> Callable[[Tensor], Tensor]:
+    """Each class's block as ``diag(s_k) + t_k m_k m_k^T``, from its :func:`_class_moments`:
+    ``t_k`` its total curvature, ``m_k`` its curvature-weighted mean row, ``s_k`` the diagonal of
+    the block about that mean (plus twice the ``penalty``); inverted by Sherman and Morrison's
+    formula. Returns the solve ``r -> z`` for ``r: (K, D)``."""
+    total, first, second = moments
+    mean = first / total.clamp(min=1e-300).unsqueeze(1)
+    diagonal = (second - first * mean).clamp(min=0) + 2 * penalty
+    diagonal += 1e-10 * diagonal + 1e-14 * diagonal.mean(1, keepdim=True) + 1e-300
+    scaled_mean = mean / diagonal
+    gain = total / (1 + total * (mean * scaled_mean).sum(1))
+
+    def solve(r: Tensor) -> Tensor:
+        z = r / diagonal
+        return z - scaled_mean * (gain * (mean * z).sum(1)).unsqueeze(1)
+
+    return solve
+
+
+def _quasi_newton_update(solve: Callable[[Tensor], Tensor], pairs: list[tuple[Tensor, Tensor, Tensor]]) -> Callable[[Tensor], Tensor]:
+    """The inverse preconditioner ``solve`` updated L-BFGS fashion by conjugate pairs ``(p, Hp,
+    1 / p.Hp)`` of an earlier CG solve: the two-loop recursion with ``solve`` as its initial
+    inverse (Morales and Nocedal 2000, automatic preconditioning). No pairs: ``solve`` itself."""
+    if not pairs:
+        return solve
+
+    def update(r: Tensor) -> Tensor:
+        coefficients = []
+        for s_i, y_i, rho in reversed(pairs):
+            a = rho * (s_i * r).sum()
+            coefficients.append(a)
+            r = r - a * y_i
+        z = solve(r)
+        for (s_i, y_i, rho), a in zip(pairs, reversed(coefficients)):
+            z = z + (a - rho * (y_i * z).sum()) * s_i
+        return z
+
+    return update
+
+
+def _penalty_is_strong(penalty: Tensor, second: Tensor) -> bool:
+    """Whether ``2 penalty / curvature`` is at least ``_STRONG_PENALTY`` on the median penalised
+    entry, the curvature the blocks' diagonal ``second`` (:func:`_class_moments`; the same
+    decision in every process: it is all-reduced)."""
+    penalised = penalty > 0
+    if not bool(penalised.any()):
+        return False
+    ratio = 2 * penalty[penalised] / second[penalised]
+    return float(ratio.median()) >= _STRONG_PENALTY
+
+
 def fit_multinomial_logistic(
     features: Tensor,
     labels: Tensor,
@@ -366,137 +544,19 @@ def fit_multinomial_logistic(
         loss_value, grad_max, size, norm = torch.stack([loss, (grad * scale).abs().max(), grad.abs().max(), grad.norm()]).tolist()
         return loss_value, grad, q, grad_max, size, norm
 
-    factor = torch.empty(0, dtype=torch.float64, device=x.device)
-    gathered = torch.empty(0, dtype=dtype, device=x.device)
+    blocks = _ClassBlocks()
 
     def block_preconditioner(q: Tensor, q_low: Tensor, loose: bool) -> Callable[[Tensor], Tensor]:
-        """Cholesky factors (K, D, D) of the per-class diagonal Hessian blocks, a few classes at
-        a time, into one buffer reused by every Newton step (at K = 1,000 the factors are 8 GB),
-        from the passes' posteriors ``q`` (not ``q_low``: see the comment at ``low``).
-        The classes' rows are gathered into one buffer too: a fresh one of 64 MB (10,000 x 100)
-        costs more in page faults than the copy itself.
-
-        For a ``loose`` Newton system the sums run in ``low`` precision, in half the time, about
-        each class's weighted mean row (added back as a rank-one term in float64), so that the
-        features' large common offsets (log-probabilities near -10) cost the float32 sums no
-        digits: a tenth to a fifth less time per fit at 10,000 x 100, the same passes. Near the
-        optimum float32 sums would miss the small eigenvalues of nearly singular blocks that weak
-        penalties leave (CIFAR-100 ResNet-20 at lambda = 1e-4: 611 -> 716 passes with float32
-        blocks throughout; 611 with them for loose systems only). On float32 passes every system
-        counts as loose here: float32 rows summed as they are lost the nearly singular blocks of
-        weak penalties to round-off (CIFAR-100 ResNet-20, lambda = 1e-3 from the 1e-2 fit:
-        Cholesky failed even with the stronger ridge), and float64 rows cost a tenth more time
-        in the cross-validation."""
-        nonlocal factor, gathered
-        source = x_low if loose else x
-        curvature = w.unsqueeze(1) * q * (1 - q)  # (N, K)
-        d = f + 1
-        m = min(n, max(_MIN_BLOCK_ROWS, _BLOCK_ROWS_PER_FEATURE * n // d))
-        top, index = curvature.topk(m, dim=0, sorted=False) if m < n else (curvature, rows.unsqueeze(1).expand(n, k))
-        if factor.shape != (k, d, d):
-            factor = torch.empty(k, d, d, dtype=torch.float64, device=x.device)
-        step = max(1, _CHUNK_ELEMENTS // (d * max(m, d)))
-        if gathered.shape != (min(step, k) * m, d) or gathered.dtype != source.dtype:
-            gathered = torch.empty(min(step, k) * m, d, dtype=source.dtype, device=x.device)
-
-        def class_blocks(classes: slice | Tensor) -> Tensor:
-            """The regularised blocks (classes, D, D) float64 of at most ``step`` classes."""
-            chosen_rows = index[:, classes].T.flatten()
-            chosen = torch.index_select(source, 0, chosen_rows, out=gathered[: chosen_rows.numel()]).view(-1, m, d)  # (classes, m, D)
-            weight = top[:, classes].T.to(source.dtype)  # (classes, m)
-            if loose:  # about the weighted mean row (see above)
-                total = weight.sum(1, dtype=torch.float64)
-                mean = torch.bmm(weight.unsqueeze(1), chosen).squeeze(1).to(torch.float64) / total.clamp(min=1e-300).unsqueeze(1)
-                rounded = mean.to(source.dtype)
-                chosen -= rounded.unsqueeze(1)
-            chosen *= weight.sqrt().unsqueeze(2)  # not in place: weight may be a view of top
-            blocks = torch.bmm(chosen.transpose(1, 2), chosen).to(torch.float64)
-            if loose:
-                # sum_i w_i x_i x_i^T = sum_i w_i (x_i - r)(x_i - r)^T + total (m r^T + r m^T - r r^T)
-                # for the mean m and any r, here m rounded to float32
-                rounded = rounded.to(torch.float64)
-                cross = mean.unsqueeze(2) * rounded.unsqueeze(1)
-                blocks += total[:, None, None] * (cross + cross.transpose(1, 2) - rounded.unsqueeze(2) * rounded.unsqueeze(1))
-            blocks = all_reduce_(blocks, process_group)
-            diagonal = blocks.diagonal(dim1=1, dim2=2)
-            diagonal += 2 * penalty[classes]
-            # Scale-aware jitter: relative to each block's own diagonal, so that a class whose
-            # curvature is tiny is not swamped by the others' (and a floor for all-zero blocks).
-            diagonal += 1e-10 * diagonal + 1e-14 * diagonal.mean(1, keepdim=True) + 1e-300
-            return blocks
-
-        # Failures are read back once per factorisation, not per chunk (on a GPU a read-back
-        # each): 70 of a fit's 170 host synchronisations at 100,000 x 200 on an H200.
-        info = torch.empty(k, dtype=torch.int32, device=x.device)
-        for start in range(0, k, step):
-            classes = slice(start, start + step)
-            factor[classes], info[classes] = torch.linalg.cholesky_ex(class_blocks(classes))
-        failed = info.nonzero().flatten() if bool(info.any()) else info[:0]
-        for start in range(0, failed.numel(), step):
-            # numerically indefinite (the round-off of float32 rows): formed again with a stronger
-            # ridge, relative to each block's largest diagonal entry (raw logits 100 times too
-            # large: eigenvalues of -6e-9 times the largest, below 1e-6 of the mean diagonal)
-            retried = failed[start : start + step]
-            blocks = class_blocks(retried)
-            largest = blocks.diagonal(dim1=1, dim2=2).amax(1, keepdim=True)
-            pending = torch.arange(retried.numel(), device=x.device)
-            for rung, ridge in enumerate(_RIDGES):
-                retry = blocks[pending]
-                retry.diagonal(dim1=1, dim2=2).add_(ridge * largest[pending])
-                if rung == len(_RIDGES) - 1:  # beyond round-off: torch's error says what is wrong
-                    factor[retried[pending]] = torch.linalg.cholesky(retry)
-                    break
-                chol, info_retry = torch.linalg.cholesky_ex(retry)
-                factor[retried[pending]] = chol
-                if not bool(info_retry.any()):
-                    break
-                pending = pending[info_retry != 0]
-
-        def solve(r: Tensor) -> Tensor:
-            # two triangular solves: cholesky_solve took 3.3 ms per call at K = 100 inside a fit
-            # against 1.3 ms for these (a fifth of CG's time per step)
-            half = torch.linalg.solve_triangular(factor, r.unsqueeze(2), upper=False)
-            return torch.linalg.solve_triangular(factor.mT, half, upper=True).squeeze(2)
-
-        return solve
-
-    def class_moments(q_low: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Per class k, the sums over rows of ``c_ik``, ``c_ik x_i`` and ``c_ik x_i^2`` (squared
-        entrywise), ``c_ik = w_i q_ik (1 - q_ik)`` the class's curvature: (K,), (K, D), (K, D),
-        float64, the products in ``low`` (every row, about one pass)."""
-        curvature = w_low.unsqueeze(1) * q_low * (1 - q_low)  # (N, K)
-        sums = torch.cat([curvature.sum(0).unsqueeze(1), curvature.T @ x_low, curvature.T @ x_low.square()], dim=1)
-        sums = all_reduce_(sums.to(torch.float64), process_group)
-        return sums[:, 0], sums[:, 1 : f + 2], sums[:, f + 2 :]
+        """:class:`_ClassBlocks` at the passes' posteriors ``q`` (not ``q_low``: see the comment
+        at ``low``), summed in ``low`` precision for a ``loose`` Newton system."""
+        return blocks.factorise(x_low if loose else x, w, q, penalty, loose, process_group)
 
     def rank_one_preconditioner(q: Tensor, q_low: Tensor, loose: bool) -> Callable[[Tensor], Tensor]:
-        """Each class's block as ``diag(s_k) + t_k m_k m_k^T``: ``t_k`` its total curvature,
-        ``m_k`` its curvature-weighted mean row, ``s_k`` the diagonal of the block about that mean
-        (plus the penalty); inverted by Sherman and Morrison's formula."""
+        """:func:`_rank_one_preconditioner` at the posteriors ``q_low``."""
         nonlocal start_moments
-        total, first, second = start_moments if start_moments is not None else class_moments(q_low)
+        moments = start_moments if start_moments is not None else _class_moments(x_low, w_low, q_low, process_group)
         start_moments = None  # (those of the starting point, where the fit's first step is)
-        mean = first / total.clamp(min=1e-300).unsqueeze(1)
-        diagonal = (second - first * mean).clamp(min=0) + 2 * penalty
-        diagonal += 1e-10 * diagonal + 1e-14 * diagonal.mean(1, keepdim=True) + 1e-300
-        scaled_mean = mean / diagonal
-        gain = total / (1 + total * (mean * scaled_mean).sum(1))
-
-        def solve(r: Tensor) -> Tensor:
-            z = r / diagonal
-            return z - scaled_mean * (gain * (mean * z).sum(1)).unsqueeze(1)
-
-        return solve
-
-    def penalty_is_strong(second: Tensor) -> bool:
-        """Whether ``2 penalty / curvature`` is at least ``_STRONG_PENALTY`` on the median
-        penalised entry, the curvature the blocks' diagonal ``second`` (:func:`class_moments`;
-        the same decision in every process: it is all-reduced)."""
-        penalised = penalty > 0
-        if not bool(penalised.any()):
-            return False
-        ratio = 2 * penalty[penalised] / second[penalised]
-        return float(ratio.median()) >= _STRONG_PENALTY
+        return _rank_one_preconditioner(moments, penalty)
 
     recycled: list[tuple[Tensor, Tensor, Tensor]] = []  # (p, Hp, 1 / p.Hp) of the last CG solve
 
@@ -520,19 +580,7 @@ def fit_multinomial_logistic(
         """
         nonlocal recycled
         old_pairs = recycled if preconditioner is block_preconditioner else []
-
-        def precondition(r: Tensor) -> Tensor:
-            # L-BFGS two-loop on the last solve's conjugate pairs, the blocks as its initial
-            # inverse (Morales & Nocedal 2000, automatic preconditioning)
-            coefficients = []
-            for s_i, y_i, rho in reversed(old_pairs):
-                a = rho * (s_i * r).sum()
-                coefficients.append(a)
-                r = r - a * y_i
-            z = centre(solve(r))
-            for (s_i, y_i, rho), a in zip(old_pairs, reversed(coefficients)):
-                z = z + (a - rho * (y_i * z).sum()) * s_i
-            return z
+        precondition = _quasi_newton_update(lambda r: centre(solve(r)), old_pairs)
 
         pairs: list[tuple[Tensor, Tensor, Tensor]] = []
         stride = 1
@@ -579,8 +627,8 @@ def fit_multinomial_logistic(
     previous: tuple[float, float] | None = None  # (gradient norm, forcing) of the last Newton step
     blocks_fit = f + 1 <= _MAX_BLOCK_SIZE
     # the moments at the start decide, and are the rank-one preconditioner's for the first step
-    start_moments = moments = class_moments(in_low(q))
-    preconditioner = block_preconditioner if blocks_fit and not penalty_is_strong(moments[2]) else rank_one_preconditioner
+    start_moments = moments = _class_moments(x_low, w_low, in_low(q), process_group)
+    preconditioner = block_preconditioner if blocks_fit and not _penalty_is_strong(penalty, moments[2]) else rank_one_preconditioner
     solve, kept = None, False  # kept: the last step's blocks serve this one (_KEEP_BLOCKS_TOL_GRAD)
     decrease = math.inf  # of the objective by the last Newton step (tol_decrease)
     for iteration in range(max_iter):
@@ -598,7 +646,7 @@ def fit_multinomial_logistic(
         checked_from = c if preconditioner is rank_one_preconditioner and loose else None
         q_low = in_low(q)
         if not kept or solve is None:
-            solve = preconditioner(q, q_low, loose or dtype != full_dtype)  # (see block_preconditioner)
+            solve = preconditioner(q, q_low, loose or dtype != full_dtype)  # (see _ClassBlocks.factorise)
         products_before = products
         direction = newton_direction(q_low, grad, grad_norm, solve, forcing, checked_from)
         if direction is None:  # CG stalled by float32 round-off (or a long solve): again in full

@@ -209,6 +209,29 @@ def _float32_products_are_ieee(device: torch.device) -> bool:
     return precision in ("none", "ieee")
 
 
+def _cholesky_with_ridges(blocks: Tensor) -> Tensor:
+    """Cholesky factors of ``blocks: (B, n, n)`` float64 that failed to factorise as they are:
+    positive definite, but left numerically indefinite by the round-off of float32 rows (raw
+    logits 100 times too large: eigenvalues of -6e-9 times the largest, below 1e-6 of the mean
+    diagonal). Each gets the ridges ``_RIDGES`` in turn, relative to its largest diagonal entry,
+    until it factorises; past the last, Cholesky's own error is raised."""
+    factor = torch.empty_like(blocks)
+    pending = torch.arange(blocks.shape[0], device=blocks.device)
+    largest = blocks.diagonal(dim1=1, dim2=2).amax(1, keepdim=True)
+    for rung, ridge in enumerate(_RIDGES):
+        retry = blocks[pending]
+        retry.diagonal(dim1=1, dim2=2).add_(ridge * largest[pending])
+        if rung == len(_RIDGES) - 1:  # beyond round-off: torch's error says what is wrong
+            factor[pending] = torch.linalg.cholesky(retry)
+            break
+        chol, info = torch.linalg.cholesky_ex(retry)
+        factor[pending] = chol
+        if not bool(info.any()):
+            break
+        pending = pending[info != 0]
+    return factor
+
+
 class _ClassBlocks:
     """The per-class diagonal Hessian blocks ``sum_i w_i q_ik (1 - q_ik) x_i x_i^T + 2 diag(penalty_k)``
     of one fit, formed from each class's ``8 N / D`` rows of largest curvature
@@ -296,25 +319,9 @@ class _ClassBlocks:
             classes = slice(start, start + step)
             factor[classes], info[classes] = torch.linalg.cholesky_ex(class_blocks(classes))
         failed = info.nonzero().flatten() if bool(info.any()) else info[:0]
-        for start in range(0, failed.numel(), step):
-            # numerically indefinite (the round-off of float32 rows): formed again with a stronger
-            # ridge, relative to each block's largest diagonal entry (raw logits 100 times too
-            # large: eigenvalues of -6e-9 times the largest, below 1e-6 of the mean diagonal)
+        for start in range(0, failed.numel(), step):  # formed again, with ridges
             retried = failed[start : start + step]
-            blocks = class_blocks(retried)
-            largest = blocks.diagonal(dim1=1, dim2=2).amax(1, keepdim=True)
-            pending = torch.arange(retried.numel(), device=source.device)
-            for rung, ridge in enumerate(_RIDGES):
-                retry = blocks[pending]
-                retry.diagonal(dim1=1, dim2=2).add_(ridge * largest[pending])
-                if rung == len(_RIDGES) - 1:  # beyond round-off: torch's error says what is wrong
-                    factor[retried[pending]] = torch.linalg.cholesky(retry)
-                    break
-                chol, info_retry = torch.linalg.cholesky_ex(retry)
-                factor[retried[pending]] = chol
-                if not bool(info_retry.any()):
-                    break
-                pending = pending[info_retry != 0]
+            factor[retried] = _cholesky_with_ridges(class_blocks(retried))
 
         def solve(r: Tensor) -> Tensor:
             # two triangular solves: cholesky_solve took 3.3 ms per call at K = 100 inside a fit

@@ -351,6 +351,49 @@ def test_class_weights_reach_the_exact_newton_optimum():
     torch.testing.assert_close(_fitted(cal), theta.view(5, 6), rtol=0, atol=1e-6)
 
 
+def test_block_rows_hold_each_class_curvature_and_sample_the_rest_without_bias():
+    """Each class's block is summed from its rows of largest curvature and a draw from the others
+    weighted by their total: the weights add up to the class's whole curvature, and over many
+    draws the block averages to the one summed over every row (NumPy, float64)."""
+    from torchcal.calibrators._multinomial import _block_rows
+
+    gen = torch.Generator().manual_seed(3)
+    n, k, m = 400, 3, 40
+    curvature = torch.rand(n, k, generator=gen, dtype=torch.float64) ** 4
+    curvature[:5, 2] = 10.0  # a class whose curvature sits almost all on a few rows
+    curvature[5:, 1] = 0.0  # and one whose curvature the top rows hold entirely
+    x = torch.randn(n, 4, generator=gen, dtype=torch.float64)
+    exact = np.einsum("nk,ni,nj->kij", curvature.numpy(), x.numpy(), x.numpy())
+
+    weight, index = _block_rows(curvature.clone(), m, torch.Generator().manual_seed(0))
+    assert weight.shape == index.shape == (m, k)
+    torch.testing.assert_close(weight.sum(0), curvature.sum(0), rtol=1e-12, atol=0)
+    top = m - m // 4
+    assert set(index[:top, 0].tolist()) == set(curvature[:, 0].topk(top).indices.tolist())
+    assert (weight[top:, 1] == 0).all()
+
+    def block(weight: torch.Tensor, index: torch.Tensor) -> np.ndarray:
+        rows = x[index]  # (m, K, 4)
+        return torch.einsum("mk,mki,mkj->kij", weight, rows, rows).numpy()
+
+    draws = np.stack([block(*_block_rows(curvature.clone(), m, torch.Generator().manual_seed(s))) for s in range(2000)])
+    error = np.abs(draws.mean(0) - exact)
+    standard_error = draws.std(0) / np.sqrt(len(draws))
+    assert (error <= 4 * standard_error + 1e-12).all(), (error / (standard_error + 1e-300)).max()
+    # the top rows alone (the blocks before the draws) fall short by far more than that
+    top_only = block(torch.where(torch.arange(m).unsqueeze(1) < top, weight, 0.0), index)
+    assert (np.abs(top_only - exact)[0] > 10 * standard_error[0]).any()
+
+
+def test_the_rows_drawn_for_the_blocks_leave_the_global_random_state_alone():
+    logits, labels = _problem(3000, 30, seed=5)
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    fits = [torchcal.DirichletCalibration(reg="odir", reg_lambda=1e-3).fit(logits, labels) for _ in range(2)]
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(_fitted(fits[0]), _fitted(fits[1]))  # the same draws: the same fit, bit for bit
+
+
 def test_passes_do_not_blow_up_as_lambda_shrinks():
     """The reason for the solver: L-BFGS needed ~10x more iterations per decade of lambda here.
     Newton-CG's pass count (gradients plus Hessian-vector products) stays within a small factor."""

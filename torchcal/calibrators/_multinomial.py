@@ -20,10 +20,9 @@ truncated Newton method converge in a few dozen passes whatever the penalty:
   by these K blocks (of size (F+1)^2) solve the Newton system in a few dozen Hessian-vector
   products. The blocks are formed from the rows that carry most of each class's curvature (the
   largest ``q_ik (1 - q_ik)``) and a sample of the others, about one pass's worth of arithmetic.
-  (A Kronecker-factored
-  preconditioner, feature second moments times the softmax covariance, is cheaper but needs ten
-  times as many products here: the curvature of class k is concentrated on the rows whose features
-  say "maybe k", which a product of averages cannot represent.) Above ``_MAX_BLOCK_SIZE`` features
+  (A Kronecker-factored preconditioner, feature second moments times the softmax covariance, is
+  cheaper but needs ten times as many products here: the curvature of class k is concentrated on
+  the rows whose features say "maybe k", which a product of averages cannot represent.) Above ``_MAX_BLOCK_SIZE`` features
   the blocks cost more than they save; so too where the penalty is strong (``_STRONG_PENALTY``).
   There each block is replaced by its diagonal about the class's curvature-weighted mean row plus
   that mean as a rank-one term, which one pass's arithmetic forms from every row and Sherman and

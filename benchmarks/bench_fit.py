@@ -6,7 +6,7 @@ Usage:
     python benchmarks/bench_fit.py --problem affine vector           # some of them
     python benchmarks/bench_fit.py --smoke                           # 2,000 x 10, seconds
     python benchmarks/bench_fit.py --problem dirichlet-odir --reg 0.01
-    python benchmarks/bench_fit.py --sweep --n 10000                 # Dir-/MS-ODIR at every lambda of the grid
+    python benchmarks/bench_fit.py --sweep --n 10000 --repeat 3      # Dir-/MS-ODIR at every lambda of the grid
     python benchmarks/bench_fit.py --sweep --n 10000 --k 1000 --lambdas 1e-3
     python benchmarks/bench_fit.py --cv --n 10000                    # cross-validated lambda vs one fit
 
@@ -245,12 +245,16 @@ def _pass_time(problem: Problem, theta: torch.Tensor, logits: torch.Tensor, labe
     return sorted(times)[1]
 
 
-def _timed(fit):
-    start = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        result = fit()
-    return time.perf_counter() - start, result
+def _timed(fit, repeat: int = 1):
+    """The median time of ``repeat`` calls of ``fit`` and the last call's result."""
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = fit()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2], result
 
 
 def _data(n: int, k: int, real: str | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -263,11 +267,11 @@ def _data(n: int, k: int, real: str | None) -> tuple[torch.Tensor, torch.Tensor]
         return torch.from_numpy(f["logits"]), torch.from_numpy(f["labels"])
 
 
-def sweep(logits: torch.Tensor, labels: torch.Tensor, lambdas: list[float], alternatives: bool) -> None:
+def sweep(logits: torch.Tensor, labels: torch.Tensor, lambdas: list[float], alternatives: bool, repeat: int) -> None:
     import torchcal
 
     n, k = logits.shape
-    print(f"\n## Fixed-lambda fits, {n:,} x {k} (mu = lambda), 1 thread\n")
+    print(f"\n## Fixed-lambda fits, {n:,} x {k} (mu = lambda), 1 thread, the median time of {repeat} fits\n")
     print("| model | lambda | time (s) | passes | Newton it. | pass time (s) | time / pass | objective | max abs gradient | converged | peak RSS (MB) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for name, make, problem_of in (
@@ -276,7 +280,7 @@ def sweep(logits: torch.Tensor, labels: torch.Tensor, lambdas: list[float], alte
     ):
         pass_time = None
         for lam in lambdas:
-            seconds, cal = _timed(lambda: make(reg="odir", reg_lambda=lam).fit(logits, labels))
+            seconds, cal = _timed(lambda: make(reg="odir", reg_lambda=lam).fit(logits, labels), repeat)
             problem = problem_of(lam, lam)
             theta = _full_theta(cal.weight, cal.bias)
             pass_time = pass_time or _pass_time(problem, theta, logits, labels)
@@ -288,10 +292,10 @@ def sweep(logits: torch.Tensor, labels: torch.Tensor, lambdas: list[float], alte
             continue
         try:
             if name == "Dir-ODIR":
-                seconds, scaler = _timed(lambda: torch_uncertainty_fit("DirichletScaler", logits, labels, num_classes=k, lambda_reg=REG, mu_reg=REG))
+                seconds, scaler = _timed(lambda: torch_uncertainty_fit("DirichletScaler", logits, labels, num_classes=k, lambda_reg=REG, mu_reg=REG), repeat)
                 problem = dirichlet_odir(REG, REG)
             else:
-                seconds, scaler = _timed(lambda: torch_uncertainty_fit("MatrixScaler", logits, labels, num_classes=k))
+                seconds, scaler = _timed(lambda: torch_uncertainty_fit("MatrixScaler", logits, labels, num_classes=k), repeat)
                 problem = matrix_odir(0.0, 0.0)
         except ImportError as error:
             print(f"| torch-uncertainty | | skipped: {error} | | | | | | | | |")
@@ -331,12 +335,13 @@ if __name__ == "__main__" and ("--sweep" in sys.argv or "--cv" in sys.argv):
     parser.add_argument("--lambdas", type=float, nargs="*", default=list(torchcal.calibrators.matrix.DEFAULT_REG_GRID)[::-1])
     parser.add_argument("--no-alternatives", action="store_true")
     parser.add_argument("--real", default=None, help="an .npz file with logits and labels instead of the synthetic data")
+    parser.add_argument("--repeat", type=int, default=1, help="--sweep: the median time of this many fits per row")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"# load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; torch {torch.__version__}")
     logits, labels = _data(args.n, args.k, args.real)
     if args.sweep:
-        sweep(logits, labels, args.lambdas, not args.no_alternatives)
+        sweep(logits, labels, args.lambdas, not args.no_alternatives, args.repeat)
     if args.cv:
         cross_validation(logits, labels)
     sys.exit(0)

@@ -385,6 +385,46 @@ def test_block_rows_hold_each_class_curvature_and_sample_the_rest_without_bias()
     assert (np.abs(top_only - exact)[0] > 10 * standard_error[0]).any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_low_rank_blocks_solve_their_approximation_of_each_class_block(monkeypatch, dtype):
+    """Above the dense blocks' size, each class's block is its top rows exactly plus the other
+    rows' diagonal about their mean and that mean (rank one), inverted by Woodbury's identity:
+    the solve equals NumPy's float64 solve with that matrix formed densely, also for a class
+    whose curvature the top rows hold entirely (its other rows have none)."""
+    from torchcal.calibrators._multinomial import _LowRankBlocks
+
+    monkeypatch.setattr(torchcal.calibrators._multinomial, "_BLOCK_ROWS_PER_FEATURE", 2)
+    monkeypatch.setattr(torchcal.calibrators._multinomial, "_MIN_BLOCK_ROWS", 1)
+    gen = torch.Generator().manual_seed(4)
+    n, d, k = 500, 25, 4
+    m = 2 * n // d
+    x = torch.randn(n, d, generator=gen, dtype=torch.float64) - 3.0  # a large common offset, as log-posteriors have
+    q = torch.softmax(2 * torch.randn(n, k, generator=gen, dtype=torch.float64), 1)
+    q[m // 2 :, 3] = 0.0  # class 3: curvature on fewer rows than the top rows
+    w = torch.rand(n, generator=gen, dtype=torch.float64) / n
+    penalty = torch.full((k, d), 1e-4, dtype=torch.float64)
+    penalty[:, 0] = 0.0  # an unpenalised column
+
+    solve = _LowRankBlocks().factorise(x.to(dtype), w.to(dtype), q.to(dtype), penalty)
+    r = torch.randn(k, d, generator=gen, dtype=torch.float64)
+    z = solve(r)
+
+    c, xs = (w[:, None] * q * (1 - q)).numpy(), x.numpy()
+    for j in range(k):
+        top = np.argsort(-c[:, j], kind="stable")[:m]
+        rest = np.setdiff1d(np.arange(n), top)
+        block = np.einsum("n,ni,nj->ij", c[top, j], xs[top], xs[top])
+        t = c[rest, j].sum()
+        mean = c[rest, j] @ xs[rest] / t if t > 0 else np.zeros(d)
+        diagonal = c[rest, j] @ (xs[rest] - mean) ** 2 + 2 * penalty[j].numpy()
+        diagonal += 1e-3 * np.diag(block) + 1e-10 * diagonal + 1e-14 * diagonal.mean() + 1e-300  # (_LOW_RANK_RIDGE)
+        block += np.diag(diagonal) + t * np.outer(mean, mean)
+        expected = np.linalg.solve(block, r[j].numpy())
+        tolerance = 1e-9 if dtype == torch.float64 else 1e-3
+        np.testing.assert_allclose(z[j].numpy(), expected, rtol=tolerance, atol=tolerance * np.abs(expected).max())
+    assert torch.isfinite(z).all()
+
+
 def test_the_rows_drawn_for_the_blocks_leave_the_global_random_state_alone():
     logits, labels = _problem(3000, 30, seed=5)
     torch.manual_seed(123)
@@ -453,6 +493,39 @@ def test_the_large_k_rank_one_preconditioner_reaches_the_same_optimum(monkeypatc
     assert rank_one.fit_record_.evaluations != blocks.fit_record_.evaluations  # the other path ran
     torch.testing.assert_close(_fitted(rank_one), reference, rtol=0, atol=1e-6)
     torch.testing.assert_close(_fitted(rank_one), _fitted(blocks), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("lam", [1e-3, 1.0])
+def test_the_large_k_low_rank_blocks_reach_the_same_optimum(monkeypatch, lam):
+    """From ``_MIN_LOW_RANK_BLOCK_SIZE`` features a single-process fit preconditions CG by the
+    low-rank blocks: forced onto that path, a small problem reaches the exact Newton optimum and
+    the dense blocks' fit."""
+    logits, labels = _problem(2000, 8, seed=11)
+    blocks = torchcal.DirichletCalibration(reg="odir", reg_lambda=lam).fit(logits, labels)
+    monkeypatch.setattr(torchcal.calibrators._multinomial, "_MAX_BLOCK_SIZE", 0)
+    monkeypatch.setattr(torchcal.calibrators._multinomial, "_MIN_LOW_RANK_BLOCK_SIZE", 0)
+    monkeypatch.setattr(torchcal.calibrators._multinomial, "_MIN_BLOCK_ROWS", 4)  # fewer rows than features
+    low_rank = torchcal.DirichletCalibration(reg="odir", reg_lambda=lam).fit(logits, labels)
+    reference = _reference(torchcal.DirichletCalibration(reg="odir", reg_lambda=lam), logits, labels)
+    assert low_rank.fit_record_.converged and low_rank.fit_record_.grad_max < 1e-9
+    # the other path ran: other passes, or at least another round-off
+    assert (low_rank.fit_record_.evaluations, low_rank.fit_record_.grad_max) != (blocks.fit_record_.evaluations, blocks.fit_record_.grad_max)
+    torch.testing.assert_close(_fitted(low_rank), reference, rtol=0, atol=1e-6)
+    torch.testing.assert_close(_fitted(low_rank), _fitted(blocks), rtol=0, atol=1e-6)
+
+
+def test_the_low_rank_blocks_cut_the_large_k_passes(monkeypatch, real):
+    """On 40 classes of the CIFAR-100 ResNet-20 logits, forced onto the large-K path, Dir-ODIR at
+    lambda = 0.1 takes 80 passes with the low-rank blocks and 626 with the rank-one
+    preconditioner alone, to the same optimum."""
+    logits, labels = _real_subset(real, 40)
+    monkeypatch.setattr(torchcal.calibrators._multinomial, "_MAX_BLOCK_SIZE", 0)
+    rank_one = torchcal.DirichletCalibration(reg="odir", reg_lambda=0.1).fit(logits, labels)
+    monkeypatch.setattr(torchcal.calibrators._multinomial, "_MIN_LOW_RANK_BLOCK_SIZE", 0)
+    low_rank = torchcal.DirichletCalibration(reg="odir", reg_lambda=0.1).fit(logits, labels)
+    assert rank_one.fit_record_.converged and low_rank.fit_record_.converged
+    assert 4 * low_rank.fit_record_.evaluations <= rank_one.fit_record_.evaluations, (rank_one.fit_record_, low_rank.fit_record_)
+    torch.testing.assert_close(_fitted(low_rank), _fitted(rank_one), rtol=0, atol=1e-6)
 
 
 def test_the_rank_one_term_cuts_the_large_k_passes_on_real_logits(monkeypatch, real):

@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from torchcal._fast_exp import exp_floor
-from torchcal.distributed import ProcessGroup, all_reduce_
+from torchcal.distributed import ProcessGroup, all_reduce_, world_size
 from torchcal.fit import ConvergenceWarning, FitRecord
 
 __all__ = ["MAX_NEWTON_STEPS", "SELECTION_TOLERANCES", "TIE_TOLERANCES", "fit_multinomial_logistic"]
@@ -97,6 +97,9 @@ _MIN_BLOCK_ROWS = 64
 #: share of 0.4, or draws in proportion to curvature times the row's squared norm, 10,219 and
 #: 10,524; every row drawn, none from the top: ResNet-20 at 1e-4 795 -> 2,080, LeNet-5 128 -> 57.)
 _DRAWN_ROW_SHARE = 0.25
+#: The ridge of the low-rank blocks (:class:`_LowRankBlocks`), relative to their top rows'
+#: diagonal: it bounds the capacitance matrices' condition by about its inverse.
+_LOW_RANK_RIDGE = 1e-3
 #: Elements of the temporaries (classes x rows x features) while forming the blocks.
 _CHUNK_ELEMENTS = 1 << 24
 _MAX_CG_STEPS = 250
@@ -104,10 +107,18 @@ _MAX_CG_STEPS = 250
 #: K (F+1)^3 / 3 flops and K (F+1)^2 floats per Newton step, is a fraction of a pass at K = 100;
 #: at K = 300 (Dir-ODIR, 5,000 samples, lambda = 1) they made the fit 5.6x slower than their
 #: diagonals for no fewer passes (1,581 against 1,485: formed from 8 N / (F+1) = 132 rows, they
-#: miss most of the coupling), and at K = 1,000 they take 8 GB and hours. Above this size CG is
-#: preconditioned by their diagonals plus a rank-one term (see _STRONG_PENALTY), from every row at
-#: the cost of one pass.
+#: missed the other rows' part, which :class:`_LowRankBlocks` adds back as its diagonal and mean),
+#: and at K = 1,000 they take 8 GB and hours. Above this size CG is preconditioned by their
+#: diagonals plus a rank-one term (see _STRONG_PENALTY), from every row at the cost of one pass,
+#: or by the low-rank blocks (_MIN_LOW_RANK_BLOCK_SIZE).
 _MAX_BLOCK_SIZE = 256
+#: Smallest block (F + 1) for which a single-process fit that cannot form the blocks forms them as
+#: :class:`_LowRankBlocks`; between the two sizes CG has the rank-one preconditioner alone. The
+#: low-rank blocks' rows, about 8 N K floats, are read twice per CG step, a share of a Hessian
+#: product of about 160 / (F + 1): synthetic 10,000 x 1,000, Dir-ODIR at lambda = 1000, 1,055 ->
+#: 434 passes and 558 -> 328 s (one thread); 5,000 x 300 fewer passes (143 -> 98 at lambda =
+#: 1000, 265 -> 214 at 1) in more time (4.9 -> 6.7 s, 8.6 -> 14.5 s).
+_MIN_LOW_RANK_BLOCK_SIZE = 512
 #: Where twice the penalty is at least this share of the data's curvature on the median penalised
 #: entry (at the start of a fit), CG is preconditioned by the blocks' diagonals plus their
 #: classes' mean rows (rank one), formed in one pass instead of eight and never factorised. Dir-ODIR
@@ -303,7 +314,7 @@ class _ClassBlocks:
         """
         n, d = source.shape
         k = q.shape[1]
-        curvature = w.unsqueeze(1) * q * (1 - q)  # (N, K)
+        curvature = _curvature(w, q)
         m = min(n, max(_MIN_BLOCK_ROWS, _BLOCK_ROWS_PER_FEATURE * n // d))
         if m < n:
             if self.generator is None:
@@ -366,15 +377,94 @@ class _ClassBlocks:
         return solve
 
 
-def _class_moments(x: Tensor, w: Tensor, q: Tensor, process_group: ProcessGroup | None) -> tuple[Tensor, Tensor, Tensor]:
+class _LowRankBlocks:
+    """The per-class Hessian blocks of a fit whose blocks are too large to form (F + 1 >=
+    _MIN_LOW_RANK_BLOCK_SIZE), each as the part of its ``m = 8 N / D`` rows of largest curvature, exactly,
+    plus the other rows' part as its diagonal about their mean and that mean (rank one):
+    ``B_k ~ Delta_k + U_k^T U_k``, the (m + 1, D) rows ``U_k`` those rows and the mean scaled by
+    their curvature's square roots, ``Delta_k`` the diagonal plus twice the penalty. Inverted by
+    Woodbury's identity, ``B_k^-1 = S (I - V_k^T C_k^-1 V_k) S`` with ``S = Delta_k^-1/2``,
+    ``V_k = U_k S`` and the (m + 1)-square capacitance matrix ``C_k = I + V_k V_k^T``; only
+    ``V_k`` is kept, K (m + 1) D floats, about 8 N K (320 MB at 10,000 x 1,000 in float32).
+
+    The diagonal and rank-one part alone is :func:`_rank_one_preconditioner`; the top rows carry
+    the coupling between a class's features that it misses (synthetic 5,000 x 300, lambda = 1, a
+    Newton system after five steps: 407 CG steps to a relative residual of 1e-3 with rank one, 42
+    with these, 19 with the exact blocks of every row). Single-process fits only: another process's
+    top rows would have to be gathered, not summed.
+    """
+
+    def __init__(self) -> None:
+        self.rows = torch.empty(0)
+
+    def factorise(self, source: Tensor, w: Tensor, q: Tensor, penalty: Tensor) -> Callable[[Tensor], Tensor]:
+        """Form and factorise the blocks from the features ``source: (N, D)``, the sample
+        weights ``w: (N,)`` and posteriors ``q: (N, K)`` (in ``source``'s precision, which the
+        rows and their products keep) and ``penalty: (K, D)``; returns the solve
+        ``r -> (B_k^{-1} r_k)_k`` for ``r: (K, D)`` float64."""
+        n, d = source.shape
+        k = q.shape[1]
+        m = min(n - 1, max(_MIN_BLOCK_ROWS, _BLOCK_ROWS_PER_FEATURE * n // d))
+        curvature = _curvature(w, q)
+        top_weight, top_index = curvature.topk(m, dim=0, sorted=False)  # (m, K)
+        # the other rows' total, sums and centred diagonal
+        rest_total, rest_first, rest_second = _curvature_moments(source, curvature.scatter_(0, top_index, 0.0), None)
+        rest_mean = rest_first / torch.where(rest_total > 0, rest_total, 1.0).unsqueeze(1)
+        delta = (rest_second - rest_first * rest_mean).clamp(min=0) + 2 * penalty
+        if self.rows.shape != (k, m + 1, d) or self.rows.dtype != source.dtype or self.rows.device != source.device:
+            self.rows = torch.empty(k, m + 1, d, dtype=source.dtype, device=source.device)
+        rows = self.rows
+        root = top_weight.T.sqrt().unsqueeze(2)  # (K, m, 1)
+        top_diagonal = torch.empty_like(delta)
+        step = max(1, _CHUNK_ELEMENTS // (d * m))
+        for start in range(0, k, step):
+            classes = slice(start, start + step)
+            chosen = torch.index_select(source, 0, top_index[:, classes].T.flatten()).view(-1, m, d)
+            chosen.mul_(root[classes])
+            rows[classes, :m] = chosen
+            top_diagonal[classes] = chosen.square().sum(1)
+        rows[:, m] = rest_total.sqrt().unsqueeze(1) * rest_mean
+        # Where the other rows and the penalty leave a feature's diagonal (near) zero, Woodbury's
+        # identity would divide by it: a ridge of _LOW_RANK_RIDGE of the top rows' diagonal
+        delta += _LOW_RANK_RIDGE * top_diagonal + 1e-10 * delta + 1e-14 * delta.mean(1, keepdim=True) + 1e-300
+        root_inverse = delta.rsqrt()  # (K, D) float64
+        rows.mul_(root_inverse.to(rows.dtype).unsqueeze(1))
+        capacitance = torch.bmm(rows, rows.mT).to(torch.float64)
+        capacitance.diagonal(dim1=1, dim2=2).add_(1.0)
+        factor, info = torch.linalg.cholesky_ex(capacitance)  # at least I: round-off aside, definite
+        if bool(info.any()):
+            factor = _cholesky_with_ridges(capacitance)
+
+        def solve(r: Tensor) -> Tensor:
+            # (row vectors times the rows: a third of the time of the rows times column vectors)
+            y = r * root_inverse
+            s = torch.bmm(y.to(rows.dtype).unsqueeze(1), rows.mT).mT.to(torch.float64)  # (K, m + 1, 1)
+            s = torch.linalg.solve_triangular(factor, s, upper=False)
+            s = torch.linalg.solve_triangular(factor.mT, s, upper=True)
+            return (y - torch.bmm(s.mT.to(rows.dtype), rows).squeeze(1).to(torch.float64)) * root_inverse
+
+        return solve
+
+
+def _curvature(w: Tensor, q: Tensor) -> Tensor:
+    """``c_ik = w_i q_ik (1 - q_ik)`` (N, K): row i's curvature of class k's scores."""
+    return w.unsqueeze(1) * q * (1 - q)
+
+
+def _curvature_moments(x: Tensor, curvature: Tensor, process_group: ProcessGroup | None) -> tuple[Tensor, Tensor, Tensor]:
     """Per class k, the sums over rows of ``c_ik``, ``c_ik x_i`` and ``c_ik x_i^2`` (squared
-    entrywise), ``c_ik = w_i q_ik (1 - q_ik)`` the class's curvature: (K,), (K, D), (K, D)
-    float64, the products in the precision of ``x: (N, D)`` (every row, about one pass)."""
+    entrywise) for the ``curvature: (N, K)``: (K,), (K, D), (K, D) float64, the products in the
+    precision of ``x: (N, D)`` (every row, about one pass)."""
     d = x.shape[1]
-    curvature = w.unsqueeze(1) * q * (1 - q)  # (N, K)
     sums = torch.cat([curvature.sum(0).unsqueeze(1), curvature.T @ x, curvature.T @ x.square()], dim=1)
     sums = all_reduce_(sums.to(torch.float64), process_group)
     return sums[:, 0], sums[:, 1 : d + 1], sums[:, d + 1 :]
+
+
+def _class_moments(x: Tensor, w: Tensor, q: Tensor, process_group: ProcessGroup | None) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_curvature_moments` of every row's curvature: each class's block's total, its
+    curvature-weighted row sum and the sum of its diagonal."""
+    return _curvature_moments(x, _curvature(w, q), process_group)
 
 
 def _rank_one_preconditioner(moments: tuple[Tensor, Tensor, Tensor], penalty: Tensor) -> Callable[[Tensor], Tensor]:
@@ -586,11 +676,16 @@ def fit_multinomial_logistic(
         return loss_value, grad, q, grad_max, size, norm
 
     blocks = _ClassBlocks()
+    low_rank_blocks = _LowRankBlocks()
 
     def block_preconditioner(q: Tensor, q_low: Tensor, loose: bool) -> Callable[[Tensor], Tensor]:
-        """:class:`_ClassBlocks` at the passes' posteriors ``q`` (not ``q_low``: see the comment
-        at ``low``), summed in ``low`` precision for a ``loose`` Newton system."""
-        return blocks.factorise(x_low if loose else x, w, q, penalty, loose, process_group)
+        """:class:`_ClassBlocks` (:class:`_LowRankBlocks` above ``_MAX_BLOCK_SIZE``, where they
+        serve) at the passes' posteriors ``q`` (not ``q_low``: see the comment at ``low``), summed in ``low`` precision
+        for a ``loose`` Newton system."""
+        source = x_low if loose else x
+        if f + 1 > _MAX_BLOCK_SIZE:
+            return low_rank_blocks.factorise(source, w.to(source.dtype), q.to(source.dtype), penalty)
+        return blocks.factorise(source, w, q, penalty, loose, process_group)
 
     def rank_one_preconditioner(q: Tensor, q_low: Tensor, loose: bool) -> Callable[[Tensor], Tensor]:
         """:func:`_rank_one_preconditioner` at the posteriors ``q_low``."""
@@ -612,9 +707,11 @@ def fit_multinomial_logistic(
         the objective is evaluated at the iterate, and CG returns the last checked iterate once
         it stops decreasing. Far from the optimum of a nearly separable fit, the quadratic model
         fails along CG's long low-curvature steps: one step of a 5,000 x 300 fit (Jacobi) took
-        259 passes for a direction the line search then cut to 1/256. Only with the rank-one (or
-        diagonal) preconditioner and loose Newton systems; with the blocks, CG's steps are few and the
-        checks cost more than they save (real CIFAR-100, lambda = 1e-3: 339 -> 367 passes).
+        259 passes for a direction the line search then cut to 1/256. Only on loose Newton systems
+        with the rank-one (or diagonal) preconditioner or the low-rank blocks (10,000 x 1,000, the
+        first solve on them: 145 CG steps unchecked, 16 checked); with the dense blocks, CG's steps
+        are few and the checks cost more than they save (real CIFAR-100, lambda = 1e-3: 339 -> 367
+        passes).
 
         With the blocks, the preconditioner is their L-BFGS update by the last solve's conjugate
         pairs (``_RECYCLED_PAIRS``); this solve's pairs are kept for the next.
@@ -666,7 +763,7 @@ def fit_multinomial_logistic(
     # grad is with respect to the scaled parameters; grad * scale with respect to the original ones
     loss_value, grad, q, grad_max, size, grad_norm = evaluate(c)
     previous: tuple[float, float] | None = None  # (gradient norm, forcing) of the last Newton step
-    blocks_fit = f + 1 <= _MAX_BLOCK_SIZE
+    blocks_fit = f + 1 <= _MAX_BLOCK_SIZE or (f + 1 >= _MIN_LOW_RANK_BLOCK_SIZE and world_size(process_group) == 1)
     # the moments at the start decide, and are the rank-one preconditioner's for the first step
     start_moments = moments = _class_moments(x_low, w_low, in_low(q), process_group)
     preconditioner = block_preconditioner if blocks_fit and not _penalty_is_strong(penalty, moments[2]) else rank_one_preconditioner
@@ -684,7 +781,7 @@ def fit_multinomial_logistic(
         # CG's residual is about the next gradient; the stopping test reads it times scale too
         forcing = _forcing(grad_norm, previous, max(_MIN_FORCING, 0.5 * tol_grad / (grad_norm * largest_scale)))
         loose = forcing >= _LOOSE_FORCING
-        checked_from = c if preconditioner is rank_one_preconditioner and loose else None
+        checked_from = c if loose and (preconditioner is rank_one_preconditioner or f + 1 > _MAX_BLOCK_SIZE) else None
         q_low = in_low(q)
         if not kept or solve is None:
             solve = preconditioner(q, q_low, loose or dtype != full_dtype)  # (see _ClassBlocks.factorise)

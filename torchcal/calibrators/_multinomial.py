@@ -27,7 +27,10 @@ truncated Newton method converge in a few dozen passes whatever the penalty:
   There each block is replaced by its diagonal about the class's curvature-weighted mean row plus
   that mean as a rank-one term, which one pass's arithmetic forms from every row and Sherman and
   Morrison's formula inverts: the mean is where most of a block's weight lies (the features'
-  common offsets, and the bias, whose column is constant). With the blocks, each Newton step's CG
+  common offsets, and the bias, whose column is constant). From ``_MIN_LOW_RANK_BLOCK_SIZE``
+  features (K = 1,000) the blocks are formed again, as their top rows exactly plus that diagonal
+  and mean of the other rows, inverted by Woodbury's identity (``_LowRankBlocks``): a third of
+  the passes. With the blocks, each Newton step's CG
   also reuses the last step's conjugate directions, as an L-BFGS update of the blocks
   (``_RECYCLED_PAIRS``): they carry the coupling between classes that the blocks miss.
 

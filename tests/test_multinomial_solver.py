@@ -397,7 +397,7 @@ def test_low_rank_blocks_solve_their_approximation_of_each_class_block(monkeypat
     monkeypatch.setattr(torchcal.calibrators._multinomial, "_MIN_BLOCK_ROWS", 1)
     gen = torch.Generator().manual_seed(4)
     n, d, k = 500, 25, 4
-    m = 2 * n // d
+    m = min(2 * n // d, d // 2)  # (at most half the features)
     x = torch.randn(n, d, generator=gen, dtype=torch.float64) - 3.0  # a large common offset, as log-posteriors have
     q = torch.softmax(2 * torch.randn(n, k, generator=gen, dtype=torch.float64), 1)
     q[m // 2 :, 3] = 0.0  # class 3: curvature on fewer rows than the top rows
@@ -516,15 +516,16 @@ def test_the_large_k_low_rank_blocks_reach_the_same_optimum(monkeypatch, lam):
 
 def test_the_low_rank_blocks_cut_the_large_k_passes(monkeypatch, real):
     """On 40 classes of the CIFAR-100 ResNet-20 logits, forced onto the large-K path, Dir-ODIR at
-    lambda = 0.1 takes 80 passes with the low-rank blocks and 626 with the rank-one
-    preconditioner alone, to the same optimum."""
+    lambda = 0.1 takes 486 passes with the low-rank blocks (20 rows each, half the features) and
+    626 with the rank-one preconditioner alone, to the same optimum (at lambda = 1 245 and 300; 60
+    classes at 0.1 1,103 and 1,577; the blocks as good as their diagonals, by a huge ridge: 4,844)."""
     logits, labels = _real_subset(real, 40)
     monkeypatch.setattr(torchcal.calibrators._multinomial, "_MAX_BLOCK_SIZE", 0)
     rank_one = torchcal.DirichletCalibration(reg="odir", reg_lambda=0.1).fit(logits, labels)
     monkeypatch.setattr(torchcal.calibrators._multinomial, "_MIN_LOW_RANK_BLOCK_SIZE", 0)
     low_rank = torchcal.DirichletCalibration(reg="odir", reg_lambda=0.1).fit(logits, labels)
     assert rank_one.fit_record_.converged and low_rank.fit_record_.converged
-    assert 4 * low_rank.fit_record_.evaluations <= rank_one.fit_record_.evaluations, (rank_one.fit_record_, low_rank.fit_record_)
+    assert low_rank.fit_record_.evaluations <= 0.85 * rank_one.fit_record_.evaluations, (rank_one.fit_record_, low_rank.fit_record_)
     torch.testing.assert_close(_fitted(low_rank), _fitted(rank_one), rtol=0, atol=1e-6)
 
 

@@ -388,7 +388,8 @@ class _LowRankBlocks:
     their curvature's square roots, ``Delta_k`` the diagonal plus twice the penalty. Inverted by
     Woodbury's identity, ``B_k^-1 = S (I - V_k^T C_k^-1 V_k) S`` with ``S = Delta_k^-1/2``,
     ``V_k = U_k S`` and the (m + 1)-square capacitance matrix ``C_k = I + V_k V_k^T``; only
-    ``V_k`` is kept, K (m + 1) D floats, about 8 N K (320 MB at 10,000 x 1,000 in float32).
+    ``V_k`` is kept, K (m + 1) D floats, about 8 N K (320 MB at 10,000 x 1,000 in float32), and
+    the capacitance matrices' factors, K (m + 1)^2 floats.
 
     The diagonal and rank-one part alone is :func:`_rank_one_preconditioner`; the top rows carry
     the coupling between a class's features that it misses (synthetic 5,000 x 300, lambda = 1, a
@@ -407,7 +408,9 @@ class _LowRankBlocks:
         ``r -> (B_k^{-1} r_k)_k`` for ``r: (K, D)`` float64."""
         n, d = source.shape
         k = q.shape[1]
-        m = min(n - 1, max(_MIN_BLOCK_ROWS, _BLOCK_ROWS_PER_FEATURE * n // d))
+        # at most D / 2 rows: the capacitance matrices and their factors take 2 K m^2 floats
+        # (100,000 x 1,000: 8 N / D would be 799 rows, 10 GB in float64; 500 rows, 4 GB)
+        m = min(n - 1, d // 2, max(_MIN_BLOCK_ROWS, _BLOCK_ROWS_PER_FEATURE * n // d))
         curvature = _curvature(w, q)
         top_weight, top_index = curvature.topk(m, dim=0, sorted=False)  # (m, K)
         # the other rows' total, sums and centred diagonal

@@ -47,3 +47,17 @@ def test_newton_cg_reads_back_per_pass_not_per_chunk():
     # one read-back per conjugate-gradient step or line-search trial (a pass each), a handful per
     # Newton step, and the set-up (temperature start, class counts)
     assert syncs <= record.evaluations + 6 * record.iterations + 60, (syncs, record)
+
+
+def test_low_rank_blocks_on_cuda_equal_cpu(monkeypatch):
+    """The large-K preconditioner (:class:`_LowRankBlocks`, forced at K = 100) on the device: the
+    same optimum as on the CPU."""
+    monkeypatch.setattr(torchcal.calibrators._multinomial, "_MAX_BLOCK_SIZE", 0)
+    monkeypatch.setattr(torchcal.calibrators._multinomial, "_MIN_LOW_RANK_BLOCK_SIZE", 0)
+    logits, labels = _data(20_000, 100)
+    make = lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=1e-2)
+    on_cpu = make().fit(logits, labels)
+    on_cuda = make().fit(logits.to(CUDA), labels.to(CUDA))
+    assert on_cuda.fit_record_.converged and on_cpu.fit_record_.converged
+    torch.testing.assert_close(on_cuda.weight.cpu(), on_cpu.weight, rtol=0, atol=1e-6)
+    torch.testing.assert_close(on_cuda.bias.cpu(), on_cpu.bias, rtol=0, atol=1e-6)

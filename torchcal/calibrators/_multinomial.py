@@ -29,7 +29,7 @@ truncated Newton method converge in a few dozen passes whatever the penalty:
   Morrison's formula inverts: the mean is where most of a block's weight lies (the features'
   common offsets, and the bias, whose column is constant). From ``_MIN_LOW_RANK_BLOCK_SIZE``
   features (K = 1,000) the blocks are formed again, as their top rows exactly plus that diagonal
-  and mean of the other rows, inverted by Woodbury's identity (``_LowRankBlocks``): a third of
+  and mean of the other rows, inverted by Woodbury's identity (``_LowRankBlocks``): under half
   the passes. With the blocks, each Newton step's CG
   also reuses the last step's conjugate directions, as an L-BFGS update of the blocks
   (``_RECYCLED_PAIRS``): they carry the coupling between classes that the blocks miss.
@@ -119,8 +119,8 @@ _MAX_BLOCK_SIZE = 256
 #: :class:`_LowRankBlocks`; between the two sizes CG has the rank-one preconditioner alone. The
 #: low-rank blocks' rows, about 8 N K floats, are read twice per CG step, a share of a Hessian
 #: product of about 160 / (F + 1): synthetic 10,000 x 1,000, Dir-ODIR at lambda = 1000, 1,055 ->
-#: 434 passes and 558 -> 328 s (one thread); 5,000 x 300 fewer passes (143 -> 98 at lambda =
-#: 1000, 265 -> 214 at 1) in more time (4.9 -> 6.7 s, 8.6 -> 14.5 s).
+#: 434 passes and 558 -> 328 s (one thread), at lambda = 1 1,819 -> 838 passes; 5,000 x 300 fewer
+#: passes (143 -> 98 at lambda = 1000, 265 -> 214 at 1) in more time (4.9 -> 6.7 s, 8.6 -> 14.5 s).
 _MIN_LOW_RANK_BLOCK_SIZE = 512
 #: Where twice the penalty is at least this share of the data's curvature on the median penalised
 #: entry (at the start of a fit), CG is preconditioned by the blocks' diagonals plus their
@@ -167,8 +167,8 @@ _KEEP_STEPS_PER_DECADE = 5.0
 #: LeNet-5 at 1e-2 118 -> 113; the synthetic benchmark's matrix scaling 43 -> 52 (0.62 -> 0.67 s),
 #: where the first Newton steps move far. Used only after long solves, or only for tight systems,
 #: it lost most of the gains on the real logits; with the rank-one preconditioner it costs passes
-#: (5,000 x 300, lambda = 1: 265 -> 413), so it is not used there. (Blocks mean F < _MAX_BLOCK_SIZE:
-#: the pairs take 32 MB at most.)
+#: (5,000 x 300, lambda = 1: 265 -> 413), so it is not used there. (The pairs take 4 K (F+1)
+#: _RECYCLED_PAIRS floats at most: 32 MB for the dense blocks, 320 MB at K = 1,000.)
 _RECYCLED_PAIRS = 10
 #: A Newton system is solved loosely (far from the optimum) when its forcing term is at least
 #: this. Then the per-class blocks are summed in float32, and with the rank-one preconditioner CG
@@ -382,8 +382,9 @@ class _ClassBlocks:
 
 class _LowRankBlocks:
     """The per-class Hessian blocks of a fit whose blocks are too large to form (F + 1 >=
-    _MIN_LOW_RANK_BLOCK_SIZE), each as the part of its ``m = 8 N / D`` rows of largest curvature, exactly,
-    plus the other rows' part as its diagonal about their mean and that mean (rank one):
+    _MIN_LOW_RANK_BLOCK_SIZE), each as the part of its ``m = 8 N / D`` rows of largest curvature
+    (at most D / 2), exactly, plus the other rows' part as its diagonal about their mean and that
+    mean (rank one):
     ``B_k ~ Delta_k + U_k^T U_k``, the (m + 1, D) rows ``U_k`` those rows and the mean scaled by
     their curvature's square roots, ``Delta_k`` the diagonal plus twice the penalty. Inverted by
     Woodbury's identity, ``B_k^-1 = S (I - V_k^T C_k^-1 V_k) S`` with ``S = Delta_k^-1/2``,
@@ -686,8 +687,8 @@ def fit_multinomial_logistic(
 
     def block_preconditioner(q: Tensor, q_low: Tensor, loose: bool) -> Callable[[Tensor], Tensor]:
         """:class:`_ClassBlocks` (:class:`_LowRankBlocks` above ``_MAX_BLOCK_SIZE``, where they
-        serve) at the passes' posteriors ``q`` (not ``q_low``: see the comment at ``low``), summed in ``low`` precision
-        for a ``loose`` Newton system."""
+        serve) at the passes' posteriors ``q`` (not ``q_low``: see the comment at ``low``),
+        summed in ``low`` precision for a ``loose`` Newton system."""
         source = x_low if loose else x
         if f + 1 > _MAX_BLOCK_SIZE:
             return low_rank_blocks.factorise(source, w.to(source.dtype), q.to(source.dtype), penalty)

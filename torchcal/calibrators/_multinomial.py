@@ -119,8 +119,9 @@ _MAX_BLOCK_SIZE = 256
 #: :class:`_LowRankBlocks`; between the two sizes CG has the rank-one preconditioner alone. The
 #: low-rank blocks' rows, about 8 N K floats, are read twice per CG step, a share of a Hessian
 #: product of about 160 / (F + 1): synthetic 10,000 x 1,000, Dir-ODIR at lambda = 1000, 1,055 ->
-#: 434 passes and 558 -> 328 s (one thread), at lambda = 1 1,819 -> 838 passes; 5,000 x 300 fewer
-#: passes (143 -> 98 at lambda = 1000, 265 -> 214 at 1) in more time (4.9 -> 6.7 s, 8.6 -> 14.5 s).
+#: 434 passes and 558 -> 328 s (one thread), at lambda = 1 1,819 -> 838 passes; MS-ODIR at 1000
+#: 1,910 -> 827 passes, 1,041 -> 539 s; 5,000 x 300 fewer passes (143 -> 98 at lambda = 1000,
+#: 265 -> 214 at 1) in more time (4.9 -> 6.7 s, 8.6 -> 14.5 s).
 _MIN_LOW_RANK_BLOCK_SIZE = 512
 #: Where twice the penalty is at least this share of the data's curvature on the median penalised
 #: entry (at the start of a fit), CG is preconditioned by the blocks' diagonals plus their

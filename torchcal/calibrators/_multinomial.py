@@ -22,8 +22,9 @@ truncated Newton method converge in a few dozen passes whatever the penalty:
   largest ``q_ik (1 - q_ik)``) and a sample of the others, about one pass's worth of arithmetic.
   (A Kronecker-factored preconditioner, feature second moments times the softmax covariance, is
   cheaper but needs ten times as many products here: the curvature of class k is concentrated on
-  the rows whose features say "maybe k", which a product of averages cannot represent.) Above ``_MAX_BLOCK_SIZE`` features
-  the blocks cost more than they save; so too where the penalty is strong (``_STRONG_PENALTY``).
+  the rows whose features say "maybe k", which a product of averages cannot represent.) Above
+  ``_MAX_BLOCK_SIZE`` features the blocks cost more than they save; so too where the penalty is
+  strong (``_STRONG_PENALTY``).
   There each block is replaced by its diagonal about the class's curvature-weighted mean row plus
   that mean as a rank-one term, which one pass's arithmetic forms from every row and Sherman and
   Morrison's formula inverts: the mean is where most of a block's weight lies (the features'
@@ -356,9 +357,7 @@ class _ClassBlocks:
             blocks = all_reduce_(blocks, process_group)
             diagonal = blocks.diagonal(dim1=1, dim2=2)
             diagonal += 2 * penalty[classes]
-            # Scale-aware jitter: relative to each block's own diagonal, so that a class whose
-            # curvature is tiny is not swamped by the others' (and a floor for all-zero blocks).
-            diagonal += 1e-10 * diagonal + 1e-14 * diagonal.mean(1, keepdim=True) + 1e-300
+            diagonal += _jitter(diagonal)
             return blocks
 
         # Failures are read back once per factorisation, not per chunk (on a GPU a read-back
@@ -385,8 +384,7 @@ class _LowRankBlocks:
     """The per-class Hessian blocks of a fit whose blocks are too large to form (F + 1 >=
     _MIN_LOW_RANK_BLOCK_SIZE), each as the part of its ``m = 8 N / D`` rows of largest curvature
     (at most D / 2), exactly, plus the other rows' part as its diagonal about their mean and that
-    mean (rank one):
-    ``B_k ~ Delta_k + U_k^T U_k``, the (m + 1, D) rows ``U_k`` those rows and the mean scaled by
+    mean (rank one): ``B_k ~ Delta_k + U_k^T U_k``, the (m + 1, D) rows ``U_k`` those rows and the mean scaled by
     their curvature's square roots, ``Delta_k`` the diagonal plus twice the penalty. Inverted by
     Woodbury's identity, ``B_k^-1 = S (I - V_k^T C_k^-1 V_k) S`` with ``S = Delta_k^-1/2``,
     ``V_k = U_k S`` and the (m + 1)-square capacitance matrix ``C_k = I + V_k V_k^T``; only
@@ -434,7 +432,7 @@ class _LowRankBlocks:
         rows[:, m] = rest_total.sqrt().unsqueeze(1) * rest_mean
         # Where the other rows and the penalty leave a feature's diagonal (near) zero, Woodbury's
         # identity would divide by it: a ridge of _LOW_RANK_RIDGE of the top rows' diagonal
-        delta += _LOW_RANK_RIDGE * top_diagonal + 1e-10 * delta + 1e-14 * delta.mean(1, keepdim=True) + 1e-300
+        delta += _LOW_RANK_RIDGE * top_diagonal + _jitter(delta)
         root_inverse = delta.rsqrt()  # (K, D) float64
         rows.mul_(root_inverse.to(rows.dtype).unsqueeze(1))
         capacitance = torch.bmm(rows, rows.mT).to(torch.float64)
@@ -452,6 +450,13 @@ class _LowRankBlocks:
             return (y - torch.bmm(s.mT.to(rows.dtype), rows).squeeze(1).to(torch.float64)) * root_inverse
 
         return solve
+
+
+def _jitter(diagonal: Tensor) -> Tensor:
+    """What each block's ``diagonal: (K, D)`` gets added: relative to the block's own diagonal, so
+    that a class whose curvature is tiny is not swamped by the others' (and a floor for all-zero
+    blocks)."""
+    return 1e-10 * diagonal + 1e-14 * diagonal.mean(1, keepdim=True) + 1e-300
 
 
 def _curvature(w: Tensor, q: Tensor) -> Tensor:
@@ -483,7 +488,7 @@ def _rank_one_preconditioner(moments: tuple[Tensor, Tensor, Tensor], penalty: Te
     total, first, second = moments
     mean = first / total.clamp(min=1e-300).unsqueeze(1)
     diagonal = (second - first * mean).clamp(min=0) + 2 * penalty
-    diagonal += 1e-10 * diagonal + 1e-14 * diagonal.mean(1, keepdim=True) + 1e-300
+    diagonal += _jitter(diagonal)
     scaled_mean = mean / diagonal
     gain = total / (1 + total * (mean * scaled_mean).sum(1))
 
@@ -685,13 +690,14 @@ def fit_multinomial_logistic(
 
     blocks = _ClassBlocks()
     low_rank_blocks = _LowRankBlocks()
+    too_large = f + 1 > _MAX_BLOCK_SIZE  # for the dense blocks: the low-rank ones, where they serve
 
     def block_preconditioner(q: Tensor, q_low: Tensor, loose: bool) -> Callable[[Tensor], Tensor]:
         """:class:`_ClassBlocks` (:class:`_LowRankBlocks` above ``_MAX_BLOCK_SIZE``, where they
         serve) at the passes' posteriors ``q`` (not ``q_low``: see the comment at ``low``),
         summed in ``low`` precision for a ``loose`` Newton system."""
         source = x_low if loose else x
-        if f + 1 > _MAX_BLOCK_SIZE:
+        if too_large:
             return low_rank_blocks.factorise(source, w.to(source.dtype), q.to(source.dtype), penalty)
         return blocks.factorise(source, w, q, penalty, loose, process_group)
 
@@ -771,7 +777,7 @@ def fit_multinomial_logistic(
     # grad is with respect to the scaled parameters; grad * scale with respect to the original ones
     loss_value, grad, q, grad_max, size, grad_norm = evaluate(c)
     previous: tuple[float, float] | None = None  # (gradient norm, forcing) of the last Newton step
-    blocks_fit = f + 1 <= _MAX_BLOCK_SIZE or (f + 1 >= _MIN_LOW_RANK_BLOCK_SIZE and world_size(process_group) == 1)
+    blocks_fit = not too_large or (f + 1 >= _MIN_LOW_RANK_BLOCK_SIZE and world_size(process_group) == 1)
     # the moments at the start decide, and are the rank-one preconditioner's for the first step
     start_moments = moments = _class_moments(x_low, w_low, in_low(q), process_group)
     preconditioner = block_preconditioner if blocks_fit and not _penalty_is_strong(penalty, moments[2]) else rank_one_preconditioner
@@ -789,7 +795,7 @@ def fit_multinomial_logistic(
         # CG's residual is about the next gradient; the stopping test reads it times scale too
         forcing = _forcing(grad_norm, previous, max(_MIN_FORCING, 0.5 * tol_grad / (grad_norm * largest_scale)))
         loose = forcing >= _LOOSE_FORCING
-        checked_from = c if loose and (preconditioner is rank_one_preconditioner or f + 1 > _MAX_BLOCK_SIZE) else None
+        checked_from = c if loose and (preconditioner is rank_one_preconditioner or too_large) else None
         q_low = in_low(q)
         if not kept or solve is None:
             solve = preconditioner(q, q_low, loose or dtype != full_dtype)  # (see _ClassBlocks.factorise)

@@ -31,9 +31,9 @@ truncated Newton method converge in a few dozen passes whatever the penalty:
   common offsets, and the bias, whose column is constant). From ``_MIN_LOW_RANK_BLOCK_SIZE``
   features (K = 1,000) the blocks are formed again, as their top rows exactly plus that diagonal
   and mean of the other rows, inverted by Woodbury's identity (``_LowRankBlocks``): under half
-  the passes. With the blocks, each Newton step's CG
-  also reuses the last step's conjugate directions, as an L-BFGS update of the blocks
-  (``_RECYCLED_PAIRS``): they carry the coupling between classes that the blocks miss.
+  the passes. With the blocks, each Newton step's CG also reuses the last step's conjugate
+  directions, as an L-BFGS update of the blocks (``_RECYCLED_PAIRS``): they carry the coupling
+  between classes that the blocks miss.
 
 Every Hessian-vector product costs the same two matrix products as a gradient (one pass; in
 float32, as CG only solves the Newton systems to a relative 1e-4 at best), and so do the
@@ -384,12 +384,12 @@ class _LowRankBlocks:
     """The per-class Hessian blocks of a fit whose blocks are too large to form (F + 1 >=
     _MIN_LOW_RANK_BLOCK_SIZE), each as the part of its ``m = 8 N / D`` rows of largest curvature
     (at most D / 2), exactly, plus the other rows' part as its diagonal about their mean and that
-    mean (rank one): ``B_k ~ Delta_k + U_k^T U_k``, the (m + 1, D) rows ``U_k`` those rows and the mean scaled by
-    their curvature's square roots, ``Delta_k`` the diagonal plus twice the penalty. Inverted by
-    Woodbury's identity, ``B_k^-1 = S (I - V_k^T C_k^-1 V_k) S`` with ``S = Delta_k^-1/2``,
-    ``V_k = U_k S`` and the (m + 1)-square capacitance matrix ``C_k = I + V_k V_k^T``; only
-    ``V_k`` is kept, K (m + 1) D floats, about 8 N K (320 MB at 10,000 x 1,000 in float32), and
-    the capacitance matrices' factors, K (m + 1)^2 floats.
+    mean (rank one): ``B_k ~ Delta_k + U_k^T U_k``, the (m + 1, D) rows ``U_k`` those rows and
+    the mean scaled by their curvature's square roots, ``Delta_k`` the diagonal plus twice the
+    penalty. Inverted by Woodbury's identity, ``B_k^-1 = S (I - V_k^T C_k^-1 V_k) S`` with
+    ``S = Delta_k^-1/2``, ``V_k = U_k S`` and the (m + 1)-square capacitance matrix
+    ``C_k = I + V_k V_k^T``; only ``V_k`` is kept, K (m + 1) D floats, about 8 N K (320 MB at
+    10,000 x 1,000 in float32), and the capacitance matrices' factors, K (m + 1)^2 floats.
 
     The diagonal and rank-one part alone is :func:`_rank_one_preconditioner`; the top rows carry
     the coupling between a class's features that it misses (synthetic 5,000 x 300, lambda = 1, a

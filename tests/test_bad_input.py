@@ -521,7 +521,11 @@ def test_fold_counts_and_groups():
 @pytest.mark.parametrize(
     "call, error, pattern",
     [
-        (lambda: F.bootstrap(F.cross_entropy, *good_data(), num_replicates=0), ValueError, "num_replicates must be an integer >= 1, got 0"),
+        (lambda: F.bootstrap(F.cross_entropy, *good_data(), num_replicates=0), ValueError, "num_replicates must be an integer >= 2, got 0"),
+        (lambda: F.bootstrap(F.cross_entropy, *good_data(), num_replicates=1), ValueError, "num_replicates must be an integer >= 2, got 1"),
+        (lambda: F.smooth_calibration_error(*good_data(), grid_points=0), ValueError, "grid_points must be an integer >= 3, got 0"),
+        (lambda: F.smooth_calibration_error(*good_data(), grid_points=True), ValueError, "grid_points must be an integer >= 3, got True"),
+        (lambda: F.smooth_calibration_error(*good_data(), grid_points=1.5), ValueError, "grid_points must be an integer >= 3, got 1.5"),
         (lambda: F.consistency_resampling_test(F.cross_entropy, *good_data(), num_resamples=2.5), ValueError, "num_resamples must be an integer >= 1, got 2.5"),
         (lambda: F.consistency_bands(*good_data(), num_resamples=1), ValueError, "num_resamples must be an integer >= 2, got 1"),
         (lambda: F.consistency_bands(*good_data(), num_resamples=True), ValueError, "num_resamples must be an integer >= 2, got True"),
@@ -542,6 +546,16 @@ def test_fold_counts_and_groups():
 def test_bad_options(call, error, pattern):
     with pytest.raises(error, match=pattern):
         call()
+
+
+def test_python_lists_are_read_as_numpy_reads_them():
+    """Costs and priors given as lists are float64, as NumPy reads them (torch.as_tensor would
+    round them to float32 first: a Bayes risk of 0.20000000298 for a cost of 0.2)."""
+    logits, labels = good_data()
+    costs = [[0, 1, 0.2], [1, 0, 0.2], [1, 1, 0.2]]  # (K, K + 1): an abstain column
+    assert F.bayes_risk(logits, labels, costs) == F.bayes_risk(logits, labels, np.array(costs))
+    priors = [0.2, 0.3, 0.5]
+    assert F.cross_entropy(logits, labels, priors=priors) == F.cross_entropy(logits, labels, priors=np.array(priors))
 
 
 def test_validators_never_modify_their_input():

@@ -67,6 +67,8 @@ def test_toy_confidence_values(toy):
     assert expected_calibration_error(logits, labels, n_bins=5).item() == pytest.approx(19 / 90, abs=1e-14)
     assert expected_calibration_error(logits, labels, n_bins=5, norm="max").item() == pytest.approx(0.3, abs=1e-14)
     assert error_rate(logits, labels).item() == pytest.approx(17 / 30, abs=1e-14)  # first-index argmax
+    for reduction in ("none", "sum", "max"):  # ignored: one column, one scalar
+        assert expected_calibration_error(logits, labels, n_bins=5, reduction=reduction).shape == ()
 
 
 def test_toy_values_from_float32_log_probabilities(toy):

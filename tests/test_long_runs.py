@@ -41,9 +41,9 @@ def stream(n_updates=UPDATES, seed=0):
 
 def state_numel(metric) -> int:
     """Elements held in the metric's data states (tensors or lists of tensors), less the constant
-    digest of its options."""
+    bookkeeping: the digest of its options and the sample count."""
     total = 0
-    for name in set(metric._defaults) - {"options_digest"}:
+    for name in set(metric._defaults) - {"options_digest", "sample_count"}:
         value = getattr(metric, name)
         total += sum(v.numel() for v in value) if isinstance(value, list) else value.numel()
     return total

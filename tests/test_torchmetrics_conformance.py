@@ -291,6 +291,55 @@ def test_binary_scores_of_one_column(kind):
                        (M.Cllr(PRIORS, input=kind), partial(F.cllr, priors=PRIORS)),
                        (M.SpiegelhalterTest(2, kind="binary", input=kind), lambda x, y: F.spiegelhalter_test(x, y, kind="binary").statistic)):
         _close(_streamed(metric, one_column.reshape(4, 10, 10), labels.reshape(4, 10, 10), batch=2), fn(two_columns, labels))
+        metric.reset()  # a 2-D map of binary scores, (N, d1), is not (N, K) class scores
+        _close(_streamed(metric, one_column.reshape(40, 10), labels.reshape(40, 10), batch=7), fn(two_columns, labels))
+
+
+@pytest.mark.parametrize("name", list(ALL_CASES))
+def test_compute_without_samples_is_nan(name):
+    """No samples (no update, or every label ignored): NaN, as for an empty sum, not an error
+    about the data or a value that reads as a result (a smooth ECE of 0, "perfectly calibrated")."""
+    make, _ = ALL_CASES[name]
+    k = 2 if name in BINARY_CASES else K
+    for metric in (make(), make(ignore_index=255)):
+        if metric.ignore_index is not None:
+            metric.update(torch.randn(4, k), torch.full((4,), 255))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torchmetrics: compute before update
+            assert bool(metric.compute().isnan().all()), name
+
+
+UNDEFINED_ON_A_BATCH = {  # metric, the batch its value is undefined on
+    "BalancedErrorRate": (lambda: M.BalancedErrorRate(K), "cifar"),
+    "CrossEntropy(priors)": (lambda: M.CrossEntropy(K, priors=torch.full((K,), 1 / K)), "cifar"),
+    "BayesRisk(priors)": (lambda: M.BayesRisk(COSTS, priors=torch.full((K,), 1 / K)), "cifar"),
+    "CrossEntropy(normalize)": (lambda: M.CrossEntropy(K, normalize=True), "one class"),
+    "Cllr(data priors)": (lambda: M.Cllr(), "one class"),
+    "PosteriorStatistic(nce)": (lambda: M.PosteriorStatistic("nce", K, priors=torch.full((K,), 1 / K)), "cifar"),
+}
+
+
+@pytest.mark.parametrize("name", list(UNDEFINED_ON_A_BATCH))
+def test_forward_on_a_batch_that_leaves_the_metric_undefined(cifar, binary, name):
+    """``metric(scores, labels)`` (what ``self.log(name, metric(...))`` runs) on a batch missing a
+    class with a positive prior, or of one class where the score is normalised by the prior's:
+    NaN for the batch, which is still accumulated; the other batches' values and the total are the
+    functional's."""
+    make, undefined = UNDEFINED_ON_A_BATCH[name]
+    logits, labels = binary if name.startswith("Cllr") else cifar
+    reference = make()
+    metric = make()
+    first = metric(logits[:1000], labels[:1000])  # every class present
+    reference.update(logits[:1000], labels[:1000])
+    _close(first, reference.compute())
+    odd = torch.arange(1000, 1008) if undefined == "cifar" else torch.nonzero(labels[1000:] == 1).flatten()[:4] + 1000
+    assert undefined == "one class" or labels[odd].unique().numel() < K  # 8 samples: some class is missing
+    assert torch.isnan(metric(logits[odd], labels[odd]))
+    metric.update(logits[1500:], labels[1500:])
+    rows = torch.cat([torch.arange(1000), odd, torch.arange(1500, labels.shape[0])])
+    reference.reset()
+    reference.update(logits[rows], labels[rows])
+    _close(metric.compute(), reference.compute())
 
 
 def test_ecd_takes_the_options_of_its_functional(cifar):

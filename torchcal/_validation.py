@@ -43,8 +43,9 @@ def as_tensor(x: Any, name: str) -> Tensor:
         return x
     if isinstance(x, np.ndarray):
         return torch.from_numpy(x)
-    if isinstance(x, (list, tuple)):
-        return torch.as_tensor(x)
+    if isinstance(x, (list, tuple)):  # as NumPy reads them: float64, not torch's float32
+        array = np.asarray(x)
+        return torch.from_numpy(array) if array.dtype != object else torch.as_tensor(x)
     raise TypeError(f"{name} must be a torch.Tensor or a NumPy array, got {type(x).__name__}")
 
 

@@ -269,7 +269,7 @@ def bootstrap(
         >>> bool(result.lower < result.estimate < result.upper), result.replicates.shape
         (True, torch.Size([200]))
     """
-    check_count(num_replicates, "num_replicates")
+    check_count(num_replicates, "num_replicates", 2)  # a percentile interval needs two replicates
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must lie strictly between 0 and 1, got {confidence}.")
     logits, labels = as_tensor(logits, "logits"), as_tensor(labels, "labels")

@@ -287,6 +287,11 @@ class BinDecomposition(NamedTuple):
         return self.reduce(*sums.reshape(3, *self.shape))
 
 
+def _column_reduction(kind: str, reduction: Reduction) -> Reduction:
+    """``reduction`` for ``"classwise"``; the other kinds have one column and a scalar result."""
+    return reduction if kind == "classwise" else "mean"
+
+
 def calibration_error_terms(
     logits: Tensor,
     labels: Tensor,
@@ -317,7 +322,7 @@ def calibration_error_terms(
         scores,
         targets,
         (scores.shape[1], n_bins),
-        partial(calibration_error_from_bins, norm=norm, reduction=reduction),
+        partial(calibration_error_from_bins, norm=norm, reduction=_column_reduction(kind, reduction)),
     )
 
 
@@ -493,7 +498,8 @@ def expected_calibration_error(
     """
     check_calibration_error_kind(kind)
     _, _, scores, targets, edges, tolerance = binned_scores(logits, labels, n_bins, strategy, kind)
-    return calibration_error_from_bins(*bin_statistics(scores, targets, edges, tolerance), norm=norm, reduction=reduction)
+    statistics = bin_statistics(scores, targets, edges, tolerance)
+    return calibration_error_from_bins(*statistics, norm=norm, reduction=_column_reduction(kind, reduction))
 
 
 def signed_calibration_error(

@@ -231,6 +231,8 @@ def smooth_calibration_error(
         >>> round(float(smooth_calibration_error(probs.log(), torch.tensor([0, 1, 1, 0]))), 6)
         0.257774
     """
+    if grid_points is not None:
+        check_count(grid_points, "grid_points", 3)
     results = _per_column(logits, labels, kind, bandwidth, grid_points)
     return torch.stack([value for value, _ in results]).mean()
 

@@ -44,9 +44,11 @@ None, or a list of values over time). Set ``plot_lower_bound``/``plot_upper_boun
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any, Literal, get_args
 
 import torch
@@ -94,6 +96,7 @@ class BatchMetric(Metric):
     #: Options that only ``compute`` reads: metrics that differ in nothing else may share one state.
     _compute_only_options: tuple[str, ...] = ()
     options_digest: Tensor
+    sample_count: Tensor
 
     def __init__(self, *, ignore_index: int | None = None, validate_args: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -108,6 +111,38 @@ class BatchMetric(Metric):
         # options the update depends on, keeps them apart.
         self.add_state("options_digest", torch.zeros(_DIGEST_BYTES, dtype=torch.float64), dist_reduce_fx="max", persistent=False)
         self._options_digest: Tensor | None = None
+        add_sum_state(self, "sample_count")  # the samples kept by update (see _wrap_compute)
+        self._batch_only = False  # compute() runs on one batch alone, inside forward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """torchmetrics' ``forward``: adds the batch to the state and returns the metric of the
+        batch alone, NaN where the batch alone leaves it undefined (see ``_wrap_compute``):
+        ``self.log(name, metric(scores, labels))`` with ``BalancedErrorRate`` on CIFAR-100 batches
+        of 128, which always miss some class, would otherwise raise at every step (and lose the
+        state accumulated so far: torchmetrics has reset it to the batch's by then)."""
+        self._batch_only = True
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._batch_only = False
+
+    def _wrap_compute(self, compute: Callable[..., Any]) -> Callable[..., Any]:
+        """torchmetrics' wrapper (sync across processes, cache) of a ``compute`` that gives a NaN
+        scalar where the metric is undefined, which ``compute`` reports by ``ValueError``: no
+        samples at all on any process (as the sum-based metrics give NaN), or, in ``forward``, the
+        batch alone (a class with a positive prior missing from it, one class only where the
+        score is normalised by the prior's). On all the data it accumulated, the error stands."""
+
+        @functools.wraps(compute)
+        def compute_or_nan(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return compute(*args, **kwargs)
+            except ValueError:
+                if not (self._batch_only or not bool(self.sample_count > 0)):
+                    raise
+                return torch.tensor(math.nan, dtype=torch.float64, device=self.sample_count.device)
+
+        return super()._wrap_compute(compute_or_nan)
 
     def _stamp_options_digest(self) -> None:
         """Write the digest of the class and of the options the update depends on (public
@@ -148,16 +183,23 @@ class BatchMetric(Metric):
         if class_dim and preds.ndim >= 3 and labels.shape == preds.shape[:1] + preds.shape[2:]:
             preds = preds.movedim(1, -1).reshape(-1, preds.shape[1])
             labels = labels.reshape(-1)
-        elif preds.shape == labels.shape and (preds.ndim >= 3 or (preds.ndim == 2 and not class_dim)):
-            # same shapes: one decision, or one binary score, per element; (N, 2) scores with
-            # (N, 2) labels stay as they are (that is one-hot labels, which validation rejects)
+        elif preds.shape == labels.shape and (preds.ndim >= 3 or (preds.ndim == 2 and not (class_dim and self._maybe_one_hot(preds)))):
+            # same shapes: one decision, or one binary score, per element; (N, K) scores with
+            # (N, K) labels stay as they are where K may be the classes' count (that is one-hot
+            # labels, which validation rejects)
             preds, labels = preds.reshape(-1), labels.reshape(-1)
         if self.ignore_index is not None and labels.shape[:1] == preds.shape[:1]:
             kept = labels != self.ignore_index
             preds, labels = preds[kept], labels[kept]
         if preds.numel() == 0 and labels.numel() == 0:
             return None
+        self.sample_count += labels.shape[0]
         return preds, labels
+
+    def _maybe_one_hot(self, scores: Tensor) -> bool:
+        """Whether 2-D ``scores`` with labels of their shape may be (N, K) class scores: unless
+        the metric takes K = 2 and they have another number of columns (a map of binary scores)."""
+        return getattr(self, "num_classes", None) != 2 or scores.shape[1] == 2
 
     def plot(self, val: Tensor | list[Tensor] | None = None, ax: Any = None) -> Any:
         """Plot a value of the metric (``compute()`` when ``val`` is None, or a list of values over

@@ -10,11 +10,13 @@ O(G log G) cost per bandwidth tried.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from torchcal._validation import check_count
 from torchcal.functional.smooth_ece import SmoothKind, round_to_grid, smooth_ece_from_grid
 from torchcal.metrics._common import ScoreMetric, add_sum_state
 
@@ -67,8 +69,7 @@ class SmoothCalibrationError(ScoreMetric):
             raise ValueError(f'kind must be "top-label", "binary" or "classwise", got {kind!r}.')
         if kind == "binary" and num_classes != 2:
             raise ValueError(f'kind="binary" needs K = 2 classes, got K = {num_classes}; use "classwise".')
-        if isinstance(grid_points, bool) or not isinstance(grid_points, int) or grid_points < 3:
-            raise ValueError(f"grid_points must be an integer >= 3, got {grid_points!r}.")
+        check_count(grid_points, "grid_points", 3)
         if bandwidth is not None and not 0 < bandwidth <= 1:
             raise ValueError(f"bandwidth must lie in (0, 1], got {bandwidth}.")
         self.kind, self.bandwidth, self.grid_points = kind, bandwidth, grid_points
@@ -85,5 +86,7 @@ class SmoothCalibrationError(ScoreMetric):
         self.grid += round_to_grid(scores, weights, self.grid_points).transpose(0, 1)
 
     def compute(self) -> Tensor:
-        """The smooth ECE, a float64 scalar (the mean over classes for ``"classwise"``)."""
+        """The smooth ECE, a float64 scalar (the mean over classes for ``"classwise"``); NaN without samples."""
+        if not bool(self.sample_count > 0):  # (an empty grid's smECE would read 0: perfectly calibrated)
+            return self.grid.new_tensor(math.nan)
         return torch.stack([smooth_ece_from_grid(column, self.bandwidth)[0] for column in self.grid]).mean()

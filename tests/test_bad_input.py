@@ -177,6 +177,26 @@ def test_numpy_input_is_validated_like_tensors():
         F.cross_entropy(logits.numpy(), labels.numpy().astype(np.float32))
 
 
+@pytest.mark.parametrize(
+    "make",
+    [torchcal.TemperatureScaling, torchcal.DirichletCalibration, torchcal.StructuredVectorScaling, torchcal.IsotonicCalibration,
+     torchcal.VennAbersCalibration],
+)
+def test_a_calibrator_fitted_on_numpy_arrays_applies_to_them(make):
+    """``fit`` takes NumPy arrays; ``forward`` and ``predict_proba`` did not (a TypeError from
+    torch.promote_types, or an AttributeError)."""
+    logits, labels = good_data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 12 samples: the fits' small-sample warnings
+        cal = make().fit(logits.numpy(), labels.numpy())
+    torch.testing.assert_close(cal(logits.numpy()), cal(logits))
+    torch.testing.assert_close(cal.predict_proba(logits.numpy()), cal.predict_proba(logits))
+    bad = logits.numpy().copy()
+    bad[0, 0] = np.inf
+    with pytest.raises(ValueError, match="infinite"):
+        cal(bad)
+
+
 # --------------------------------------------------------------------------- labels of any integer dtype
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.bool])
 def test_labels_of_any_integer_dtype_give_the_int64_answer(dtype):

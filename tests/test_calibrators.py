@@ -398,6 +398,30 @@ def test_separable_data_gives_a_finite_temperature_and_a_warning(dtype):
     assert torch.isfinite(ts(logits)).all()
 
 
+@pytest.mark.parametrize("mask", [-1e4, -1e5])
+def test_a_class_masked_by_a_large_negative_logit_leaves_the_temperature_alone(mask):
+    """A class whose logit is set to -1e4 (as the message for log(0) = -inf advises) stretched every
+    row's range to 1e4 nats, and the cap on 1/T, 1e4 nats across a median row, stopped the fit at
+    T = 1 (10 for -1e5) with a false "separable" warning, where the optimum is T = 0.098. The cap
+    now follows the rows' margin between their two largest logits. SMS starts from the same fit."""
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 3, (3000,), generator=gen)  # class 3 never occurs
+    logits = 0.3 * (torch.randn(3000, 4, generator=gen, dtype=torch.float64) + 3 * torch.nn.functional.one_hot(labels, 4))
+    logits[:, 3] = mask
+    reference = minimize_scalar(
+        lambda t: float(torch.nn.functional.cross_entropy(logits / t, labels)), bounds=(0.01, 1), method="bounded",
+        options={"xatol": 1e-12},
+    ).x
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchcal.ConvergenceWarning)
+        warnings.filterwarnings("ignore", "classes \\[3\\] have no sample")
+        ts = torchcal.TemperatureScaling().fit(logits, labels)
+        sms = torchcal.StructuredMatrixScaling(reg_lambda=1.0).fit(logits, labels)
+    assert ts.fit_record_.converged
+    assert ts.temperature == pytest.approx(reference, rel=1e-6)
+    assert sms.inverse_temperature.item() > 5  # (1.0 with the old cap)
+
+
 def test_temperature_newton_stops_where_it_converged(real):
     """A Newton step that rounds to nothing at the bracket's end used to start a bisection away
     from the optimum: 35 passes on these float64 logits, and a wrong temperature with max_iter=10."""

@@ -53,6 +53,8 @@ PARAMETRIC = {
     "vector": lambda: torchcal.VectorScaling(),
     "matrix": lambda: torchcal.MatrixScaling(reg="odir", reg_lambda=0.1),
     "dirichlet": lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=0.1),
+    "svs": lambda: torchcal.StructuredVectorScaling(reg_lambda=1.0),
+    "sms": lambda: torchcal.StructuredMatrixScaling(reg_lambda=1.0),
 }
 NONPARAMETRIC = {
     "histogram": lambda: torchcal.HistogramBinning(n_bins=10),

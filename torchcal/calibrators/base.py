@@ -170,8 +170,9 @@ class Calibrator(nn.Module):
             raise
 
     def forward(self, logits: Tensor) -> Tensor:
-        """Calibrated log-posteriors (N, K) for ``logits: (N, K)``."""
-        self._check_input(logits)
+        """Calibrated log-posteriors (N, K) for ``logits: (N, K)`` (a tensor, or a NumPy array as
+        ``fit`` takes)."""
+        logits = self._check_input(logits)
         dtype = compute_dtype(logits.dtype)
         return torch.log_softmax(self._scores(self._features(logits.to(dtype))), dim=1)
 
@@ -218,7 +219,8 @@ class Calibrator(nn.Module):
             else:
                 self._parameters[name] = nn.Parameter(value)
 
-    def _check_input(self, logits: Tensor) -> None:
+    def _check_input(self, logits: Tensor) -> Tensor:
+        """``logits`` validated for ``forward``, as a tensor."""
         if not self.is_fitted:
             raise RuntimeError(
                 f"this {type(self).__name__} is not fitted yet: call .fit(logits, labels) on held-out "
@@ -227,8 +229,8 @@ class Calibrator(nn.Module):
         if torch.compiler.is_compiling():
             if logits.ndim != 2 or logits.shape[1] != self.num_classes:
                 raise ValueError(f"expected logits of shape (N, {self.num_classes}), got {tuple(logits.shape)}")
-        else:
-            check_logits(logits, num_classes=self.num_classes)
+            return logits
+        return check_logits(logits, num_classes=self.num_classes)
 
     def get_extra_state(self) -> dict[str, Any]:
         return {"num_classes": self.num_classes}

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from torchcal._validation import check_count, compute_dtype
+from torchcal._validation import as_tensor, check_count, compute_dtype
 from torchcal.calibrators.base import Calibrator
 from torchcal.fit import FitRecord
 from torchcal.functional.isotonic import pool_adjacent_violators
@@ -36,6 +36,7 @@ class _OneVsRest(Calibrator):
     def forward(self, logits: Tensor) -> Tensor:
         """Calibrated log-posteriors (N, K), the same map for every input dtype, returned in the
         input's compute dtype."""
+        logits = as_tensor(logits, "logits")
         return super().forward(logits).to(compute_dtype(logits.dtype))
 
     def _map_column(self, column: int, p: Tensor) -> Tensor:

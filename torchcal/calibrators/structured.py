@@ -223,7 +223,9 @@ class _StructuredScaling(Calibrator):
         dtype = log_probs.dtype
         beta, eps = self.inverse_temperature.to(dtype), self.mix.to(dtype)
         scaled = torch.log_softmax(beta * log_probs, dim=1) + torch.log1p(-eps)
-        return torch.logaddexp(scaled, torch.log(eps / log_probs.shape[1]))
+        floor = torch.log(eps / log_probs.shape[1])
+        # logaddexp(scaled, floor), written out: the legacy ONNX exporter has no aten::logaddexp
+        return torch.maximum(scaled, floor) + torch.log1p(torch.exp(-(scaled - floor).abs()))
 
     def _scores(self, features: Tensor) -> Tensor:
         return self._map_theta(self._design(self._ts_mix(features)), self._theta().to(features.dtype))

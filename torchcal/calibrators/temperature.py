@@ -15,9 +15,9 @@ from torchcal.fit import ConvergenceWarning, FitRecord
 
 __all__ = ["TemperatureScaling", "fit_inverse_temperature", "inverse_temperature_start"]
 
-# Past this many nats of logit spread per row the softmax is one-hot in float64: larger inverse
-# temperatures cannot change the loss, so the search stops there (perfectly separable data).
-_MAX_SCALED_SPREAD = 1e4
+# Past this many nats between a row's two largest logits the softmax is one-hot in float64: larger
+# inverse temperatures cannot change the loss, so the search stops there (perfectly separable data).
+_MAX_SCALED_MARGIN = 1e4
 # Elements per chunk of rows. On the CPU a chunk (about 128k elements) stays in cache while the
 # exponentials and the three row sums are formed from it; on a GPU every chunk costs a dozen kernel
 # launches, so chunks are as large as the temporaries allow (64 MiB in float32).
@@ -99,7 +99,7 @@ def fit_inverse_temperature(
 
     Returns:
         ``(beta, record)``. ``beta == 0`` (``T = inf``) when the scores are not positively
-        related to the labels; ``beta`` at its upper limit (1e4 nats across a median row) when the
+        related to the labels; ``beta`` at its upper limit (1e4 nats between a median row's two largest scores) when the
         loss keeps falling up to it, i.e. the data are (all but) perfectly separable, every
         true-class logit the strict row maximum. Both cases warn.
     """
@@ -155,11 +155,15 @@ def fit_inverse_temperature(
             stacklevel=4,
         )
         return 0.0, FitRecord(0, evaluations, loss, abs(grad), True, "optimum at T = inf (beta = 0)")
-    # The cap scales with a typical row's spread, not the largest: one saturated row must not stop
-    # the search short of an optimum that the other rows place at a low temperature.
-    spreads = (z_max - z_min)[z_max > z_min].to(torch.float64)
-    typical_spread = spreads.median() if spreads.numel() else spreads.new_zeros(())
-    beta_max = _MAX_SCALED_SPREAD / max(float(all_reduce_(typical_spread, process_group, op="max")), 1e-300)
+    # The cap scales with a typical row's margin between its two largest logits (from evenly spaced
+    # rows, about _SUBSAMPLE_ELEMENTS logits): not the largest margin, as one saturated row must not
+    # stop the search short of an optimum that the other rows place at a low temperature, nor the
+    # row's whole range, which a class masked by a logit of -1e4 sets to 1e4 (T was capped at 1).
+    top_two = logits[:: max(1, n * k // _SUBSAMPLE_ELEMENTS)].topk(2, dim=1).values.to(torch.float64)
+    margins = top_two[:, 0] - top_two[:, 1]
+    margins = margins[margins > 0]
+    typical_margin = margins.median() if margins.numel() else margins.new_zeros(())
+    beta_max = _MAX_SCALED_MARGIN / max(float(all_reduce_(typical_margin, process_group, op="max")), 1e-300)
 
     start = 1.0
     stride = int(all_reduce_(logits.new_tensor(float(n * k), dtype=torch.float64), process_group)) // _SUBSAMPLE_ELEMENTS

@@ -298,7 +298,7 @@ class VennAbersCalibration(Calibrator):
     def forward(self, logits: Tensor) -> Tensor:
         """Calibrated log-posteriors (N, K), the same map for every input dtype, returned in the
         input's compute dtype."""
-        self._check_input(logits)
+        logits = self._check_input(logits)
         return torch.log_softmax(self._scores(self._features(logits)), dim=1).to(compute_dtype(logits.dtype))
 
     def predict_interval(self, logits: Tensor) -> tuple[Tensor, Tensor]:
@@ -308,7 +308,7 @@ class VennAbersCalibration(Calibrator):
         against the rest), K(K-1)/2 for pairwise (pairs ``(i, j)``, ``i < j``, in lexicographic
         order; probability of ``j`` given ``i`` or ``j``). ``F`` indexes the folds. ``p0 <= p1``.
         """
-        self._check_input(logits)
+        logits = self._check_input(logits)
         return self._intervals(self._features(logits))
 
     def get_extra_state(self) -> dict[str, Any]:

@@ -84,9 +84,9 @@ def test_perfectly_separable_data(name):
         assert ce(out, labels) < ce(logits, labels)
     else:
         assert ce(out, labels) < 1e-3 * ce(logits, labels)
-    if name == "temperature":
+    if name not in ("histogram", "isotonic", "dirichlet-l2"):  # an unpenalised direction: the optimum is at infinity
         assert not cal.fit_record_.converged
-        assert any(issubclass(w.category, torchcal.ConvergenceWarning) and "separable" in str(w.message) for w in caught)
+        assert any(issubclass(w.category, torchcal.ConvergenceWarning) and "separa" in str(w.message) for w in caught)
 
 
 # --------------------------------------------------------------------------- a constant classifier

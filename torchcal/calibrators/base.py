@@ -24,6 +24,7 @@ so every process ends with the parameters of one fit on the union of the shards.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -33,10 +34,15 @@ from torch import Tensor, nn
 
 from torchcal._validation import check_count, check_logits, check_logits_and_labels, compute_dtype
 from torchcal.distributed import ProcessGroup, all_reduce_, validate_together, world_size
-from torchcal.fit import FitRecord, minimize
+from torchcal.fit import ConvergenceWarning, FitRecord, minimize
 from torchcal.functional.scoring import PER_SAMPLE_SCORES, class_weights_from_counts
 
 __all__ = ["Calibrator"]
+
+#: A converged log-loss fit whose mean loss is below this has (all but) separated the calibration
+#: data: each sample it misclassified would add at least log(2) / N, so below 1e-6 that is none
+#: up to 700,000 samples, and the parameters grow until the solver's tolerance stops them.
+_SEPARATED_LOSS = 1e-6
 
 
 class Calibrator(nn.Module):
@@ -147,6 +153,16 @@ class Calibrator(nn.Module):
             finally:
                 for name, p in self.named_parameters():
                     p.requires_grad_(name not in frozen)
+        record = self.fit_record_
+        if loss == "log" and record.converged and record.loss < _SEPARATED_LOSS:
+            warnings.warn(
+                f"the calibration data are perfectly separated by the fitted {type(self).__name__} (mean log-loss "
+                f"{record.loss:.1e}): the optimum is at infinity, and the parameters are as large as the solver's "
+                f"tolerance let them grow. A penalty (reg_lambda) or more calibration data give a defined fit.",
+                ConvergenceWarning,
+                stacklevel=2,
+            )
+            self.fit_record_ = dataclasses.replace(record, converged=False, message=f"separable data ({record.message})")
         return self
 
     @contextlib.contextmanager

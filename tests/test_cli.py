@@ -106,6 +106,35 @@ def test_priors_costs_and_inputs(tmp_path, capsys):
     assert "priors: 0.7, 0.3; costs: costs.csv" in out and "platt" in out and "isotonic" in out
 
 
+def test_binary_llrs_without_priors_become_posteriors_with_the_class_frequencies(tmp_path, capsys):
+    """The metrics assume the labels' class frequencies when given no priors; the LLRs were turned
+    into posteriors with uniform priors instead, so on an 82/18 set the raw NCE read 2.4 instead
+    of 1.0, and Cllr, a property of the LLRs alone, 1.9 bits instead of 1.07. A head fitted on LLRs
+    keeps the priors they were read with, and ``apply`` reads new LLRs with them."""
+    rs = np.random.RandomState(1)
+    labels = (rs.uniform(size=1500) < 0.18).astype(int)
+    llr = np.where(labels == 1, 1.0, -1.0) + 1.5 * rs.normal(size=1500)  # too sharp and shifted: miscalibrated
+    np.savez(tmp_path / "llr.npz", llr=llr, labels=labels)
+    frequencies = np.bincount(labels) / labels.size
+    cllr = 0.5 * (np.logaddexp(0, -llr[labels == 1]).mean() + np.logaddexp(0, llr[labels == 0]).mean()) / np.log(2)
+    raw = []
+    for priors in ([], ["--priors", "data"], ["--priors", ",".join(repr(float(p)) for p in frequencies)]):
+        code, _, err = run(capsys, "evaluate", tmp_path / "llr.npz", *priors, "--method", "platt", "--bootstrap", "0",
+                           "--no-figures", "--quiet", "--out", tmp_path / "o")
+        assert code == 0, err
+        raw.append(json.loads((tmp_path / "o" / "report.json").read_text())["raw"])
+    for report in raw:
+        assert report["cllr"] == pytest.approx(cllr, rel=1e-9)
+        assert report["nce"]["value"] == pytest.approx(raw[-1]["nce"]["value"], rel=1e-9)
+    head = tmp_path / "head.pt"
+    assert run(capsys, "calibrate", tmp_path / "llr.npz", "--method", "platt", "--priors", "0.7,0.3", "--save", head, "--quiet")[0] == 0
+    np.save(tmp_path / "new_llr.npy", llr[:50])  # new LLRs, no labels
+    assert run(capsys, "apply", head, tmp_path / "new_llr.npy", "--input", "llr", "--out", tmp_path / "a.npz", "--quiet")[0] == 0
+    _, calibrator = load_calibrator(head)
+    read_as_at_the_fit = torchcal.data.binary_scores_to_logits(torch.from_numpy(llr[:50]), "llr", priors=[0.7, 0.3])
+    np.testing.assert_allclose(np.load(tmp_path / "a.npz")["logits"], calibrator(read_as_at_the_fit).numpy(), rtol=1e-6)
+
+
 def test_calibrate_then_apply(scores_file, capsys, tmp_path):
     head = tmp_path / "head.pt"
     code, out, _ = run(capsys, "calibrate", scores_file, "--method", "affine", "--save", head)

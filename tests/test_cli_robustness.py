@@ -137,6 +137,9 @@ WRONG_CONTENT = [
     ("short-labels.npz", npz_bytes(logits=LOGITS, labels=LABELS[:-1]), ["labels has 59 entries but the scores have N = 60"]),
     ("bad-probs.npz", npz_bytes(probs=np.full((N, K), 0.5), labels=LABELS), ["rows of probabilities must sum to one; row 0 sums to 1.5"]),
     ("negative-probs.npz", npz_bytes(probs=np.tile([1.5, -0.5, 0.0], (N, 1)), labels=LABELS), ["must lie in [0, 1]"]),
+    ("string-labels.npz", npz_bytes(logits=LOGITS, labels=LABELS.astype(str)), ["labels must be class indices 0..K-1, got values of dtype <U21 such as '0'"]),
+    ("string-labels.pt", pt_bytes({"logits": torch.from_numpy(LOGITS), "labels": [str(y) for y in LABELS]}), ["labels must be class indices"]),
+    ("empty.npy", b"", ["empty.npy", "not a readable .npy file"]),
 ]
 
 
@@ -192,6 +195,14 @@ def test_broken_config_and_cost_files(tmp_path, capsys):
     assert_one_line_error(capsys, ["evaluate", good, "--config", config, "--out", tmp_path / "o"], "bad.yaml", "not valid YAML")
     config.write_text(yaml.safe_dump({"methods": ["temperature"], "folds": 3}))
     assert_one_line_error(capsys, ["evaluate", good, "--config", config, "--out", tmp_path / "o"], "unknown config keys ['folds']")
+    for settings, fragment in [
+        ({"methods": 3}, "methods must be a list of method names"),
+        ({"methods": [["temperature"]]}, "methods must be a list of method names"),
+        ({"options": ["temperature"]}, "options must map method names to their options"),
+        ({"options": {"temperature": 5}}, "options must map method names to their options"),
+    ]:
+        config.write_text(yaml.safe_dump(settings))
+        assert_one_line_error(capsys, ["evaluate", good, "--config", config, "--out", tmp_path / "o"], "bad.yaml", fragment)
     costs = tmp_path / "costs.csv"
     for content, fragment in [
         ("0,1\n1,0\n", "costs must have shape (K, M) = (3, M)"),
@@ -200,6 +211,38 @@ def test_broken_config_and_cost_files(tmp_path, capsys):
     ]:
         costs.write_text(content)
         assert_one_line_error(capsys, ["evaluate", good, "--costs", costs, "--bootstrap", "0", "--out", tmp_path / "o", "--quiet"], fragment)
+
+
+def test_output_paths_that_cannot_be_written_are_refused_before_fitting(tmp_path, capsys, monkeypatch):
+    good = tmp_path / "scores.npz"
+    good.write_bytes(GOOD_NPZ)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    a_folder = tmp_path / "out.npz"
+    a_folder.mkdir()
+    monkeypatch.setattr("torchcal.report.fit_calibrator", lambda *a, **k: pytest.fail("fitted before the output was checked"))
+    assert_one_line_error(capsys, ["evaluate", good, "--out", a_file, "--quiet"], "--out", "a file is already there; name a folder")
+    assert_one_line_error(capsys, ["evaluate", good, "--out", a_file / "report", "--quiet"], "a_file is a file, not a folder")
+    assert_one_line_error(capsys, ["calibrate", good, "--method", "affine", "--save", a_file / "h.pt"], "--save", "a_file is a file, not a folder")
+    assert_one_line_error(capsys, ["calibrate", good, "--method", "affine", "--save", a_folder], "a folder is already there; name a file")
+    monkeypatch.undo()
+    head = tmp_path / "head.pt"
+    assert run(capsys, "calibrate", good, "--method", "affine", "--save", head, "--quiet")[0] == 0
+    assert_one_line_error(capsys, ["apply", head, good, "--out", a_folder], "--out", "a folder is already there; name a file")
+
+
+def test_a_labels_file_given_for_scores_that_have_labels_is_an_error(tmp_path, capsys):
+    """It was silently ignored for .npz, .pt and .csv files (and used for .npy)."""
+    other = tmp_path / "other.npy"
+    np.save(other, LABELS[::-1].copy())
+    for name, content, fragment in [
+        ("s.npz", GOOD_NPZ, "own labels ('labels')"),
+        ("s.pt", pt_bytes((torch.from_numpy(LOGITS), torch.from_numpy(LABELS))), "own labels (a (scores, labels) pair)"),
+        ("s.csv", GOOD_CSV.encode(), "own labels (its 'label' column)"),
+    ]:
+        path = tmp_path / name
+        path.write_bytes(content)
+        assert_one_line_error(capsys, ["evaluate", path, "--labels", other, "--out", tmp_path / "o", "--quiet"], name, fragment, "drop one of them")
 
 
 def test_integer_settings_are_checked_where_they_were_given(tmp_path, capsys):

@@ -97,6 +97,9 @@ def test_npy_pairs_found_by_name_or_given(tmp_path, small):
     assert load_scores(folder / "scores.npy").labels.tolist() == labels.tolist()
     np.save(tmp_path / "other.npy", logits)
     assert load_scores(tmp_path / "other.npy", labels_path=tmp_path / "run1_labels.npy").num_samples == 50
+    # labels.npy goes with logits.npy, scores.npy or probs.npy only, not with any file of the folder
+    np.save(folder / "new_samples.npy", logits)
+    assert load_scores(folder / "new_samples.npy", require_labels=False).labels is None
 
 
 def test_torch_files(tmp_path, small):
@@ -124,9 +127,16 @@ def test_binary_one_column(tmp_path):
     np.savez(tmp_path / "llr.npz", logits=llr, labels=[0, 1, 1])
     scores = load_scores(tmp_path / "llr.npz")
     assert scores.read_as.startswith("binary log-likelihood ratios (one score column with values above 1 or of both signs")
-    np.testing.assert_allclose(scores.logits.softmax(1)[:, 1].numpy(), 1 / (1 + np.exp(-llr)))
+    # without priors, the labels' class frequencies (1/3, 2/3): those the metrics assume
+    assert scores.read_as.endswith("turned into posteriors with the labels' class frequencies (0.3333, 0.6667)")
+    np.testing.assert_allclose(scores.logits.softmax(1)[:, 1].numpy(), 1 / (1 + 0.5 * np.exp(-llr)))
+    torch.testing.assert_close(scores.llr_priors, torch.tensor([1 / 3, 2 / 3], dtype=torch.float64))
     with_priors = load_scores(tmp_path / "llr.npz", priors=[0.9, 0.1])
     np.testing.assert_allclose(with_priors.logits.softmax(1)[:, 1].numpy(), 1 / (1 + 9 * np.exp(-llr)))
+    np.save(tmp_path / "unlabelled.npy", llr)  # no labels to count: uniform priors
+    unlabelled = load_scores(tmp_path / "unlabelled.npy", input="llr", require_labels=False)
+    np.testing.assert_allclose(unlabelled.logits.softmax(1)[:, 1].numpy(), 1 / (1 + np.exp(-llr)))
+    assert unlabelled.read_as.endswith("uniform priors") and unlabelled.llr_priors.tolist() == [0.5, 0.5]
     np.savez(tmp_path / "p.npz", logits=[0.1, 0.7, 0.9], labels=[0, 1, 1])
     with pytest.raises(ValueError, match=r"probabilities of class 1 \(input='probs', --input probs\) or LLRs"):
         load_scores(tmp_path / "p.npz")
@@ -310,13 +320,23 @@ def test_csv_written_by_pandas_with_its_index(tmp_path):
     frame.to_csv(tmp_path / "without_index.csv", index=False)
     with_index, without = load_scores(tmp_path / "with_index.csv"), load_scores(tmp_path / "without_index.csv")
     assert with_index.num_classes == 10 and with_index.logits.equal(without.logits)
-    assert with_index.read_as == without.read_as + "; the first column (no name, 0..N-1) is a row index as pandas writes it, left out"
+    assert with_index.read_as == without.read_as + "; the first column (no name, distinct whole numbers) is a row index as pandas writes it, left out"
     assert _nll(with_index.logits, with_index.labels) == pytest.approx(-np.log(probs[np.arange(300), labels]).mean(), rel=1e-8)
-    # a named first column, or one that is not 0..N-1, is data
+    # the index of a slice or a shuffled frame, and a file with Excel's byte-order mark, too
+    frame.iloc[100:].to_csv(tmp_path / "slice.csv")
+    assert load_scores(tmp_path / "slice.csv").logits.equal(without.logits[100:])
+    shuffled = frame.sample(frac=1.0, random_state=0)
+    shuffled.to_csv(tmp_path / "shuffled.csv")
+    assert load_scores(tmp_path / "shuffled.csv").labels.tolist() == shuffled["label"].tolist()
+    frame.to_csv(tmp_path / "excel.csv", encoding="utf-8-sig")
+    assert load_scores(tmp_path / "excel.csv").logits.equal(without.logits)
+    frame[["label", *frame.columns[:-1]]].to_csv(tmp_path / "label_first.csv", index=False, encoding="utf-8-sig")
+    assert load_scores(tmp_path / "label_first.csv").labels.tolist() == labels.tolist()
+    # a named first column, or an unnamed one of repeated or fractional values, is data
     frame.rename_axis("p_extra").to_csv(tmp_path / "named.csv")
     assert load_scores(tmp_path / "named.csv").num_classes == 11
-    frame.set_index(frame.index + 1).to_csv(tmp_path / "shifted.csv")
-    assert load_scores(tmp_path / "shifted.csv").num_classes == 11
+    frame.set_index(frame.index // 2).to_csv(tmp_path / "repeated.csv")
+    assert load_scores(tmp_path / "repeated.csv").num_classes == 11
 
 
 def test_tests_use_the_bundled_file_without_the_shared_folder(tmp_path, monkeypatch):

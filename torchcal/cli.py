@@ -128,6 +128,12 @@ def load_config(name: str | Path) -> dict[str, Any]:
     if not isinstance(config, dict) or not set(config) <= CONFIG_KEYS:
         unknown = sorted(set(config) - CONFIG_KEYS) if isinstance(config, dict) else config
         raise ValueError(f"{path}: unknown config keys {unknown}; allowed: {', '.join(sorted(CONFIG_KEYS))}.")
+    methods, options = config.get("methods"), config.get("options")
+    if methods is not None and not (isinstance(methods, str) or (isinstance(methods, list) and all(isinstance(m, str) for m in methods))):
+        raise ValueError(f"{path}: methods must be a list of method names (or one string 'a,b'), got {methods!r}.")
+    if options is not None and not (isinstance(options, dict) and all(isinstance(o, dict) for o in options.values())):
+        raise ValueError(f"{path}: options must map method names to their options, e.g. "
+                         f"{{dirichlet-odir: {{reg_lambda: 0.01}}}}; got {options!r}.")
     return config
 
 
@@ -150,6 +156,17 @@ def _load(path: str, args: argparse.Namespace, priors: Any = None, **kwargs: Any
     from torchcal.data import load_scores
 
     return load_scores(path, labels_path=getattr(args, "labels", None), input=args.input, priors=priors, **kwargs)
+
+
+def _check_output(option: str, path: str, folder: bool) -> None:
+    """Refuse an output path that cannot be written before anything is fitted: a ``folder`` that
+    is a file, a file that is a folder, or one whose parent is a file."""
+    target = Path(path)
+    if target.exists() and target.is_dir() != folder:
+        raise UsageError(f"{option} {path}: {'a file' if folder else 'a folder'} is already there; name {'a folder' if folder else 'a file'}.")
+    parent = next((p for p in target.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise UsageError(f"{option} {path}: {parent} is a file, not a folder.")
 
 
 def _with_two_classes(scores: Scores, path: str) -> Scores:
@@ -193,14 +210,17 @@ def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | 
     from torchcal.report import evaluate
 
     settings = _settings(args)
+    _check_output("--out", args.out, folder=True)
     raw_priors = settings.get("priors")
     scores = _with_two_classes(_load(scores_path, args, priors=_binary_priors(raw_priors)), scores_path)
     k = scores.num_classes
+    # binary LLRs of the calibration data become posteriors with the evaluated scores' priors: the
+    # calibrators learn the map that the evaluated scores then go through
     if calibration is None and args.calibration:
         calibration = load_scores(args.calibration, labels_path=args.calibration_labels, input=args.input,
-                                  priors=_binary_priors(raw_priors))
+                                  priors=scores.llr_priors)
     elif calibration is None and settings.get("cv") is None and has_split(scores_path):
-        calibration = load_scores(scores_path, input=args.input, split="val")  # the file's own held-out split
+        calibration = load_scores(scores_path, input=args.input, split="val", priors=scores.llr_priors)  # the file's own held-out split
     costs, costs_name = parse_costs(settings.get("costs"), k)
     report = evaluate(
         scores,
@@ -248,7 +268,7 @@ def _estimate_target_priors(
     from torchcal.functional import class_frequencies
     from torchcal.label_shift import estimate_priors
 
-    target = load_scores(args.target, input=args.input, priors=_binary_priors(_settings(args).get("priors")), require_labels=False)
+    target = load_scores(args.target, input=args.input, priors=scores.llr_priors, require_labels=False)
     if target.num_classes != scores.num_classes:
         raise ValueError(f"{args.target}: {target.num_classes} classes, but {args.scores} has {scores.num_classes}.")
     assert scores.labels is not None  # calibration data always have labels
@@ -282,13 +302,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     priors = parse_priors(settings.get("priors"), scores.num_classes)
     if args.save is None and args.target is None:
         raise UsageError("calibrate needs --save PATH, --target TARGET_SCORES, or both (see torchcal calibrate --help)")
+    if args.save is not None:
+        _check_output("--save", args.save, folder=False)
     if not args.quiet:
         print(f"fitting {method} on {where} ...", file=sys.stderr, flush=True)
     calibrator = fit_calibrator(method, options, scores.logits, labels, priors=priors)
     label_shift = _estimate_target_priors(args, scores, calibrator, method, priors) if args.target else None
     if args.save is None:
         return 0
-    save_calibrator(args.save, method, calibrator, options, label_shift)
+    save_calibrator(args.save, method, calibrator, options, label_shift, scores.llr_priors)
     if not args.quiet:
         with torch.no_grad():
             after = cross_entropy(calibrator(scores.logits), labels, priors=priors, normalize=True)
@@ -339,14 +361,15 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
     from torchcal.functional import cross_entropy
     from torchcal.label_shift import adapt_to_priors
-    from torchcal.report import load_calibrator, load_label_shift
+    from torchcal.report import load_calibrator, load_label_shift, load_llr_priors
 
     out_path = Path(args.out)
     if out_path.suffix.lower() not in APPLY_FORMATS:
         raise UsageError(f"--out {args.out}: unsupported extension {out_path.suffix or '(none)'!r}; use "
                          f"{', '.join(APPLY_FORMATS)}.")
+    _check_output("--out", args.out, folder=False)
     method, calibrator = load_calibrator(args.head)
-    scores = _load(args.scores, args, require_labels=False)
+    scores = _load(args.scores, args, require_labels=False, priors=load_llr_priors(args.head))  # LLRs: as at the fit
     if scores.num_classes != calibrator.num_classes:
         raise ValueError(f"{args.scores}: {scores.num_classes} classes, but the calibrator was fitted on {calibrator.num_classes}.")
     label_shift = None if args.no_label_shift else load_label_shift(args.head)
@@ -488,7 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():
             warnings.showwarning = _one_line_warning
             return args.run(args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:  # bad input, or a file that cannot be read or written
         print(f"torchcal: error: {err}", file=sys.stderr)
         return 2
 

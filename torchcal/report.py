@@ -670,14 +670,18 @@ _FORMAT = "torchcal-calibrator/1"
 
 def save_calibrator(
     path: str | Path, method: str, calibrator: Calibrator, options: Mapping[str, Any] | None = None,
-    label_shift: Mapping[str, torch.Tensor] | None = None,
+    label_shift: Mapping[str, torch.Tensor] | None = None, llr_priors: torch.Tensor | None = None,
 ) -> Path:
     """Save a fitted calibrator with what is needed to rebuild it: ``torch.save`` of a dict with the
     method name, its constructor options and the ``state_dict``; ``label_shift``, if given (the
-    ``source_priors``, estimated ``target_priors`` and their ``stderr``), under that key."""
+    ``source_priors``, estimated ``target_priors`` and their ``stderr``), under that key; and
+    ``llr_priors``, if given: the priors that turned the binary LLRs it was fitted on into
+    posteriors (``Scores.llr_priors``), which new LLRs need too."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    extra = {} if label_shift is None else {"label_shift": dict(label_shift)}
+    extra: dict[str, Any] = {} if label_shift is None else {"label_shift": dict(label_shift)}
+    if llr_priors is not None:
+        extra["llr_priors"] = llr_priors
     torch.save({"format": _FORMAT, "method": method, "options": dict(options or {}),
                 "state_dict": calibrator.state_dict(), **extra}, path)
     return path
@@ -712,3 +716,9 @@ def load_label_shift(path: str | Path) -> dict[str, torch.Tensor] | None:
     """The ``source_priors``, ``target_priors`` and ``stderr`` saved with a calibrator by
     ``torchcal calibrate --target``, or ``None`` if it was saved without."""
     return _read_saved(path).get("label_shift")
+
+
+def load_llr_priors(path: str | Path) -> torch.Tensor | None:
+    """The (2,) priors that turned the binary LLRs a saved calibrator was fitted on into
+    posteriors, or ``None`` if it was not fitted on LLRs."""
+    return _read_saved(path).get("llr_priors")

@@ -7,12 +7,13 @@ Supported files:
   ``labels_val`` (read it with ``split="val"``).
 - ``.npy``: the scores; the labels come from ``labels_path`` or from a sibling file found by
   name: ``x_logits.npy`` -> ``x_labels.npy``; ``logits.npy`` / ``scores.npy`` / ``probs.npy`` ->
-  ``labels.npy`` or ``targets.npy`` in the same folder.
+  ``labels.npy`` or ``targets.npy`` in the same folder (only those three names).
 - ``.pt`` / ``.pth``: a dict with the ``.npz`` keys, a ``(scores, labels)`` pair, or a scores
   tensor with ``labels_path``. Loaded with ``weights_only=True``.
 - ``.csv``: a header row, one column named ``label`` (or ``labels``, ``target``, ``y``); every
-  other column is a class score, in order. A first column with an empty header holding 0..N-1 is
-  the row index pandas writes by default (``df.to_csv()``): it is dropped, and the note says so.
+  other column is a class score, in order. A first column with an empty header holding distinct
+  whole numbers is the row index pandas writes by default (``df.to_csv()``, also of a slice or a
+  shuffled frame): it is dropped, and the note says so.
 
 Scores are read as logits in the wide sense (any unnormalised log-posteriors) unless the caller
 says otherwise (``input="probs"`` / ``"log_probs"`` / ``"llr"``), the file says so (key ``probs`` /
@@ -93,12 +94,16 @@ class Scores:
             ``require_labels=False`` from a file without labels.
         read_as: one sentence saying how the file's scores were interpreted.
         source: where the data came from.
+        llr_priors: (2,) the priors that turned binary LLRs into these posteriors (``logits[:, 1] -
+            logits[:, 0]`` is the LLR plus their log-odds); None when the scores were not LLRs.
+            Scores of the same system read later (new data, unlabelled targets) need the same.
     """
 
     logits: Tensor
     labels: Tensor | None
     read_as: str
     source: str
+    llr_priors: Tensor | None = None
 
     @property
     def num_samples(self) -> int:
@@ -166,7 +171,9 @@ def load_scores(
             log-probabilities of class 1), ``"llr"`` (one column of log-likelihood ratios) or
             ``"auto"``.
         split: ``"val"`` reads the ``logits_val``/``labels_val`` split of an ``.npz``.
-        priors: (K,) priors used only to turn binary LLRs into posteriors.
+        priors: (2,) priors used only to turn binary LLRs into posteriors; None: the labels'
+            class frequencies (the priors every metric assumes when given none), or uniform priors
+            for a file without labels or with a class absent.
         require_labels: with ``False``, scores without labels load with ``labels=None``
             (for applying a fitted calibrator).
 
@@ -184,11 +191,12 @@ def load_scores(
         raise FileNotFoundError(f"no such file: {path}")
     try:
         raw, labels, hint, missing, note = _read(path, labels_path, split)
+        labels = None if labels is None else _as_labels(labels)
         reason = "as requested" if input != "auto" else "as the file's key says"
-        logits, read_as = _to_logits(np.asarray(raw), input if input != "auto" else hint, reason, priors)
+        logits, read_as, llr_priors = _to_logits(np.asarray(raw), input if input != "auto" else hint, reason, priors, labels)
         read_as += note
         if labels is not None:
-            logits, labels = check_logits_and_labels(logits, _as_labels(labels))
+            logits, labels = check_logits_and_labels(logits, labels)
         elif require_labels:
             raise ValueError(missing)
         else:
@@ -198,7 +206,7 @@ def load_scores(
     except MemoryError as err:  # a format whose size cannot be checked before reading
         raise ValueError(f"{path}: too large to load into memory ({err}).") from None
     source = str(path) if split == "test" else f"{path} ({split} split)"
-    return Scores(logits=logits, labels=labels, read_as=read_as, source=source)
+    return Scores(logits=logits, labels=labels, read_as=read_as, source=source, llr_priors=llr_priors)
 
 
 def has_split(path: str | Path, split: Literal["val"] = "val") -> bool:
@@ -217,6 +225,7 @@ def has_split(path: str | Path, split: Literal["val"] = "val") -> bool:
 # --- reading files -------------------------------------------------------------------------------
 
 _PASS_LABELS = "pass the labels file explicitly (labels_path=..., or --labels on the command line)"
+_TWO_LABELS = "the file has its own labels ({}), and a labels file was given too (labels_path, --labels): drop one of them."
 
 
 def _read(path: Path, labels_path: str | Path | None, split: str) -> tuple[Any, Any, InputKind, str, str]:
@@ -247,6 +256,8 @@ def _read(path: Path, labels_path: str | Path | None, split: str) -> tuple[Any, 
         return _load_array(path), labels, "auto", missing, ""
     if suffix == ".csv":
         scores, labels, note = _read_csv(path)
+        if labels is not None and given is not None:
+            raise ValueError(_TWO_LABELS.format("its 'label' column"))
         return scores, given if labels is None else labels, "auto", f"no 'label' column; add one or {_PASS_LABELS}.", note
     raise ValueError(f"unsupported file type {path.suffix!r}; use .npz, .npy, .pt/.pth or .csv.")
 
@@ -260,6 +271,8 @@ def _from_mapping(found: dict[str, Any], given: Any, suffix: str = ""):
         )
     key = score_keys[0]  # "logits" wins over "probs" when both are stored
     label_keys = [k + suffix for k in _LABEL_KEYS if k + suffix in found]
+    if label_keys and given is not None:
+        raise ValueError(_TWO_LABELS.format(repr(label_keys[0])))
     labels = found[label_keys[0]] if label_keys else given
     kind = _SCORE_KEYS[key]
     scores = found[key + suffix]
@@ -284,6 +297,8 @@ def _from_torch(path: Path, given: Any):
     if isinstance(obj, dict):
         return _from_mapping(obj, given)
     if isinstance(obj, (tuple, list)) and len(obj) == 2:
+        if given is not None:
+            raise ValueError(_TWO_LABELS.format("a (scores, labels) pair"))
         return obj[0], obj[1], "auto", ""
     if isinstance(obj, Tensor):
         return obj, given, "auto", f"the file holds scores only; {_PASS_LABELS}."
@@ -295,8 +310,8 @@ def _load_array(path: Path) -> np.ndarray:
         _check_size(stream, "the array")
     try:
         return np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"not a readable .npy file ({err}).") from None
+    except (OSError, ValueError, EOFError) as err:
+        raise ValueError(f"not a readable .npy file ({str(err) or type(err).__name__}).") from None
 
 
 #: Scores are loaded only if the array, plus two float64 working copies of it, fits in the
@@ -374,9 +389,10 @@ def _sibling_labels(path: Path) -> tuple[Path | None, str]:
     stem = path.stem
     candidates = [path.with_name(stem.replace(word, "labels") + ".npy")
                   for word in ("logits", "scores", "probs") if word in stem]
-    candidates += [path.with_name("labels.npy"), path.with_name("targets.npy")]
+    if stem in ("logits", "scores", "probs"):  # (any other file would take an unrelated labels.npy)
+        candidates += [path.with_name("labels.npy"), path.with_name("targets.npy")]
     found = next((c for c in candidates if c != path and c.is_file()), None)
-    return found, ", ".join(c.name for c in candidates)
+    return found, ", ".join(c.name for c in candidates) or "a name with 'logits', 'scores' or 'probs' in it"
 
 
 #: Reading a CSV file builds Python objects for every cell: about this many bytes per byte of text.
@@ -391,7 +407,7 @@ def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None, str]:
             f"of memory and {_size(available)} is available. Save the scores with numpy.save (.npy, read "
             f"without that overhead), or evaluate a subset."
         )
-    with path.open(newline="") as f:
+    with path.open(newline="", encoding="utf-8-sig") as f:  # (Excel's "CSV UTF-8" starts with a byte-order mark)
         rows = list(csv.reader(f))
     if not rows:
         raise ValueError("the CSV file is empty.")
@@ -413,8 +429,9 @@ def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None, str]:
         raise ValueError(f"every CSV cell after the header must be a number ({err}).") from None
     if table.ndim != 2 or table.shape[1] != len(header):
         raise ValueError(f"every CSV row must have {len(header)} cells, like the header.")
-    index = header[0] == "" and np.array_equal(table[:, 0], np.arange(table.shape[0]))
-    note = "; the first column (no name, 0..N-1) is a row index as pandas writes it, left out" if index else ""
+    first = table[:, 0]
+    index = header[0] == "" and bool((first == np.round(first)).all()) and np.unique(first).size == first.size
+    note = "; the first column (no name, distinct whole numbers) is a row index as pandas writes it, left out" if index else ""
     score_cols = [i for i in range(int(index), len(header)) if not (label_cols and i == label_cols[0])]
     return table[:, score_cols], table[:, label_cols[0]] if label_cols else None, note
 
@@ -431,7 +448,13 @@ def _is_number(cell: str) -> bool:
 
 def _as_labels(labels: Any) -> Tensor:
     """Class indices as int64 (N,): accepts (N, 1), bool, unsigned and whole-number floats."""
-    labels = as_tensor(np.asarray(labels) if not isinstance(labels, Tensor) else labels, "labels")
+    if not isinstance(labels, Tensor):
+        labels = np.asarray(labels)
+        if labels.dtype.kind not in "biuf":
+            example = f" such as {str(labels.flat[0])!r}" if labels.size else ""
+            raise ValueError(f"labels must be class indices 0..K-1, got values of dtype {labels.dtype}{example}; "
+                             f"map the class names to integers first.")
+    labels = as_tensor(labels, "labels")
     if labels.ndim == 2 and labels.shape[1] == 1:
         labels = labels[:, 0]
     if torch.is_floating_point(labels):
@@ -442,8 +465,11 @@ def _as_labels(labels: Any) -> Tensor:
     return labels.long()
 
 
-def _to_logits(scores: np.ndarray, kind: InputKind, reason: str, priors: Any) -> tuple[Tensor, str]:
-    """Interpret ``scores`` as ``kind`` (or detect it for ``"auto"``); return logits and a note."""
+def _to_logits(
+    scores: np.ndarray, kind: InputKind, reason: str, priors: Any, labels: Tensor | None
+) -> tuple[Tensor, str, Tensor | None]:
+    """Interpret ``scores`` as ``kind`` (or detect it for ``"auto"``); return logits, a note and the
+    priors that turned LLRs into them (see :func:`load_scores`; None for other kinds)."""
     if scores.dtype.kind not in "fiub" or scores.ndim not in (1, 2) or scores.size == 0:
         raise ValueError(f"scores must be a non-empty (N, K) or (N,) array of numbers, got shape "
                          f"{scores.shape} and dtype {scores.dtype}.")
@@ -452,8 +478,8 @@ def _to_logits(scores: np.ndarray, kind: InputKind, reason: str, priors: Any) ->
     if not bool(torch.isfinite(values).all()):
         raise ValueError(f"scores contain {int((~torch.isfinite(values)).sum())} NaN or infinite values.")
     if values.ndim == 1 or values.shape[1] == 1:
-        return _one_column_to_logits(values.reshape(-1), kind, reason, priors)
-    return _columns_to_logits(values, kind, reason)
+        return _one_column_to_logits(values.reshape(-1), kind, reason, priors, labels)
+    return (*_columns_to_logits(values, kind, reason), None)
 
 
 _ONE_COLUMN_KINDS = {
@@ -463,7 +489,9 @@ _ONE_COLUMN_KINDS = {
 }
 
 
-def _one_column_to_logits(values: Tensor, kind: InputKind, reason: str, priors: Any) -> tuple[Tensor, str]:
+def _one_column_to_logits(
+    values: Tensor, kind: InputKind, reason: str, priors: Any, labels: Tensor | None
+) -> tuple[Tensor, str, Tensor | None]:
     if kind == "auto":
         options: tuple[str, ...] = ()
         if _in_unit_interval(values):
@@ -480,15 +508,29 @@ def _one_column_to_logits(values: Tensor, kind: InputKind, reason: str, priors: 
     if kind == "logits":
         raise ValueError(f"one score column cannot be read as logits; say whether it holds {' or '.join(_ONE_COLUMN_KINDS.values())}.")
     if kind == "llr":
-        prior_note = "uniform priors" if priors is None else "the given priors"
+        if priors is not None:
+            priors, prior_note = check_priors(priors, 2), "the given priors"
+        else:
+            priors, prior_note = _label_frequencies(labels, values.shape[0])
         note = f"binary log-likelihood ratios ({reason}), turned into posteriors with {prior_note}"
-        return binary_scores_to_logits(values, "llr", priors), note
+        return binary_scores_to_logits(values, "llr", priors), note, priors
     if kind == "log_probs":
         if bool((values > 0).any()):
             raise ValueError("log-probabilities must be <= 0; found positive values. Are these LLRs?")
         values = values.to(torch.float64).exp()
     note = f"binary {'probabilities' if kind == 'probs' else 'log-probabilities'} of class 1 ({reason})"
-    return binary_scores_to_logits(values, "probability"), note + _floor_note(torch.stack([1 - values, values], 1))
+    return binary_scores_to_logits(values, "probability"), note + _floor_note(torch.stack([1 - values, values], 1)), None
+
+
+def _label_frequencies(labels: Tensor | None, num_samples: int) -> tuple[Tensor, str]:
+    """The binary ``labels``' class frequencies and a note, or uniform priors where there are no
+    labels to count (or they are not N binary labels with both classes: their checks say why)."""
+    if labels is not None and labels.shape == (num_samples,) and bool(((labels == 0) | (labels == 1)).all()):
+        counts = torch.bincount(labels, minlength=2).to(torch.float64)
+        if bool((counts > 0).all()):
+            frequencies = counts / counts.sum()
+            return frequencies, f"the labels' class frequencies ({frequencies[0]:.4g}, {frequencies[1]:.4g})"
+    return torch.full((2,), 0.5, dtype=torch.float64), "uniform priors"
 
 
 def _columns_to_logits(values: Tensor, kind: InputKind, reason: str) -> tuple[Tensor, str]:

@@ -3,6 +3,10 @@ object, by torchcal's PAV), and the calibrator against the venn-abers package on
 
 from __future__ import annotations
 
+import contextlib
+import io
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -152,6 +156,30 @@ def test_contract(toy, options):
     torch.testing.assert_close(permuted(logits[400:]), out, rtol=0, atol=1e-12)
     lower, upper = va.predict_interval(logits[400:])
     assert bool((lower <= upper).all()) and bool((lower >= 0).all()) and bool((upper <= 1).all())
+
+
+@pytest.mark.parametrize("multiclass", ["ovr", "pairwise"])
+def test_a_calibration_sample_gets_the_same_output_after_a_last_bit_change_of_its_score(toy, multiclass, tmp_path):
+    """At a calibration score the tables step; with exact ties, a score one ulp away (another
+    runtime's log-softmax: ONNX Runtime moved 64 of 2,000 AG News calibration rows) got the
+    neighbouring step. Ties within 1e-12 pool, here and in an ONNX export."""
+    logits, labels = toy
+    x = logits[:400].float()  # what an exported head receives
+    va = VennAbersCalibration(multiclass=multiclass).fit(x, labels[:400]).eval()
+    scores = va._features(x)
+    for direction in (-torch.inf, torch.inf):
+        nudged = torch.nextafter(scores, torch.full_like(scores, direction))
+        for exact, moved in zip(va._intervals(scores), va._intervals(nudged)):
+            assert torch.equal(exact, moved)
+    ort = pytest.importorskip("onnxruntime")
+    path = tmp_path / "va.onnx"
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(va, (x[:8],), path, dynamo=True, dynamic_shapes=({0: torch.export.Dim("batch", min=2)},))
+    session = ort.InferenceSession(str(path))
+    (got,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(got), va(x), rtol=0, atol=1e-6)
 
 
 def test_deployment_priors_are_bayes_rule_from_the_class_frequencies(toy):

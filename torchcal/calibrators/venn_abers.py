@@ -109,6 +109,13 @@ def _upper_values(counts: np.ndarray, positives: np.ndarray) -> np.ndarray:
     return p1
 
 
+#: A test score within this of a calibration score is tied with it (pools with it). Exact ties
+#: alone made the output at a calibration sample's own score (a duplicate of it) depend on the
+#: last bit of the log-softmax: an ONNX runtime's rounds differently, and 64 of 2,000 calibration
+#: rows of the AG News logits got the neighbouring step's probabilities, up to 0.02 away.
+_TIE_TOLERANCE = 1e-12
+
+
 def venn_abers_table(scores: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The IVAP of binary calibration data as a look-up table.
 
@@ -272,9 +279,11 @@ class VennAbersCalibration(Calibrator):
         for c in range(scores.shape[1]):
             s = scores[:, c].contiguous()
             for f in range(self.folds):
-                # bucketize (searchsorted has no ONNX function): the tied-score rule of venn_abers_table
-                lower.append(self.p0[c, f][torch.bucketize(s, self.grid[c, f], right=True)])
-                upper.append(self.p1[c, f][torch.bucketize(s, self.grid[c, f], right=False)])
+                # bucketize (searchsorted has no ONNX function): the tied-score rule of venn_abers_table,
+                # ties within _TIE_TOLERANCE (moved to the grid: ONNX exporters fold s - 1e-12 into s)
+                grid = self.grid[c, f]
+                lower.append(self.p0[c, f][torch.bucketize(s, grid - _TIE_TOLERANCE, right=True)])
+                upper.append(self.p1[c, f][torch.bucketize(s, grid + _TIE_TOLERANCE, right=False)])
         shape = (scores.shape[0], scores.shape[1], self.folds)
         return torch.stack(lower, 1).reshape(shape), torch.stack(upper, 1).reshape(shape)
 

@@ -109,11 +109,13 @@ def _upper_values(counts: np.ndarray, positives: np.ndarray) -> np.ndarray:
     return p1
 
 
-#: A test score within this of a calibration score is tied with it (pools with it). Exact ties
-#: alone made the output at a calibration sample's own score (a duplicate of it) depend on the
-#: last bit of the log-softmax: an ONNX runtime's rounds differently, and 64 of 2,000 calibration
-#: rows of the AG News logits got the neighbouring step's probabilities, up to 0.02 away.
-_TIE_TOLERANCE = 1e-12
+#: A test score within this share of a calibration score's magnitude (16 float64 ulps) is tied
+#: with it (pools with it). Exact ties alone made the output at a calibration sample's own score (a
+#: duplicate of it) depend on the last bit of the log-softmax: ONNX Runtime's rounds differently,
+#: and 64 of 2,000 calibration rows of the AG News logits got the neighbouring step's
+#: probabilities, up to 0.02 away. (Relative, not absolute: 1e-12 pooled distinct scores of
+#: confident rows, log-probabilities near 0, that the venn-abers package keeps apart.)
+_TIE_TOLERANCE = 16 * torch.finfo(torch.float64).eps
 
 
 def venn_abers_table(scores: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -280,10 +282,11 @@ class VennAbersCalibration(Calibrator):
             s = scores[:, c].contiguous()
             for f in range(self.folds):
                 # bucketize (searchsorted has no ONNX function): the tied-score rule of venn_abers_table,
-                # ties within _TIE_TOLERANCE (moved to the grid: ONNX exporters fold s - 1e-12 into s)
+                # ties within _TIE_TOLERANCE (on the grid: ONNX exporters fold s - 1e-12 into s)
                 grid = self.grid[c, f]
-                lower.append(self.p0[c, f][torch.bucketize(s, grid - _TIE_TOLERANCE, right=True)])
-                upper.append(self.p1[c, f][torch.bucketize(s, grid + _TIE_TOLERANCE, right=False)])
+                margin = torch.where(torch.isfinite(grid), _TIE_TOLERANCE * grid.abs(), 0.0)  # (the padding: +inf)
+                lower.append(self.p0[c, f][torch.bucketize(s, grid - margin, right=True)])
+                upper.append(self.p1[c, f][torch.bucketize(s, grid + margin, right=False)])
         shape = (scores.shape[0], scores.shape[1], self.folds)
         return torch.stack(lower, 1).reshape(shape), torch.stack(upper, 1).reshape(shape)
 

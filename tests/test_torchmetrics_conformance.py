@@ -489,6 +489,32 @@ def test_self_log_and_log_dict_in_a_lightning_run(cifar):
         assert float(logged[key]) == pytest.approx(float(value), rel=1e-6), key
 
 
+def test_forward_and_self_log_on_batches_missing_classes_in_a_lightning_run(cifar):
+    """The pattern of Lightning's docs, ``self.metric(preds, target); self.log(name, self.metric)``,
+    with batches of 8 that always miss some of the 10 classes: the per-batch value is NaN where the
+    batch leaves the metric undefined, and the epoch's value is the metric of every sample."""
+    from lightning.pytorch import LightningModule, Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    logits, labels = cifar
+
+    class Replay(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.zeros(K))
+            self.balanced = M.BalancedErrorRate(K)
+
+        def validation_step(self, batch, batch_idx):
+            z, y = batch
+            self.balanced(z + self.bias, y)
+            self.log("val_balanced", self.balanced, on_step=True, on_epoch=True)
+
+    trainer = Trainer(limit_val_batches=50, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False, logger=False)
+    trainer.validate(Replay(), DataLoader(TensorDataset(logits, labels), batch_size=8))
+    seen = slice(0, 400)
+    assert float(trainer.callback_metrics["val_balanced_epoch"]) == pytest.approx(float(F.balanced_error_rate(logits[seen], labels[seen])), rel=1e-6)
+
+
 # --------------------------------------------------------------------------- the package attributes
 def test_lazy_submodules_after_a_plain_import():
     code = (

@@ -99,9 +99,9 @@ def fit_inverse_temperature(
 
     Returns:
         ``(beta, record)``. ``beta == 0`` (``T = inf``) when the scores are not positively
-        related to the labels; ``beta`` at its upper limit (1e4 nats between a median row's two largest scores) when the
-        loss keeps falling up to it, i.e. the data are (all but) perfectly separable, every
-        true-class logit the strict row maximum. Both cases warn.
+        related to the labels; ``beta`` at its upper limit (1e4 nats between a median row's two
+        largest scores) when the loss keeps falling up to it, i.e. the data are (all but) perfectly
+        separable, every true-class logit the strict row maximum. Both cases warn.
     """
     n, k = logits.shape
     if rtol is None:

@@ -127,6 +127,9 @@ def test_attach_returns_a_frozen_head_in_eval_mode(val):
     assert not any(p.requires_grad for p in net.parameters())
     x = make_data(16, seed=2)[0]
     assert not head(x).requires_grad and torch.equal(head(x), head(x))  # deterministic: no dropout
+    for warm_start in (False, True):  # a refit keeps the head frozen (a cold one made fresh parameters that trained)
+        head.fit(loader(*val), warm_start=warm_start)
+        assert not any(p.requires_grad for p in head.parameters())
     reference = torchcal.DirichletCalibration(reg="odir", reg_lambda=0.1).fit(eval_outputs(make_net(), val[0]), val[1])
     with torch.no_grad():
         torch.testing.assert_close(head(x), reference(eval_outputs(make_net(), x)), rtol=1e-5, atol=1e-5)

@@ -208,6 +208,12 @@ def test_checkpoint_restores_the_head_on_resume_and_for_test(trained):
     with torch.no_grad():
         expected = F.nll_loss(callback.calibrator(raw_outputs(model, test)), test.tensors[1])
     assert metrics["test_nll"] == pytest.approx(float(expected), rel=1e-5)
+    # A checkpoint without a head (saved before any fit) leaves the callback's head, fitted on other
+    # weights: trainer.test says so.
+    del checkpoint[CHECKPOINT_KEY]
+    torch.save(checkpoint, root / "ckpt" / "no_head.ckpt")
+    with pytest.warns(UserWarning, match="the checkpoint holds no calibration head"):
+        trainer.test(model, DataLoader(test, batch_size=50), ckpt_path=str(root / "ckpt" / "no_head.ckpt"), verbose=False)
     with pytest.raises(TypeError, match="holds a torchcal.calibrators.temperature.TemperatureScaling head"):
         Trainer(**TRAINER_DEFAULTS, callbacks=[CalibrationCallback(torchcal.VectorScaling())]).test(
             Classifier(), DataLoader(test, batch_size=50), ckpt_path=last, verbose=False
@@ -609,6 +615,8 @@ def test_ddp_spawn_returns_the_head_to_the_main_process(tmp_path):
     callback = SavingCallback(tmp_path, torchcal.HistogramBinning(n_bins=5))
     trainer = Trainer(**TRAINER_DEFAULTS, strategy="ddp_spawn", devices=2, max_epochs=1, callbacks=[callback])
     trainer.fit(Classifier(), loader(200, 0), loader(301, 1))
+    trainer.save_checkpoint(tmp_path / "final.ckpt")  # before anything reads the head: it must be in it
+    assert CHECKPOINT_KEY in torch.load(tmp_path / "final.ckpt", weights_only=True)
     worker = torch.load(tmp_path / "rank0.pt")
     assert set(worker["warned"]) == {"gather", "padding"}
     assert worker["count"] == 151  # per process: 301 padded to 302

@@ -16,8 +16,14 @@ with ``logits_key`` (an index or a key); only that element is calibrated, the re
 
 It saves and loads with ``state_dict``, compiles with ``torch.compile`` and exports with
 ``torch.export``, ``torch.onnx.export`` (``dynamo=True``, and the legacy ``dynamo=False``) and
-``torch.jit.trace`` (every calibrator, the step maps of histogram binning and isotonic regression
-included). A Lightning checkpoint saved with :class:`torchcal.lightning.CalibrationCallback` holds
+``torch.jit.trace`` (every calibrator, the step maps of histogram binning, isotonic regression and
+Venn–Abers included). Another runtime (ONNX Runtime) may round the network's own output
+differently in its last float32 bit; the step maps are discontinuous, so an input that sits exactly
+on a step moves to the neighbouring one there. That input is rare for logits. With
+``output="probs"`` it is common on a saturated network: probabilities below the floor of
+:func:`torchcal._validation.floored_log` all become the same score, and a step can sit exactly on
+that score. (Venn–Abers pools scores within 16 float64 ulps of a calibration score, which
+covers float64 round-off, not float32.) A Lightning checkpoint saved with :class:`torchcal.lightning.CalibrationCallback` holds
 the head under :data:`CHECKPOINT_KEY`; :meth:`CalibratedModel.from_checkpoint` loads it without
 Lightning.
 """

@@ -138,15 +138,16 @@ class Calibrator(nn.Module):
             else:
                 logits = logits.detach().to(compute_dtype(logits.dtype))
             labels = labels.detach().clone()
+            # A fit fits every parameter, also those the caller froze (attach, load_calibrator):
+            # a warm-started refit of a frozen head left them out. They are frozen again after
+            # (named before _materialize, whose fresh parameters all require grad).
+            frozen = {name for name, p in self.named_parameters() if not p.requires_grad}
             if not (warm_start and self.num_classes == num_classes):
                 self._materialize(num_classes, logits.device)
             self.to(device=logits.device, dtype=torch.float64)
             weights = None if priors is None else class_weights_from_counts(counts, priors)
             self.num_classes = num_classes
             features = self._features(logits)
-            # A fit fits every parameter, also those the caller froze (attach, load_calibrator):
-            # a warm-started refit of a frozen head left them out. They are frozen again after.
-            frozen = {name for name, p in self.named_parameters() if not p.requires_grad}
             self.requires_grad_(True)
             try:
                 self.fit_record_ = self._fit(features, labels, weights, loss, max_iter, process_group=process_group)

@@ -111,7 +111,8 @@ def cross_validated_calibration_loss(
         logits: (N, K) scores before calibration.
         labels: (N,) class indices in [0, K).
         calibrator: an unfitted torchcal calibrator, e.g. ``torchcal.AffineCalibration()``.
-        score, priors: as in ``calibration_loss``.
+        score, priors: as in ``calibration_loss``; the fold calibrators are fitted with the
+            ``priors`` too (``fit(..., priors=priors)``), as psrcal's ``calibration_with_crossval`` does.
         folds: number of cross-validation folds.
         seed: seed of the fold assignment.
 
@@ -126,5 +127,7 @@ def cross_validated_calibration_loss(
     from torchcal import cross_validate  # torchcal's top level imports this module
 
     logits, labels = check_logits_and_labels(logits, labels)
-    calibrated = cross_validate(copy.deepcopy(calibrator), logits, labels, folds=folds, seed=seed)
+    # the fold calibrators are fitted for the priors they are scored with (their posteriors are for them)
+    fit_options = {} if priors is None else {"priors": priors}
+    calibrated = cross_validate(copy.deepcopy(calibrator), logits, labels, folds=folds, seed=seed, **fit_options)
     return calibration_loss(logits, calibrated, labels, score, priors)

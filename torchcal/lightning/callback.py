@@ -10,6 +10,8 @@ travel (``Calibrator.fit(..., process_group=...)``).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import tempfile
 import uuid
@@ -140,8 +142,9 @@ class CalibrationCallback(Callback):
 
     Override :meth:`extract` for anything else. Only the first validation dataloader is used.
 
-    **When it fits (cost controls).** Every ``every_n_epochs``-th validation epoch of
-    ``trainer.fit`` the ``metrics`` are logged as ``{prefix}{name}`` (see
+    **When it fits (cost controls).** At the validation of every ``every_n_epochs``-th training
+    epoch of ``trainer.fit`` (with ``check_val_every_n_epoch=2`` and ``every_n_epochs=2``, every
+    validation) the ``metrics`` are logged as ``{prefix}{name}`` (see
     :func:`calibration_metrics`; ``"rcl"`` costs ``folds`` calibrator fits) and the calibrator is
     fitted (one fit). ``every_n_epochs=0`` fits only once, at the end of fitting, on the last
     validation epoch. ``"refinement"`` is logged every validation epoch whatever the setting (one
@@ -184,7 +187,8 @@ class CalibrationCallback(Callback):
         metrics: names from :data:`METRIC_NAMES`.
         output: what the module's ``forward`` returns: ``"logits"``, ``"log_probs"`` or ``"probs"``.
         attach: apply the head during ``trainer.test`` / ``trainer.predict``.
-        every_n_epochs: fit and log every this many validation epochs; 0: only at the end of fitting.
+        every_n_epochs: fit and log at the validation of every this many training epochs; 0: only at
+            the end of fitting.
         fit_on_validate: let ``trainer.validate`` refit the head on the loader it is given.
         report: compute the before/after report at the end of fitting.
         folds: cross-validation folds of ``"rcl"`` and of the report.
@@ -253,6 +257,7 @@ class CalibrationCallback(Callback):
         # ddp_spawn / ddp_fork run the trainer in child processes: rank 0 leaves the head here
         self._owner_pid = os.getpid()
         self._handoff_path = os.path.join(tempfile.gettempdir(), f"torchcal-head-{uuid.uuid4().hex}.pt")
+        atexit.register(_remove_if_present, self._handoff_path)  # a head that nothing in the main process read
 
     @property
     def calibrator(self) -> Calibrator:
@@ -530,11 +535,20 @@ class CalibrationCallback(Callback):
 
     # ----------------------------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        if self._calibrator.is_fitted:
-            checkpoint[CHECKPOINT_KEY] = head_checkpoint(self._calibrator, self.output, self.logits_key)
+        calibrator = self.calibrator  # (after ddp_spawn, the head the worker handed back)
+        if calibrator.is_fitted:
+            checkpoint[CHECKPOINT_KEY] = head_checkpoint(calibrator, self.output, self.logits_key)
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         entry = checkpoint.get(CHECKPOINT_KEY)
+        if entry is None and self.calibrator.is_fitted:
+            warnings.warn(
+                "the checkpoint holds no calibration head (it was saved before any fit, e.g. with "
+                "every_n_epochs=0 before the end of fitting), so this callback keeps the head of its latest "
+                "fit, made on other weights: test and predict outputs go through it. Fit the head again for "
+                "these weights (trainer.validate with fit_on_validate=True), or use a checkpoint saved after it.",
+                stacklevel=2,
+            )
         if entry is not None:
             if entry["calibrator"] != _class_path(self._calibrator):
                 raise TypeError(
@@ -546,6 +560,11 @@ class CalibrationCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "calibrator" in state_dict:  # checkpoints of torchcal <= 0.x kept the head in the callback state
             self._calibrator.load_state_dict(state_dict["calibrator"])
+
+
+def _remove_if_present(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)
 
 
 def _cell(values: Mapping[str, float], name: str) -> str:

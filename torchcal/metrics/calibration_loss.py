@@ -45,7 +45,8 @@ class CalibrationLoss(ScoreMetric):
         score: the proper score, as in ``functional.calibration_loss``; with a fitted calibrator it
             must be a mean of per-sample values (``cross_entropy``, ``brier_score``, ``bayes_risk``,
             ... or a ``functools.partial`` of one).
-        priors: optional (K,) deployment priors passed to ``score``.
+        priors: optional (K,) deployment priors passed to ``score`` (and, for an unfitted
+            calibrator, to the fold calibrators' ``fit``).
         folds, seed: cross-validation settings for an unfitted calibrator.
         relative: ``compute()`` returns the relative loss (%), else the absolute one.
         input, ignore_index, validate_args: see ``torchcal.metrics``; the calibrator receives

@@ -109,6 +109,25 @@ def test_reaches_the_optimum_of_an_independent_scipy_fit(name, reg_lambda):
     np.testing.assert_allclose(model(logits.double()).detach().numpy(), log_softmax(scores, axis=1), atol=5e-5)
 
 
+def test_svs_at_the_weakest_penalty_of_the_grid_converges():
+    """At lambda = 4^-6 only the penalty held the shift of every bias (which the softmax ignores),
+    and L-BFGS crawled along it to its 1,000-iteration cap, warning, at a gradient of 4e-7. The
+    bias is centred in the search, which leaves the optimum (a centred bias) where it was."""
+    g = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(1500, 5, generator=g, dtype=torch.float64)
+    probs = torch.softmax(logits / 3 + 0.3 * torch.randn(5, generator=g, dtype=torch.float64), 1)
+    labels = torch.multinomial(probs, 1, generator=g).squeeze(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchcal.ConvergenceWarning)
+        model = torchcal.StructuredVectorScaling(reg_lambda=4.0**-6).fit(logits, labels)
+    assert model.fit_record_.converged and model.fit_record_.iterations < 50
+    z, y = logits.numpy(), labels.numpy()
+    _, x = ts_mix_features(z, y)
+    weights = penalty_weights("svs", 5, len(y), 4.0**-6)
+    best, _ = scipy_fit("svs", x, y, weights)
+    assert objective("svs", fitted_deviation("svs", model), x, y, weights)[0] <= best + 1e-12
+
+
 def test_sms_hands_over_to_lbfgs_where_newton_cg_stops_short(monkeypatch):
     """SMS fits the log-loss by Newton-CG, without L-BFGS; a Newton-CG fit capped at one step
     (unconverged) hands over to the preconditioned L-BFGS, which reaches SciPy's optimum too."""

@@ -128,6 +128,6 @@ def cross_validated_calibration_loss(
 
     logits, labels = check_logits_and_labels(logits, labels)
     # the fold calibrators are fitted for the priors they are scored with (their posteriors are for them)
-    fit_options = {} if priors is None else {"priors": priors}
+    fit_options: dict[str, Any] = {} if priors is None else {"priors": priors}
     calibrated = cross_validate(copy.deepcopy(calibrator), logits, labels, folds=folds, seed=seed, **fit_options)
     return calibration_loss(logits, calibrated, labels, score, priors)

@@ -138,9 +138,9 @@ class BatchMetric(Metric):
             try:
                 return compute(*args, **kwargs)
             except ValueError:
-                if not (self._batch_only or not bool(self.sample_count > 0)):
-                    raise
-                return torch.tensor(math.nan, dtype=torch.float64, device=self.sample_count.device)
+                if self._batch_only or not bool(self.sample_count > 0):
+                    return torch.tensor(math.nan, dtype=torch.float64, device=self.sample_count.device)
+                raise
 
         return super()._wrap_compute(compute_or_nan)
 

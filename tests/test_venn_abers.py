@@ -248,6 +248,10 @@ def test_bad_input(toy):
         VennAbersCalibration(folds=5).fit(logits[:3], labels[:3])
     with pytest.raises(RuntimeError, match="not fitted"):
         VennAbersCalibration().predict_interval(logits)
+    # K = 1,000 pairwise asked for 40 GB at once (499,500 problems); refused before any allocation
+    wide = torch.randn(300, 1000, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="499,500 binary problems.*use multiclass='ovr'"):
+        VennAbersCalibration(multiclass="pairwise").fit(wide, torch.arange(300) % 1000)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -48,6 +48,11 @@ from torchcal.functional.scoring import PER_SAMPLE_SCORES
 __all__ = ["VennAbersCalibration", "venn_abers_table"]
 
 _MULTICLASS = ("ovr", "pairwise")
+#: Pairwise coupling holds several float64 (N, K(K-1)/2) tables while it scores: measured at K =
+#: 100, forward on 50,000 rows peaked at 13.2 GB, about this many bytes per pair and row. Beyond
+#: _MAX_PAIRS pairs (K = 200: 1 MiB per row) it is refused; K = 1,000 would ask for 40 GB at once.
+_BYTES_PER_PAIR_AND_ROW = 56
+_MAX_PAIRS = 20_000
 
 
 def _upper_values(counts: np.ndarray, positives: np.ndarray) -> np.ndarray:
@@ -182,7 +187,9 @@ class VennAbersCalibration(Calibrator):
         folds: F, the number of folds of a cross Venn–Abers predictor (1: inductive). Folds are
             stratified: within each label, samples in order of score are dealt to the folds in turn,
             so the split does not depend on the order of the rows.
-        multiclass: ``"ovr"`` (one-vs-rest) or ``"pairwise"``, for K > 2.
+        multiclass: ``"ovr"`` (one-vs-rest) or ``"pairwise"``, for K > 2. Pairwise scoring holds
+            about 56 bytes per pair and row (K = 100: 270 KB per row, so apply it in batches of a
+            few thousand rows); it is refused above 20,000 pairs (K > 200).
 
     Example:
         >>> import torch
@@ -216,6 +223,13 @@ class VennAbersCalibration(Calibrator):
             return [(0, 1)]
         if self.multiclass == "ovr":
             return [(-1, k) for k in range(num_classes)]
+        count = num_classes * (num_classes - 1) // 2
+        if count > _MAX_PAIRS:
+            raise ValueError(
+                f"multiclass='pairwise' at K = {num_classes} has {count:,} binary problems, and scoring holds "
+                f"about {_BYTES_PER_PAIR_AND_ROW * count / 2**20:.0f} MiB per row: use multiclass='ovr' "
+                f"({num_classes} problems)."
+            )
         return list(combinations(range(num_classes), 2))
 
     def _features(self, logits: Tensor) -> Tensor:

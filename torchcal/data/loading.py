@@ -52,6 +52,7 @@ from torchcal._validation import (
     check_priors,
     floored_log,
 )
+from torchcal.functional.scoring import class_frequencies
 
 __all__ = [
     "EXAMPLE_PATH",
@@ -526,9 +527,8 @@ def _label_frequencies(labels: Tensor | None, num_samples: int) -> tuple[Tensor,
     """The binary ``labels``' class frequencies and a note, or uniform priors where there are no
     labels to count (or they are not N binary labels with both classes: their checks say why)."""
     if labels is not None and labels.shape == (num_samples,) and bool(((labels == 0) | (labels == 1)).all()):
-        counts = torch.bincount(labels, minlength=2).to(torch.float64)
-        if bool((counts > 0).all()):
-            frequencies = counts / counts.sum()
+        frequencies = class_frequencies(labels, 2)
+        if bool((frequencies > 0).all()):
             return frequencies, f"the labels' class frequencies ({frequencies[0]:.4g}, {frequencies[1]:.4g})"
     return torch.full((2,), 0.5, dtype=torch.float64), "uniform priors"
 

@@ -586,3 +586,56 @@ def test_validators_never_modify_their_input():
     check_priors(torch.full((K,), 1 / K), K)
     check_costs(F.zero_one_costs(K), K)
     assert torch.equal(logits, before[0]) and torch.equal(labels, before[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Probabilities passed where logits are read: plausible, wrong numbers, so every entry point warns,
+# pointing at the caller's line however deep the check runs.
+
+
+def _probs_and_labels():
+    logits, labels = good_data()
+    return torch.softmax(logits, dim=1), labels
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        F.cross_entropy,
+        F.expected_calibration_error,
+        partial(F.bayes_risk, costs=F.zero_one_costs(K)),
+        lambda p, y: torchcal.TemperatureScaling().fit(p, y),
+        lambda p, y: F.bootstrap(F.cross_entropy, p, y, num_replicates=2),
+    ],
+    ids=["cross_entropy", "ece", "bayes_risk", "fit", "bootstrap"],
+)
+def test_probabilities_read_as_logits_warn_at_the_callers_line(entry):
+    probs, labels = _probs_and_labels()
+    with pytest.warns(UserWarning, match="look like probabilities") as record:
+        entry(probs, labels)
+    ours = [w for w in record if "look like probabilities" in str(w.message)]
+    assert all(w.filename == __file__ for w in ours), [w.filename for w in ours]
+
+
+def test_plots_warn_on_probabilities_read_as_logits():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from torchcal.plots import pyplot, reliability_diagram
+
+    probs, labels = _probs_and_labels()
+    with pytest.warns(UserWarning, match="look like probabilities"):
+        figure, _ = reliability_diagram(probs, labels, n_bins=5)
+    pyplot().close(figure)
+
+
+def test_log_probabilities_and_declared_probabilities_do_not_warn():
+    probs, labels = _probs_and_labels()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        F.cross_entropy(probs.log(), labels)
+        check_probs(probs)
+        metric = metrics.CrossEntropy(num_classes=K, input="probs")
+        metric.update(probs, labels)
+        assert torch.isclose(metric.compute(), F.cross_entropy(probs.log(), labels).to(metric.compute().dtype))

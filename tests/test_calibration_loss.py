@@ -68,7 +68,7 @@ def test_calibration_loss_of_a_decision_score():
 
 
 def test_calibration_loss_can_be_negative():
-    z = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    z = torch.tensor([[2.0, 0.0], [0.0, 2.0]])
     result = calibration_loss(z, 5 * z, torch.tensor([0, 0]))
     assert result.absolute.item() < 0 and result.relative.item() < 0
 

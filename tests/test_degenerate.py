@@ -198,8 +198,8 @@ def test_one_sample(name):
 
 
 def test_metrics_of_one_sample_and_more_bins_than_samples():
-    logits, labels = torch.tensor([[0.0, 1.0]], dtype=torch.float64), torch.tensor([1])
-    confidence = torch.sigmoid(torch.tensor(1.0, dtype=torch.float64)).item()
+    logits, labels = torch.tensor([[0.0, 1.5]], dtype=torch.float64), torch.tensor([1])
+    confidence = torch.sigmoid(torch.tensor(1.5, dtype=torch.float64)).item()
     for strategy in ("uniform", "quantile"):
         assert F.expected_calibration_error(logits, labels, 1000, strategy).item() == pytest.approx(1 - confidence)
     assert F.signed_calibration_error(logits, labels).item() == pytest.approx(1 - confidence)

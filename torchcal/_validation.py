@@ -7,6 +7,9 @@ that names the problem and says how to fix it. Nothing here modifies its input.
 from __future__ import annotations
 
 import math
+import sys
+import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -63,12 +66,24 @@ def _describe_nonfinite(x: Tensor) -> str:
     return f"{n_nan} NaN and {n_inf} infinite values (first in row {first})"
 
 
-def _all_finite(x: Tensor) -> bool:
-    """Whether every entry of ``x`` is finite. The sum is finite when every entry is: a tenth of the
-    cost of ``isfinite(x).all()`` and no mask as large as ``x``; a sum of finite entries that
-    overflows goes on to the full check."""
-    x = x.detach()  # a scalar read from a tensor that requires grad warns
-    return math.isfinite(float(x.sum())) or bool(torch.isfinite(x).all())
+def _finite_sum(x: Tensor) -> float | None:
+    """The sum of ``x`` when every entry is finite, else None. The sum is finite when every entry
+    is: a tenth of the cost of ``isfinite(x).all()`` and no mask as large as ``x``; a sum of finite
+    entries that overflows goes on to the full check (and is returned as it is, infinite)."""
+    total = float(x.detach().sum())  # detached: a scalar read from a tensor that requires grad warns
+    return total if math.isfinite(total) or bool(torch.isfinite(x.detach()).all()) else None
+
+
+_PACKAGE_DIR = str(Path(__file__).resolve().parent)
+
+
+def _stacklevel_outside_package() -> int:
+    """The ``stacklevel`` of a warning raised by this function's caller that points at the first
+    frame outside torchcal: the user's line, however deep the call came through the package."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _all_in_range(labels: Tensor, num_classes: int) -> bool:
@@ -77,10 +92,12 @@ def _all_in_range(labels: Tensor, num_classes: int) -> bool:
     return low >= 0 and high < num_classes
 
 
-def check_logits(logits: Any, name: str = "logits", num_classes: int | None = None) -> Tensor:
+def check_logits(logits: Any, name: str = "logits", num_classes: int | None = None, *, warn_probs: bool = True) -> Tensor:
     """Validate scores of shape (N, K): floating dtype, K >= 2, N >= 1, all finite.
 
     Scores are logits in the wide sense: any unnormalised log-posteriors (``log(probs)`` works).
+    Scores that look like probabilities instead (rows in [0, 1] summing to one) warn unless
+    ``warn_probs=False``: read as logits they give plausible but wrong numbers.
     """
     logits = as_tensor(logits, name)
     if not torch.is_floating_point(logits):
@@ -109,10 +126,19 @@ def check_logits(logits: Any, name: str = "logits", num_classes: int | None = No
             f"{name} has K = {k} classes but {num_classes} were expected (the number of classes "
             f"the calibrator was fitted on, or the metric was built for)."
         )
-    if not _all_finite(logits):
+    total = _finite_sum(logits)
+    if total is None:
         raise ValueError(
             f"{name} contain {_describe_nonfinite(logits)}. Scores must be finite: check for a "
             f"diverged network, or replace log(0) = -inf by a large negative number."
+        )
+    # Logits sum to about N only by coincidence, so the full test rarely runs.
+    if warn_probs and abs(total - n) <= 1e-3 * n and looks_like_probs(logits):
+        warnings.warn(
+            f"{name} look like probabilities (every row in [0, 1] and summing to one) but are read as "
+            f"logits (log-posteriors), which gives wrong numbers; pass their log instead, e.g. "
+            f"probs.clamp_min(1e-20).log().",
+            stacklevel=_stacklevel_outside_package(),
         )
     return logits
 
@@ -157,17 +183,17 @@ def check_labels(labels: Any, num_samples: int, num_classes: int, name: str = "l
 
 
 def check_logits_and_labels(
-    logits: Any, labels: Any, num_classes: int | None = None
+    logits: Any, labels: Any, num_classes: int | None = None, *, warn_probs: bool = True
 ) -> tuple[Tensor, Tensor]:
     """Validate a (scores, labels) pair and put the labels on the scores' device."""
-    logits = check_logits(logits, num_classes=num_classes)
+    logits = check_logits(logits, num_classes=num_classes, warn_probs=warn_probs)
     labels = check_labels(labels, logits.shape[0], logits.shape[1]).to(logits.device)
     return logits, labels
 
 
 def check_probs(probs: Any, name: str = "probs", atol: float | None = None) -> Tensor:
     """Validate probabilities of shape (N, K): non-negative rows summing to one."""
-    probs = check_logits(probs, name)
+    probs = check_logits(probs, name, warn_probs=False)
     values = probs.detach()
     if bool((values < 0).any()) or bool((values > 1).any()):
         raise ValueError(f"{name} must lie in [0, 1]; found values outside. Did you pass logits?")

@@ -197,11 +197,11 @@ def load_scores(
         logits, read_as, llr_priors = _to_logits(np.asarray(raw), input if input != "auto" else hint, reason, priors, labels)
         read_as += note
         if labels is not None:
-            logits, labels = check_logits_and_labels(logits, labels)
+            logits, labels = check_logits_and_labels(logits, labels, warn_probs=False)  # read_as says
         elif require_labels:
             raise ValueError(missing)
         else:
-            logits = check_logits(logits)
+            logits = check_logits(logits, warn_probs=False)
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
     except MemoryError as err:  # a format whose size cannot be checked before reading

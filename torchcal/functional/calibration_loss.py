@@ -76,9 +76,9 @@ def calibration_loss(
     Example:
         >>> import torch
         >>> raw = torch.tensor([[3., 0.], [0., 3.], [3., 0.], [0., 3.]])
-        >>> result = calibration_loss(raw, raw / 3, torch.tensor([0, 1, 1, 0]))
+        >>> result = calibration_loss(raw, raw / 2, torch.tensor([0, 1, 1, 0]))
         >>> round(float(result.absolute), 4), round(float(result.relative), 2)
-        (0.7353, 47.48)
+        (0.5972, 38.56)
     """
     raw_logits, labels = check_logits_and_labels(raw_logits, labels)
     calibrated_logits = check_logits(calibrated_logits, "calibrated_logits", num_classes=raw_logits.shape[1])

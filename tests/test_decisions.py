@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,7 @@ from torchcal.functional import (
     expected_cost,
     zero_one_costs,
 )
+from torchcal.functional.decisions import _first_maximal_decisions, _least_cost_decisions
 
 # --------------------------------------------------------------------------- NumPy references
 
@@ -81,6 +84,73 @@ def test_bayes_decisions_ties_go_to_lowest_index():
     even = torch.zeros(1, 2)  # expected costs (0.5, 0.5, 0.5): all tied
     assert bayes_decisions(even, costs).item() == 0
     assert bayes_decisions(torch.zeros(4, 5), zero_one_costs(5)).tolist() == [0, 0, 0, 0]
+
+
+EPS64 = torch.finfo(torch.float64).eps
+
+
+def zero_one_test_logits(k: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits (120, K) in ``dtype`` whose maximum is in the last column: random rows of three
+    spreads and two offsets, exact ties planted in column 0, rows all equal, and near ties planted
+    in column 0 at c times the product's slack (c = 0.01 and 0.1: tied; 10 and 100: not), with -inf
+    in column 1 of every third row (K > 2). Also returns the planted near ties' rows and their c."""
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.tensor([0.01, 1.0, 30.0]).repeat_interleave(40).double().unsqueeze(1)
+    z = torch.randn(120, k, generator=g, dtype=torch.float64) * spread
+    z -= z.amax(dim=1, keepdim=True)
+    z[torch.arange(120), z.argmax(dim=1)] = z[:, -1].clone()
+    z[:, -1] = 0.0  # the maximum, in the last column
+    z[:40:2] += 1000.0  # large logits: only exact ties can be near (no planted near ties here)
+    z[1:40:2, 0] = z[1:40:2, -1]  # exact ties
+    z[40:50] = 5.0  # rows all equal
+    near = torch.arange(60, 120)
+    z[near, 0] = 0.0  # the slack of each row with its near tie in place, then the gap
+    e = z[near].exp()
+    slack = k * EPS64 * (e.sum(dim=1) - e.amin(dim=1))
+    c = torch.tensor([0.01, 0.1, 10.0, 100.0], dtype=torch.float64).repeat(15)
+    z[near, 0] = -c * slack
+    if k > 2:
+        z[::3, 1] = -math.inf
+    return z.to(dtype), near, c
+
+
+@pytest.mark.parametrize("k", [2, 3, 10, 100, 1000])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_zero_one_decisions_without_the_product_equal_the_product(k, dtype):
+    """The 0-1 Bayes decisions, from the logits, are those of softmax @ zero_one_costs(K) with its
+    round-off slack: exact ties, near ties inside and outside the slack, -inf, low precision."""
+    logits, near, c = zero_one_test_logits(k, dtype, seed=k)
+    by_product = _least_cost_decisions(logits, zero_one_costs(k))
+    assert torch.equal(_first_maximal_decisions(logits), by_product)
+    finite = torch.isfinite(logits).all(dim=1)
+    assert torch.equal(bayes_decisions(logits[finite], zero_one_costs(k)), by_product[finite])
+    assert (by_product[1:40:2] == 0).all() and (by_product[40:50] == 0).all()  # the ties were ties
+    if dtype == torch.float64:  # the near ties were (not) tied, as planted
+        assert torch.equal(by_product[near] == 0, c < 1)
+
+
+def test_zero_one_decisions_form_no_product(monkeypatch):
+    """The error rates and the 0-1 Bayes risk, functional and streaming, decide by the logits."""
+    import torchcal.functional.decisions as decisions
+    from torchcal.functional.decisions import balanced_error_rate_terms, error_rate_terms
+    from torchcal.metrics import BalancedErrorRate, BayesRisk, ErrorRate
+
+    def product(*args):
+        raise AssertionError("the 0-1 decisions formed the softmax @ costs product")
+
+    monkeypatch.setattr(decisions, "_least_cost_decisions", product)
+    logits, labels = torch.tensor([[2.0, 0.0, 1.0], [0.0, 1.0, 1.0], [3.0, 3.0, 0.0]]), torch.tensor([0, 2, 1])
+    priors = torch.tensor([0.2, 0.3, 0.5])
+    assert error_rate(logits, labels).item() == pytest.approx(2 / 3)
+    assert error_rate_terms(logits, labels).per_sample.tolist() == [0.0, 1.0, 1.0]
+    assert balanced_error_rate(logits, labels).item() == pytest.approx(2 / 3)
+    assert balanced_error_rate_terms(logits, labels).evaluate().item() == pytest.approx(2 / 3)
+    assert bayes_risk(logits, labels, zero_one_costs(3), priors).item() == pytest.approx(0.8)
+    for metric, expected in ((ErrorRate(3), 2 / 3), (BalancedErrorRate(3), 2 / 3), (BayesRisk(zero_one_costs(3), priors), 0.8)):
+        metric.update(logits, labels)
+        assert metric.compute().item() == pytest.approx(expected)
+    with pytest.raises(AssertionError, match="product"):  # other costs still do
+        bayes_decisions(logits, zero_one_costs(3, abstain=0.5))
 
 
 def test_binary_threshold_rule():

@@ -12,11 +12,13 @@ decision. EC is the prior-weighted mean of the per-sample cost ``costs[y_t, d_t]
 computed, like the scoring rules, from per-class sums (``scoring.class_sums``).
 
 Bayes decisions minimise the expected cost under the posteriors: ``argmin_j (q @ costs)[j]``.
-Ties go to the lowest decision index (with 0-1 costs: the first maximal posterior).
+Ties go to the lowest decision index (with 0-1 costs: the first maximal posterior); expected
+costs within the round-off of the product are tied.
 """
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import torch
@@ -49,6 +51,8 @@ __all__ = [
     "zero_one_costs",
 ]
 
+_EPS = torch.finfo(torch.float64).eps
+
 
 def zero_one_costs(num_classes: int, abstain: float | None = None) -> Tensor:
     """The 0-1 cost matrix (K, K), or (K, K + 1) with a last "abstain" column costing ``abstain``.
@@ -71,9 +75,13 @@ def zero_one_costs(num_classes: int, abstain: float | None = None) -> Tensor:
 def bayes_decisions(logits: Tensor, costs: Tensor) -> Tensor:
     """Decisions (N,) int64 minimising the expected cost ``softmax(logits) @ costs`` (N, M).
 
-    Ties go to the lowest decision index. The posteriors are used as they are: to decide for
+    Ties go to the lowest decision index; decisions whose expected costs differ by no more than the
+    round-off of the product are tied. The posteriors are used as they are: to decide for
     deployment priors ``P_new`` when the scores carry training priors ``P_train``, shift the
     logits first, ``logits + log(P_new) - log(P_train)`` (Ferrer, eq. 45).
+
+    With the 0-1 costs of ``zero_one_costs(K)`` the decision is the first maximal logit, near ties
+    included, found without the (N, K) @ (K, K) product (see ``_first_maximal_decisions``).
 
     Args:
         logits: (N, K) scores; any unnormalised log-posteriors.
@@ -89,11 +97,63 @@ def bayes_decisions(logits: Tensor, costs: Tensor) -> Tensor:
     """
     logits = check_logits(logits)
     costs = check_costs(costs, logits.shape[1], device=logits.device)
+    if _is_zero_one(costs):
+        return _first_maximal_decisions(logits)
+    return _least_cost_decisions(logits, costs)
+
+
+def _is_zero_one(costs: Tensor) -> bool:
+    """Whether ``costs: (K, M)`` float64 is the 0-1 cost matrix ``zero_one_costs(K)``."""
+    num_classes, num_decisions = costs.shape
+    return num_classes == num_decisions and torch.equal(costs, zero_one_costs(num_classes).to(costs.device))
+
+
+def _least_cost_decisions(logits: Tensor, costs: Tensor) -> Tensor:
+    """``bayes_decisions`` of valid ``logits: (N, K)`` and float64 ``costs: (K, M)``, by the product."""
     risk = torch.softmax(logits, dim=1, dtype=torch.float64) @ costs
     # The round-off of the product can split exact ties (tied low-precision logits) either way:
     # decisions within it of the minimum are tied, and the lowest index among them is taken.
-    slack = logits.shape[1] * torch.finfo(torch.float64).eps * risk.abs().amax(dim=1, keepdim=True)
+    slack = logits.shape[1] * _EPS * risk.abs().amax(dim=1, keepdim=True)
     return (risk <= risk.amin(dim=1, keepdim=True) + slack).to(torch.uint8).argmax(dim=1)
+
+
+def _first_maximal_decisions(logits: Tensor) -> Tensor:
+    """``_least_cost_decisions(logits, zero_one_costs(K))`` of ``logits: (N, K)``, without the product.
+
+    Under 0-1 costs the expected cost of decision j is ``1 - q_j``, so the product's slack ties j
+    with the best decision when ``q_max - q_j <= K eps (1 - q_min)``. With ``e = exp(z - max z)``
+    (1 at the maximum) and ``q = e / sum(e)``, that is ``1 - e_j <= K eps (sum(e) - min(e))``: a
+    gap below the maximal logit of at most about K eps (sum(e) - min(e)) < K^2 eps. The gap is
+    absolute, whatever the logits' magnitude (the posteriors do not change when every logit of a
+    row is shifted). So the decision is the first maximal logit unless a logit before it lies
+    within ``2 K^2 eps`` of the maximum; only those rows are decided by the rule above, in float64.
+    The product's own round-off can tie or split logits that differ by about the slack (within a
+    factor of 2 of it); elsewhere both give the same decisions.
+    """
+    top = logits.amax(dim=1, keepdim=True)
+    near = logits >= _rounded_down(top.double() - 2 * logits.shape[1] ** 2 * _EPS, logits.dtype)
+    decisions = near.view(torch.uint8).argmax(dim=1)  # the first logit near the maximum
+    # it is the first maximal logit, unless it lies below the maximum
+    rows = (logits.gather(1, decisions.unsqueeze(1)) < top).squeeze(1).nonzero().squeeze(1)
+    if rows.numel():
+        decisions[rows] = _first_near_maximal(logits[rows])
+    return decisions
+
+
+def _rounded_down(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """The largest values of ``dtype`` that are <= the float64 values ``x``."""
+    rounded = x.to(dtype)
+    below = torch.nextafter(rounded, torch.tensor(-math.inf, dtype=dtype, device=x.device))
+    return torch.where(rounded.double() > x, below, rounded)
+
+
+def _first_near_maximal(logits: Tensor) -> Tensor:
+    """The first logit of each row of ``logits: (N, K)`` that the 0-1 slack ties with the maximum
+    (``1 - e_j <= K eps (sum(e) - min(e))``, see ``_first_maximal_decisions``); (N,) int64."""
+    z = logits.detach().double()
+    e = (z - z.amax(dim=1, keepdim=True)).exp_()
+    slack = z.shape[1] * _EPS * (e.sum(dim=1, keepdim=True) - e.amin(dim=1, keepdim=True))
+    return (e >= 1 - slack).view(torch.uint8).argmax(dim=1)
 
 
 def expected_cost_from_class_sums(

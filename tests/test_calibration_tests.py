@@ -156,6 +156,19 @@ def test_streaming_spiegelhalter_equals_mapie_and_the_functional(real, name):
         degenerate.compute()
 
 
+@pytest.mark.filterwarnings("ignore:The ``compute`` method of metric")  # compute() before any update, on purpose
+def test_streaming_spiegelhalter_without_samples_is_nan_as_compute():
+    """No update, or every label ignored: result() is NaN in both fields, as compute() is, not
+    the error about scores of exactly 0 or 1 that its empty sums would give."""
+    ignored = SpiegelhalterTest(3, ignore_index=-1)
+    ignored.update(torch.randn(4, 3), torch.full((4,), -1))
+    for metric in (SpiegelhalterTest(3), ignored):
+        result = metric.result()
+        assert math.isnan(result.statistic) and math.isnan(result.p_value)
+        assert result.p_value.dtype == torch.float64
+        assert math.isnan(metric.compute())
+
+
 def test_kuiper_matches_mapie_when_the_walk_changes_sign_and_numpy_otherwise(real):
     generator = torch.Generator().manual_seed(5)
     q = torch.rand(400, generator=generator, dtype=torch.float64) * 0.9 + 0.05

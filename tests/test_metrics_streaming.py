@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import io
+import math
 import pickle
 from functools import partial
 from pathlib import Path
@@ -162,6 +163,18 @@ def test_calibration_loss_cross_validates_an_unfitted_calibrator(calibration_dat
     got = metric.compute()
     assert got.item() == pytest.approx(expected.relative.item(), rel=1e-12)
     assert got.item() > 20
+
+
+def test_calibration_loss_result_without_samples_is_nan_as_compute(calibration_data):
+    """Fitted (sums) or not (kept logits), a metric that kept no sample gives NaN in both fields
+    of result(), as compute() does."""
+    _, _, fitted = calibration_data
+    for calibrator in (fitted, torchcal.TemperatureScaling()):
+        metric = CalibrationLoss(calibrator, num_classes=3, ignore_index=-1)
+        metric.update(torch.randn(5, 3), torch.full((5,), -1))
+        result = metric.result()
+        assert math.isnan(result.absolute) and math.isnan(result.relative)
+        assert math.isnan(metric.compute())
 
 
 def test_calibration_loss_needs_a_decomposable_score_when_streaming(calibration_data):

@@ -49,7 +49,7 @@ import hashlib
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, TypeVar, get_args
 
 import torch
 from torch import Tensor
@@ -71,6 +71,7 @@ __all__ = ["BatchMetric", "InputKind", "ScoreMetric", "add_sum_state", "check_nu
 InputKind = Literal["logits", "log_probs", "probs"]
 _DIGEST_BYTES = 8  # compared by torch.allclose: whole numbers 0..255 that differ are never close
 _INPUT_KINDS = get_args(InputKind)
+ResultT = TypeVar("ResultT", bound=NamedTuple)
 
 
 def check_num_classes(num_classes: int) -> int:
@@ -143,6 +144,16 @@ class BatchMetric(Metric):
                 raise
 
         return super()._wrap_compute(compute_or_nan)
+
+    def _synced_result(self, result: Callable[[], ResultT], result_type: type[ResultT]) -> ResultT:
+        """What a ``result()`` method returns: ``result()`` of the data accumulated on every
+        process, or, where there are no samples at all, a ``result_type`` with NaN in every field,
+        as ``compute()`` gives then (see ``_wrap_compute``) rather than the error of empty sums."""
+        with self.sync_context():
+            if bool(self.sample_count > 0):
+                return result()
+        nan = torch.tensor(math.nan, dtype=torch.float64, device=self.sample_count.device)
+        return result_type._make([nan] * len(result_type._fields))
 
     def _stamp_options_digest(self) -> None:
         """Write the digest of the class and of the options the update depends on (public

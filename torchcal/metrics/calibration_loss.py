@@ -128,9 +128,9 @@ class CalibrationLoss(ScoreMetric):
         return result.relative if self.relative else result.absolute
 
     def result(self) -> CalibrationLossResult:
-        """Both the absolute and the relative loss of the accumulated data (of all processes)."""
-        with self.sync_context():
-            return self._result()
+        """Both the absolute and the relative loss of the accumulated data (of all processes); both
+        NaN without samples."""
+        return self._synced_result(self._result, CalibrationLossResult)
 
     def _result(self) -> CalibrationLossResult:
         if self.streaming:

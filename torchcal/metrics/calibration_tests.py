@@ -29,7 +29,8 @@ class SpiegelhalterTest(ScoreMetric):
     give (the Brier score minus its expectation under calibration, standardised: positive when the
     scores do worse than calibrated ones would, whether over- or under-confident), and it averages
     and bootstraps sensibly in torchmetrics' wrappers, where p-values do not. ``result()`` returns the ``CalibrationTestResult`` (Z and the p-value of
-    ``alternative``) of the data accumulated on every process.
+    ``alternative``) of the data accumulated on every process. Without any sample (no update, or
+    every label ignored) both are NaN, as ``compute()`` is.
 
     Args:
         num_classes: K, or None for any.
@@ -83,6 +84,5 @@ class SpiegelhalterTest(ScoreMetric):
         return spiegelhalter_test_from_sums(self.sums, self.alternative).statistic
 
     def result(self) -> CalibrationTestResult:
-        """Z and its p-value for the data accumulated on every process."""
-        with self.sync_context():
-            return spiegelhalter_test_from_sums(self.sums, self.alternative)
+        """Z and its p-value for the data accumulated on every process; both NaN without samples."""
+        return self._synced_result(lambda: spiegelhalter_test_from_sums(self.sums, self.alternative), CalibrationTestResult)

@@ -153,6 +153,22 @@ def test_calibrate_then_apply(scores_file, capsys, tmp_path):
     assert code == 0  # calibrated output holds logits + probs + no labels: readable again
 
 
+def test_apply_reads_the_saved_head_once(scores_file, capsys, tmp_path, monkeypatch):
+    """The calibrator, its LLR priors and its label shift come from one read of the head file."""
+    head = tmp_path / "head.pt"
+    assert run(capsys, "calibrate", scores_file, "--method", "temperature", "--save", head, "--quiet")[0] == 0
+    reads = []
+    real_load = torch.load
+
+    def counted_load(f, *args, **kwargs):
+        reads.append(f)
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counted_load)
+    assert run(capsys, "apply", head, scores_file, "--out", tmp_path / "cal.npz", "--quiet")[0] == 0
+    assert [f for f in reads if str(f) == str(head)] == [head]
+
+
 def test_demo_on_the_bundled_example(capsys, tmp_path):
     code, out, _ = run(capsys, "demo", "--method", "temperature", "--bootstrap", "0", "--no-figures",
                        "--out", tmp_path / "demo")

@@ -361,18 +361,18 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
     from torchcal.functional import cross_entropy
     from torchcal.label_shift import adapt_to_priors
-    from torchcal.report import load_calibrator, load_label_shift, load_llr_priors
+    from torchcal.report import load_saved_calibrator
 
     out_path = Path(args.out)
     if out_path.suffix.lower() not in APPLY_FORMATS:
         raise UsageError(f"--out {args.out}: unsupported extension {out_path.suffix or '(none)'!r}; use "
                          f"{', '.join(APPLY_FORMATS)}.")
     _check_output("--out", args.out, folder=False)
-    method, calibrator = load_calibrator(args.head)
-    scores = _load(args.scores, args, require_labels=False, priors=load_llr_priors(args.head))  # LLRs: as at the fit
+    method, calibrator, saved_label_shift, llr_priors = load_saved_calibrator(args.head)
+    scores = _load(args.scores, args, require_labels=False, priors=llr_priors)  # LLRs: as at the fit
     if scores.num_classes != calibrator.num_classes:
         raise ValueError(f"{args.scores}: {scores.num_classes} classes, but the calibrator was fitted on {calibrator.num_classes}.")
-    label_shift = None if args.no_label_shift else load_label_shift(args.head)
+    label_shift = None if args.no_label_shift else saved_label_shift
     with torch.no_grad():
         calibrated = calibrator(scores.logits)
         if label_shift is not None:  # saved by `calibrate --target`: the deployment priors

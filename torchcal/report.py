@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -95,10 +95,12 @@ __all__ = [
     "MethodResult",
     "Quality",
     "Report",
+    "SavedCalibrator",
     "evaluate",
     "fit_calibrator",
     "load_calibrator",
     "load_label_shift",
+    "load_saved_calibrator",
     "make_calibrator",
     "save_calibrator",
 ]
@@ -703,22 +705,50 @@ def _read_saved(path: str | Path) -> dict[str, Any]:
     return saved
 
 
-def load_calibrator(path: str | Path) -> tuple[str, Calibrator]:
-    """Rebuild a calibrator written by :func:`save_calibrator`; returns ``(method, calibrator)``,
-    the calibrator frozen for inference (``eval()``, no gradients)."""
+class SavedCalibrator(NamedTuple):
+    """A file written by :func:`save_calibrator`, read back by :func:`load_saved_calibrator`."""
+
+    method: str  #: the method's command-line name
+    calibrator: Calibrator  #: rebuilt and frozen for inference (``eval()``, no gradients)
+    label_shift: dict[str, torch.Tensor] | None  #: ``source_priors``, ``target_priors``, ``stderr``
+    llr_priors: torch.Tensor | None  #: (2,) priors that turned the binary LLRs it was fitted on into posteriors
+
+
+def load_saved_calibrator(path: str | Path) -> SavedCalibrator:
+    """Everything a file written by :func:`save_calibrator` holds, from one read: the method, the
+    rebuilt calibrator, and the label shift and LLR priors saved with it (``None`` when saved
+    without). ``FileNotFoundError`` or ``ValueError`` for a missing file or any other file.
+
+    Example:
+        >>> import tempfile, torch
+        >>> calibrator = TemperatureScaling().fit(torch.randn(200, 3), torch.randint(0, 3, (200,)))
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     saved = load_saved_calibrator(save_calibrator(f"{folder}/head.pt", "temperature", calibrator))
+        >>> saved.method, type(saved.calibrator).__name__, saved.label_shift, saved.llr_priors
+        ('temperature', 'TemperatureScaling', None, None)
+    """
     saved = _read_saved(path)
     calibrator = make_calibrator(saved["method"], **saved["options"])
     calibrator.load_state_dict(saved["state_dict"])
-    return saved["method"], calibrator.eval().requires_grad_(False)
+    return SavedCalibrator(
+        saved["method"], calibrator.eval().requires_grad_(False), saved.get("label_shift"), saved.get("llr_priors")
+    )
+
+
+def load_calibrator(path: str | Path) -> tuple[str, Calibrator]:
+    """Rebuild a calibrator written by :func:`save_calibrator`; returns ``(method, calibrator)``,
+    the calibrator frozen for inference (``eval()``, no gradients). See :func:`load_saved_calibrator`."""
+    saved = load_saved_calibrator(path)
+    return saved.method, saved.calibrator
 
 
 def load_label_shift(path: str | Path) -> dict[str, torch.Tensor] | None:
     """The ``source_priors``, ``target_priors`` and ``stderr`` saved with a calibrator by
-    ``torchcal calibrate --target``, or ``None`` if it was saved without."""
-    return _read_saved(path).get("label_shift")
+    ``torchcal calibrate --target``, or ``None`` if it was saved without. See :func:`load_saved_calibrator`."""
+    return load_saved_calibrator(path).label_shift
 
 
 def load_llr_priors(path: str | Path) -> torch.Tensor | None:
     """The (2,) priors that turned the binary LLRs a saved calibrator was fitted on into
-    posteriors, or ``None`` if it was not fitted on LLRs."""
-    return _read_saved(path).get("llr_priors")
+    posteriors, or ``None`` if it was not fitted on LLRs. See :func:`load_saved_calibrator`."""
+    return load_saved_calibrator(path).llr_priors

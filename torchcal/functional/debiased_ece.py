@@ -18,14 +18,17 @@ right-closed bins, ``kind`` as there).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Literal
 
 import torch
 from torch import Tensor
 
 from torchcal.functional.diagnostics import (
+    ColumnDecomposition,
     Strategy,
     bin_statistics,
+    binned_error_columns,
     binned_scores,
     calibration_error_from_bins,
     check_calibration_error_kind,
@@ -35,8 +38,10 @@ from torchcal.functional.diagnostics import (
 
 __all__ = [
     "debiased_calibration_error",
+    "debiased_calibration_error_columns",
     "debiased_calibration_error_from_bins",
     "sweep_calibration_error",
+    "sweep_calibration_error_columns",
     "sweep_n_bins",
 ]
 
@@ -104,10 +109,29 @@ def debiased_calibration_error(
         >>> bool(debiased_calibration_error(logits, labels) < 0.05 < debiased_calibration_error(3 * logits, labels))
         True
     """
+    return debiased_calibration_error_columns(logits, labels, n_bins, strategy, kind, reduction).evaluate()
+
+
+def debiased_calibration_error_columns(
+    logits: Tensor,
+    labels: Tensor,
+    n_bins: int = 15,
+    strategy: Strategy = "quantile",
+    kind: Literal["top-label", "binary", "classwise"] = "top-label",
+    reduction: Reduction = "mean",
+) -> ColumnDecomposition:
+    """Validate the inputs of ``debiased_calibration_error`` and return its ``ColumnDecomposition``
+    (which it evaluates), for the bootstrap: scores and targets (N, C), binned again on each resample.
+
+    Example:
+        >>> probs = torch.tensor([[.9, .1], [.8, .2], [.4, .6], [.3, .7]], dtype=torch.float64)
+        >>> columns = debiased_calibration_error_columns(probs.log(), torch.tensor([0, 0, 0, 0]), n_bins=2)
+        >>> columns.scores.shape, round(float(columns.evaluate()), 6)
+        (torch.Size([4, 1]), 0.471699)
+    """
     check_calibration_error_kind(kind)
     binned = binned_scores(logits, labels, n_bins, strategy, kind)
-    statistics = bin_statistics(binned.scores, binned.targets, binned.edges, binned.tolerance)
-    return debiased_calibration_error_from_bins(*statistics, reduction=reduction)
+    return binned_error_columns(binned, strategy, partial(debiased_calibration_error_from_bins, reduction=reduction))
 
 
 def sweep_n_bins(scores: Tensor, targets: Tensor, max_bins: int | None = None) -> int:
@@ -150,12 +174,37 @@ def sweep_calibration_error(
         >>> round(float(sweep_calibration_error(probs.log(), torch.tensor([0, 0, 1, 0, 1, 1, 0, 1]), kind="binary")), 6)
         0.11547
     """
+    return sweep_calibration_error_columns(logits, labels, kind, norm, reduction, max_bins).evaluate()
+
+
+def sweep_calibration_error_columns(
+    logits: Tensor,
+    labels: Tensor,
+    kind: Literal["top-label", "binary", "classwise"] = "top-label",
+    norm: Literal["l1", "l2"] = "l2",
+    reduction: Reduction = "mean",
+    max_bins: int | None = None,
+) -> ColumnDecomposition:
+    """Validate the inputs of ``sweep_calibration_error`` and return its ``ColumnDecomposition``
+    (which it evaluates), for the bootstrap: scores and targets (N, C), swept again on each resample.
+
+    Example:
+        >>> probs = torch.tensor([[.9, .1], [.8, .2], [.7, .3], [.6, .4], [.4, .6], [.3, .7], [.2, .8], [.1, .9]])
+        >>> columns = sweep_calibration_error_columns(probs.log(), torch.tensor([0, 0, 1, 0, 1, 1, 0, 1]), kind="binary")
+        >>> columns.scores.shape, round(float(columns.evaluate()), 6)
+        (torch.Size([8, 1]), 0.11547)
+    """
     check_calibration_error_kind(kind)
     if norm not in ("l1", "l2"):
         raise ValueError(f'norm must be "l1" or "l2", got {norm!r}.')
     if max_bins is not None:
         check_n_bins(max_bins)
     _, _, scores, targets, _, _ = binned_scores(logits, labels, 1, "uniform", kind)
+    return ColumnDecomposition(scores, targets, partial(_sweep_of_columns, norm=norm, reduction=reduction, max_bins=max_bins))
+
+
+def _sweep_of_columns(scores: Tensor, targets: Tensor, norm: Literal["l1", "l2"], reduction: Reduction, max_bins: int | None) -> Tensor:
+    """The sweep ECE of the columns ``scores``, ``targets`` (N, C), each at its own bin count."""
     per_column = []
     for column, target in zip(scores.T, targets.T):
         n_bins = sweep_n_bins(column, target, max_bins)

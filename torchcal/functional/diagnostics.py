@@ -39,11 +39,14 @@ from torchcal.functional.scoring import to_log_probs
 __all__ = [
     "BinDecomposition",
     "BinnedScores",
+    "ColumnDecomposition",
     "ReliabilityBins",
     "bin_indices",
     "bin_statistics",
+    "binned_error_columns",
     "binned_scores",
     "binning_scores",
+    "calibration_error_columns",
     "calibration_error_from_bins",
     "calibration_error_terms",
     "check_calibration_error_kind",
@@ -322,8 +325,13 @@ def calibration_error_terms(
         scores,
         targets,
         (scores.shape[1], n_bins),
-        partial(calibration_error_from_bins, norm=norm, reduction=_column_reduction(kind, reduction)),
+        _calibration_error_reduction(kind, norm, reduction),
     )
+
+
+def _calibration_error_reduction(kind: str, norm: Norm, reduction: Reduction) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """``expected_calibration_error``'s function of the per-bin sums, for its options."""
+    return partial(calibration_error_from_bins, norm=norm, reduction=_column_reduction(kind, reduction))
 
 
 def calibration_error_from_bins(
@@ -496,10 +504,73 @@ def expected_calibration_error(
         >>> round(float(expected_calibration_error(probs.log(), labels, n_bins=10, norm="max")), 6)
         0.8
     """
+    return calibration_error_columns(logits, labels, n_bins, strategy, kind, norm, reduction).evaluate()
+
+
+class ColumnDecomposition(NamedTuple):
+    """A metric written as ``of_rows(scores, targets)`` of the columns of its binary problems,
+    where row i of ``scores`` and ``targets`` (N, C) depends on sample i alone: the metric on a
+    resample of the samples is ``of_rows`` of the same rows of the columns.
+
+    The bootstrap resamples these rows instead of recomputing them from the (N, K) logits in every
+    replicate; ``of_rows`` recomputes whatever depends on the whole sample (equal-mass edges, the
+    monotonic sweep's bin count, the smooth ECE's bandwidth).
+    """
+
+    scores: Tensor  # (N, C) float64
+    targets: Tensor  # (N, C) bool or float64 0/1
+    of_rows: Callable[[Tensor, Tensor], Tensor]  # rows (n, C) of both -> the metric on them
+
+    def evaluate(self) -> Tensor:
+        return self.of_rows(self.scores, self.targets)
+
+
+def binned_error_columns(
+    binned: BinnedScores, strategy: Strategy, from_bins: Callable[[Tensor, Tensor, Tensor], Tensor]
+) -> ColumnDecomposition:
+    """The binned error ``from_bins(counts, score_sums, target_sums)`` of the columns of ``binned``
+    (from ``binned_scores(..., strategy, ...)``) as a ``ColumnDecomposition``: rows other than the
+    columns themselves get bins of ``strategy`` drawn from them (equal-mass edges move with a
+    resample), with the tolerance of ``binned``.
+
+    Example:
+        >>> probs = torch.tensor([[.9, .1], [.8, .2], [.4, .6], [.3, .7]], dtype=torch.float64)
+        >>> binned = binned_scores(probs.log(), torch.tensor([0, 1, 1, 0]), 2, "quantile", "top-label")
+        >>> columns = binned_error_columns(binned, "quantile", calibration_error_from_bins)
+        >>> round(float(columns.evaluate()), 6), round(float(columns.of_rows(columns.scores[:2], columns.targets[:2])), 6)
+        (0.25, 0.45)
+    """
+    n_bins = binned.edges.shape[-1] - 1
+
+    def of_rows(scores: Tensor, targets: Tensor) -> Tensor:
+        # the columns themselves keep the edges binned_scores drew from them (no second sort)
+        edges = binned.edges if scores is binned.scores else _edges(scores, n_bins, strategy)
+        return from_bins(*bin_statistics(scores, targets, edges, binned.tolerance))
+
+    return ColumnDecomposition(binned.scores, binned.targets, of_rows)
+
+
+def calibration_error_columns(
+    logits: Tensor,
+    labels: Tensor,
+    n_bins: int = 15,
+    strategy: Strategy = "uniform",
+    kind: Literal["top-label", "binary", "classwise"] = "top-label",
+    norm: Norm = "l1",
+    reduction: Reduction = "mean",
+) -> ColumnDecomposition:
+    """Validate the inputs of ``expected_calibration_error`` and return its ``ColumnDecomposition``
+    (which it evaluates): the bootstrap's way to equal-mass ECE, whose edges move with a resample.
+
+    Example:
+        >>> probs = torch.tensor([[.9, .1], [.8, .2], [.4, .6], [.3, .7]], dtype=torch.float64)
+        >>> columns = calibration_error_columns(probs.log(), torch.tensor([0, 1, 1, 0]), 2, "quantile")
+        >>> columns.scores.shape, round(float(columns.evaluate()), 6)
+        (torch.Size([4, 1]), 0.25)
+    """
     check_calibration_error_kind(kind)
-    _, _, scores, targets, edges, tolerance = binned_scores(logits, labels, n_bins, strategy, kind)
-    statistics = bin_statistics(scores, targets, edges, tolerance)
-    return calibration_error_from_bins(*statistics, norm=norm, reduction=_column_reduction(kind, reduction))
+    binned = binned_scores(logits, labels, n_bins, strategy, kind)
+    return binned_error_columns(binned, strategy, _calibration_error_reduction(kind, norm, reduction))
 
 
 def signed_calibration_error(

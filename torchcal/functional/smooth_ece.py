@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Literal, NamedTuple
 
 import torch
@@ -28,13 +29,14 @@ from torch import Tensor
 
 from torchcal._validation import check_count
 from torchcal.functional.bootstrap import resample_indices
-from torchcal.functional.diagnostics import binary_problems
+from torchcal.functional.diagnostics import ColumnDecomposition, binary_problems
 
 __all__ = [
     "SmoothReliabilityCurve",
     "grid_points_for_bandwidth",
     "round_to_grid",
     "smooth_calibration_error",
+    "smooth_calibration_error_columns",
     "smooth_ece",
     "smooth_ece_bandwidth",
     "smooth_ece_from_grid",
@@ -194,9 +196,8 @@ def _column_grid(scores: Tensor, targets: Tensor) -> Callable[[int], Tensor]:
 
 
 def _per_column(
-    logits: Tensor, labels: Tensor, kind: SmoothKind, bandwidth: float | None, grid_points: int | None
+    scores: Tensor, targets: Tensor, bandwidth: float | None, grid_points: int | None
 ) -> list[tuple[Tensor, float]]:
-    scores, targets = _columns(logits, labels, kind)
     results = []
     for f, y in zip(scores.T, targets.T):
         grid = _column_grid(f, y)
@@ -231,10 +232,35 @@ def smooth_calibration_error(
         >>> round(float(smooth_calibration_error(probs.log(), torch.tensor([0, 1, 1, 0]))), 6)
         0.257774
     """
+    return smooth_calibration_error_columns(logits, labels, kind, bandwidth, grid_points).evaluate()
+
+
+def smooth_calibration_error_columns(
+    logits: Tensor,
+    labels: Tensor,
+    kind: SmoothKind = "top-label",
+    bandwidth: float | None = None,
+    grid_points: int | None = None,
+) -> ColumnDecomposition:
+    """Validate the inputs of ``smooth_calibration_error`` and return its ``ColumnDecomposition``
+    (which it evaluates), for the bootstrap: scores and targets (N, C), smoothed again (at a
+    bandwidth found again, if not given) on each resample.
+
+    Example:
+        >>> probs = torch.tensor([[.9, .1], [.8, .2], [.4, .6], [.3, .7]], dtype=torch.float64)
+        >>> columns = smooth_calibration_error_columns(probs.log(), torch.tensor([0, 1, 1, 0]), kind="classwise")
+        >>> columns.scores.shape, round(float(columns.evaluate()), 6)
+        (torch.Size([4, 2]), 0.22689)
+    """
     if grid_points is not None:
         check_count(grid_points, "grid_points", 3)
-    results = _per_column(logits, labels, kind, bandwidth, grid_points)
-    return torch.stack([value for value, _ in results]).mean()
+    scores, targets = _columns(logits, labels, kind)
+    return ColumnDecomposition(scores, targets, partial(_mean_over_columns, bandwidth=bandwidth, grid_points=grid_points))
+
+
+def _mean_over_columns(scores: Tensor, targets: Tensor, bandwidth: float | None, grid_points: int | None) -> Tensor:
+    """The mean smECE of the columns ``scores``, ``targets`` (N, C), each at its own bandwidth."""
+    return torch.stack([value for value, _ in _per_column(scores, targets, bandwidth, grid_points)]).mean()
 
 
 #: The paper's name, kept as an alias.
@@ -249,7 +275,7 @@ def smooth_ece_bandwidth(logits: Tensor, labels: Tensor, kind: SmoothKind = "top
         >>> smooth_ece_bandwidth(probs.log(), torch.tensor([0, 1, 1, 0]))
         tensor([0.2578], dtype=torch.float64)
     """
-    results = _per_column(logits, labels, kind, None, None)
+    results = _per_column(*_columns(logits, labels, kind), None, None)
     return torch.tensor([sigma for _, sigma in results], dtype=torch.float64, device=logits.device)
 
 

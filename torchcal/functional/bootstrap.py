@@ -9,7 +9,7 @@ prior-weighted combination of per-class means, the class frequencies of the data
 it, and a rare class can never vanish from a replicate (which would leave its mean undefined).
 ``stratify=`` overrides the choice.
 
-Two paths, chosen automatically, give the same replicates for the same seed:
+Three paths, chosen automatically, give the same replicates for the same seed:
 
 - fast path, for metrics that are prior-weighted means of a per-sample value (``cross_entropy``,
   ``brier_score``, ``expected_cost``, ``bayes_risk``, ``error_rate``, ``balanced_error_rate``)
@@ -17,8 +17,17 @@ Two paths, chosen automatically, give the same replicates for the same seed:
   through ``functools.partial``: the per-sample values (and bins) are computed once, and each
   replicate is a reduction of their per-class (per-bin) sums over the samples it drew, evaluated
   for a chunk of replicates at once;
+- column path, for metrics of per-sample columns of binary problems (``smooth_calibration_error``,
+  ``debiased_calibration_error``, ``sweep_calibration_error``, and ``expected_calibration_error``
+  with equal-mass bins), with any of their options, also through ``functools.partial``: the
+  scores and targets (N, C) (C = 1 for the top-label and binary kinds) are computed once from the
+  (N, K) logits, and each replicate recomputes the metric from the rows it drew, instead of
+  gathering the logits and computing the columns again (the classwise columns are (N, K)
+  themselves: there a replicate saves the log-softmax, not the gather);
 - general path, for any other ``metric_fn`` or when a ``calibrator`` is given: a loop that calls
   ``metric_fn`` on each resampled data set, handing it a fresh copy of the calibrator.
+
+The column and general paths loop over the replicates; ``progress=True`` shows a progress bar.
 
 The resampled data contain duplicates, so a calibrator cross-validated inside a replicate may see
 copies of a test sample in its training folds, which favours the calibrator.
@@ -28,12 +37,13 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterator
-from functools import partial
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Mapping
+from functools import cache, partial
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from torchcal._validation import as_tensor, check_count
 from torchcal.functional.decisions import (
@@ -47,7 +57,13 @@ from torchcal.functional.decisions import (
     expected_cost_terms,
 )
 from torchcal.functional.detection import cllr, detection_cost, equal_error_rate, min_cllr, min_detection_cost
-from torchcal.functional.diagnostics import BinDecomposition, calibration_error_terms, expected_calibration_error
+from torchcal.functional.diagnostics import (
+    BinDecomposition,
+    ColumnDecomposition,
+    calibration_error_columns,
+    calibration_error_terms,
+    expected_calibration_error,
+)
 from torchcal.functional.scoring import (
     SumDecomposition,
     brier_per_sample,
@@ -62,6 +78,7 @@ from torchcal.functional.scoring import (
 __all__ = [
     "BootstrapResult",
     "bootstrap",
+    "column_decomposition",
     "float64_metric_value",
     "metric_decomposition",
     "resample_indices",
@@ -80,6 +97,26 @@ _SUM_DECOMPOSITIONS: dict[Callable[..., Tensor], Callable[..., SumDecomposition]
     error_rate: error_rate_terms,
     balanced_error_rate: balanced_error_rate_terms,
 }
+
+
+@cache
+def _column_decompositions() -> dict[Callable[..., Tensor], Callable[..., ColumnDecomposition]]:
+    """The metrics of the column path and their ``ColumnDecomposition``s (a function, as
+    ``smooth_ece`` imports this module: it cannot be imported at the top)."""
+    from torchcal.functional.debiased_ece import (
+        debiased_calibration_error,
+        debiased_calibration_error_columns,
+        sweep_calibration_error,
+        sweep_calibration_error_columns,
+    )
+    from torchcal.functional.smooth_ece import smooth_calibration_error, smooth_calibration_error_columns
+
+    return {
+        smooth_calibration_error: smooth_calibration_error_columns,
+        debiased_calibration_error: debiased_calibration_error_columns,
+        sweep_calibration_error: sweep_calibration_error_columns,
+        expected_calibration_error: calibration_error_columns,
+    }
 
 
 class BootstrapResult(NamedTuple):
@@ -102,10 +139,37 @@ def sum_decomposition(metric_fn: Callable[..., Any]) -> Callable[..., SumDecompo
         >>> sum_decomposition(max) is None
         True
     """
+    return _registered(_SUM_DECOMPOSITIONS, metric_fn)
+
+
+def column_decomposition(metric_fn: Callable[..., Any]) -> Callable[..., ColumnDecomposition] | None:
+    """The function returning the ``ColumnDecomposition`` of ``metric_fn``, or None if it has none.
+
+    ``functools.partial`` objects that fix keyword options of a known metric are understood.
+
+    Example:
+        >>> from torchcal.functional import smooth_calibration_error
+        >>> columns = column_decomposition(partial(smooth_calibration_error, kind="classwise"))
+        >>> columns(torch.randn(5, 3), torch.tensor([0, 1, 2, 0, 1])).scores.shape
+        torch.Size([5, 3])
+        >>> column_decomposition(max) is None
+        True
+    """
+    return _registered(_column_decompositions(), metric_fn)
+
+
+Decomposition = TypeVar("Decomposition")
+
+
+def _registered(
+    registry: Mapping[Callable[..., Any], Callable[..., Decomposition]], metric_fn: Callable[..., Any]
+) -> Callable[..., Decomposition] | None:
+    """``registry[metric_fn]``, with the keyword options of a ``functools.partial`` of a
+    registered metric bound to it; None for other functions."""
     if isinstance(metric_fn, partial) and not metric_fn.args:
-        terms = _SUM_DECOMPOSITIONS.get(metric_fn.func)
-        return None if terms is None else partial(terms, **metric_fn.keywords)
-    return _SUM_DECOMPOSITIONS.get(metric_fn)
+        decomposition = registry.get(metric_fn.func)
+        return None if decomposition is None else partial(decomposition, **metric_fn.keywords)
+    return registry.get(metric_fn)
 
 
 def metric_decomposition(
@@ -241,24 +305,27 @@ def bootstrap(
     seed: int = 0,
     calibrator: Any | None = None,
     stratify: bool | None = None,
+    progress: bool = False,
     **metric_kwargs: Any,
 ) -> BootstrapResult:
     """Percentile bootstrap interval of ``metric_fn(logits, labels, **metric_kwargs)``.
 
     Args:
         metric_fn: any function of ``(logits, labels, **metric_kwargs)`` returning a tensor or a
-            tuple of scalars (stacked into a vector). The torchcal scoring rules and expected-cost
-            functions take the fast path.
+            tuple of scalars (stacked into a vector). The torchcal scoring rules, expected-cost
+            functions and calibration errors take the fast or the column path (module docs).
         logits: (N, K) scores, or the (N,) decisions for ``expected_cost``; resampled along dim 0.
         labels: (N,) class indices.
         num_replicates: number of bootstrap replicates B.
         confidence: coverage of the interval, e.g. 0.95 for the 2.5 % and 97.5 % percentiles.
-        seed: seed of the resampling (the same seed gives the same replicates on both paths).
+        seed: seed of the resampling (the same seed gives the same replicates on every path).
         calibrator: if given, every call of ``metric_fn`` receives ``calibrator=`` a fresh deep
             copy of it, e.g. with ``cross_validated_calibration_loss`` to refit the calibrator
             inside each replicate.
         stratify: resample within each class, keeping the class counts (see the module docs).
             ``None``: stratified exactly when the metric weighs classes by priors.
+        progress: show a tqdm progress bar of the replicates on the column and general paths (the
+            fast path takes seconds and shows none).
         **metric_kwargs: passed to ``metric_fn`` (e.g. ``priors=``, ``normalize=``, ``costs=``).
 
     Example:
@@ -288,20 +355,50 @@ def bootstrap(
         estimate = decomposition.evaluate()
         replicates = _replicates(decomposition, num_replicates, seed, strata)
     else:
-
-        def call(x: Tensor, y: Tensor) -> Tensor:
-            extra = {} if calibrator is None else {"calibrator": copy.deepcopy(calibrator)}
-            return float64_metric_value(metric_fn(x, y, **metric_kwargs, **extra))
-
-        estimate = call(logits, labels)
-        replicates = torch.stack(
-            [
-                call(logits[index.to(logits.device)], labels[index.to(labels.device)])
-                for chunk in resample_indices(labels.shape[0], num_replicates, seed, strata)
-                for index in chunk
-            ]
-        )
+        estimate, on_resample = _evaluator(metric_fn, logits, labels, calibrator, metric_kwargs)
+        resamples = _resamples(labels.shape[0], num_replicates, seed, strata, progress, _metric_name(metric_fn))
+        replicates = torch.stack([on_resample(index) for index in resamples])
     alpha = (1 - confidence) / 2
     levels = torch.tensor([alpha, 1 - alpha], dtype=torch.float64, device=replicates.device)
     lower, upper = torch.quantile(replicates, levels, dim=0)
     return BootstrapResult(estimate, lower, upper, replicates)
+
+
+def _evaluator(
+    metric_fn: Callable[..., Any], logits: Tensor, labels: Tensor, calibrator: Any | None, metric_kwargs: dict[str, Any]
+) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+    """The metric on the data, and the function giving it on the resample ``index: (N,)``: from
+    the rows of its columns on the column path, by calling ``metric_fn`` on the general path."""
+    columns = column_decomposition(metric_fn) if calibrator is None else None
+    if columns is not None:
+        decomposition = columns(logits, labels, **metric_kwargs)
+        scores, targets = decomposition.scores, decomposition.targets
+
+        def on_rows(index: Tensor) -> Tensor:
+            index = index.to(scores.device)
+            return float64_metric_value(decomposition.of_rows(scores[index], targets[index]))
+
+        return float64_metric_value(decomposition.evaluate()), on_rows
+
+    def call(x: Tensor, y: Tensor) -> Tensor:
+        extra = {} if calibrator is None else {"calibrator": copy.deepcopy(calibrator)}
+        return float64_metric_value(metric_fn(x, y, **metric_kwargs, **extra))
+
+    return call(logits, labels), lambda index: call(logits[index.to(logits.device)], labels[index.to(labels.device)])
+
+
+def _resamples(
+    num_samples: int, num_replicates: int, seed: int, strata: Tensor | None, progress: bool, metric_name: str
+) -> Iterator[Tensor]:
+    """The indices (N,) of each replicate's resample (those of ``resample_indices``), one at a
+    time, counted on a progress bar when ``progress`` is set (and the output is a terminal)."""
+    indices = (index for chunk in resample_indices(num_samples, num_replicates, seed, strata) for index in chunk)
+    bar = tqdm(indices, total=num_replicates, desc=f"{metric_name}: bootstrap replicates",
+               disable=None if progress else True, leave=False)
+    return iter(bar)
+
+
+def _metric_name(metric_fn: Callable[..., Any]) -> str:
+    """The name of a metric function (of the function a ``functools.partial`` wraps)."""
+    fn = metric_fn.func if isinstance(metric_fn, partial) else metric_fn
+    return getattr(fn, "__name__", type(fn).__name__)

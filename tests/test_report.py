@@ -263,3 +263,18 @@ def test_progress_counts_every_fold_of_every_method(small, monkeypatch):
         for step in [f"{method}: fit on all calibration data"] + [f"{method}: fold {i}/3" for i in (1, 2, 3)]
     ]
     assert [n for n, _ in shown] == list(range(9))  # one step per fit, every fold included
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_progress_reaches_the_bootstrap(small, monkeypatch, progress):
+    """The bootstrap's own bar (its column and general paths loop over the replicates) follows ``progress``."""
+    asked = []
+    original = report_module.bootstrap_metric
+
+    def recording(*args, **kwargs):
+        asked.append(kwargs["progress"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(report_module, "bootstrap_metric", recording)
+    evaluate(small, ["temperature"], calibration=small, bootstrap=20, progress=progress)
+    assert len(asked) >= 4 and set(asked) == {progress}

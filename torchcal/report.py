@@ -502,7 +502,7 @@ def evaluate(
         protocol = (f"{folds}-fold stratified cross-validation on the evaluated data (each sample "
                     f"calibrated by a model fitted on the other folds)")
 
-    metrics = _Metrics(labels, priors, costs, bootstrap, seed)
+    metrics = _Metrics(labels, priors, costs, bootstrap, seed, progress)
     fits = 1 if calibration is not None else folds + 1  # per method: the final fit, and one per fold
     bar_format = "{desc}: {n_fmt}/{total_fmt} steps |{bar}| {elapsed} elapsed{postfix}"  # no ETA: fits differ a lot
     with tqdm(total=1 + fits * len(methods), disable=None if progress else True, desc="torchcal", leave=False,
@@ -584,11 +584,12 @@ def _unpack(scores: Scores | tuple[Tensor, Tensor], name: str) -> tuple[Tensor, 
 
 
 class _Metrics:
-    """The metrics of :class:`Quality`, with the evaluation's priors, costs and bootstrap."""
+    """The metrics of :class:`Quality`, with the evaluation's priors, costs and bootstrap (whose
+    loops show a progress bar with ``progress``)."""
 
-    def __init__(self, labels: Tensor, priors: Tensor | None, costs: Tensor, replicates: int, seed: int):
+    def __init__(self, labels: Tensor, priors: Tensor | None, costs: Tensor, replicates: int, seed: int, progress: bool):
         self.labels, self.priors, self.costs = labels, priors, costs
-        self.replicates, self.seed = replicates, seed
+        self.replicates, self.seed, self.progress = replicates, seed, progress
 
     def quality(self, logits: Tensor, with_intervals: bool) -> Quality:
         p = self.priors
@@ -626,7 +627,7 @@ class _Metrics:
             return prior_weighted_mean(sums, counts, self.priors) / naive_cross_entropy(reference)
 
         result = bootstrap_metric(difference, losses, self.labels, num_replicates=self.replicates, seed=self.seed,
-                                  stratify=self.priors is not None)
+                                  stratify=self.priors is not None, progress=self.progress)
         return Estimate(float(result.estimate), float(result.lower), float(result.upper))
 
     def _detection(self, logits: Tensor) -> dict[str, float]:
@@ -638,7 +639,8 @@ class _Metrics:
     def _estimate(self, metric: Callable[..., Tensor], logits: Tensor, with_interval: bool, **kwargs: Any) -> Estimate:
         if not (with_interval and self.replicates):
             return Estimate(float(metric(logits, self.labels, **kwargs)))
-        result = bootstrap_metric(metric, logits, self.labels, num_replicates=self.replicates, seed=self.seed, **kwargs)
+        result = bootstrap_metric(metric, logits, self.labels, num_replicates=self.replicates, seed=self.seed,
+                                  progress=self.progress, **kwargs)
         return Estimate(float(result.estimate), float(result.lower), float(result.upper))
 
 

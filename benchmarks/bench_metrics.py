@@ -148,10 +148,19 @@ NOT_ROWS = {  # alternatives of the reference benchmark without a row here: modu
 
 def bootstrap_table(repeat: int) -> None:
     """1,000 percentile-bootstrap replicates over 10,000 x 100: torchcal's ``bootstrap`` (its fast
-    path: per-sample values and bins computed once, per-class or per-bin sums per replicate)
-    against torchmetrics' ``BootStrapper`` (which keeps 1,000 copies of the metric and updates
-    each with a resample)."""
-    from torchcal.functional import bootstrap, brier_score, cross_entropy, expected_calibration_error
+    path: per-sample values and bins computed once, per-class or per-bin sums per replicate; its
+    column path for the equal-mass and smooth ECE: confidences and correctness computed once, the
+    metric recomputed from each replicate's rows of them) against torchmetrics' ``BootStrapper``
+    (which keeps 1,000 copies of the metric and updates each with a resample)."""
+    from functools import partial
+
+    from torchcal.functional import (
+        bootstrap,
+        brier_score,
+        cross_entropy,
+        expected_calibration_error,
+        smooth_calibration_error,
+    )
 
     (z, y), = make_batches(10_000, 10_000)
     def interval(metric_fn: Callable) -> Callable[[], str]:
@@ -165,6 +174,8 @@ def bootstrap_table(repeat: int) -> None:
         "torchcal bootstrap(cross_entropy)": interval(cross_entropy),
         "torchcal bootstrap(brier_score)": interval(brier_score),
         "torchcal bootstrap(expected_calibration_error)": interval(expected_calibration_error),
+        "torchcal bootstrap(expected_calibration_error quantile)": interval(partial(expected_calibration_error, strategy="quantile")),
+        "torchcal bootstrap(smooth_calibration_error)": interval(smooth_calibration_error),
     }
     try:
         from torchmetrics.classification import MulticlassCalibrationError

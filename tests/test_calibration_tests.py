@@ -322,3 +322,24 @@ def test_bad_input():
             test(saturated, torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="num_resamples"):
         consistency_resampling_test(cross_entropy, logits, labels, num_resamples=0)
+
+
+def test_resampling_loops_when_the_label_table_costs_more_than_the_resamples(monkeypatch):
+    """Forming the per-label table evaluates the metric's terms once per class: at K = 1,000 and
+    the report's L = 199 that took 3-25 times as long as calling the metric L times."""
+    module = sys.modules[consistency_resampling_test.__module__]
+    original, calls = module.metric_decomposition, []
+
+    def counting(metric_fn, metric_kwargs):
+        terms = original(metric_fn, metric_kwargs)
+        return None if terms is None else lambda *a, **k: calls.append(1) or terms(*a, **k)
+
+    monkeypatch.setattr(module, "metric_decomposition", counting)
+    logits = torch.randn(400, 50, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    labels = torch.distributions.Categorical(logits=logits).sample()
+    few = consistency_resampling_test(cross_entropy, 2 * logits, labels, num_resamples=20)
+    assert len(calls) == 0  # K = 50 >= L = 20: the loop
+    loop = consistency_resampling_test(lambda x, y: cross_entropy(x, y), 2 * logits, labels, num_resamples=20)
+    torch.testing.assert_close(few.null_statistics, loop.null_statistics, rtol=1e-12, atol=1e-12)
+    consistency_resampling_test(cross_entropy, 2 * logits, labels, num_resamples=60)
+    assert len(calls) >= 50  # K < L: the table, one labelling per class

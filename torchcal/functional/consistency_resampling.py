@@ -10,8 +10,9 @@ Metrics that are sums over samples (``cross_entropy``, ``brier_score``, ``bayes_
 ``error_rate``, ``balanced_error_rate``, and ``expected_calibration_error`` with equal-width bins)
 are evaluated for all resamples at once: their per-sample terms are tabulated for every possible
 label once (an (N, K) table, or (N, K, C) targets of C binned columns, formed K labels at a time),
-and each resample only gathers and sums them. Any other metric, or a table beyond
-``_MAX_TABLE_ELEMENTS``, is called L times.
+and each resample only gathers and sums them. Forming the table costs K evaluations of the
+metric, so it serves only when K < L. Any other metric, a table beyond ``_MAX_TABLE_ELEMENTS``, or
+K >= L (e.g. L = 199 at K = 1,000) calls the metric L times.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def consistency_resampling_test(
     logits, labels = check_logits_and_labels(logits, labels)
     log_probs = to_log_probs(logits)
     terms = metric_decomposition(metric_fn, metric_kwargs)
-    table = None if terms is None else _label_table(terms, logits, metric_kwargs)
+    table = None if terms is None else _label_table(terms, logits, metric_kwargs, num_resamples)
     try:
         if terms is not None and table is not None:
             statistic = terms(logits, labels, **metric_kwargs).evaluate()
@@ -135,15 +136,17 @@ def _columns(terms: SumDecomposition | BinDecomposition) -> int:
 
 
 def _label_table(
-    terms_fn: Callable[..., SumDecomposition | BinDecomposition], logits: Tensor, metric_kwargs: dict[str, Any]
+    terms_fn: Callable[..., SumDecomposition | BinDecomposition], logits: Tensor, metric_kwargs: dict[str, Any],
+    num_resamples: int,
 ) -> _LabelTable | None:
     """The terms of every label, K labellings at a time: labelling j gives sample i the label
     ``(i + j) mod K``, so every class is present in each (class-weighted metrics need that) and
-    nothing of size N K x K is formed. None when N < K or the table would exceed
+    nothing of size N K x K is formed. None when N < K, when the K labellings cost at least what
+    the ``num_resamples`` resamples they would save do (K >= L), or when the table would exceed
     ``_MAX_TABLE_ELEMENTS``: the caller then loops over the resamples."""
     n, k = logits.shape
     samples = torch.arange(n, device=logits.device)
-    if n < k:
+    if n < k or k >= num_resamples:
         return None
     like = terms_fn(logits, samples % k, **metric_kwargs)
     if n * k * _columns(like) > _MAX_TABLE_ELEMENTS:

@@ -163,3 +163,18 @@ def test_bad_input():
         detection_cost(torch.randn(4, 2), torch.tensor([0, 1, 0, 1]), target_prior=1.0)
     with pytest.raises(ValueError, match="positive"):
         min_detection_cost(torch.randn(4, 2), torch.tensor([0, 1, 0, 1]), cost_miss=0)
+
+
+@pytest.mark.parametrize(
+    "as_given",
+    [list, np.array, lambda y: torch.tensor(y, dtype=torch.bool), lambda y: torch.tensor(y, dtype=torch.uint8),
+     lambda y: torch.tensor(y, dtype=torch.int16)],
+    ids=["list", "numpy", "bool", "uint8", "int16"],
+)
+def test_detection_metrics_take_labels_of_any_integer_kind(as_given):
+    """The labels were validated for the LLRs, then used as given: lists and NumPy arrays had no
+    ``.to``, and bool or uint8 tensors failed in ``index_add_``."""
+    logits = torch.tensor([[0.0, 1.0], [0.0, -1.0], [0.0, 0.5], [0.0, -2.0], [0.0, 0.3]], dtype=torch.float64)
+    labels = [1, 0, 0, 0, 1]
+    for metric in (cllr, min_cllr, detection_cost, min_detection_cost, equal_error_rate):
+        assert float(metric(logits, as_given(labels))) == float(metric(logits, torch.tensor(labels)))

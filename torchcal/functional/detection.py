@@ -88,10 +88,15 @@ def log_likelihood_ratios(logits: Tensor, labels: Tensor, priors: Tensor | None 
         >>> log_likelihood_ratios(probs.log(), torch.tensor([0, 1])).round(decimals=4)
         tensor([-1.3863,  1.3863], dtype=torch.float64)
     """
+    return _llrs_and_labels(logits, labels, priors)[0]
+
+
+def _llrs_and_labels(logits: Tensor, labels: Tensor, priors: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``log_likelihood_ratios`` (N,) and the validated int64 labels (N,) on their device."""
     logits, labels = _binary(logits, labels)
     log_probs = to_log_probs(logits)
     p = class_frequencies(labels, 2) if priors is None else check_priors(priors, 2, device=logits.device)
-    return log_probs[:, 1] - log_probs[:, 0] - (p[1].log() - p[0].log())
+    return log_probs[:, 1] - log_probs[:, 0] - (p[1].log() - p[0].log()), labels
 
 
 def cllr_per_sample(llr: Tensor, labels: Tensor) -> Tensor:
@@ -123,8 +128,7 @@ def cllr(logits: Tensor, labels: Tensor, priors: Tensor | None = None) -> Tensor
         >>> round(float(cllr(probs.log(), torch.tensor([0, 1, 1, 1]))), 4)
         0.7356
     """
-    llr = log_likelihood_ratios(logits, labels, priors)
-    labels = labels.to(llr.device)
+    llr, labels = _llrs_and_labels(logits, labels, priors)
     return cllr_from_class_sums(*class_sums(cllr_per_sample(llr, labels), labels, 2))
 
 
@@ -152,8 +156,8 @@ def min_cllr(logits: Tensor, labels: Tensor) -> Tensor:
         >>> round(float(min_cllr(probs.log(), torch.tensor([0, 1, 1, 1]))), 4)
         0.0
     """
-    llr = log_likelihood_ratios(logits, labels)
-    is_target = labels.to(llr.device) == 1
+    llr, labels = _llrs_and_labels(logits, labels)
+    is_target = labels == 1
     fitted = torch.from_numpy(_pav_blocks(llr, is_target)[0]).to(llr.device)
     prior = is_target.to(torch.float64).mean()
     optimal = fitted.log() - (-fitted).log1p() - (prior.log() - (-prior).log1p())
@@ -278,8 +282,7 @@ def detection_cost(
         1.0
     """
     threshold = bayes_threshold(target_prior, cost_miss, cost_false_alarm)
-    llr = log_likelihood_ratios(logits, labels, priors)
-    labels = labels.to(llr.device)
+    llr, labels = _llrs_and_labels(logits, labels, priors)
     errors, counts = class_sums((llr > threshold) != (labels == 1), labels, 2)
     return detection_cost_from_class_sums(errors, counts, target_prior, cost_miss, cost_false_alarm, normalize)
 

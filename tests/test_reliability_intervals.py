@@ -89,3 +89,10 @@ def test_bad_input():
         binomial_interval(torch.tensor([1.0]), torch.tensor([2.0]), confidence=1.0)
     with pytest.raises(ValueError, match="class_index"):
         consistency_bands(torch.randn(10, 3), torch.randint(0, 3, (10,)), kind="classwise")
+
+
+def test_binary_kind_with_more_classes_points_to_a_kind_the_bands_take():
+    """The message suggested "classwise", which consistency_bands itself refuses."""
+    logits, labels = torch.randn(30, 3, dtype=torch.float64), torch.arange(30) % 3
+    with pytest.raises(ValueError, match='needs K = 2 classes.*kind="class" with class_index'):
+        consistency_bands(logits, labels, kind="binary")

@@ -134,7 +134,10 @@ def binning_scores(
         return log_probs.exp(), torch.nn.functional.one_hot(labels, num_classes).bool()
     if kind == "binary":
         if num_classes != 2:
-            raise ValueError(f'kind="binary" needs K = 2 classes, got K = {num_classes}; use "classwise".')
+            raise ValueError(
+                f'kind="binary" needs K = 2 classes, got K = {num_classes}; use kind="class" with class_index=j '
+                f'for one class against the rest, or "classwise" for every class where the function takes it.'
+            )
         class_index = 1
     elif kind == "class":
         if class_index is None or not 0 <= class_index < num_classes:

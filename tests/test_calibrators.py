@@ -384,15 +384,17 @@ def test_cross_validation_needs_enough_samples(data):
 
 
 # --------------------------------------------------------------------------- degenerate data
+@pytest.mark.parametrize("loss", ["log", "brier"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_separable_data_gives_a_finite_temperature_and_a_warning(dtype):
+def test_separable_data_gives_a_finite_temperature_and_a_warning(dtype, loss):
     """In float64 the derivative underflowed before the curvature did, and the fit stopped there
     as 'converged', with no warning, after 751 passes; Newton on the exponential tail only adds
-    about 1/margin to beta per step, so the search quadruples beta there."""
+    about 1/margin to beta per step, so the search quadruples beta there. The Brier score's tail
+    is an exponential too."""
     logits = torch.tensor([[3.0, 0.0], [0.0, 3.0]], dtype=dtype).repeat(50, 1)
     labels = torch.tensor([0, 1]).repeat(50)
     with pytest.warns(torchcal.ConvergenceWarning, match="separable"):
-        ts = torchcal.TemperatureScaling().fit(logits, labels)
+        ts = torchcal.TemperatureScaling().fit(logits, labels, loss=loss)
     assert 0 < ts.temperature < 1e-2 and not ts.fit_record_.converged
     assert ts.fit_record_.iterations <= 20
     assert torch.isfinite(ts(logits)).all()
@@ -456,11 +458,12 @@ def test_affine_optimum_at_alpha_zero_is_reached_exactly(make):
     torch.testing.assert_close(cal(torch.randn(5, 2, dtype=torch.float64)).exp()[:, 1], frequency.expand(5), rtol=0, atol=1e-12)
 
 
-def test_anti_informative_scores_give_infinite_temperature_and_uniform_output():
+@pytest.mark.parametrize("loss", ["log", "brier"])
+def test_anti_informative_scores_give_infinite_temperature_and_uniform_output(loss):
     logits = torch.tensor([[3.0, 0.0], [0.0, 3.0]]).repeat(50, 1)
     labels = torch.tensor([1, 0]).repeat(50)
     with pytest.warns(torchcal.ConvergenceWarning, match="not positively related"):
-        ts = torchcal.TemperatureScaling().fit(logits, labels)
+        ts = torchcal.TemperatureScaling().fit(logits, labels, loss=loss)
     assert ts.temperature == float("inf")
     assert torch.allclose(ts(logits).exp(), torch.full((100, 2), 0.5))
 

@@ -139,7 +139,7 @@ def test_bootstrap_of_the_calibration_error_on_cuda_equals_cpu(resnet110):
 
 
 def test_host_synchronisations_are_per_iteration_not_per_chunk(monkeypatch):
-    from torchcal.calibrators import temperature
+    from torchcal import _tempered_moments
 
     generator = torch.Generator(device=CUDA).manual_seed(0)
     logits = 3 * torch.randn(200_000, 100, device=CUDA, generator=generator)
@@ -149,7 +149,7 @@ def test_host_synchronisations_are_per_iteration_not_per_chunk(monkeypatch):
     # a read-back per Newton step (of the subsample fit and of the full one) and a few for the
     # set-up, however many chunks a pass takes
     assert syncs <= 50
-    monkeypatch.setattr(temperature, "_DEVICE_CHUNK_ELEMENTS", 1 << 16)  # 300 chunks per pass
+    monkeypatch.setattr(_tempered_moments, "_DEVICE_CHUNK_ELEMENTS", 1 << 16)  # 300 chunks per pass
     chunked = count_host_syncs(lambda: torchcal.TemperatureScaling().fit(logits, labels))
     assert abs(chunked - syncs) <= 2  # a Newton step more or less, as the sums round differently
 

@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from scipy.optimize import minimize_scalar
+from scipy.optimize import brentq, minimize_scalar
 from scipy.special import log_softmax, softmax
 from torchmetrics import MetricCollection
 
+from torchcal import TemperatureScaling
 from torchcal.functional import cross_entropy, refinement_loss
 from torchcal.metrics import RefinementLoss
 
@@ -39,6 +40,33 @@ def scipy_refinement(logits: np.ndarray, labels: np.ndarray, loss: str = "log") 
     return float(minimize_scalar(objective, bounds=(-5, 5), method="bounded", options={"xatol": 1e-10}).fun)
 
 
+def scipy_inverse_temperature(logits: np.ndarray, labels: np.ndarray, loss: str, priors: np.ndarray | None = None) -> float:
+    """argmin over beta of the (prior-weighted) mean loss of softmax(beta * logits), in float64: bounded
+    Brent on log beta, then brentq on the derivative (the chain rule through the softmax,
+    dq/dbeta = q (z - E_q z)), which places the root to round-off where the flat loss only gives
+    sqrt(eps)."""
+    z, rows = logits.astype(np.float64), np.arange(len(labels))
+    onehot = np.eye(z.shape[1])[labels]
+    counts = np.bincount(labels, minlength=z.shape[1])
+    weights = np.ones(len(labels)) if priors is None else (priors / (counts / len(labels)))[labels]
+
+    def objective(log_beta: float) -> float:
+        scaled = z * np.exp(log_beta)
+        if loss == "log":
+            return float(weights @ -log_softmax(scaled, axis=1)[rows, labels])
+        return float(weights @ ((softmax(scaled, axis=1) - onehot) ** 2).sum(axis=1))
+
+    def slope(beta: float) -> float:
+        q = softmax(beta * z, axis=1)
+        dq = q * (z - (q * z).sum(axis=1, keepdims=True))
+        if loss == "log":
+            return float(weights @ -(dq[rows, labels] / q[rows, labels]))
+        return float(weights @ (2 * (q - onehot) * dq).sum(axis=1))
+
+    start = math.exp(minimize_scalar(objective, bounds=(-7, 3), method="bounded", options={"xatol": 1e-10}).x)
+    return float(brentq(slope, 0.99 * start, 1.01 * start, xtol=1e-300, rtol=4 * np.finfo(float).eps))
+
+
 @pytest.fixture(scope="module")
 def val():
     return bundled_val()
@@ -55,19 +83,49 @@ def test_functional_equals_scipy_minimisation(val, loss):
         assert float(got) < float(cross_entropy(logits, labels)) - 0.01
 
 
-def test_functional_on_cifar100_equals_scipy(real):
+@pytest.mark.parametrize("loss", ["log", "brier"])
+def test_functional_on_cifar100_equals_scipy(real, loss):
     data = real("cifar100_resnet20_ferrer")
     logits, labels = data["logits"][:3000], data["labels"][:3000]
-    got = refinement_loss(torch.from_numpy(logits), torch.from_numpy(labels).long())
-    assert float(got) == pytest.approx(scipy_refinement(logits, labels), rel=1e-9)
+    got = refinement_loss(torch.from_numpy(logits), torch.from_numpy(labels).long(), loss=loss)
+    assert float(got) == pytest.approx(scipy_refinement(logits, labels, loss), rel=1e-9)
 
 
-def test_precision_and_row_order_do_not_matter(val):
+@pytest.mark.parametrize("loss", ["log", "brier"])
+def test_precision_and_row_order_do_not_matter(val, loss):
     logits, labels = val
     perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1))
-    reference = refinement_loss(logits.double(), labels)
-    assert float(refinement_loss(logits.float(), labels)) == pytest.approx(float(reference), rel=1e-7)
-    assert float(refinement_loss(logits.double()[perm], labels[perm])) == pytest.approx(float(reference), rel=1e-12)
+    reference = refinement_loss(logits.double(), labels, loss=loss)
+    assert float(refinement_loss(logits.float(), labels, loss=loss)) == pytest.approx(float(reference), rel=1e-7)
+    assert float(refinement_loss(logits.double()[perm], labels[perm], loss=loss)) == pytest.approx(float(reference), rel=1e-12)
+
+
+@pytest.mark.parametrize("priors", [None, [0.4, 0.1, 0.1, 0.1, 0.3]], ids=["plain", "priors"])
+@pytest.mark.parametrize("loss", ["log", "brier"])
+def test_temperature_equals_the_scipy_optimum_on_random_data(loss, priors):
+    """The 1-D solver's 1/T (the Brier score's was L-BFGS, which stopped up to 1e-6 from it) against
+    SciPy in float64, with and without class re-weighting to deployment priors."""
+    gen = torch.Generator().manual_seed(3)
+    logits = 3 * torch.randn(4000, 5, generator=gen, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(logits / 3, 1), 1, generator=gen).squeeze(1)  # three times too confident
+    weights = None if priors is None else torch.tensor(priors, dtype=torch.float64)
+    ts = TemperatureScaling().fit(logits, labels, loss=loss, priors=weights)
+    assert ts.fit_record_.converged and 2.5 < ts.temperature < 3.5
+    expected = scipy_inverse_temperature(logits.numpy(), labels.numpy(), loss, None if priors is None else np.array(priors))
+    assert 1 / ts.temperature == pytest.approx(expected, rel=1e-8)
+
+
+@pytest.mark.parametrize("loss", ["log", "brier"])
+def test_temperature_on_cifar100_equals_scipy_in_either_precision_and_row_order(real, loss):
+    data = real("cifar100_resnet20_ferrer")
+    logits, labels = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"]).long()
+    double = TemperatureScaling().fit(logits.double(), labels, loss=loss)
+    assert 1 / double.temperature == pytest.approx(scipy_inverse_temperature(data["logits"], data["labels"], loss), rel=1e-8)
+    single = TemperatureScaling().fit(logits, labels, loss=loss)  # float32 passes, float64 sums
+    assert single.temperature == pytest.approx(double.temperature, rel=1e-6)
+    perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(4))
+    permuted = TemperatureScaling().fit(logits.double()[perm], labels[perm], loss=loss)
+    assert permuted.temperature == pytest.approx(double.temperature, rel=1e-12)
 
 
 @pytest.mark.parametrize("name", ["bundled", "cifar100_resnet20_ferrer", "agnews_gpt2-0shot_ferrer"])

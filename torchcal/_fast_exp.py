@@ -26,6 +26,21 @@ def scaled_exp(x: Tensor, scale: float = 1.0, out: Tensor | None = None) -> Tens
     return torch.exp2(x, out=out) if on_cpu else torch.exp(x, out=out)
 
 
+def applied_scale(scale: float, dtype: torch.dtype, device: torch.device) -> float:
+    """The ``scale`` that :func:`scaled_exp` applies to a tensor of ``dtype`` on ``device``: its
+    multiplier is rounded to ``dtype`` (in float32 by up to 6e-8, relatively).
+
+    Example:
+        >>> applied_scale(0.1, torch.float64, torch.device("cpu")) == 0.1
+        True
+        >>> abs(applied_scale(0.1, torch.float32, torch.device("cpu")) / 0.1 - 1) < 6e-8
+        True
+    """
+    on_cpu = device.type == "cpu"
+    factor = torch.tensor(scale * LOG2_E if on_cpu else scale, dtype=dtype).item()
+    return factor / LOG2_E if on_cpu else factor
+
+
 def exp_floor(dtype: torch.dtype) -> float:
     """A lower bound for exponents: half the dtype's exponent range (-43.7 for float32, -354 for
     float64). Exponentials clamped there, and their products with weights, never reach subnormal

@@ -8,7 +8,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from torchcal._fast_exp import scaled_exp
+from torchcal._tempered_moments import TEMPERED_LOSSES, tempered_moments
 from torchcal.calibrators.base import Calibrator, sample_weights
 from torchcal.distributed import ProcessGroup, all_reduce_
 from torchcal.fit import ConvergenceWarning, FitRecord
@@ -18,11 +18,6 @@ __all__ = ["TemperatureScaling", "fit_inverse_temperature", "inverse_temperature
 # Past this many nats between a row's two largest logits the softmax is one-hot in float64: larger
 # inverse temperatures cannot change the loss, so the search stops there (perfectly separable data).
 _MAX_SCALED_MARGIN = 1e4
-# Elements per chunk of rows. On the CPU a chunk (about 128k elements) stays in cache while the
-# exponentials and the three row sums are formed from it; on a GPU every chunk costs a dozen kernel
-# launches, so chunks are as large as the temporaries allow (64 MiB in float32).
-_CHUNK_ELEMENTS = 1 << 17
-_DEVICE_CHUNK_ELEMENTS = 1 << 24
 # Newton converges quadratically, so most of its passes only get near the optimum. From four times
 # this many logits (over all processes), that part runs on an evenly spaced subsample of about this
 # many, and the full passes only polish: three instead of about seven.
@@ -32,10 +27,9 @@ _SUBSAMPLE_ELEMENTS = 1 << 20
 class TemperatureScaling(Calibrator):
     """Divide the logits by one temperature ``T > 0``; keeps the argmax (and accuracy).
 
-    ``T`` is stored as ``log_temperature``, so it can never become negative. The log-loss fit uses
-    a dedicated solver, :func:`fit_inverse_temperature` (safeguarded Newton on ``1/T``, in which the
-    loss is convex), in the precision of the logits with float64 sums; other losses use the
-    generic L-BFGS driver.
+    ``T`` is stored as ``log_temperature``, so it can never become negative. The fit, for the log
+    loss and the Brier score alike, uses a dedicated solver, :func:`fit_inverse_temperature`
+    (safeguarded Newton on ``1/T``), in the precision of the logits with float64 sums.
 
     Example:
         >>> import torch
@@ -62,9 +56,11 @@ class TemperatureScaling(Calibrator):
         return features * torch.exp(-self.log_temperature.to(features.dtype))
 
     def _fit(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
-        if loss != "log":
+        if loss not in TEMPERED_LOSSES:  # a loss whose derivatives in 1/T the 1-D solver does not know
             return super()._fit(features.double(), labels, weights, loss, max_iter, process_group)
-        beta, record = fit_inverse_temperature(features, labels, weights, max_iter=max_iter, process_group=process_group)
+        beta, record = fit_inverse_temperature(
+            features, labels, weights, loss=loss, max_iter=max_iter, process_group=process_group
+        )
         with torch.no_grad():
             self.log_temperature.fill_(-math.log(beta) if beta > 0 else math.inf)
         return record
@@ -75,23 +71,29 @@ def fit_inverse_temperature(
     labels: Tensor,
     weights: Tensor | None = None,
     *,
+    loss: str = "log",
     max_iter: int = 100,
     rtol: float | None = None,
     process_group: ProcessGroup | None = None,
 ) -> tuple[float, FitRecord]:
-    """Minimise the (weighted) mean log-loss of ``softmax(beta * logits)`` over ``beta >= 0``.
+    """Minimise the (weighted) mean ``loss`` of ``softmax(beta * logits)`` over ``beta >= 0``.
 
-    The loss is convex in ``beta`` with derivative ``mean(E_q[z] - z_y)`` and second derivative
-    ``mean(Var_q[z])``. Newton steps are taken on ``log(beta)`` (better scaled far from the
-    optimum) inside a bracket on the sign of the derivative, with bisection when a step would
-    leave it, so it converges quadratically in about five passes from ``beta = 1``; on large data
-    it starts from the fit on a subsample, and three passes polish that. Each pass
-    reads the logits once, chunk by chunk: one exponential per entry, and the three row sums the
-    loss and both derivatives need, accumulated in float64 (one host sync per iteration).
+    Each pass over the logits gives the mean loss and its first two derivatives in ``beta``
+    (:func:`torchcal._tempered_moments.tempered_moments`: one exponential per entry, row sums in
+    the precision of the logits, accumulated in float64; one host sync per iteration). Newton
+    steps are taken on ``log(beta)`` (better scaled far from the optimum) inside a bracket on the
+    sign of the derivative, with bisection when a step would leave it or the curvature is not
+    positive, so the search ends where the derivative turns from negative to positive: the
+    minimum. The log-loss is convex in ``beta`` (derivative ``mean(E_q[z] - z_y)``, second
+    derivative ``mean(Var_q[z])``); the Brier score is not everywhere, which the bracket copes
+    with. Quadratic convergence takes about five passes from ``beta = 1``; on large data the
+    search starts from the fit on a subsample, and three passes polish that.
 
     Args:
         logits: (N, K) scores, float32 or float64; the passes run in that precision.
         labels: (N,) class indices. weights: optional (K,) per-class weights.
+        loss: the proper scoring rule, a key of ``functional.scoring.PER_SAMPLE_SCORES``
+            (``"log"`` or ``"brier"``).
         rtol: stop when a step changes ``beta`` by less than this, relatively; the default is
             ``1e-9`` in float64 and ``100 * eps`` (about ``1e-5``) in float32, after which the
             quadratic convergence leaves ``beta`` far more accurate than the step.
@@ -102,59 +104,39 @@ def fit_inverse_temperature(
         related to the labels; ``beta`` at its upper limit (1e4 nats between a median row's two
         largest scores) when the loss keeps falling up to it, i.e. the data are (all but) perfectly
         separable, every true-class logit the strict row maximum. Both cases warn.
+
+    Example:
+        >>> import torch
+        >>> logits = 3 * torch.randn(2000, 5)
+        >>> labels = torch.distributions.Categorical(logits=logits / 3).sample()
+        >>> beta, record = fit_inverse_temperature(logits, labels, loss="brier")
+        >>> record.converged, 0.2 < beta < 0.5
+        (True, True)
     """
     n, k = logits.shape
     if rtol is None:
         rtol = max(1e-9, 100 * torch.finfo(logits.dtype).eps)
     sample_w = sample_weights(labels, weights, process_group)
-    z_min, z_max = torch.aminmax(logits, dim=1)
-    z_true = logits.gather(1, labels.unsqueeze(1)).squeeze(1)
-    z_true_centred = z_true - z_max
-    rows = max(1, (_CHUNK_ELEMENTS if logits.device.type == "cpu" else _DEVICE_CHUNK_ELEMENTS) // k)
-
-    # Two chunk-sized work buffers for every pass: fresh chunk-sized temporaries, freed between
-    # small long-lived allocations, fragment the CPU heap until it holds about the data's size.
-    buffers = logits.new_empty(2, min(rows, n), k)
+    loss_name = {"log": "log-loss", "brier": "Brier score"}.get(loss, f"{loss} loss")
 
     def moments(beta: float) -> tuple[float, float, float]:
-        """Loss, first and second derivative at ``beta``: one pass over the logits."""
-        totals = torch.zeros(3, dtype=torch.float64, device=logits.device)
-        for start in range(0, n, rows):
-            c = slice(start, start + rows)
-            centred, e = buffers[:, : min(rows, n - start)]
-            torch.sub(logits[c], z_max[c].unsqueeze(1), out=centred)  # <= 0: exp cannot overflow
-            scaled_exp(centred, beta, out=e)
-            s0 = e.sum(1)
-            s1 = e.mul_(centred).sum(1)
-            s2 = e.mul_(centred).sum(1)
-            mean = s1 / s0
-            per_row = torch.stack([s0.log() - beta * z_true_centred[c], mean - z_true_centred[c], s2 / s0 - mean.square()])
-            totals += per_row.to(torch.float64) @ sample_w[c]
-        loss, grad, hess = all_reduce_(totals, process_group).tolist()
-        return loss, grad, hess
+        """Mean loss, first and second derivative at ``beta``: one pass over the logits."""
+        totals = tempered_moments(logits, labels, [beta], loss, sample_w)[0]
+        value, grad, hess = all_reduce_(totals, process_group).tolist()
+        return value, grad, hess
 
-    # At beta = 0 the posteriors are uniform: the derivative needs no exponentials. It is taken in
-    # float64 so that a constant classifier gives exactly 0 rather than float32 round-off.
-    # (chunk by chunk: mean(dtype=float64) would make a float64 copy of all the logits)
-    wide = buffers.new_empty(buffers.shape[1:], dtype=torch.float64)
-    row_means = torch.cat([
-        wide[: min(rows, n - start)].copy_(logits[start : start + rows]).mean(1) for start in range(0, n, rows)
-    ])
-    at_zero = torch.stack([
-        sample_w.sum() * math.log(k),
-        sample_w @ (row_means - z_true.to(torch.float64)),
-        (sample_w * (z_max - z_min).to(torch.float64)).sum(),
-    ])
-    loss, grad, total_spread = all_reduce_(at_zero, process_group).tolist()
+    # At beta = 0 the posteriors are uniform, and the derivative is exactly 0 when every row is
+    # constant (a constant classifier), in any precision: the centred logits are then exactly 0.
+    value, grad, _ = moments(0.0)
     evaluations = 1
-    if grad >= 0 or total_spread == 0:
+    if grad >= 0:
         warnings.warn(
             "the scores are not positively related to the labels, so the best temperature is "
             "infinite (uniform posteriors); check that logits and labels belong together.",
             ConvergenceWarning,
             stacklevel=4,
         )
-        return 0.0, FitRecord(0, evaluations, loss, abs(grad), True, "optimum at T = inf (beta = 0)")
+        return 0.0, FitRecord(0, evaluations, value, abs(grad), True, "optimum at T = inf (beta = 0)")
     # The cap scales with a typical row's margin between its two largest logits (from evenly spaced
     # rows, about _SUBSAMPLE_ELEMENTS logits): not the largest margin, as one saturated row must not
     # stop the search short of an optimum that the other rows place at a low temperature, nor the
@@ -171,7 +153,8 @@ def fit_inverse_temperature(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)
             sub_beta, sub_record = fit_inverse_temperature(
-                logits[::stride], labels[::stride], weights, max_iter=max_iter, rtol=1e-3, process_group=process_group
+                logits[::stride], labels[::stride], weights, loss=loss, max_iter=max_iter, rtol=1e-3,
+                process_group=process_group,
             )
         if sub_record.converged and sub_beta > 0:
             start = sub_beta
@@ -179,30 +162,30 @@ def fit_inverse_temperature(
     lo, hi, beta = 0.0, math.inf, min(start, beta_max)
     tiny = torch.finfo(logits.dtype).tiny
     for iteration in range(1, max_iter + 1):
-        loss, grad, hess = moments(beta)
+        value, grad, hess = moments(beta)
         evaluations += 1
         # A derivative and a curvature that underflow (to 0, or to subnormals in float64) mean every
         # row's softmax is one-hot on its label in this precision: the loss is still falling
         # towards 0 (separable data), not at an optimum.
-        flat = hess < tiny and abs(grad) < tiny
+        flat = abs(hess) < tiny and abs(grad) < tiny
         if grad < 0 or flat:
             lo = beta
             if beta >= beta_max:
                 warnings.warn(
-                    "the calibration data are perfectly separable by the scores: the log-loss keeps "
+                    f"the calibration data are perfectly separable by the scores: the {loss_name} keeps "
                     f"falling as T -> 0; stopped at T = {1 / beta_max:.3g}.",
                     ConvergenceWarning,
                     stacklevel=4,
                 )
-                return beta, FitRecord(iteration, evaluations, loss, abs(grad), False, "separable data: T at its lower limit")
+                return beta, FitRecord(iteration, evaluations, value, abs(grad), False, "separable data: T at its lower limit")
         else:
             hi = beta
         # Newton on u = log(beta): f'(u) = beta * grad, f''(u) = beta^2 * hess + beta * grad.
         curvature = beta * hess + grad
         candidate = beta * math.exp(max(-grad / curvature, -30.0)) if curvature > 0 and -grad / curvature < 30 else math.inf
         if not flat and abs(candidate - beta) <= rtol * beta:  # (before the bracket test: beta may be its end)
-            return candidate, FitRecord(iteration, evaluations, loss, abs(grad), True, "Newton step below tolerance")
-        if grad < 0 and hess * loss <= 2 * grad * grad and math.isinf(hi):
+            return candidate, FitRecord(iteration, evaluations, value, abs(grad), True, "Newton step below tolerance")
+        if grad < 0 and hess * value <= 2 * grad * grad and math.isinf(hi):
             # The loss is one falling exponential (hess * loss = grad^2 for c e^(-beta m)): separable
             # data, where Newton only adds about 1/m to beta per step (733 steps to the cap).
             candidate = 4 * beta
@@ -210,10 +193,10 @@ def fit_inverse_temperature(
             candidate = (lo + hi) / 2 if math.isfinite(hi) else 4 * beta
         candidate = min(candidate, beta_max)
         if abs(candidate - beta) <= rtol * beta:
-            return candidate, FitRecord(iteration, evaluations, loss, abs(grad), True, "Newton step below tolerance")
+            return candidate, FitRecord(iteration, evaluations, value, abs(grad), True, "Newton step below tolerance")
         beta = candidate
     warnings.warn("temperature fit did not converge", ConvergenceWarning, stacklevel=4)
-    return beta, FitRecord(max_iter, evaluations, loss, abs(grad), False, f"stopped at the iteration cap ({max_iter})")
+    return beta, FitRecord(max_iter, evaluations, value, abs(grad), False, f"stopped at the iteration cap ({max_iter})")
 
 
 def inverse_temperature_start(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from torchcal._tempered_moments import tempered_moments
 from torchcal._validation import check_logits_and_labels
 from torchcal.distributed import ProcessGroup, all_reduce_
 from torchcal.functional.scoring import PER_SAMPLE_SCORES
@@ -25,6 +26,8 @@ def refinement_loss(logits: Tensor, labels: Tensor, loss: str = "log", *, proces
     scaling on these same ``logits: (N, K)`` and ``labels: (N,)``; a float64 scalar tensor.
 
     The calibration loss of temperature scaling is ``cross_entropy(logits, labels) - refinement``.
+    The cost is a few passes over the logits: the temperature fit's (in the logits' precision, see
+    :func:`torchcal.calibrators.temperature.fit_inverse_temperature`), and one in float64 for the loss.
 
     Args:
         loss: the proper scoring rule, ``"log"`` (cross-entropy) or ``"brier"``; the temperature
@@ -47,10 +50,12 @@ def refinement_loss(logits: Tensor, labels: Tensor, loss: str = "log", *, proces
         raise ValueError(f"loss must be one of {sorted(PER_SAMPLE_SCORES)}, got {loss!r}.")
     from torchcal.calibrators.temperature import TemperatureScaling  # the calibrators import this package
 
-    scaling = TemperatureScaling().fit(logits, labels, loss=loss, process_group=process_group)
-    with torch.no_grad():
-        log_probs = scaling(logits.to(torch.float64))
-        per_sample = PER_SAMPLE_SCORES[loss](log_probs, labels)
-        totals = torch.stack([per_sample.sum(), per_sample.new_tensor(float(labels.shape[0]))])
+    scaling = TemperatureScaling()
+    scaling.fit(logits, labels, loss=loss, process_group=process_group)
+    beta = 1 / scaling.temperature  # 0 for T = inf
+    # The loss at the fitted temperature in float64, chunk by chunk (a float64 copy of all the
+    # logits would be 400 MB at 50,000 x 1,000).
+    total = tempered_moments(logits, labels, [beta], loss, dtype=torch.float64)[0, 0]
+    totals = torch.stack([total, total.new_tensor(float(labels.shape[0]))])
     total, count = all_reduce_(totals, process_group)
     return total / count

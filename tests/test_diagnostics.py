@@ -21,11 +21,15 @@ from torchcal.functional import (
     signed_calibration_error,
 )
 from torchcal.functional.diagnostics import (
+    EDGE_TOLERANCE,
     bin_indices,
+    bin_statistics,
     calibration_error_terms,
     ecd_per_sample,
     edge_tolerance,
+    equal_mass_statistics,
     quantile_edges,
+    sort_columns,
     uniform_bin_indices,
     uniform_edges,
 )
@@ -216,6 +220,32 @@ def test_quantile_edges_match_numpy():
     expected = np.quantile(scores, np.arange(8) / 7, axis=0).T
     np.testing.assert_allclose(edges[:, 1:-1], expected[:, 1:-1], rtol=0, atol=1e-15)
     assert np.all(edges[:, 0] == 0) and np.all(edges[:, -1] == 1)
+
+
+def test_equal_mass_statistics_are_bin_statistics_of_quantile_edges():
+    """Read from the sorted columns, for every M at once, the bins are those of quantile_edges and
+    bin_indices, ties and all: the same counts and positives, the score sums up to round-off."""
+    rs = np.random.RandomState(1)
+    scores = rs.beta(0.5, 2.0, size=(101, 5))
+    scores[:40, 0] = 0.25  # a block of ties
+    scores[:, 1] = scores[:, 1].round(1)  # ties everywhere
+    scores[:, 2] = 0.5  # all tied
+    scores[::7, 3] = quantile_edges(torch.from_numpy(scores[:, 3:4]), 3)[0, 1] * (1 + 1e-13)  # on an edge, within tolerance
+    scores, targets = torch.from_numpy(scores), torch.from_numpy(rs.rand(101, 5) < scores)
+    permutation = torch.randperm(101)
+    n_bins = torch.arange(1, 110)
+    counts, score_sums, target_sums = equal_mass_statistics(sort_columns(scores[permutation], targets[permutation]), n_bins)
+    for b, m in enumerate(n_bins.tolist()):
+        expected = bin_statistics(scores, targets, quantile_edges(scores, m), EDGE_TOLERANCE)
+        assert torch.equal(counts[:, b, :m], expected[0]) and torch.equal(target_sums[:, b, :m], expected[2]), m
+        torch.testing.assert_close(score_sums[:, b, :m], expected[1], rtol=0, atol=1e-13)
+        assert not counts[:, b, m:].any()  # the padding of the shorter splits is empty
+    # one bin count per column
+    own = torch.tensor([[3], [7], [1], [3], [12]])
+    counts, score_sums, target_sums = equal_mass_statistics(sort_columns(scores, targets), own)
+    for column, m in enumerate(own.flatten().tolist()):
+        expected = bin_statistics(scores[:, column : column + 1], targets[:, column : column + 1], quantile_edges(scores[:, column : column + 1], m), EDGE_TOLERANCE)
+        assert torch.equal(counts[column, 0, :m], expected[0][0]) and torch.equal(target_sums[column, 0, :m], expected[2][0])
 
 
 def test_quantile_bins_are_equal_mass():

@@ -41,6 +41,7 @@ __all__ = [
     "BinnedScores",
     "ColumnDecomposition",
     "ReliabilityBins",
+    "SortedColumns",
     "bin_indices",
     "bin_statistics",
     "binned_error_columns",
@@ -54,11 +55,13 @@ __all__ = [
     "ecd_per_sample",
     "edge_tolerance",
     "entropic_calibration_difference",
+    "equal_mass_statistics",
     "expected_calibration_error",
     "quantile_edges",
     "reliability_bins",
     "reliability_bins_from_sums",
     "signed_calibration_error",
+    "sort_columns",
     "sums_by_key",
     "uniform_bin_indices",
     "uniform_edges",
@@ -71,6 +74,9 @@ Reduction = Literal["mean", "sum", "max", "none"]
 
 EDGE_TOLERANCE = 1e-12
 EDGE_ULPS = 8
+#: Elements of one (columns, samples) block that column-by-column work handles at once: it bounds the
+#: memory of the functionals that sort or round every column of (N, K) scores (32 MB per float64 block).
+COLUMN_CHUNK_ELEMENTS = 1 << 22
 
 
 def edge_tolerance(*dtypes: torch.dtype) -> float:
@@ -169,14 +175,37 @@ def quantile_edges(scores: Tensor, n_bins: int) -> Tensor:
         tensor([[0.0000, 0.3000, 1.0000]], dtype=torch.float64)
     """
     check_n_bins(n_bins)
-    ordered = scores.to(torch.float64).sort(dim=0).values
-    position = torch.arange(n_bins + 1, dtype=torch.float64, device=scores.device) * (scores.shape[0] - 1) / n_bins
-    lower = position.floor().long()
-    upper = position.ceil().long()
-    fraction = (position - lower).unsqueeze(1)
-    edges = ordered[lower] + fraction * (ordered[upper] - ordered[lower])
-    edges[0], edges[-1] = 0.0, 1.0
-    return edges.T.contiguous()
+    ordered = scores.to(torch.float64).T.contiguous().sort(dim=-1).values
+    positions = _quantile_positions(torch.tensor([n_bins], device=scores.device), scores.shape[0])
+    edges = _order_statistics(ordered, positions)
+    edges[:, 0], edges[:, -1] = 0.0, 1.0
+    return edges
+
+
+def _quantile_positions(n_bins: Tensor, num_samples: int) -> Tensor:
+    """Positions ``k (N - 1) / M`` in the sorted samples of the k/M quantiles, k = 0..max M, for
+    bin counts ``n_bins: (...)``; (..., max M + 1) float64, held at N - 1 past each M."""
+    k = torch.arange(int(n_bins.max()) + 1, dtype=torch.float64, device=n_bins.device)
+    return (k * (num_samples - 1) / n_bins.unsqueeze(-1)).clamp_max(num_samples - 1)
+
+
+def _order_statistics(ordered: Tensor, positions: Tensor) -> Tensor:
+    """Sorted columns ``ordered: (C, N)`` read at fractional ``positions: (C or 1, ...)``, linearly
+    interpolated between the neighbouring order statistics; (C, ...)."""
+    lower, upper = positions.floor().long(), positions.ceil().long()
+    fraction = positions - lower
+    shape = (ordered.shape[0], *positions.shape[1:])
+
+    def at(index: Tensor) -> Tensor:
+        return ordered.gather(-1, index.expand(shape).reshape(shape[0], -1)).view(shape)
+
+    below = at(lower)
+    return below + fraction * (at(upper) - below)
+
+
+def _raised(edges: Tensor, tolerance: float) -> Tensor:
+    """Edges raised by the relative ``tolerance``: a score up to this much above an edge is on it."""
+    return edges * (1 + tolerance)
 
 
 def bin_indices(scores: Tensor, edges: Tensor, tolerance: float | None = None) -> Tensor:
@@ -193,7 +222,7 @@ def bin_indices(scores: Tensor, edges: Tensor, tolerance: float | None = None) -
                 [1],
                 [3]])
     """
-    interior = edges[..., 1:-1] * (1 + (edge_tolerance(scores.dtype) if tolerance is None else tolerance))
+    interior = _raised(edges[..., 1:-1], edge_tolerance(scores.dtype) if tolerance is None else tolerance)
     if interior.ndim == 1:
         return torch.bucketize(scores.contiguous(), interior, right=False)
     return torch.searchsorted(interior.contiguous(), scores.T.contiguous(), right=False).T
@@ -230,7 +259,7 @@ def uniform_bin_indices(scores: Tensor, n_bins: int, tolerance: float | None = N
 def _uniform_bin_bounds(n_bins: int, device: torch.device, tolerance: float) -> tuple[Tensor, Tensor]:
     """Lower and upper bounds (M,) of ``uniform_bin_indices``' bins, as ``bin_indices`` draws them:
     bin m is ``(lower[m], upper[m]]``. Cached: building them costs as much as using them."""
-    interior = (uniform_edges(n_bins)[1:-1] * (1 + tolerance)).to(device)
+    interior = _raised(uniform_edges(n_bins)[1:-1], tolerance).to(device)
     infinity = interior.new_full((1,), float("inf"))
     return torch.cat([-infinity, interior]), torch.cat([interior, infinity])
 
@@ -272,6 +301,77 @@ def sums_by_key(keys: Tensor, scores: Tensor, targets: Tensor, num_keys: int) ->
     for row, values in zip(sums, (torch.ones_like(flat, dtype=torch.float64), scores.flatten(), targets.flatten())):
         row.index_add_(0, flat, values.to(torch.float64))
     return sums
+
+
+class SortedColumns(NamedTuple):
+    """Columns of scores sorted once, with the running sums of their targets and scores: the
+    equal-mass bins of any number M read off them in O(M log N) per column
+    (:func:`equal_mass_statistics`) instead of a sort and a pass over the samples per M."""
+
+    scores: Tensor  # (C, N) float64, each row ascending
+    target_prefix: Tensor  # (C, N + 1) float64: sum of the first n sorted targets at n
+    score_prefix: Tensor  # (C, N + 1) float64: sum of the first n sorted scores at n
+
+
+def sort_columns(scores: Tensor, targets: Tensor) -> SortedColumns:
+    """Sort each column of ``scores: (N, C)`` with its ``targets: (N, C)`` (bool or 0/1).
+
+    Example:
+        >>> columns = sort_columns(torch.tensor([[0.9], [0.2], [0.4]], dtype=torch.float64), torch.tensor([[True], [False], [True]]))
+        >>> columns.scores.tolist(), columns.target_prefix.tolist()
+        ([[0.2, 0.4, 0.9]], [[0.0, 0.0, 1.0, 2.0]])
+    """
+    ordered, order = scores.to(torch.float64).T.contiguous().sort(dim=-1)
+    sorted_targets = targets.T.contiguous().gather(-1, order).to(torch.float64)
+    return SortedColumns(ordered, _prefix_sums(sorted_targets), _prefix_sums(ordered))
+
+
+def _prefix_sums(values: Tensor) -> Tensor:
+    """Sums (..., N + 1) of the first n of ``values: (..., N)``, n = 0..N."""
+    prefix = values.new_zeros(*values.shape[:-1], values.shape[-1] + 1)
+    torch.cumsum(values, -1, out=prefix[..., 1:])
+    return prefix
+
+
+def equal_mass_statistics(
+    columns: SortedColumns, n_bins: Tensor, tolerance: float = EDGE_TOLERANCE
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``bin_statistics(scores, targets, quantile_edges(scores, M), tolerance)`` for several M at
+    once, read from the sorted columns: equal to it up to the round-off of the running score sums.
+
+    ``n_bins``: bin counts (B,) for every column, or (C, B) for each column its own. Returns
+    ``counts``, ``score_sums`` and ``target_sums``, each (C, B, max M); a split into fewer bins
+    than the largest is padded with empty bins.
+
+    Example (the four scores of ``quantile_edges``' example in one and in two bins):
+        >>> columns = sort_columns(torch.tensor([[0.1], [0.2], [0.4], [0.9]]), torch.tensor([[False], [True], [False], [True]]))
+        >>> counts, _, target_sums = equal_mass_statistics(columns, torch.tensor([1, 2]))
+        >>> counts.tolist(), target_sums.tolist()
+        ([[[4.0, 0.0], [2.0, 2.0]]], [[[2.0, 0.0], [1.0, 1.0]]])
+    """
+    cuts = _equal_mass_cuts(columns.scores, n_bins, tolerance)
+    counts = cuts.diff(dim=-1).to(torch.float64)
+    return counts, _sums_between(columns.score_prefix, cuts), _sums_between(columns.target_prefix, cuts)
+
+
+def _equal_mass_cuts(ordered: Tensor, n_bins: Tensor, tolerance: float) -> Tensor:
+    """Where the equal-mass bins split the sorted columns ``ordered: (C, N)``, for bin counts
+    ``n_bins: (B,)`` or (C, B); (C, B, max M + 1) int64. Bin m of an M-bin split holds the sorted
+    samples ``cut[m]`` to ``cut[m + 1] - 1``: ``cut[0] = 0``, ``cut[m] = N`` for m >= M, and in
+    between the number of scores at or below the raised edge, where ``bin_indices`` puts them."""
+    num_columns, num_samples = ordered.shape
+    positions = _quantile_positions(n_bins if n_bins.ndim == 2 else n_bins.unsqueeze(0), num_samples)
+    edges = _raised(_order_statistics(ordered, positions), tolerance)
+    cuts = torch.searchsorted(ordered, edges.view(num_columns, -1), right=True).view(edges.shape)
+    k = torch.arange(positions.shape[-1], device=ordered.device)
+    outer = torch.where(k == 0, 0, num_samples)
+    return torch.where((k > 0) & (k < n_bins.unsqueeze(-1)), cuts, outer)
+
+
+def _sums_between(prefix: Tensor, cuts: Tensor) -> Tensor:
+    """Sums (C, ..., P - 1) of the sorted values between consecutive ``cuts: (C, ..., P)``, from
+    their running sums ``prefix: (C, N + 1)``."""
+    return prefix.gather(-1, cuts.view(cuts.shape[0], -1)).view(cuts.shape).diff(dim=-1)
 
 
 class BinDecomposition(NamedTuple):

@@ -68,3 +68,23 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def make_awkward(n: int, num_classes: int, seed: int, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits (n, K) and labels with what trips up statistics computed column by column: tied
+    scores (a fifth of the rows repeat one of three rows, with labels drawn row by row), and for
+    K > 2 a class that never occurs (the last: an all-negative column). The labels are drawn from
+    softmax(logits), so the columns are calibrated up to the removed class."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = 2 * torch.randn(n, num_classes, generator=generator, dtype=torch.float64)
+    repeated = torch.rand(n, generator=generator) < 0.2
+    logits[repeated] = logits[:3][torch.randint(0, 3, (int(repeated.sum()),), generator=generator)]
+    labels = torch.multinomial(logits.softmax(1), 1, generator=generator).squeeze(1)
+    if num_classes > 2:
+        labels[labels == num_classes - 1] = 0
+    return logits.to(dtype), labels
+
+
+@pytest.fixture
+def awkward():
+    return make_awkward

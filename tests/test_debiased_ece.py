@@ -8,6 +8,7 @@ import torch
 
 from torchcal.functional import expected_calibration_error
 from torchcal.functional.debiased_ece import debiased_calibration_error, sweep_calibration_error, sweep_n_bins
+from torchcal.functional.diagnostics import binned_scores
 
 
 def _equal_mass_bins(s: np.ndarray, n_bins: int) -> list[np.ndarray]:
@@ -29,9 +30,10 @@ def _debiased_numpy(s: np.ndarray, y: np.ndarray, n_bins: int) -> float:
     return max(total, 0.0) ** 0.5
 
 
-def _sweep_numpy(s: np.ndarray, y: np.ndarray, p: int) -> tuple[int, float]:
+def _sweep_numpy(s: np.ndarray, y: np.ndarray, p: int, max_bins: int | None = None) -> tuple[int, float]:
+    """One column's sweep, bin count by bin count, each with its own quantiles and masks."""
     chosen = 1
-    for n_bins in range(2, len(s) + 1):
+    for n_bins in range(2, (len(s) if max_bins is None else min(max_bins, len(s))) + 1):
         frequency = [y[inside].mean() for inside in _equal_mass_bins(s, n_bins) if inside.any()]
         if np.any(np.diff(frequency) < 0):
             break
@@ -120,3 +122,50 @@ def test_streaming_metric_equals_functional(synthetic, strategy):
             metric.update(logits[chunk], labels[chunk])
         expected = debiased_calibration_error(logits, labels, n_bins=10, strategy=strategy, kind="classwise", reduction=reduction)
         assert float(metric.compute()) == pytest.approx(float(expected), rel=1e-12)
+
+
+def _columns_numpy(logits: torch.Tensor, labels: torch.Tensor, kind: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """torchcal's scores and 0/1 targets of each column of ``kind``."""
+    binned = binned_scores(logits, labels, 1, "uniform", kind)
+    return list(zip(binned.scores.T.numpy(), binned.targets.T.numpy().astype(float)))
+
+
+@pytest.mark.parametrize(("n", "k", "dtype"), [(7, 3, torch.float64), (301, 5, torch.float32), (250, 2, torch.float64), (99, 4, torch.float32)])
+def test_batched_sweep_equals_the_column_by_column_reference(awkward, n, k, dtype):
+    """The columns, each sorted once and swept side by side, give each column's own sweep (one sort
+    and pass per bin count): with tied scores, a class that never occurs (swept to M = N), few
+    samples, K = 2, odd N, float32 and float64 logits, in another row order, and with max_bins."""
+    logits, labels = awkward(n, k, seed=n, dtype=dtype)
+    permutation = torch.randperm(n)
+    for kind in ("classwise", "top-label", "binary") if k == 2 else ("classwise", "top-label"):
+        columns = _columns_numpy(logits, labels, kind)
+        for max_bins in (None, 4):
+            bin_counts = [sweep_n_bins(torch.from_numpy(s), torch.from_numpy(t), max_bins) for s, t in columns]
+            for norm, p in (("l2", 2), ("l1", 1)):
+                reference = [_sweep_numpy(s, t, p, max_bins) for s, t in columns]
+                assert bin_counts == [m for m, _ in reference]
+                errors = np.array([e for _, e in reference])
+                expected = {"mean": errors.mean(), "max": errors.max(), "rms": np.sqrt(np.mean(errors**2))}
+                for reduction in expected if kind == "classwise" else ("mean",):
+                    for order in (slice(None), permutation):
+                        got = sweep_calibration_error(logits[order], labels[order], kind, norm, reduction, max_bins)
+                        assert float(got) == pytest.approx(expected[reduction], rel=1e-12, abs=1e-15), (kind, norm, reduction)
+
+
+@pytest.mark.parametrize(
+    ("scores", "targets"),
+    [
+        ([0.1, 0.2, 0.3, 0.4, 0.5], [0, 0, 0, 0, 0]),  # one class only
+        ([0.1, 0.1, 0.2, 0.3, 0.3, 0.9], [0, 0, 0, 1, 1, 1]),  # separable, with ties
+        ([0.2, 0.2, 0.5, 0.5, 0.5, 0.5], [0, 1, 1, 0, 0, 1]),  # tied groups of equal frequency
+        ([0.2, 0.2, 0.5, 0.5], [1, 1, 0, 1]),  # frequencies 1 then 0.5: some M must decrease
+        ([0.3] * 6, [1, 0, 1, 0, 0, 1]),  # all tied: one non-empty bin for every M
+        ([0.1] + [0.5] * 9, [1, 1, 0, 1, 0, 0, 1, 0, 1, 0]),  # decreases only from M = 9, past M^2 > N
+        ([0.1, 0.4, 0.2, 0.8, 0.6, 0.3, 0.9], [0, 1, 0, 1, 0, 0, 1]),
+    ],
+)
+def test_sweep_n_bins_where_the_frequencies_may_not_decrease(scores, targets):
+    """Columns whose tied groups' frequencies never decrease are never stopped (M = N, found without
+    sweeping on); the others are swept on, whatever the groups."""
+    s, y = np.array(scores), np.array(targets, dtype=float)
+    assert sweep_n_bins(torch.from_numpy(s), torch.from_numpy(y)) == _sweep_numpy(s, y, 2)[0]

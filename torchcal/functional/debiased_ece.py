@@ -25,15 +25,19 @@ import torch
 from torch import Tensor
 
 from torchcal.functional.diagnostics import (
+    COLUMN_CHUNK_ELEMENTS,
+    EDGE_TOLERANCE,
     ColumnDecomposition,
+    SortedColumns,
     Strategy,
-    bin_statistics,
     binned_error_columns,
     binned_scores,
     calibration_error_from_bins,
     check_calibration_error_kind,
     check_n_bins,
-    quantile_edges,
+    edge_tolerance,
+    equal_mass_statistics,
+    sort_columns,
 )
 
 __all__ = [
@@ -143,16 +147,95 @@ def sweep_n_bins(scores: Tensor, targets: Tensor, max_bins: int | None = None) -
         >>> sweep_n_bins(scores, torch.tensor([0, 0, 1, 0, 0, 1, 1, 1]))
         2
     """
-    column, target = scores.reshape(-1, 1), targets.reshape(-1, 1).bool()
-    limit = column.shape[0] if max_bins is None else min(max_bins, column.shape[0])
-    chosen = 1
-    for n_bins in range(2, limit + 1):
-        counts, _, target_sums = (x[0] for x in bin_statistics(column, target, quantile_edges(column, n_bins)))
-        frequency = (target_sums / counts.clamp_min(1))[counts > 0]
-        if bool((frequency[1:] < frequency[:-1]).any()):
+    column = sort_columns(scores.reshape(-1, 1), targets.reshape(-1, 1).bool())
+    return int(_sweep_bin_counts(column, _sweep_limit(scores.numel(), max_bins), edge_tolerance(scores.dtype))[0])
+
+
+def _sweep_limit(num_samples: int, max_bins: int | None) -> int:
+    """The largest bin count the sweep tries: N, or ``max_bins`` if fewer."""
+    return num_samples if max_bins is None else min(max_bins, num_samples)
+
+
+def _sweep_bin_counts(columns: SortedColumns, limit: int, tolerance: float) -> Tensor:
+    """The sweep's bin count (C,) int64 of each sorted column: the M before the first M in
+    2..``limit`` whose equal-mass frequencies decrease, ``limit`` if none does (1 if it is below 2).
+
+    All columns try the same M together, in blocks of consecutive M that grow with M (as long as
+    the block's statistics fit ``COLUMN_CHUNK_ELEMENTS``); a column stops at its first decrease.
+    Once the sweep has read about as many bins as there are samples (M^2 > N), the columns whose
+    frequencies cannot decrease at any M are found and given ``limit`` instead of being swept on.
+    """
+    (num_columns, num_samples), device = columns.scores.shape, columns.scores.device
+    chosen = torch.full((num_columns,), max(limit, 1), dtype=torch.int64, device=device)
+    held, index = columns, torch.arange(num_columns, device=device)  # the rows held, and their columns
+    sweeping = torch.ones(num_columns, dtype=torch.bool, device=device)
+    first, checked = 2, False
+    while first <= limit:
+        if not checked and first * first > num_samples:
+            sweeping &= ~_frequencies_never_decrease(held)
+            checked = True
+        if not bool(sweeping.any()):
             break
-        chosen = n_bins
+        if 2 * int(sweeping.sum()) <= sweeping.numel():  # copy the rows still swept once half are done
+            held, index, sweeping = _select(held, sweeping), index[sweeping], sweeping[sweeping]
+        length = max(1, min(first, limit + 1 - first, COLUMN_CHUNK_ELEMENTS // (sweeping.numel() * 2 * first)))
+        n_bins = torch.arange(first, first + length, device=device)
+        counts, _, target_sums = equal_mass_statistics(held, n_bins, tolerance)
+        decreasing = _decreasing_frequencies(counts, target_sums) & sweeping.unsqueeze(1)  # (rows, length)
+        stopped = decreasing.any(-1)
+        # argmax finds the first M of the block that decreases; the sweep keeps the one before it
+        chosen[index[stopped]] = first - 1 + decreasing[stopped].int().argmax(-1)
+        sweeping &= ~stopped
+        first += length
     return chosen
+
+
+def _select(columns: SortedColumns, index: Tensor) -> SortedColumns:
+    """The sorted columns that ``index`` (a mask or indices) picks."""
+    return SortedColumns(*(x[index] for x in columns))
+
+
+def _decreasing_frequencies(counts: Tensor, target_sums: Tensor) -> Tensor:
+    """Whether the frequencies of the non-empty bins (..., M) decrease somewhere; (...) bool.
+
+    A sequence decreases somewhere if and only if one of its terms lies below the largest term
+    before it; empty bins are left out of both.
+    """
+    frequency = target_sums / counts.clamp_min(1)
+    nonempty = counts > 0
+    highest = torch.where(nonempty, frequency, -1.0).cummax(-1).values
+    return (nonempty[..., 1:] & (frequency[..., 1:] < highest[..., :-1])).any(-1)
+
+
+def _frequencies_never_decrease(columns: SortedColumns) -> Tensor:
+    """Whether no equal-mass split of each sorted column has decreasing frequencies; (C,) bool.
+
+    Bins split a column only between distinct scores, so a bin's frequency is a weighted mean of
+    the frequencies of the groups of tied scores in it: if these do not decrease with the score,
+    neither do the bins' frequencies, for any M (columns of one class only, or separable ones,
+    which the sweep would otherwise take to M = N).
+    """
+    ordered = columns.scores
+    num_columns, num_samples = ordered.shape
+    position = torch.arange(num_samples, device=ordered.device).expand(num_columns, -1)
+    starts = torch.ones_like(ordered, dtype=torch.bool)  # whether a group of tied scores starts here
+    starts[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    ends = torch.ones_like(starts)  # whether one ends here
+    ends[:, :-1] = starts[:, 1:]
+    # each sample's group: from the last start at or before it to one past the first end at or after it
+    first = torch.where(starts, position, 0).cummax(-1).values
+    last = torch.where(ends, position + 1, num_samples).flip(-1).cummin(-1).values.flip(-1)
+    positives = columns.target_prefix.gather(-1, last) - columns.target_prefix.gather(-1, first)
+    sizes = (last - first).to(torch.float64)
+    # neighbouring samples' group frequencies p / n <= p' / n', compared without rounding
+    return (positives[:, :-1] * sizes[:, 1:] <= positives[:, 1:] * sizes[:, :-1]).all(-1)
+
+
+def _swept_errors(columns: SortedColumns, limit: int, norm: Literal["l1", "l2"]) -> Tensor:
+    """The calibration error (C,) of each sorted column with its sweep's equal-mass bins."""
+    n_bins = _sweep_bin_counts(columns, limit, EDGE_TOLERANCE)
+    counts, score_sums, target_sums = (x.squeeze(1) for x in equal_mass_statistics(columns, n_bins.unsqueeze(1)))
+    return calibration_error_from_bins(counts, score_sums, target_sums, norm=norm, reduction="none")
 
 
 def sweep_calibration_error(
@@ -166,7 +249,9 @@ def sweep_calibration_error(
     """Equal-mass ECE with the monotonic sweep of bin counts (Roelofs et al. 2022); a scalar.
 
     ``norm="l2"`` (the paper's ECE_sweep) or ``"l1"``; each column of ``"classwise"`` sweeps its
-    own bin count. ``max_bins`` caps the sweep (default N). One read-back per bin count tried.
+    own bin count. ``max_bins`` caps the sweep (default N). Each column is sorted once and every
+    bin count's bins read from the sorted order; the columns are swept together, in chunks that
+    bound the memory, with one read-back per block of bin counts tried.
 
     Example:
         >>> import torch
@@ -205,9 +290,9 @@ def sweep_calibration_error_columns(
 
 def _sweep_of_columns(scores: Tensor, targets: Tensor, norm: Literal["l1", "l2"], reduction: Reduction, max_bins: int | None) -> Tensor:
     """The sweep ECE of the columns ``scores``, ``targets`` (N, C), each at its own bin count."""
-    per_column = []
-    for column, target in zip(scores.T, targets.T):
-        n_bins = sweep_n_bins(column, target, max_bins)
-        statistics = bin_statistics(column.unsqueeze(1), target.unsqueeze(1), quantile_edges(column.unsqueeze(1), n_bins))
-        per_column.append(calibration_error_from_bins(*statistics, norm=norm))
-    return _reduce(torch.stack(per_column), reduction)
+    limit = _sweep_limit(scores.shape[0], max_bins)
+    chunk = max(1, COLUMN_CHUNK_ELEMENTS // scores.shape[0])
+    per_column = [
+        _swept_errors(sort_columns(f, y), limit, norm) for f, y in zip(scores.split(chunk, 1), targets.split(chunk, 1))
+    ]
+    return _reduce(torch.cat(per_column), reduction)

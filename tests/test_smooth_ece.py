@@ -8,7 +8,12 @@ import torch
 
 from torchcal.functional import bootstrap
 from torchcal.functional.bootstrap import resample_indices
-from torchcal.functional.smooth_ece import smooth_calibration_error, smooth_ece_bandwidth, smooth_reliability_curve
+from torchcal.functional.smooth_ece import (
+    _reflected_gaussian_smooth,
+    smooth_calibration_error,
+    smooth_ece_bandwidth,
+    smooth_reliability_curve,
+)
 from torchcal.metrics.smooth_ece import SmoothCalibrationError
 
 relplot = pytest.importorskip("relplot")
@@ -144,3 +149,12 @@ def test_small_bandwidth_uses_relplots_finer_grid():
     metric = SmoothCalibrationError(2, kind="binary")
     metric.update(logits, labels)
     assert float(metric.compute()) == pytest.approx(expected, abs=5e-5)
+
+
+@pytest.mark.parametrize(("sigma", "grid_points"), [(0.05, 1001), (0.003, 3334), (0.3, 7)])
+def test_smoothing_equals_relplots_direct_convolution(sigma, grid_points):
+    """The FFT of a fast length (a circular convolution, un-aliased on the part kept) is numpy.convolve."""
+    values = np.random.RandomState(0).rand(2, grid_points)
+    expected = [ReflectedGaussianKernel(sigma).convolve(row, grid_points) for row in values]
+    got = _reflected_gaussian_smooth(torch.from_numpy(values), sigma).numpy()
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-12 * np.abs(expected).max())

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import partial
+from functools import lru_cache, partial
 from typing import Literal, NamedTuple
 
 import torch
@@ -108,10 +108,27 @@ def _reflected_gaussian_smooth(values: Tensor, bandwidth: float) -> Tensor:
     offsets = torch.linspace(0, 1, g, dtype=torch.float64, device=values.device) - 0.5
     kernel = torch.exp(-offsets * offsets / (2 * bandwidth**2)) / (math.sqrt(2 * math.pi) * bandwidth)
     extended = torch.cat([values.flip(-1)[..., :-1], values, values.flip(-1)[..., 1:]], dim=-1)
-    size = extended.shape[-1] + g - 1
+    # A circular convolution of any length >= len(extended) = 3g - 2 equals the linear one from
+    # index g - 1 on (overlap-save), which holds the part kept; a length made of the factors 2, 3
+    # and 5 has an FFT 5 to 20 times faster than that of the odd 4g - 3 of the full convolution.
+    size = _fast_fft_length(extended.shape[-1])
     full = torch.fft.irfft(torch.fft.rfft(extended, size) * torch.fft.rfft(kernel, size), size)
     start = g - 1 + g // 2  # numpy.convolve's "valid" part starts at g - 1
     return full[..., start : start + g]
+
+
+@lru_cache(maxsize=64)
+def _fast_fft_length(n: int) -> int:
+    """The smallest length >= n whose only prime factors are 2, 3 and 5."""
+    best = 1 << (n - 1).bit_length()
+    power_of_5 = 1
+    while power_of_5 < best:
+        odd = power_of_5
+        while odd < best:
+            best = min(best, odd << (-(-n // odd) - 1).bit_length())  # odd times the power of 2 that reaches n
+            odd *= 3
+        power_of_5 *= 5
+    return best
 
 
 def _interpolate(mesh: Tensor, values: Tensor) -> Tensor:

@@ -8,10 +8,13 @@ import torch
 
 from torchcal.functional import bootstrap
 from torchcal.functional.bootstrap import resample_indices
+from torchcal.functional.diagnostics import binary_problems
 from torchcal.functional.smooth_ece import (
+    _at_fixed_points,
     _reflected_gaussian_smooth,
     smooth_calibration_error,
     smooth_ece_bandwidth,
+    smooth_ece_from_grid,
     smooth_reliability_curve,
 )
 from torchcal.metrics.smooth_ece import SmoothCalibrationError
@@ -19,6 +22,7 @@ from torchcal.metrics.smooth_ece import SmoothCalibrationError
 relplot = pytest.importorskip("relplot")
 from relplot.estimators import KernelSmoother  # noqa: E402
 from relplot.kernels import ReflectedGaussianKernel  # noqa: E402
+from relplot.metrics import search_param  # noqa: E402
 
 TEMPERATURE = 2.395  # SOURCES.md: temperature scaling fitted on the validation split
 
@@ -151,6 +155,42 @@ def test_small_bandwidth_uses_relplots_finer_grid():
     assert float(metric.compute()) == pytest.approx(expected, abs=5e-5)
 
 
+def _relplot_by_column(logits: torch.Tensor, labels: torch.Tensor, kind: str, bandwidth: float | None = None) -> np.ndarray:
+    """relplot's smECE and bandwidth (C, 2) of each column of ``kind``, one column at a time, on torchcal's scores."""
+    scores, targets = binary_problems(logits, labels, kind, ("top-label", "binary", "classwise"))
+    columns = zip(scores.T.numpy(), targets.T.numpy())
+    if bandwidth is not None:
+        return np.array([(relplot.smECE_sigma(f, y, bandwidth), bandwidth) for f, y in columns])
+    return np.array([relplot.smECE(f, y, return_width=True) for f, y in columns])
+
+
+@pytest.mark.parametrize(("n", "k", "dtype"), [(7, 3, torch.float64), (301, 5, torch.float32), (250, 2, torch.float64), (40001, 3, torch.float32)])
+def test_batched_columns_equal_relplot_column_by_column(awkward, n, k, dtype):
+    """All columns smoothed together, their fixed points searched side by side, give each column's
+    own smECE and bandwidth: with tied scores, a class that never occurs, few samples, K = 2, odd N,
+    a bandwidth below 0.01 (a grid of its own), float32 and float64 logits, in another row order."""
+    logits, labels = awkward(n, k, seed=n, dtype=dtype)
+    permutation = torch.randperm(n)
+    for kind in ("classwise", "binary") if k == 2 else ("classwise",):
+        expected = _relplot_by_column(logits, labels, kind)
+        at_sigma = _relplot_by_column(logits, labels, kind, bandwidth=0.03)
+        for order in (slice(None), permutation):
+            assert smooth_ece_bandwidth(logits[order], labels[order], kind).tolist() == expected[:, 1].tolist()
+            assert float(smooth_calibration_error(logits[order], labels[order], kind)) == pytest.approx(expected[:, 0].mean(), abs=1e-12)
+            at = smooth_calibration_error(logits[order], labels[order], kind, bandwidth=0.03)
+            assert float(at) == pytest.approx(at_sigma[:, 0].mean(), abs=1e-12)
+
+
+def test_streaming_classwise_equals_its_columns_one_by_one(awkward):
+    """The metric's batched compute is the mean of smooth_ece_from_grid of each column's grid."""
+    logits, labels = awkward(2001, 6, seed=4)
+    for bandwidth in (None, 0.02):
+        metric = SmoothCalibrationError(6, kind="classwise", bandwidth=bandwidth)
+        metric.update(logits, labels)
+        by_column = [float(smooth_ece_from_grid(column, bandwidth)[0]) for column in metric.grid]
+        assert float(metric.compute()) == pytest.approx(np.mean(by_column), abs=1e-15)
+
+
 @pytest.mark.parametrize(("sigma", "grid_points"), [(0.05, 1001), (0.003, 3334), (0.3, 7)])
 def test_smoothing_equals_relplots_direct_convolution(sigma, grid_points):
     """The FFT of a fast length (a circular convolution, un-aliased on the part kept) is numpy.convolve."""
@@ -158,3 +198,21 @@ def test_smoothing_equals_relplots_direct_convolution(sigma, grid_points):
     expected = [ReflectedGaussianKernel(sigma).convolve(row, grid_points) for row in values]
     got = _reflected_gaussian_smooth(torch.from_numpy(values), sigma).numpy()
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-12 * np.abs(expected).max())
+
+
+def test_fixed_point_search_keeps_a_bracket_per_column():
+    """The columns' bisections run side by side, one call per distinct bandwidth of a step, and each
+    ends where relplot's search_param ends alone: at 1 when even 1 is too small (level 2), at the
+    floor 1e-3 (level 0), or at the fixed point of its own smECE(sigma) = level (1 + sigma)."""
+    levels = torch.tensor([2.0, 0.3, 0.0, 0.0123, 0.3, 0.05, 0.0004], dtype=torch.float64)
+    calls = []
+
+    def smooth_ece_at(columns: torch.Tensor, sigma: float) -> torch.Tensor:
+        calls.append(sigma)
+        return levels[columns] * (1 + sigma)
+
+    values, bandwidths = _at_fixed_points(smooth_ece_at, torch.arange(len(levels)))
+    expected = [search_param(lambda a, level=level: a < 1e-3 or a < level * (1 + a)) for level in levels.tolist()]
+    assert bandwidths.tolist() == expected
+    assert values.tolist() == (levels * (1 + bandwidths)).tolist()
+    assert len(calls) == len(set(calls))  # each bandwidth tried once, for all the columns at it

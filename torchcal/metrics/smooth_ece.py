@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from torchcal._validation import check_count
-from torchcal.functional.smooth_ece import SmoothKind, round_to_grid, smooth_ece_from_grid
+from torchcal.functional.smooth_ece import SmoothKind, round_to_grid, smooth_ece_from_grids
 from torchcal.metrics._common import ScoreMetric, add_sum_state
 
 __all__ = ["SmoothCalibrationError"]
@@ -89,4 +89,4 @@ class SmoothCalibrationError(ScoreMetric):
         """The smooth ECE, a float64 scalar (the mean over classes for ``"classwise"``); NaN without samples."""
         if not bool(self.sample_count > 0):  # (an empty grid's smECE would read 0: perfectly calibrated)
             return self.grid.new_tensor(math.nan)
-        return torch.stack([smooth_ece_from_grid(column, self.bandwidth)[0] for column in self.grid]).mean()
+        return smooth_ece_from_grids(self.grid, self.bandwidth)[0].mean()

@@ -78,6 +78,7 @@ from torchcal.functional import (
     bootstrap as bootstrap_metric,
 )
 from torchcal.functional.consistency_resampling import consistency_resampling_test
+from torchcal.functional.decisions import is_zero_one_costs
 from torchcal.functional.detection import cllr, equal_error_rate, min_cllr
 from torchcal.functional.scoring import (
     class_frequencies,
@@ -100,6 +101,7 @@ __all__ = [
     "fit_calibrator",
     "load_calibrator",
     "load_label_shift",
+    "load_llr_priors",
     "load_saved_calibrator",
     "make_calibrator",
     "save_calibrator",
@@ -540,7 +542,7 @@ def evaluate(
         versus = metrics.nce_difference(calibrated[lowest], calibrated["temperature"])
         if versus.upper is not None and versus.upper >= 0:  # not significantly lower: the simpler method
             best = "temperature"
-    is_zero_one = costs.shape == (num_classes, num_classes) and torch.equal(costs, zero_one_costs(num_classes))
+    is_zero_one = is_zero_one_costs(costs)
     return Report(
         source=source, read_as=read_as, num_samples=logits.shape[0], num_classes=num_classes,
         protocol=protocol, priors=None if priors is None else priors.tolist(),

@@ -48,6 +48,7 @@ __all__ = [
     "expected_cost_from_class_sums",
     "expected_cost_from_counts",
     "expected_cost_terms",
+    "is_zero_one_costs",
     "zero_one_costs",
 ]
 
@@ -97,15 +98,20 @@ def bayes_decisions(logits: Tensor, costs: Tensor) -> Tensor:
     """
     logits = check_logits(logits)
     costs = check_costs(costs, logits.shape[1], device=logits.device)
-    if _is_zero_one(costs):
+    if is_zero_one_costs(costs):
         return _first_maximal_decisions(logits)
     return _least_cost_decisions(logits, costs)
 
 
-def _is_zero_one(costs: Tensor) -> bool:
-    """Whether ``costs: (K, M)`` float64 is the 0-1 cost matrix ``zero_one_costs(K)``."""
+def is_zero_one_costs(costs: Tensor) -> bool:
+    """Whether ``costs: (K, M)`` is the 0-1 cost matrix ``zero_one_costs(K)``, exactly.
+
+    Example:
+        >>> is_zero_one_costs(zero_one_costs(3)), is_zero_one_costs(2 * zero_one_costs(3))
+        (True, False)
+    """
     num_classes, num_decisions = costs.shape
-    return num_classes == num_decisions and torch.equal(costs, zero_one_costs(num_classes).to(costs.device))
+    return num_classes == num_decisions and torch.equal(costs, zero_one_costs(num_classes).to(costs))
 
 
 def _least_cost_decisions(logits: Tensor, costs: Tensor) -> Tensor:

@@ -124,10 +124,17 @@ def test_brier_temperature_takes_as_few_passes_as_the_log_loss(monkeypatch, dtyp
     assert counts["brier"] <= counts["log"] + 3 <= 12
 
 
-def test_affine_without_bias_is_temperature_scaling():
+@pytest.mark.parametrize("loss", ["log", "brier"])
+def test_affine_without_bias_is_temperature_scaling(monkeypatch, loss):
+    """Also for the Brier score, by the same 1-D solver (it went to the generic L-BFGS)."""
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the generic L-BFGS fit was called")
+
+    monkeypatch.setattr(base, "minimize", refused)
     logits, labels = _data(n=5000)
-    affine = torchcal.AffineCalibration(bias=False).fit(logits, labels)
-    ts = torchcal.TemperatureScaling().fit(logits, labels)
+    affine = torchcal.AffineCalibration(bias=False).fit(logits, labels, loss=loss)
+    ts = torchcal.TemperatureScaling().fit(logits, labels, loss=loss)
     assert 1 / affine.alpha == pytest.approx(ts.temperature, rel=1e-6)
 
 

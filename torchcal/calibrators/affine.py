@@ -8,6 +8,7 @@ import math
 import torch
 from torch import Tensor
 
+from torchcal._tempered_moments import TEMPERED_LOSSES
 from torchcal.calibrators._linear import AffineDesign, VectorDesign, fit_linear_newton
 from torchcal.calibrators.base import Calibrator, sample_weights
 from torchcal.calibrators.temperature import fit_inverse_temperature, inverse_temperature_start
@@ -27,7 +28,8 @@ class AffineCalibration(Calibrator):
 
     The log-loss fit is Newton's method on ``(alpha, beta)`` with the exact (K+1) x (K+1) Hessian
     (:mod:`torchcal.calibrators._linear`); L-BFGS crawls here because the shared scale and the K
-    biases have very different curvatures. Other losses use the generic L-BFGS driver.
+    biases have very different curvatures. Other losses use the generic L-BFGS driver, except
+    with ``bias=False``, whose every loss of ``TemperatureScaling`` goes to its 1-D solver.
 
     Example:
         >>> import torch
@@ -64,13 +66,15 @@ class AffineCalibration(Calibrator):
         return scores + self.beta.to(features.dtype) if self.bias else scores
 
     def _fit(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
-        if loss != "log":
-            return super()._fit(features, labels, weights, loss, max_iter, process_group)
-        if not self.bias:
-            alpha, record = fit_inverse_temperature(features, labels, weights, max_iter=max_iter, process_group=process_group)
+        if not self.bias and loss in TEMPERED_LOSSES:  # temperature scaling of the log-posteriors
+            alpha, record = fit_inverse_temperature(
+                features, labels, weights, loss=loss, max_iter=max_iter, process_group=process_group
+            )
             with torch.no_grad():
                 self.log_alpha.fill_(math.log(alpha) if alpha > 0 else -math.inf)
             return record
+        if loss != "log":
+            return super()._fit(features, labels, weights, loss, max_iter, process_group)
         start = torch.cat([self.log_alpha.detach().exp().reshape(1), self.beta.detach()])
         if self._at_identity():
             start[0] = inverse_temperature_start(features.float(), labels, weights, process_group)

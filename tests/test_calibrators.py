@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
@@ -183,6 +184,21 @@ def test_newton_and_lbfgs_reach_the_same_dirichlet_optimum(synthetic):
     features = torch.log_softmax(logits.double(), dim=1)
     record = torchcal.Calibrator._fit(lbfgs, features, labels, None, "log", 5000)
     assert record.loss == pytest.approx(newton.fit_record_.loss, rel=1e-9)
+
+
+@pytest.mark.parametrize("make", [torchcal.DirichletCalibration, torchcal.MatrixScaling])
+def test_tol_is_the_final_fits_gradient_tolerance(make, synthetic):
+    scores, y = synthetic(20, 4000, seed=3)
+    logits, labels = torch.from_numpy(scores).float(), torch.from_numpy(y)
+    tight = make(reg="odir", reg_lambda=1e-3).fit(logits, labels).fit_record_
+    loose = make(reg="odir", reg_lambda=1e-3, tol=1e-5).fit(logits, labels).fit_record_
+    assert tight.converged and loose.converged
+    assert tight.grad_max <= 1e-9 < 1e-6 < loose.grad_max <= 1e-5
+    assert loose.evaluations < tight.evaluations
+    assert loose.loss == pytest.approx(tight.loss, abs=1e-8)
+    for bad in (0.0, -1e-6, math.nan, math.inf):
+        with pytest.raises(ValueError, match="tol must be a positive finite"):
+            make(reg="odir", tol=bad)
 
 
 # --------------------------------------------------------------------------- published numbers

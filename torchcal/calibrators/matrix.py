@@ -50,6 +50,12 @@ class MatrixScaling(Calibrator):
             given ``reg_mu`` is kept at every grid point). ``reg_mu`` defaults to ``reg_lambda``
             (ODIR only).
         reg_grid: candidate lambdas, or ``(lambda, mu)`` pairs.
+        tol: the log-loss fit has converged when the largest absolute entry of the gradient of the
+            penalised mean loss is below ``tol``. The default, 1e-9, leaves the parameters within
+            round-off of the optimum even in the flat directions of a weak penalty; 1e-6 takes
+            about a third fewer passes, with the loss within 1e-7 of its optimum (CIFAR-100
+            ResNet-20, Dir-ODIR at lambda = 1e-4) and the parameters less exact. The
+            cross-validation's fits use their own, looser tolerances.
 
     The log-loss fit is convex (Newton-CG, :mod:`torchcal.calibrators._multinomial`). With
     ``fit(..., loss="brier")`` it is not: the Brier score of a full map has local optima. That fit
@@ -83,8 +89,11 @@ class MatrixScaling(Calibrator):
         reg_grid: Sequence[float | tuple[float, float]] = DEFAULT_REG_GRID,
         cv_folds: int = 5,
         cv_seed: int = 0,
+        tol: float = 1e-9,
     ) -> None:
         super().__init__()
+        if not 0 < tol < math.inf:
+            raise ValueError(f"tol must be a positive finite gradient tolerance, got {tol}.")
         if reg not in (None, "odir", "l2"):
             raise ValueError(f"reg must be None, 'odir' or 'l2', got {reg!r}.")
         if reg is None and (reg_lambda is not None or reg_mu is not None):
@@ -106,6 +115,7 @@ class MatrixScaling(Calibrator):
         self.reg_grid = [g if isinstance(g, tuple) else (float(g), float(g if reg_mu is None else reg_mu)) for g in grid]
         self.cv_folds = cv_folds
         self.cv_seed = cv_seed
+        self.tol = tol
         self.reg_lambda_: float | None = None
         self.reg_mu_: float | None = None
         self.cv_losses_: list[float] | None = None
@@ -166,7 +176,7 @@ class MatrixScaling(Calibrator):
         return self._fit_fixed_penalty(features, labels, weights, loss, max_iter, process_group)
 
     def _fit_fixed_penalty(
-        self, features, labels, weights, loss, max_iter, process_group=None, tol_grad: float = 1e-9,
+        self, features, labels, weights, loss, max_iter, process_group=None, tol_grad: float | None = None,
         tol_decrease: float | None = None,
     ) -> FitRecord:
         if loss != "log":
@@ -174,7 +184,8 @@ class MatrixScaling(Calibrator):
         k = features.shape[1]
         theta, record = fit_multinomial_logistic(
             features, labels, sample_weights(labels, weights, process_group), self._theta(), self._penalty_weights(k),
-            tol_grad=tol_grad, tol_decrease=tol_decrease, max_iter=min(max_iter, MAX_NEWTON_STEPS), process_group=process_group,
+            tol_grad=self.tol if tol_grad is None else tol_grad, tol_decrease=tol_decrease,
+            max_iter=min(max_iter, MAX_NEWTON_STEPS), process_group=process_group,
         )
         if not record.converged:  # Newton-CG stalled (degenerate curvature): the L-BFGS driver
             return Calibrator._fit(self, features, labels, weights, loss, max_iter, process_group)

@@ -7,6 +7,7 @@ Usage:
     python benchmarks/bench_fit.py --smoke                           # 2,000 x 10, seconds
     python benchmarks/bench_fit.py --problem dirichlet-odir --reg 0.01
     python benchmarks/bench_fit.py --sweep --n 10000 --repeat 3      # Dir-/MS-ODIR at every lambda of the grid
+    python benchmarks/bench_fit.py --sweep --n 10000 --tol 1e-6      # stopped at the "converged"
     python benchmarks/bench_fit.py --sweep --n 10000 --k 1000 --lambdas 1e-3
     python benchmarks/bench_fit.py --cv --n 10000                    # cross-validated lambda vs one fit
 
@@ -267,11 +268,11 @@ def _data(n: int, k: int, real: str | None) -> tuple[torch.Tensor, torch.Tensor]
         return torch.from_numpy(f["logits"]), torch.from_numpy(f["labels"])
 
 
-def sweep(logits: torch.Tensor, labels: torch.Tensor, lambdas: list[float], alternatives: bool, repeat: int) -> None:
+def sweep(logits: torch.Tensor, labels: torch.Tensor, lambdas: list[float], alternatives: bool, repeat: int, tol: float) -> None:
     import torchcal
 
     n, k = logits.shape
-    print(f"\n## Fixed-lambda fits, {n:,} x {k} (mu = lambda), 1 thread, the median time of {repeat} fits\n")
+    print(f"\n## Fixed-lambda fits, {n:,} x {k} (mu = lambda), 1 thread, the median time of {repeat} fits, tol = {tol:g}\n")
     print("| model | lambda | time (s) | passes | Newton it. | pass time (s) | time / pass | objective | max abs gradient | converged | peak RSS (MB) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for name, make, problem_of in (
@@ -280,7 +281,7 @@ def sweep(logits: torch.Tensor, labels: torch.Tensor, lambdas: list[float], alte
     ):
         pass_time = None
         for lam in lambdas:
-            seconds, cal = _timed(lambda: make(reg="odir", reg_lambda=lam).fit(logits, labels), repeat)
+            seconds, cal = _timed(lambda: make(reg="odir", reg_lambda=lam, tol=tol).fit(logits, labels), repeat)
             problem = problem_of(lam, lam)
             theta = _full_theta(cal.weight, cal.bias)
             pass_time = pass_time or _pass_time(problem, theta, logits, labels)
@@ -336,12 +337,13 @@ if __name__ == "__main__" and ("--sweep" in sys.argv or "--cv" in sys.argv):
     parser.add_argument("--no-alternatives", action="store_true")
     parser.add_argument("--real", default=None, help="an .npz file with logits and labels instead of the synthetic data")
     parser.add_argument("--repeat", type=int, default=1, help="--sweep: the median time of this many fits per row")
+    parser.add_argument("--tol", type=float, default=1e-9, help="--sweep: torchcal's gradient tolerance (1e-6: the issue's 'converged')")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"# load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; torch {torch.__version__}")
     logits, labels = _data(args.n, args.k, args.real)
     if args.sweep:
-        sweep(logits, labels, args.lambdas, not args.no_alternatives, args.repeat)
+        sweep(logits, labels, args.lambdas, not args.no_alternatives, args.repeat, args.tol)
     if args.cv:
         cross_validation(logits, labels)
     sys.exit(0)

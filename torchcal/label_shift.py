@@ -6,11 +6,26 @@ data and only the class priors change, from ``pi_s`` to ``pi_t``. Bayes' rule th
 posteriors into target posteriors, ``q(k | x) ∝ p(k | x) pi_t[k] / pi_s[k]``
 (:func:`adapt_to_priors`). With known target priors that is all; the scoring functions and
 ``Calibrator.fit`` already take deployment ``priors`` (Ferrer & Ramos, App. A). When they are unknown,
-:func:`estimate_priors` finds them from unlabelled target scores by maximum likelihood, with the EM
-algorithm of Saerens, Latinne & Decaestecker (2002).
+:func:`estimate_priors` finds them from unlabelled target scores by maximum likelihood (Saerens,
+Latinne & Decaestecker 2002).
 
-Both steps assume the source posteriors are calibrated, and EM is sensitive to it. Alexandari,
-Kundaje & Shrikumar (2020) find bias-corrected temperature scaling (BCTS), ``softmax(z / T + b)``,
+That likelihood's logarithm, ``L(pi) = mean_n log(sum_k a[n, k] pi[k])`` with ``a[n, k] = p(k | x_n)
+/ pi_s[k]``, is concave on the simplex. The EM step of Saerens et al., ``pi <- pi * grad L(pi)``
+(the mean of the posteriors adapted to ``pi``), raises it at every step but converges linearly, and
+slowly where the classes' scores overlap: on CIFAR-100 LeNet-5 scores resampled to Dirichlet(0.5)
+priors it is still 1.2e-3 off after 1,000 steps and takes 57,000 to change no prior by more than
+1e-13. So :func:`estimate_priors` takes ten EM steps from the source priors (cheap, and most of the
+way where the scores are confident), then projected Newton steps (Bertsekas 1982) on ``f(x) = -L(x)
++ sum(x)`` over ``x >= 0``, whose minimiser is the maximum of ``L`` on the simplex: classes at or
+near 0 that the gradient pushes further down are cut to 0, the others take a Newton step with the
+Hessian ``mean_n a_n a_n^T / (a_n . x)^2`` of their block (N K_f^2 operations), and an Armijo line
+search runs along the projection arc. It converges quadratically and leaves classes absent from the
+target at exactly 0: ten Newton steps on the LeNet-5 problem (0.05 s on one thread), seven at
+K = 1,000 and N = 20,000 (6 s, mostly the Hessians). SQUAREM-accelerated EM (Varadhan & Roland
+2008), the alternative measured, took 681 iterations (0.9 s) and 1,361 (126 s) there.
+
+Both steps assume the source posteriors are calibrated, and the estimate is sensitive to it.
+Alexandari, Kundaje & Shrikumar (2020) find bias-corrected temperature scaling (BCTS), ``softmax(z / T + b)``,
 the calibrator to use: it is :class:`~torchcal.AffineCalibration` (``softmax(alpha *
 log_softmax(z) + beta)`` is the same family, since ``log_softmax`` only subtracts a per-row constant),
 the default of :class:`LabelShiftAdapter`. The source priors are those the calibrator was fitted
@@ -19,6 +34,7 @@ for: the class frequencies of its calibration data, or the ``priors`` given to i
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -28,13 +44,21 @@ from torchcal._validation import check_logits, check_logits_and_labels, check_pr
 from torchcal.calibrators.affine import AffineCalibration
 from torchcal.calibrators.base import Calibrator
 from torchcal.distributed import ProcessGroup, all_reduce_, validate_together
-from torchcal.fit import FitRecord
+from torchcal.fit import ConvergenceWarning, FitRecord
 from torchcal.functional.scoring import class_frequencies
 
 __all__ = ["LabelShiftAdapter", "PriorEstimate", "adapt_to_priors", "estimate_priors"]
 
-# EM steps between convergence checks: each check reads one number back from the device.
-_CHECK_EVERY = 10
+# EM steps before the Newton steps: from the source priors they make most of the way where the
+# scores are confident, and Newton's first steps there are short (CIFAR-10 ResNet-110: 13 Newton
+# steps from the source priors, 1 after ten EM steps; 20 of the CIFAR-100 classes: 16, 8)
+_EM_STEPS = 10
+# priors below this count as 0: their standard error is NaN, and below it Newton steps may treat them as 0
+_BOUNDARY = 1e-6
+_ARMIJO = 1e-4  # sufficient decrease: a fraction of the one the gradient predicts
+_MAX_HALVINGS = 40  # of the step length, in one line search
+_ROUND_OFF = 64 * torch.finfo(torch.float64).eps  # relative, of the objective's value
+_RIDGES = (1e-12, 1e-9, 1e-6, 1e-3, 1.0)  # relative to the Hessian's diagonal
 
 
 class PriorEstimate(NamedTuple):
@@ -42,10 +66,12 @@ class PriorEstimate(NamedTuple):
 
     ``priors``: (K,) estimated target priors, float64. ``stderr``: (K,) their standard errors from
     the observed information of the target likelihood (NaN where a prior is at the boundary, 0);
-    they do not include the uncertainty of the calibration itself. ``record``: the EM run:
-    iterations (convergence is checked every 10 steps), the final negative mean log-likelihood
-    ratio against "no shift" (``loss``; <= 0) and the largest change of a prior in the last step
-    (``grad_max``).
+    they do not include the uncertainty of the calibration itself. ``record``: the run: iterations
+    (EM and Newton steps), evaluations (passes over the target scores: one per EM step; per Newton
+    step one for the gradient, one for the Hessian and one per step length its line search tried),
+    the final negative mean log-likelihood ratio against "no shift" (``loss``; <= 0), and
+    ``grad_max``, the largest entry of the mean log-likelihood's gradient minus one: 0 at the
+    maximum, and by concavity a bound on how far the mean log-likelihood is below it.
     """
 
     priors: Tensor
@@ -98,25 +124,29 @@ def estimate_priors(
     logits: Tensor,
     source_priors: Tensor,
     *,
-    max_iter: int = 1000,
+    max_iter: int = 200,
     tol: float = 1e-8,
     process_group: ProcessGroup | None = None,
 ) -> PriorEstimate:
-    """Maximum-likelihood class priors of unlabelled target data by EM (Saerens et al. 2002).
+    """Maximum-likelihood class priors of unlabelled target data (Saerens et al. 2002).
 
-    With ``a[n, k] = p(k | x_n) / pi_s[k]`` the target likelihood is ``prod_n sum_k a[n, k] pi[k]``;
-    EM's step is ``pi[k] <- pi[k] * mean_n(a[n, k] / sum_j a[n, j] pi[j])``, which is the mean of
-    the posteriors adapted to the current ``pi``. It starts from the source priors and increases
-    the likelihood at every step. Computed in float64 on the scores' device.
+    With ``a[n, k] = p(k | x_n) / pi_s[k]`` the target likelihood is ``prod_n sum_k a[n, k] pi[k]``.
+    Maximised over the simplex by ten EM steps from the source priors and then projected Newton
+    steps, which converge quadratically also where EM takes many thousands of steps (see the module
+    docstring); the priors of classes absent from the target end at exactly 0. Computed in float64
+    on the scores' device.
 
     Args:
         logits: (N, K) *calibrated* scores of the unlabelled target samples (any unnormalised
             log-posteriors, e.g. a calibrator's output).
         source_priors: (K,) priors the posteriors are calibrated for (all positive).
-        max_iter: EM step cap. tol: stop when no prior changes by more than this in a step.
+        max_iter: cap on the steps, EM and Newton together; reaching it issues a
+            :class:`~torchcal.fit.ConvergenceWarning`. tol: converged when a full Newton step changes
+            no prior by more than this (the error is then about its square).
         process_group: data-parallel over a ``torch.distributed`` group: every process passes its
-            own shard of the target scores and all get the estimate from the union (K sums travel
-            per step, K^2 + 1 at the end for the standard errors and the likelihood).
+            own shard of the target scores and all get the estimate from the union (per step, K
+            sums travel for the gradient, K_f^2 for the Hessian of the K_f classes it moves and
+            one per step length tried).
 
     Returns:
         :class:`PriorEstimate` ``(priors, stderr, record)``.
@@ -137,43 +167,169 @@ def estimate_priors(
         return checked, _source_priors(source_priors, checked.shape[1], checked.device)
 
     logits, source = validate_together(check, process_group, logits)
-    n_classes = logits.shape[1]
-    # (detached: a calibrator's output carries its graph, which every EM step would extend)
-    ratio = torch.softmax(logits.detach().to(torch.float64), dim=1) / source  # a[n, k]
-    count = all_reduce_(torch.tensor(float(logits.shape[0]), dtype=torch.float64, device=logits.device), process_group)
-    priors = source.clone()
-    step = torch.zeros((), dtype=torch.float64, device=logits.device)
-    iterations, converged = 0, False
-    while iterations < max_iter and not converged:
-        for _ in range(min(_CHECK_EVERY, max_iter - iterations)):
-            inverse_mixture = 1 / (ratio @ priors).clamp_min(torch.finfo(torch.float64).tiny)
-            updated = priors * all_reduce_(ratio.T @ inverse_mixture, process_group) / count
-            step = (updated - priors).abs().max()
-            priors = updated / updated.sum()  # the sum is 1 up to round-off; keep it exact
-            iterations += 1
-        converged = bool(step <= tol)
-    mixture = (ratio @ priors).clamp_min(torch.finfo(torch.float64).tiny)
-    gradients = ratio / mixture.unsqueeze(1)  # of each sample's log-likelihood in the priors
-    totals = all_reduce_(torch.cat([mixture.log().sum().reshape(1), (gradients.T @ gradients).flatten()]), process_group)
-    loss = -float(totals[0] / count)
-    stderr = _standard_errors(totals[1:].reshape(n_classes, n_classes), priors)
-    message = "EM step below tol" if converged else f"stopped at the iteration cap ({max_iter})"
-    record = FitRecord(iterations, iterations, loss, float(step), converged, message)
-    return PriorEstimate(priors, stderr, record)
+    likelihood = _TargetLikelihood(logits, source, process_group)
+    run = _maximise(likelihood, source, max_iter, tol)
+    mean_log, gradient = likelihood.value_and_gradient(run.priors)
+    free = (run.priors > _BOUNDARY).nonzero().flatten()
+    stderr = _standard_errors(likelihood.information(run.priors, free) * likelihood.count, run.priors, free)
+    record = _record(run, float(mean_log), float(gradient.max()) - 1)
+    if not record.converged:
+        warnings.warn(f"estimate_priors {record.message}", ConvergenceWarning, stacklevel=2)
+    return PriorEstimate(run.priors, stderr, record)
 
 
-def _standard_errors(information: Tensor, priors: Tensor) -> Tensor:
+class _TargetLikelihood:
+    """The mean target log-likelihood ``L(pi) = mean_n log(a_n . pi)`` and its derivatives, summed
+    over the processes of ``group``; ``a[n, k] = p(k | x_n) / pi_s[k]`` from calibrated ``logits``."""
+
+    def __init__(self, logits: Tensor, source: Tensor, group: ProcessGroup | None) -> None:
+        # (detached: a calibrator's output carries its graph, which every step would extend)
+        self.ratio = torch.softmax(logits.detach().to(torch.float64), dim=1) / source  # a: (N, K)
+        self.group = group
+        self.count = float(all_reduce_(torch.tensor([float(logits.shape[0])], dtype=torch.float64, device=logits.device), group))
+
+    def _mixture(self, priors: Tensor) -> Tensor:
+        """(N,) ``a_n . pi``, kept away from 0 where it divides."""
+        return (self.ratio @ priors).clamp_min(torch.finfo(torch.float64).tiny)
+
+    def value(self, priors: Tensor) -> Tensor:
+        """``L(pi)``, a 0-d tensor; -inf where a sample has probability 0."""
+        return all_reduce_((self.ratio @ priors).log().sum().reshape(1), self.group)[0] / self.count
+
+    def value_and_gradient(self, priors: Tensor) -> tuple[Tensor, Tensor]:
+        """``L(pi)`` and its gradient (K,) ``mean_n a_n / (a_n . pi)``."""
+        mixture = self._mixture(priors)
+        sums = all_reduce_(torch.cat([mixture.log().sum().reshape(1), self.ratio.T @ (1 / mixture)]), self.group)
+        return sums[0] / self.count, sums[1:] / self.count
+
+    def information(self, priors: Tensor, classes: Tensor) -> Tensor:
+        """Minus the Hessian of ``L`` over ``classes`` (K_f,), ``mean_n b_n b_n^T`` with
+        ``b = a / (a . pi)``, the gradient of one sample's log-likelihood: (K_f, K_f)."""
+        scaled = self.ratio[:, classes] / self._mixture(priors).unsqueeze(1)
+        return all_reduce_(scaled.T @ scaled, self.group) / self.count
+
+
+class _Run(NamedTuple):
+    """What :func:`_maximise` did."""
+
+    priors: Tensor  # (K,), on the simplex
+    em_steps: int
+    newton_steps: int
+    evaluations: int  # passes over the scores
+    last_step: float  # the largest change of a prior in the last step
+    stopped_by: str | None  # why it stopped short of convergence; None if it converged
+
+
+def _maximise(likelihood: _TargetLikelihood, source: Tensor, max_iter: int, tol: float) -> _Run:
+    """The maximum of the likelihood over the simplex: ``_EM_STEPS`` EM steps from ``source``, then
+    projected Newton steps until a full one changes no prior by more than ``tol``; ``max_iter``
+    steps in all at most. The EM steps read nothing back from the device; each Newton step a few
+    numbers (its set of classes at 0, and its line search's objective values)."""
+    priors, step = source, torch.zeros((), dtype=source.dtype, device=source.device)
+    em_steps = min(_EM_STEPS, max_iter)
+    for _ in range(em_steps):
+        updated = _em_step(likelihood, priors)
+        priors, step = updated, (updated - priors).abs().max()
+    newton_steps, evaluations = 0, em_steps
+    stopped_by: str | None = f"the iteration cap (max_iter={max_iter})"
+    while em_steps + newton_steps < max_iter:
+        updated, trials, accepted = _projected_newton_step(likelihood, priors)
+        priors, step = updated, (updated - priors).abs().max()
+        newton_steps, evaluations = newton_steps + 1, evaluations + 2 + trials  # gradient, Hessian, trials
+        if not accepted:
+            stopped_by = "a line search that found no ascent"
+            break
+        if trials == 1 and float(step) <= tol:
+            stopped_by = None
+            break
+    # Newton's iterates sum to one only at the maximum
+    return _Run(priors / priors.sum(), em_steps, newton_steps, evaluations, float(step), stopped_by)
+
+
+def _record(run: _Run, mean_log: float, gap: float) -> FitRecord:
+    """The :class:`FitRecord` of ``run``, whose mean log-likelihood is ``mean_log`` with a largest
+    gradient entry of ``1 + gap``; its message says how far a run that stopped short got."""
+    steps = f"{run.em_steps} EM and {run.newton_steps} Newton steps"
+    gap = max(gap, 0.0)  # (it is >= 0 but for round-off)
+    if run.stopped_by is None:
+        message = f"converged: a full Newton step below tol after {steps}"
+    else:
+        message = (
+            f"stopped at {run.stopped_by} after {steps}: the last step changed a prior by {run.last_step:.1e}, and "
+            f"the mean log-likelihood is within {gap:.1e} of its maximum"
+        )
+    return FitRecord(run.em_steps + run.newton_steps, run.evaluations, -mean_log, gap, run.stopped_by is None, message)
+
+
+def _em_step(likelihood: _TargetLikelihood, priors: Tensor) -> Tensor:
+    """``pi <- pi * grad L(pi)``: the mean of the posteriors adapted to ``pi`` (Saerens et al.)."""
+    updated = priors * likelihood.value_and_gradient(priors)[1]
+    return updated / updated.sum()  # the sum is 1 up to round-off; keep it exact
+
+
+def _projected_newton_step(likelihood: _TargetLikelihood, priors: Tensor) -> tuple[Tensor, int, bool]:
+    """One projected Newton step (Bertsekas 1982) on ``f(x) = -L(x) + sum(x)`` over ``x >= 0``,
+    whose minimiser is the maximum of ``L`` on the simplex (there the gradient of ``L`` is 1
+    wherever ``x > 0``, so ``sum(x) = x . grad L(x) = 1``). Coordinates at or near 0 that the
+    gradient pushes down take a gradient step and are cut at 0, the others a Newton step. Returns
+    :func:`_projected_line_search`'s answer."""
+    mean_log, gradient = likelihood.value_and_gradient(priors)
+    descent = 1 - gradient  # of f
+    # Bertsekas' epsilon shrinks with the distance to optimality, so that the last Newton steps
+    # see the classes at 0 as they are at the maximum
+    epsilon = (priors - (priors - descent).clamp_min(0)).abs().sum().clamp_max(_BOUNDARY)
+    classes = ((priors > epsilon) | (descent <= 0)).nonzero().flatten()
+    direction = -descent
+    direction[classes] = -_solve_positive_semidefinite(likelihood.information(priors, classes), descent[classes])
+    return _projected_line_search(likelihood, priors, float(priors.sum() - mean_log), descent, direction)
+
+
+def _solve_positive_semidefinite(matrix: Tensor, rhs: Tensor) -> Tensor:
+    """``matrix^-1 rhs`` for a positive semi-definite (K, K) ``matrix``, scaled to a unit diagonal
+    and regularised by a ridge, the smallest of ``_RIDGES`` that its Cholesky factorisation takes
+    (it is singular for classes whose scores are all 0, copies of a class, or fewer samples than
+    classes)."""
+    scale = matrix.diagonal().clamp_min(torch.finfo(matrix.dtype).tiny).sqrt()
+    scaled = matrix / scale.unsqueeze(1) / scale
+    identity = torch.eye(len(scale), dtype=matrix.dtype, device=matrix.device)
+    for ridge in _RIDGES:
+        factor, info = torch.linalg.cholesky_ex(scaled + ridge * identity)
+        if int(info) == 0:
+            return torch.cholesky_solve((rhs / scale).unsqueeze(1), factor).squeeze(1) / scale
+    raise ValueError("the Hessian of the target likelihood is not finite: check the scores.")
+
+
+def _projected_line_search(
+    likelihood: _TargetLikelihood, priors: Tensor, objective: float, descent: Tensor, direction: Tensor
+) -> tuple[Tensor, int, bool]:
+    """Armijo backtracking along the projection arc ``max(x + t d, 0)``, t = 1, 1/2, ... (Bertsekas
+    1982), from ``priors`` where ``f`` is ``objective`` and its gradient ``descent``. Changes of
+    ``f`` within round-off count as decreases, so that the last steps are not refused. Returns the
+    new point, the number of step lengths tried and whether one was accepted (else the point is
+    ``priors``)."""
+    slack = _ROUND_OFF * (1 + abs(objective))
+    # no prior rises by more than 1 (they lie in [0, 1]): with fewer samples than classes, or copies
+    # of a class, the Hessian is singular and the regularised Newton step huge in its null space
+    longest = 1 / direction.max().clamp_min(1)
+    for halvings in range(_MAX_HALVINGS + 1):
+        trial = (priors + longest * 0.5**halvings * direction).clamp_min(0)
+        value, predicted = torch.stack([trial.sum() - likelihood.value(trial), descent @ (priors - trial)]).tolist()
+        if objective - value >= _ARMIJO * predicted - slack:
+            return trial, halvings + 1, True
+    return priors, _MAX_HALVINGS + 1, False
+
+
+def _standard_errors(information: Tensor, priors: Tensor, free: Tensor) -> Tensor:
     """Standard errors (K,) of priors on the simplex from the information matrix ``sum_n g g^T``
-    (``g = a / (a . pi)``, the gradient of one sample's log-likelihood): the last prior is one minus
-    the others, and classes at the boundary (prior < 1e-6) are held fixed (NaN)."""
-    free = (priors > 1e-6).nonzero().flatten()
+    (``g = a / (a . pi)``, the gradient of one sample's log-likelihood) of the ``free`` classes,
+    those off the boundary, of which the last prior is one minus the others; NaN for the rest."""
     stderr = torch.full_like(priors, float("nan"))
     if free.numel() < 2:
         return stderr
     # parametrise the free priors by all but the last of them: J maps the K_f - 1 to the K_f
     k = free.numel()
     jacobian = torch.cat([torch.eye(k - 1, dtype=priors.dtype, device=priors.device), -torch.ones(1, k - 1, dtype=priors.dtype, device=priors.device)])
-    reduced = jacobian.T @ information[free][:, free] @ jacobian
+    reduced = jacobian.T @ information @ jacobian
     covariance = jacobian @ torch.linalg.pinv(reduced) @ jacobian.T
     stderr[free] = covariance.diagonal().clamp_min(0).sqrt()
     return stderr
@@ -184,7 +340,7 @@ class LabelShiftAdapter(nn.Module):
 
     1. :meth:`fit` fits the calibrator on labelled source data (BCTS, i.e.
        :class:`~torchcal.AffineCalibration`, by default) and records the source priors;
-    2. :meth:`adapt` sets the target priors: estimated from unlabelled target scores by EM, or known
+    2. :meth:`adapt` sets the target priors: estimated from unlabelled target scores by maximum likelihood, or known
        ones given as ``priors``;
     3. the module maps logits to log-posteriors for the target priors (a plain module: it
        exports with ``torch.export``, but ``CalibratedModel`` takes calibrators only).
@@ -233,9 +389,9 @@ class LabelShiftAdapter(nn.Module):
         self.estimate_ = None
         return self
 
-    def adapt(self, target_logits: Tensor | None = None, *, priors: Tensor | None = None, **em_options: Any) -> LabelShiftAdapter:
+    def adapt(self, target_logits: Tensor | None = None, *, priors: Tensor | None = None, **options: Any) -> LabelShiftAdapter:
         """Set the target priors: estimated from unlabelled ``target_logits: (N, K)`` (raw, uncalibrated
-        scores; ``em_options`` go to :func:`estimate_priors`), or the known ``priors: (K,)``."""
+        scores; ``options`` go to :func:`estimate_priors`), or the known ``priors: (K,)``."""
         if self.source_priors.numel() == 0:
             raise RuntimeError("this LabelShiftAdapter is not fitted yet: call .fit(logits, labels) on labelled source data first.")
         if (target_logits is None) == (priors is None):
@@ -246,7 +402,7 @@ class LabelShiftAdapter(nn.Module):
             return self
         with torch.no_grad():
             calibrated = self.calibrator(target_logits)
-        self.estimate_ = estimate_priors(calibrated, self.source_priors, **em_options)
+        self.estimate_ = estimate_priors(calibrated, self.source_priors, **options)
         self.target_priors = self.estimate_.priors.to(self.source_priors.device)
         return self
 

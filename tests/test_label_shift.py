@@ -5,6 +5,7 @@ standard errors and a lower test log-loss after adaptation, next to the known-pr
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -300,6 +301,21 @@ def test_two_processes_estimate_the_priors_of_the_union(tmp_path):
         assert record.loss == pytest.approx(single.record.loss, rel=1e-12)
 
 
+def test_a_fit_that_refuses_leaves_the_adapter_as_it_was():
+    """The source priors are checked before the calibrator is refitted: a refitted calibrator with
+    the old priors would mix two fits."""
+    gen = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(60, 3, generator=gen), torch.arange(60) % 3
+    adapter = LabelShiftAdapter().fit(logits, labels).adapt(logits)
+    before, estimate = copy.deepcopy(adapter.state_dict()), adapter.estimate_
+    with pytest.raises(ValueError, match="must be positive"):
+        adapter.fit(2 * logits, labels % 2)  # no sample of class 2
+    with pytest.raises(ValueError, match="must be positive"):
+        adapter.fit(2 * logits, labels, priors=torch.tensor([0.5, 0.5, 0.0]))
+    torch.testing.assert_close(adapter.state_dict(), before, rtol=0, atol=0)
+    assert adapter.estimate_ is estimate
+
+
 def test_bad_input():
     logits = torch.randn(20, 3)
     labels = torch.arange(20) % 3
@@ -314,10 +330,14 @@ def test_bad_input():
     with pytest.raises(RuntimeError, match="not fitted"):
         LabelShiftAdapter().adapt(logits)
     adapter = LabelShiftAdapter(IsotonicCalibration()).fit(logits, labels)
-    with pytest.raises(ValueError, match="either"):
+    with pytest.raises(ValueError, match="exactly one of"):
         adapter.adapt(logits, priors=torch.full((3,), 1 / 3))
-    with pytest.raises(ValueError, match="either"):
+    with pytest.raises(ValueError, match="exactly one of"):
         adapter.adapt()
+    with pytest.raises(ValueError, match="the class frequencies of labels must be positive, but class 2 has 0"):
+        adapter.fit(logits, labels % 2)
+    with pytest.raises(ValueError, match=r"^priors must be positive, but classes \[1, 2\] have 0"):
+        adapter.fit(logits, labels, priors=torch.tensor([1.0, 0.0, 0.0]))
     with pytest.raises(TypeError, match="calibrator"):
         LabelShiftAdapter(torch.nn.Identity())  # type: ignore[arg-type]
 

@@ -79,12 +79,15 @@ class PriorEstimate(NamedTuple):
     record: FitRecord
 
 
-def _source_priors(source_priors: Any, num_classes: int, device: torch.device) -> Tensor:
+def _source_priors(source_priors: Any, num_classes: int, device: torch.device, name: str = "source_priors") -> Tensor:
+    """``source_priors`` checked, in float64; ``name`` is what the error messages call them."""
     source = check_priors(source_priors, num_classes, device=device)
-    if bool((source == 0).any()):
+    zero = (source == 0).nonzero().flatten().tolist()
+    if zero:
+        which = f"classes {zero} have" if len(zero) > 1 else f"class {zero[0]} has"
         raise ValueError(
-            "source_priors must be positive: a class the calibration data never showed cannot be "
-            "re-weighted; drop it from the scores or give it a small prior."
+            f"{name} must be positive, but {which} 0: posteriors calibrated for a prior of 0 say nothing about "
+            "such a class, so they cannot be re-weighted to another; drop it from the scores or give it a small prior."
         )
     return source
 
@@ -378,14 +381,15 @@ class LabelShiftAdapter(nn.Module):
         and ``fit_options`` go to its ``fit``. The target priors start as the source priors."""
         logits, labels = check_logits_and_labels(logits, labels)
         k = logits.shape[1]
+        # checked before the calibrator is refitted, so that a refusal leaves the adapter as it was
         if priors is None:
+            source = _source_priors(class_frequencies(labels, k), k, logits.device, "the class frequencies of labels")
             self.calibrator.fit(logits, labels, **fit_options)
-            source = class_frequencies(labels, k)
         else:
+            source = _source_priors(priors, k, logits.device, "priors")
             self.calibrator.fit(logits, labels, priors=priors, **fit_options)
-            source = check_priors(priors, k, device=logits.device)
-        self.source_priors = _source_priors(source, k, logits.device)
-        self.target_priors = self.source_priors.clone()
+        self.source_priors = source
+        self.target_priors = source.clone()
         self.estimate_ = None
         return self
 
@@ -395,7 +399,7 @@ class LabelShiftAdapter(nn.Module):
         if self.source_priors.numel() == 0:
             raise RuntimeError("this LabelShiftAdapter is not fitted yet: call .fit(logits, labels) on labelled source data first.")
         if (target_logits is None) == (priors is None):
-            raise ValueError("pass either target_logits (to estimate the target priors) or the known priors, not both.")
+            raise ValueError("pass exactly one of target_logits (to estimate the target priors) and priors (known ones).")
         if priors is not None:
             self.target_priors = check_priors(priors, self.source_priors.shape[0], device=self.source_priors.device)
             self.estimate_ = None

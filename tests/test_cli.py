@@ -364,6 +364,33 @@ def test_calibrate_estimates_the_priors_of_unlabelled_target_scores(capsys, tmp_
     assert code == 2 and "--save PATH, --target" in err
 
 
+def test_target_refuses_zero_source_priors_before_the_fit_and_names_them(scores_file, capsys, tmp_path):
+    """--target re-weights by target / source priors: a zero from --priors, or a class the
+    calibration data lack, is refused before anything is fitted, naming where it came from."""
+    target = tmp_path / "target.npy"
+    np.save(target, np.load(scores_file)["logits"][:100])
+    code, _, err = run(capsys, "calibrate", scores_file, "--method", "affine", "--target", target, "--priors", "0.5,0.5,0")
+    assert code == 2 and "--priors gives class 2 prior 0" in err and "fitting" not in err
+    two_classes = tmp_path / "two.npz"
+    with np.load(scores_file) as data:
+        np.savez(two_classes, logits=data["logits"], labels=data["labels"] % 2)
+    code, _, err = run(capsys, "calibrate", two_classes, "--method", "affine", "--target", target)
+    assert code == 2 and f"{two_classes} has no sample of class 2" in err and "fitting" not in err
+
+
+def test_target_warns_where_the_prior_estimate_stopped_short(scores_file, capsys, tmp_path, monkeypatch):
+    import torchcal.label_shift
+
+    capped = torchcal.label_shift.estimate_priors
+    monkeypatch.setattr(torchcal.label_shift, "estimate_priors", lambda *a, **k: capped(*a, **k, max_iter=3))
+    target = tmp_path / "target.npy"
+    np.save(target, np.load(scores_file)["logits"][:100])
+    code, out, err = run(capsys, "calibrate", scores_file, "--method", "affine", "--target", target)
+    assert code == 0 and "class 2:" in out
+    assert "warning: --target: the prior estimate stopped at the iteration cap (max_iter=3) after 3 EM" in err
+    assert "the priors printed are where it stopped" in err and err.count("warning") == 1
+
+
 def test_verbose_says_what_the_fits_are_doing(capsys, tmp_path):
     """`--verbose` shows every Newton step and every regularisation strength tried on stderr;
     without it, none of that."""

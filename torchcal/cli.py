@@ -257,26 +257,50 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return _evaluate(args, str(EXAMPLE_PATH), calibration, DEMO_METHODS)
 
 
+def _label_shift_source(args: argparse.Namespace, scores: Scores, priors: torch.Tensor | None) -> torch.Tensor:
+    """The source priors that ``--target`` re-weights, those the calibrator is fitted for (``--priors``,
+    else the class frequencies of the calibration scores), checked before the fit: all positive."""
+    from torchcal.functional import class_frequencies
+
+    assert scores.labels is not None  # calibration data always have labels
+    source = class_frequencies(scores.labels, scores.num_classes) if priors is None else priors
+    zero = (source == 0).nonzero().flatten().tolist()
+    if zero:
+        which = f"classes {zero}" if len(zero) > 1 else f"class {zero[0]}"
+        if priors is None:
+            where = f"{args.scores} has no sample of {which} (its class frequencies are the source priors)"
+        else:
+            where = f"{'--priors' if args.priors is not None else f'{args.config}: priors'} gives {which} prior 0"
+        raise UsageError(
+            f"--target re-weights the calibrated posteriors by target / source priors, so every class needs a "
+            f"positive source prior, but {where}."
+        )
+    return source
+
+
 def _estimate_target_priors(
-    args: argparse.Namespace, scores: Scores, calibrator: Calibrator, method: str, priors: torch.Tensor | None
+    args: argparse.Namespace, scores: Scores, calibrator: Calibrator, method: str, source: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """Label shift: the class priors of the unlabelled ``--target`` scores, by EM on their calibrated
-    posteriors (``torchcal.label_shift.estimate_priors``), printed with their standard errors."""
+    """Label shift: the class priors of the unlabelled ``--target`` scores, by maximum likelihood on
+    their calibrated posteriors (``torchcal.label_shift.estimate_priors``), printed with their
+    standard errors; a warning if the estimate stopped short of the maximum."""
     import torch
 
     from torchcal.data import load_scores
-    from torchcal.functional import class_frequencies
+    from torchcal.fit import ConvergenceWarning
     from torchcal.label_shift import estimate_priors
 
     target = load_scores(args.target, input=args.input, priors=scores.llr_priors, require_labels=False)
     if target.num_classes != scores.num_classes:
         raise ValueError(f"{args.target}: {target.num_classes} classes, but {args.scores} has {scores.num_classes}.")
-    assert scores.labels is not None  # calibration data always have labels
-    source = class_frequencies(scores.labels, scores.num_classes) if priors is None else priors
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)  # said below, naming --target
         estimate = estimate_priors(calibrator(target.logits), source)
+    if not estimate.record.converged:
+        warnings.warn(f"--target: the prior estimate {estimate.record.message}; the priors printed are where it stopped.",
+                      ConvergenceWarning, stacklevel=2)
     print(f"target priors estimated from {target.num_samples} unlabelled samples of {args.target} "
-          f"(EM on the {method}-calibrated scores; +- one standard error):")
+          f"(maximum likelihood on the {method}-calibrated scores; +- one standard error):")
     for k, (p, se, s) in enumerate(zip(estimate.priors.tolist(), estimate.stderr.tolist(), source.tolist())):
         print(f"  class {k}: {p:.4f} +- {se:.4f}   (calibration data: {s:.4f})")
     return {"source_priors": source, "target_priors": estimate.priors, "stderr": estimate.stderr}
@@ -304,10 +328,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise UsageError("calibrate needs --save PATH, --target TARGET_SCORES, or both (see torchcal calibrate --help)")
     if args.save is not None:
         _check_output("--save", args.save, folder=False)
+    source = _label_shift_source(args, scores, priors) if args.target else None
     if not args.quiet:
         print(f"fitting {method} on {where} ...", file=sys.stderr, flush=True)
     calibrator = fit_calibrator(method, options, scores.logits, labels, priors=priors)
-    label_shift = _estimate_target_priors(args, scores, calibrator, method, priors) if args.target else None
+    label_shift = None if source is None else _estimate_target_priors(args, scores, calibrator, method, source)
     if args.save is None:
         return 0
     save_calibrator(args.save, method, calibrator, options, label_shift, scores.llr_priors)

@@ -25,10 +25,10 @@ K = 1,000 and N = 20,000 (6 s, mostly the Hessians). SQUAREM-accelerated EM (Var
 2008), the alternative measured, took 681 iterations (0.9 s) and 1,361 (126 s) there.
 
 Both steps assume the source posteriors are calibrated, and the estimate is sensitive to it.
-Alexandari, Kundaje & Shrikumar (2020) find bias-corrected temperature scaling (BCTS), ``softmax(z / T + b)``,
-the calibrator to use: it is :class:`~torchcal.AffineCalibration` (``softmax(alpha *
-log_softmax(z) + beta)`` is the same family, since ``log_softmax`` only subtracts a per-row constant),
-the default of :class:`LabelShiftAdapter`. The source priors are those the calibrator was fitted
+Alexandari, Kundaje & Shrikumar (2020) find bias-corrected temperature scaling (BCTS),
+``softmax(z / T + b)``, the calibrator to use: it is :class:`~torchcal.AffineCalibration`
+(``softmax(alpha * log_softmax(z) + beta)`` is the same family, since ``log_softmax`` only subtracts
+a per-row constant), the default of :class:`LabelShiftAdapter`. The source priors are those the calibrator was fitted
 for: the class frequencies of its calibration data, or the ``priors`` given to its ``fit``.
 """
 
@@ -208,7 +208,7 @@ class _TargetLikelihood:
     def information(self, priors: Tensor, classes: Tensor) -> Tensor:
         """Minus the Hessian of ``L`` over ``classes`` (K_f,), ``mean_n b_n b_n^T`` with
         ``b = a / (a . pi)``, the gradient of one sample's log-likelihood: (K_f, K_f)."""
-        scaled = self.ratio[:, classes] / self._mixture(priors).unsqueeze(1)
+        scaled = self.ratio[:, classes].div_(self._mixture(priors).unsqueeze(1))  # (in place: indexing copied)
         return all_reduce_(scaled.T @ scaled, self.group) / self.count
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from torchcal._tempered_moments import TEMPERED_LOSSES, tempered_moments
+from torchcal._validation import stacklevel_outside_package
 from torchcal.calibrators.base import Calibrator, sample_weights
 from torchcal.distributed import ProcessGroup, all_reduce_
 from torchcal.fit import ConvergenceWarning, FitRecord
@@ -22,6 +23,8 @@ _MAX_SCALED_MARGIN = 1e4
 # this many logits (over all processes), that part runs on an evenly spaced subsample of about this
 # many, and the full passes only polish: three instead of about seven.
 _SUBSAMPLE_ELEMENTS = 1 << 20
+# The grid of a non-convex loss's first pass: beta_max / 2^j, j = 0 .. this (down to 1e-12 of it).
+_GRID_HALVINGS = 40
 
 
 class TemperatureScaling(Calibrator):
@@ -85,9 +88,13 @@ def fit_inverse_temperature(
     sign of the derivative, with bisection when a step would leave it or the curvature is not
     positive, so the search ends where the derivative turns from negative to positive: the
     minimum. The log-loss is convex in ``beta`` (derivative ``mean(E_q[z] - z_y)``, second
-    derivative ``mean(Var_q[z])``); the Brier score is not everywhere, which the bracket copes
-    with. Quadratic convergence takes about five passes from ``beta = 1``; on large data the
-    search starts from the fit on a subsample, and three passes polish that.
+    derivative ``mean(Var_q[z])``). The Brier score is not: it can rise from ``beta = 0`` and fall
+    lower further on, or have several minima. So its search first evaluates it on a grid of
+    ``beta`` spaced by factors of 2 up to the cap below (one pass at all of them, on the subsample
+    where there is one), brackets the best grid point by its neighbours, and keeps ``beta = 0``
+    only where the loss there is lower than at the minimum found. Quadratic convergence takes
+    about five passes from ``beta = 1``; on large data the search starts from the fit on a
+    subsample, and three passes polish that.
 
     Args:
         logits: (N, K) scores, float32 or float64; the passes run in that precision.
@@ -125,18 +132,22 @@ def fit_inverse_temperature(
         value, grad, hess = all_reduce_(totals, process_group).tolist()
         return value, grad, hess
 
-    # At beta = 0 the posteriors are uniform, and the derivative is exactly 0 when every row is
-    # constant (a constant classifier), in any precision: the centred logits are then exactly 0.
-    value, grad, _ = moments(0.0)
-    evaluations = 1
-    if grad >= 0:
+    def uniform_is_best() -> tuple[float, FitRecord]:
         warnings.warn(
             "the scores are not positively related to the labels, so the best temperature is "
             "infinite (uniform posteriors); check that logits and labels belong together.",
             ConvergenceWarning,
-            stacklevel=4,
+            stacklevel=stacklevel_outside_package(),
         )
-        return 0.0, FitRecord(0, evaluations, value, abs(grad), True, "optimum at T = inf (beta = 0)")
+        return 0.0, FitRecord(0, evaluations, uniform_value, abs(uniform_grad), True, "optimum at T = inf (beta = 0)")
+
+    # At beta = 0 the posteriors are uniform, and the derivative is exactly 0 when every row is
+    # constant (a constant classifier), in any precision: the centred logits are then exactly 0.
+    uniform_value, uniform_grad, _ = moments(0.0)
+    evaluations = 1
+    convex = loss == "log"
+    if convex and uniform_grad >= 0:
+        return uniform_is_best()
     # The cap scales with a typical row's margin between its two largest logits (from evenly spaced
     # rows, about _SUBSAMPLE_ELEMENTS logits): not the largest margin, as one saturated row must not
     # stop the search short of an optimum that the other rows place at a low temperature, nor the
@@ -147,7 +158,7 @@ def fit_inverse_temperature(
     typical_margin = margins.median() if margins.numel() else margins.new_zeros(())
     beta_max = _MAX_SCALED_MARGIN / max(float(all_reduce_(typical_margin, process_group, op="max")), 1e-300)
 
-    start = 1.0
+    start, lo, hi = 1.0, 0.0, math.inf
     stride = int(all_reduce_(logits.new_tensor(float(n * k), dtype=torch.float64), process_group)) // _SUBSAMPLE_ELEMENTS
     if stride >= 4:
         with warnings.catch_warnings():
@@ -158,9 +169,24 @@ def fit_inverse_temperature(
             )
         if sub_record.converged and sub_beta > 0:
             start = sub_beta
+    elif not convex:  # the whole range once, on the smallest data the search sees
+        grid = [beta_max * 2.0**-j for j in range(_GRID_HALVINGS, -1, -1)]
+        values = all_reduce_(tempered_moments(logits, labels, grid, loss, sample_w)[:, 0], process_group).tolist()
+        evaluations += 1
+        best = min(range(len(grid)), key=values.__getitem__)
+        if uniform_value <= values[best]:
+            return uniform_is_best()
+        start, lo = grid[best], grid[best - 1] if best else 0.0
+        hi = grid[best + 1] if best + 1 < len(grid) else math.inf
 
-    lo, hi, beta = 0.0, math.inf, min(start, beta_max)
+    beta = min(start, beta_max)
     tiny = torch.finfo(logits.dtype).tiny
+
+    def converged(beta: float, iteration: int, value: float, grad: float) -> tuple[float, FitRecord]:
+        if not convex and uniform_value < value:  # a local minimum above the loss at beta = 0
+            return uniform_is_best()
+        return beta, FitRecord(iteration, evaluations, value, abs(grad), True, "Newton step below tolerance")
+
     for iteration in range(1, max_iter + 1):
         value, grad, hess = moments(beta)
         evaluations += 1
@@ -184,7 +210,7 @@ def fit_inverse_temperature(
         curvature = beta * hess + grad
         candidate = beta * math.exp(max(-grad / curvature, -30.0)) if curvature > 0 and -grad / curvature < 30 else math.inf
         if not flat and abs(candidate - beta) <= rtol * beta:  # (before the bracket test: beta may be its end)
-            return candidate, FitRecord(iteration, evaluations, value, abs(grad), True, "Newton step below tolerance")
+            return converged(candidate, iteration, value, grad)
         if grad < 0 and hess * value <= 2 * grad * grad and math.isinf(hi):
             # The loss is one falling exponential (hess * loss = grad^2 for c e^(-beta m)): separable
             # data, where Newton only adds about 1/m to beta per step (733 steps to the cap).
@@ -193,7 +219,7 @@ def fit_inverse_temperature(
             candidate = (lo + hi) / 2 if math.isfinite(hi) else 4 * beta
         candidate = min(candidate, beta_max)
         if abs(candidate - beta) <= rtol * beta:
-            return candidate, FitRecord(iteration, evaluations, value, abs(grad), True, "Newton step below tolerance")
+            return converged(candidate, iteration, value, grad)
         beta = candidate
     warnings.warn("temperature fit did not converge", ConvergenceWarning, stacklevel=4)
     return beta, FitRecord(max_iter, evaluations, value, abs(grad), False, f"stopped at the iteration cap ({max_iter})")

@@ -149,6 +149,7 @@ def tempered_moments(
         >>> torch.allclose(moments[0, :2], torch.stack([brier, slope]).detach())
         True
     """
+    logits = logits.detach()  # sums for a solver, not a graph (the chunks are written with out=)
     n, k = logits.shape
     dtype = logits.dtype if dtype is None else dtype
     powers, terms = TEMPERED_LOSSES[loss]

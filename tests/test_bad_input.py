@@ -606,8 +606,10 @@ def _probs_and_labels():
         partial(F.bayes_risk, costs=F.zero_one_costs(K)),
         lambda p, y: torchcal.TemperatureScaling().fit(p, y),
         lambda p, y: F.bootstrap(F.cross_entropy, p, y, num_replicates=2),
+        lambda p, y: _fitted_temperature()(p),  # through torch's Module.__call__
+        lambda p, y: F.cross_entropy(p.half().repeat(20_000, 1), y.repeat(20_000)),  # N > 65,504 in float16
     ],
-    ids=["cross_entropy", "ece", "bayes_risk", "fit", "bootstrap"],
+    ids=["cross_entropy", "ece", "bayes_risk", "fit", "bootstrap", "forward", "float16"],
 )
 def test_probabilities_read_as_logits_warn_at_the_callers_line(entry):
     probs, labels = _probs_and_labels()
@@ -636,6 +638,7 @@ def test_log_probabilities_and_declared_probabilities_do_not_warn():
         warnings.simplefilter("error")
         F.cross_entropy(probs.log(), labels)
         check_probs(probs)
+        check_probs(torch.softmax(torch.randn(1000, 100, dtype=torch.float32), dim=1).bfloat16())  # rows off by ~2e-3
         metric = metrics.CrossEntropy(num_classes=K, input="probs")
         metric.update(probs, labels)
         assert torch.isclose(metric.compute(), F.cross_entropy(probs.log(), labels).to(metric.compute().dtype))

@@ -485,3 +485,24 @@ def test_uniform_bin_indices_equal_the_binary_search(n_bins, dtype):
         torch.tensor([0.0, 1.0, float("nan")], dtype=torch.float64),
     ]).clamp(0, 1).to(dtype).unsqueeze(1)
     assert torch.equal(uniform_bin_indices(scores, n_bins), bin_indices(scores, edges))
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["expected_calibration_error", "debiased_calibration_error", "sweep_calibration_error", "reliability_bins",
+     "posterior_quality", "murphy_decomposition"],
+)
+def test_binned_metrics_of_logits_that_carry_a_graph(name):
+    """Model outputs computed with gradients on: the per-bin sums were written in place into a
+    view of them ("A view was created in no_grad mode ..."), or with out=, which autograd refuses."""
+    import torchcal.functional.debiased_ece
+    import torchcal.functional.score_decomposition
+
+    modules = (torchcal.functional, torchcal.functional.debiased_ece, torchcal.functional.score_decomposition)
+    metric = next(getattr(m, name) for m in modules if hasattr(m, name))
+    logits = torch.nn.Linear(8, 4)(torch.randn(300, 8, generator=torch.Generator().manual_seed(7)))
+    labels = torch.arange(300) % 4
+    with_graph, without = metric(logits, labels), metric(logits.detach(), labels)
+    if not isinstance(without, (tuple, torch.Tensor)):  # ReliabilityBins, a dataclass
+        with_graph, without = tuple(vars(with_graph).values()), tuple(vars(without).values())
+    torch.testing.assert_close(with_graph, without)

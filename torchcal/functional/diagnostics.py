@@ -520,7 +520,7 @@ def binned_scores(
         ([0.1, 0.6], [0.0, 0.5, 1.0])
     """
     logits, labels = check_logits_and_labels(logits, labels)
-    log_probs = to_log_probs(logits)
+    log_probs = to_log_probs(logits.detach())  # binned errors are counts and sums, not differentiable
     scores, targets = binning_scores(log_probs, labels, kind, class_index)
     edges = _edges(scores, n_bins, strategy)
     tolerance = edge_tolerance(logits.dtype) if strategy == "uniform" else EDGE_TOLERANCE

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -26,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.label_shift_reference import numpy_squarem
 from torchcal.label_shift import LabelShiftAdapter, estimate_priors
 
 REAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "real"
@@ -67,31 +70,6 @@ def problems(real: Path) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     yield "synthetic K = 1,000", torch.log_softmax(logits.double(), 1), torch.full((k,), 1 / k, dtype=torch.float64)
 
 
-def squarem_reference(log_posteriors: torch.Tensor, source: torch.Tensor, tol: float = 1e-15) -> np.ndarray:
-    """The maximum-likelihood priors by EM accelerated with SQUAREM (Varadhan & Roland 2008, S3,
-    back to the plain EM steps where the extrapolation leaves the simplex or lowers the likelihood)."""
-    ratio = np.exp(log_posteriors.numpy()) / source.numpy()
-
-    def em(p: np.ndarray) -> np.ndarray:
-        return p * (ratio.T @ (1 / (ratio @ p))) / len(ratio)
-
-    p = source.numpy().copy()
-    for _ in range(100_000):
-        p1 = em(p)
-        p2 = em(p1)
-        r, v = p1 - p, p2 - 2 * p1 + p
-        if np.abs(r).max() <= tol:
-            return p1
-        step = max(1.0, np.linalg.norm(r) / max(np.linalg.norm(v), 1e-300))
-        x = p + 2 * step * r + step**2 * v
-        p = p2
-        if x.min() >= 0:
-            candidate = em(x / x.sum())
-            if np.log(ratio @ candidate).mean() >= np.log(ratio @ p2).mean():
-                p = candidate
-    raise RuntimeError("the SQUAREM reference did not converge")
-
-
 def timed(solve: Callable[[], object], repeat: int) -> tuple[object, float]:
     times = []
     for _ in range(repeat):
@@ -119,7 +97,7 @@ def main() -> None:
     print("| problem | N x K | solver | iterations | passes | time (s) | converged | max abs error |")
     print("|---|---|---|---:|---:|---:|---|---:|")
     for name, log_posteriors, source in problems(args.real):
-        reference = squarem_reference(log_posteriors, source)
+        reference = numpy_squarem(np.exp(log_posteriors.numpy()), source.numpy())
         shape = f"{log_posteriors.shape[0]:,} x {log_posteriors.shape[1]:,}"
         for label, solve in solvers.items():
             estimate, seconds = timed(lambda solve=solve: solve(log_posteriors, source), args.repeat)

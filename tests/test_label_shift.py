@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from conftest import load_real
 from gloo import spawn_gloo
+from label_shift_reference import numpy_squarem
 
 from torchcal import AffineCalibration, ConvergenceWarning, IsotonicCalibration
 from torchcal.functional.scoring import class_frequencies, cross_entropy
@@ -90,35 +91,6 @@ def test_em_matches_numpy_em_and_the_maximum_likelihood(cifar10):
     assert estimate.record.converged and estimate.record.grad_max <= 1e-12
 
 
-def _numpy_squarem(posteriors: np.ndarray, source: np.ndarray, tol: float = 1e-15) -> np.ndarray:
-    """The maximum-likelihood priors by EM accelerated with SQUAREM (Varadhan & Roland 2008, scheme
-    S3): extrapolate from two EM steps with the step length |r| / |v| (at least 1) and take an EM
-    step from there; keep the two EM steps where that leaves the simplex or lowers the likelihood.
-    Until an EM step changes no prior by more than ``tol``: on the LeNet-5 problem below 5e-12 from
-    the maximum (1e-13: 5e-10, as plain EM's 57,000 steps to 1e-13)."""
-    ratio = posteriors / source
-
-    def em_step(priors):
-        mixture = ratio @ priors
-        return priors * (ratio.T @ (1 / mixture)) / len(ratio), np.log(mixture).mean()
-
-    priors = source.copy()
-    for _ in range(20_000):
-        once, _ = em_step(priors)
-        twice, likelihood = em_step(once)
-        r, v = once - priors, twice - 2 * once + priors
-        if np.abs(r).max() <= tol:
-            return once
-        length = max(1.0, np.linalg.norm(r) / max(np.linalg.norm(v), 1e-300))
-        extrapolated = priors + 2 * length * r + length**2 * v
-        priors = twice
-        if extrapolated.min() >= 0:
-            candidate, _ = em_step(extrapolated / extrapolated.sum())
-            if np.log(ratio @ candidate).mean() >= likelihood:
-                priors = candidate
-    raise AssertionError("the SQUAREM reference did not converge")
-
-
 def test_converges_where_em_crawls(real):
     """CIFAR-100 LeNet-5 logits, BCTS on 5,000 of them, the other 5,000 resampled to Dirichlet(0.5)
     priors: the classes' scores overlap so much that plain EM, after 1,000 steps, was still 1.2e-3
@@ -136,7 +108,7 @@ def test_converges_where_em_crawls(real):
     assert estimate.record.converged and estimate.record.iterations <= 25
     with torch.no_grad():
         posteriors = adapter.calibrator(logits[target]).exp().numpy()
-    reference = _numpy_squarem(posteriors, adapter.source_priors.numpy())
+    reference = numpy_squarem(posteriors, adapter.source_priors.numpy())
     np.testing.assert_allclose(estimate.priors.numpy(), reference, rtol=0, atol=1e-10)
     assert int((estimate.priors == 0).sum()) == int((reference < 1e-9).sum()) == 56
     assert estimate.record.grad_max <= 1e-12
@@ -167,7 +139,7 @@ def test_matches_the_squarem_reference_on_random_problems(problem):
     estimate = estimate_priors(torch.from_numpy(logits), torch.from_numpy(source))
     assert estimate.record.converged and estimate.record.grad_max <= 1e-12
     posteriors = np.exp(logits - logits.max(1, keepdims=True))
-    reference = _numpy_squarem(posteriors / posteriors.sum(1, keepdims=True), source)
+    reference = numpy_squarem(posteriors / posteriors.sum(1, keepdims=True), source)
     np.testing.assert_allclose(estimate.priors.numpy(), reference, rtol=0, atol=1e-10)
 
 

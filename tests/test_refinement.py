@@ -15,7 +15,7 @@ from scipy.optimize import brentq, minimize_scalar
 from scipy.special import log_softmax, softmax
 from torchmetrics import MetricCollection
 
-from torchcal import TemperatureScaling, _tempered_moments
+from torchcal import ConvergenceWarning, TemperatureScaling, _tempered_moments
 from torchcal.functional import cross_entropy, refinement_loss
 from torchcal.metrics import RefinementLoss
 
@@ -252,3 +252,46 @@ def test_on_the_gpu_equals_the_cpu(val):
     assert value.device.type == "cuda"
     assert float(value) == pytest.approx(float(refinement_loss(logits, labels)), rel=1e-6)
     assert float(refinement_loss(logits.cuda(), labels.cuda())) == pytest.approx(float(refinement_loss(logits, labels)), rel=1e-7)
+
+
+def _numpy_brier(logits: np.ndarray, labels: np.ndarray, beta: float) -> float:
+    q = softmax(beta * logits, axis=1)
+    return float(((q**2).sum(1) - 2 * q[np.arange(len(labels)), labels] + 1).mean())
+
+
+def test_brier_temperature_finds_a_minimum_past_a_rise_from_uniform():
+    """The Brier score is not convex in 1/T: here it rises from beta = 0 (0.5) and falls to 1/3
+    further on. The fit stopped at beta = 0 ("not positively related"), as is right for the log
+    loss only; a NumPy grid finds the lower minimum."""
+    z = torch.tensor([[1.0, 0.0]] * 8 + [[0.0, 1.0]] * 2 + [[6.0, 0.0]] * 2, dtype=torch.float64)
+    y = torch.tensor([0] * 8 + [1] * 2 + [1] * 2)
+    grid = np.exp(np.linspace(np.log(1e-3), np.log(1e3), 4001))
+    best = min(_numpy_brier(z.numpy(), y.numpy(), b) for b in grid)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "best temperature is infinite"
+        scaling = TemperatureScaling().fit(z, y, loss="brier")
+    assert scaling.temperature < math.inf
+    assert _numpy_brier(z.numpy(), y.numpy(), 1 / scaling.temperature) <= best + 1e-9 < 0.5
+
+
+def test_brier_temperature_stays_infinite_where_uniform_is_best():
+    """Labels unrelated to the scores: uniform posteriors (Brier 1 - 1/K) beat every finite T."""
+    generator = torch.Generator().manual_seed(5)
+    z, y = torch.randn(300, 3, generator=generator, dtype=torch.float64), torch.arange(300) % 3
+    z[y == 0, 0] -= 2.0  # anti-informative for class 0
+    with pytest.warns(ConvergenceWarning, match="not positively related"):
+        scaling = TemperatureScaling().fit(z, y, loss="brier")
+    assert scaling.temperature == math.inf
+    grid = np.exp(np.linspace(np.log(1e-3), np.log(1e3), 2001))
+    assert min(_numpy_brier(z.numpy(), y.numpy(), b) for b in grid) >= 2 / 3 - 1e-12
+
+
+@pytest.mark.parametrize("loss", ["log", "brier"])
+def test_refinement_loss_of_logits_that_carry_a_graph(loss):
+    """Model outputs computed with gradients on: the chunked passes write with out=, which
+    autograd refuses; the loss is a number for early stopping, not a graph."""
+    logits = torch.nn.Linear(8, 4)(torch.randn(500, 8, generator=torch.Generator().manual_seed(6)))
+    labels = torch.arange(500) % 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert float(refinement_loss(logits, labels, loss)) == float(refinement_loss(logits.detach(), labels, loss))

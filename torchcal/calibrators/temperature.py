@@ -25,6 +25,8 @@ _MAX_SCALED_MARGIN = 1e4
 _SUBSAMPLE_ELEMENTS = 1 << 20
 # The grid of a non-convex loss's first pass: beta_max / 2^j, j = 0 .. this (down to 1e-12 of it).
 _GRID_HALVINGS = 40
+# Grid values this close to the lowest are tied (a saturated Brier score of 0 came out as -6e-24)
+_GRID_TIE = 1e-12
 
 
 class TemperatureScaling(Calibrator):
@@ -173,8 +175,10 @@ def fit_inverse_temperature(
         grid = [beta_max * 2.0**-j for j in range(_GRID_HALVINGS, -1, -1)]
         values = all_reduce_(tempered_moments(logits, labels, grid, loss, sample_w)[:, 0], process_group).tolist()
         evaluations += 1
-        best = min(range(len(grid)), key=values.__getitem__)
-        if uniform_value <= values[best]:
+        # the largest beta among ties (within round-off): where rows saturate the loss stops moving
+        lowest = min(values)
+        best = max(i for i, value in enumerate(values) if value <= lowest + _GRID_TIE)
+        if uniform_value <= lowest:
             return uniform_is_best()
         start, lo = grid[best], grid[best - 1] if best else 0.0
         hi = grid[best + 1] if best + 1 < len(grid) else math.inf
@@ -197,11 +201,15 @@ def fit_inverse_temperature(
         if grad < 0 or flat:
             lo = beta
             if beta >= beta_max:
+                # (the Brier score of a wrong row stops rising at 2, so it can also fall throughout
+                # where the misclassified rows are few and confidently wrong)
+                why = "perfectly separable by the scores" if convex else (
+                    "perfectly separable by the scores, or their misclassified rows already score their worst")
                 warnings.warn(
-                    f"the calibration data are perfectly separable by the scores: the {loss_name} keeps "
-                    f"falling as T -> 0; stopped at T = {1 / beta_max:.3g}.",
+                    f"the calibration data are {why}: the {loss_name} keeps falling as T -> 0; stopped at "
+                    f"T = {1 / beta_max:.3g}.",
                     ConvergenceWarning,
-                    stacklevel=4,
+                    stacklevel=stacklevel_outside_package(),
                 )
                 return beta, FitRecord(iteration, evaluations, value, abs(grad), False, "separable data: T at its lower limit")
         else:

@@ -40,7 +40,13 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from torchcal._validation import check_logits, check_logits_and_labels, check_priors, compute_dtype
+from torchcal._validation import (
+    check_logits,
+    check_logits_and_labels,
+    check_priors,
+    compute_dtype,
+    stacklevel_outside_package,
+)
 from torchcal.calibrators.affine import AffineCalibration
 from torchcal.calibrators.base import Calibrator
 from torchcal.distributed import ProcessGroup, all_reduce_, validate_together
@@ -177,7 +183,7 @@ def estimate_priors(
     stderr = _standard_errors(likelihood.information(run.priors, free) * likelihood.count, run.priors, free)
     record = _record(run, float(mean_log), float(gradient.max()) - 1)
     if not record.converged:
-        warnings.warn(f"estimate_priors {record.message}", ConvergenceWarning, stacklevel=2)
+        warnings.warn(f"estimate_priors {record.message}", ConvergenceWarning, stacklevel=stacklevel_outside_package())
     return PriorEstimate(run.priors, stderr, record)
 
 

@@ -642,3 +642,14 @@ def test_log_probabilities_and_declared_probabilities_do_not_warn():
         metric = metrics.CrossEntropy(num_classes=K, input="probs")
         metric.update(probs, labels)
         assert torch.isclose(metric.compute(), F.cross_entropy(probs.log(), labels).to(metric.compute().dtype))
+
+
+@pytest.mark.parametrize("metric", [F.error_rate, F.balanced_error_rate, partial(F.bayes_risk, costs=F.zero_one_costs(K))])
+def test_decision_metrics_validate_their_scores_once(metric):
+    """error_rate validated the logits in error_rate_terms, bayes_risk_terms and bayes_decisions:
+    three full sums, and the probabilities warning three times under "always"."""
+    probs, labels = _probs_and_labels()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        metric(probs, labels)
+    assert len([w for w in caught if "look like probabilities" in str(w.message)]) == 1

@@ -97,7 +97,11 @@ def bayes_decisions(logits: Tensor, costs: Tensor) -> Tensor:
         tensor([2, 2, 1])
     """
     logits = check_logits(logits)
-    costs = check_costs(costs, logits.shape[1], device=logits.device)
+    return _bayes_decisions(logits, check_costs(costs, logits.shape[1], device=logits.device))
+
+
+def _bayes_decisions(logits: Tensor, costs: Tensor) -> Tensor:
+    """``bayes_decisions`` of valid ``logits: (N, K)`` and float64 ``costs: (K, M)``."""
     if is_zero_one_costs(costs):
         return _first_maximal_decisions(logits)
     return _least_cost_decisions(logits, costs)
@@ -311,8 +315,14 @@ def bayes_risk_terms(
         >>> terms.per_sample
         tensor([1., 0.], dtype=torch.float64)
     """
-    logits, labels = check_logits_and_labels(logits, labels)
-    return expected_cost_terms(bayes_decisions(logits, costs), labels, costs, priors, normalize)
+    return _bayes_risk_terms(*check_logits_and_labels(logits, labels), costs, priors, normalize)
+
+
+def _bayes_risk_terms(logits: Tensor, labels: Tensor, costs: Tensor, priors: Tensor | None = None,
+                      normalize: bool = False) -> SumDecomposition:
+    """``bayes_risk_terms`` of valid ``logits`` and ``labels``: validated once, at the entry point."""
+    costs = check_costs(costs, logits.shape[1], device=logits.device)
+    return expected_cost_terms(_bayes_decisions(logits, costs), labels, costs, priors, normalize)
 
 
 def bayes_risk(
@@ -367,8 +377,8 @@ def error_rate_terms(logits: Tensor, labels: Tensor) -> SumDecomposition:
         >>> error_rate_terms(torch.tensor([[2., 0.], [0., 1.]]), torch.tensor([1, 1])).per_sample
         tensor([1., 0.], dtype=torch.float64)
     """
-    logits = check_logits(logits)
-    return bayes_risk_terms(logits, labels, zero_one_costs(logits.shape[1]))
+    logits, labels = check_logits_and_labels(logits, labels)
+    return _bayes_risk_terms(logits, labels, zero_one_costs(logits.shape[1]))
 
 
 def balanced_error_rate(logits: Tensor, labels: Tensor) -> Tensor:
@@ -393,7 +403,7 @@ def balanced_error_rate_terms(logits: Tensor, labels: Tensor) -> SumDecompositio
         >>> float(terms.evaluate())  # class 0: 0 errors of 1, class 1: 1 of 2
         0.25
     """
-    logits = check_logits(logits)
+    logits, labels = check_logits_and_labels(logits, labels)
     num_classes = logits.shape[1]
     uniform = torch.full((num_classes,), 1 / num_classes, dtype=torch.float64)
-    return bayes_risk_terms(logits, labels, zero_one_costs(num_classes), priors=uniform)
+    return _bayes_risk_terms(logits, labels, zero_one_costs(num_classes), priors=uniform)

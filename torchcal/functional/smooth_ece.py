@@ -264,18 +264,6 @@ def _columns(logits: Tensor, labels: Tensor, kind: SmoothKind) -> tuple[Tensor, 
     return binary_problems(logits, labels, kind, ("top-label", "binary", "classwise"))
 
 
-def _column_grid(scores: Tensor, targets: Tensor) -> Callable[[int], Tensor]:
-    """``G -> (2, G)`` grid sums of ones and residuals of one column, cached per G."""
-    cache: dict[int, Tensor] = {}
-
-    def grid(points: int) -> Tensor:
-        if points not in cache:
-            cache[points] = round_to_grid(scores, torch.stack([torch.ones_like(scores), scores - targets]), points)
-        return cache[points]
-
-    return grid
-
-
 #: Samples rounded to the grid at once: the temporaries of ``round_to_grid`` (about ten values per
 #: sample) then stay in the cache; batches of 4 to 16 times this took up to twice as long per sample.
 ROUNDING_CHUNK_ELEMENTS = 1 << 16
@@ -426,8 +414,9 @@ def smooth_reliability_curve(
         raise ValueError(f"confidence must lie strictly between 0 and 1, got {confidence}.")
     check_count(num_replicates, "num_replicates", 2)  # a percentile band needs two replicates
     check_count(mesh_points, "mesh_points", 2)
-    scores, targets = (x[:, 0] for x in _columns(logits, labels, kind))
-    value, sigma = smooth_ece_from_grid(_column_grid(scores, targets), bandwidth)
+    columns = _columns(logits, labels, kind)
+    values, bandwidths = _per_column(*columns, bandwidth, None)
+    (scores, targets), value, sigma = (x[:, 0] for x in columns), values[0], float(bandwidths[0])
     points = grid_points_for_bandwidth(sigma)
     mesh = torch.linspace(0, 1, mesh_points, dtype=torch.float64, device=scores.device)
 

@@ -161,15 +161,22 @@ def column_decomposition(metric_fn: Callable[..., Any]) -> Callable[..., ColumnD
 Decomposition = TypeVar("Decomposition")
 
 
+def _unwrapped(metric_fn: Callable[..., Any]) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """``(function, keyword options)`` of a ``functools.partial`` that binds keywords only, else
+    ``(metric_fn, {})``."""
+    if isinstance(metric_fn, partial) and not metric_fn.args:
+        return metric_fn.func, metric_fn.keywords
+    return metric_fn, {}
+
+
 def _registered(
     registry: Mapping[Callable[..., Any], Callable[..., Decomposition]], metric_fn: Callable[..., Any]
 ) -> Callable[..., Decomposition] | None:
     """``registry[metric_fn]``, with the keyword options of a ``functools.partial`` of a
     registered metric bound to it; None for other functions."""
-    if isinstance(metric_fn, partial) and not metric_fn.args:
-        decomposition = registry.get(metric_fn.func)
-        return None if decomposition is None else partial(decomposition, **metric_fn.keywords)
-    return registry.get(metric_fn)
+    fn, keywords = _unwrapped(metric_fn)
+    decomposition = registry.get(fn)
+    return partial(decomposition, **keywords) if decomposition is not None and keywords else decomposition
 
 
 def metric_decomposition(
@@ -188,10 +195,7 @@ def metric_decomposition(
     terms = sum_decomposition(metric_fn)
     if terms is not None:
         return terms
-    if isinstance(metric_fn, partial) and not metric_fn.args:
-        fn, keywords = metric_fn.func, metric_fn.keywords
-    else:
-        fn, keywords = metric_fn, {}
+    fn, keywords = _unwrapped(metric_fn)
     if fn is expected_calibration_error and {**keywords, **metric_kwargs}.get("strategy", "uniform") == "uniform":
         return partial(calibration_error_terms, **keywords)
     return None
@@ -249,7 +253,7 @@ _CLASS_AVERAGES = (balanced_error_rate, cllr, min_cllr, detection_cost, min_dete
 def _weighs_classes(metric_fn: Callable[..., Any], metric_kwargs: dict[str, Any]) -> bool:
     """Whether ``metric_fn`` combines per-class means with priors the data do not set (``priors=``
     given, or one of ``_CLASS_AVERAGES``): the metrics whose bootstrap is stratified by class."""
-    fn, keywords = (metric_fn.func, metric_fn.keywords) if isinstance(metric_fn, partial) else (metric_fn, {})
+    fn, keywords = _unwrapped(metric_fn)
     return fn in _CLASS_AVERAGES or {**keywords, **metric_kwargs}.get("priors") is not None
 
 

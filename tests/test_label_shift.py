@@ -196,6 +196,22 @@ def test_no_shift_estimates_the_source_priors(cifar10):
     assert bool(((estimate.priors - frequencies).abs() < 3 * estimate.stderr).all())
 
 
+def test_standard_errors_are_infinite_where_the_data_leave_priors_unidentified():
+    """Two classes whose posteriors are always equal: only their priors' sum is identified, so
+    their standard errors are infinite (pinv's were finite, 0.0106), and the third class's equal
+    to that of the merged two-class problem."""
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(2000, 3, dtype=torch.float64, generator=gen)
+    z[:, 1] = z[:, 0]
+    estimate = estimate_priors(z, torch.full((3,), 1 / 3, dtype=torch.float64))
+    assert estimate.stderr[:2].isinf().all()
+    merged = estimate_priors(torch.stack([z[:, 0] + np.log(2), z[:, 2]], 1), torch.tensor([2 / 3, 1 / 3], dtype=torch.float64))
+    torch.testing.assert_close(estimate.priors[2], merged.priors[1], rtol=0, atol=1e-9)
+    torch.testing.assert_close(estimate.stderr[2], merged.stderr[1], rtol=1e-6, atol=0)
+    full_rank = estimate_priors(torch.randn(2000, 3, dtype=torch.float64, generator=gen), torch.full((3,), 1 / 3, dtype=torch.float64))
+    assert full_rank.stderr.isfinite().all()
+
+
 def test_adapt_to_priors_is_bayes_rule():
     gen = torch.Generator().manual_seed(0)
     probs = torch.softmax(torch.randn(50, 4, generator=gen, dtype=torch.float64), 1)

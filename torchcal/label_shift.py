@@ -34,6 +34,7 @@ for: the class frequencies of its calibration data, or the ``priors`` given to i
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, NamedTuple
 
@@ -331,16 +332,23 @@ def _projected_line_search(
 def _standard_errors(information: Tensor, priors: Tensor, free: Tensor) -> Tensor:
     """Standard errors (K,) of priors on the simplex from the information matrix ``sum_n g g^T``
     (``g = a / (a . pi)``, the gradient of one sample's log-likelihood) of the ``free`` classes,
-    those off the boundary, of which the last prior is one minus the others; NaN for the rest."""
+    those off the boundary, of which the last prior is one minus the others; NaN for the rest, and
+    inf for priors the data leave unidentified."""
     stderr = torch.full_like(priors, float("nan"))
     if free.numel() < 2:
         return stderr
     # parametrise the free priors by all but the last of them: J maps the K_f - 1 to the K_f
     k = free.numel()
     jacobian = torch.cat([torch.eye(k - 1, dtype=priors.dtype, device=priors.device), -torch.ones(1, k - 1, dtype=priors.dtype, device=priors.device)])
-    reduced = jacobian.T @ information @ jacobian
-    covariance = jacobian @ torch.linalg.pinv(reduced) @ jacobian.T
-    stderr[free] = covariance.diagonal().clamp_min(0).sqrt()
+    values, vectors = torch.linalg.eigh(jacobian.T @ information @ jacobian)
+    # directions the data do not inform (e.g. two classes whose posteriors are always equal: only
+    # their sum is identified): infinite standard errors for the priors they move, as pinv's
+    # finite ones would claim a precision the data do not have
+    null = values <= k * torch.finfo(values.dtype).eps * values.amax().clamp_min(torch.finfo(values.dtype).tiny)
+    informed = (vectors[:, ~null] / values[~null]) @ vectors[:, ~null].T
+    variance = (jacobian @ informed @ jacobian.T).diagonal().clamp_min(0)
+    moved = ((jacobian @ vectors[:, null]).abs() > 1e-8).any(1)
+    stderr[free] = torch.where(moved, math.inf, variance.sqrt())
     return stderr
 
 

@@ -190,6 +190,31 @@ def test_metrics_whose_updates_differ_never_share_a_compute_group(cifar):
         _close(result[name], F.bayes_risk(logits.double(), labels, c))
 
 
+def test_calibration_losses_of_different_calibrators_never_share_a_compute_group(cifar):
+    """The calibrator, a submodule, is part of what the update depends on: two CalibrationLoss
+    metrics of the error rate whose calibrators decide alike on the first batch had equal states
+    after it, and the second then read the first's value."""
+    logits, labels = cifar
+    gen = torch.Generator().manual_seed(0)
+    fit, test = torch.randperm(logits.shape[0], generator=gen).split(logits.shape[0] // 2)
+    calibrators = {"ts": torchcal.TemperatureScaling(), "vs": torchcal.VectorScaling()}
+    for calibrator in calibrators.values():
+        calibrator.fit(logits[fit], labels[fit])
+    with torch.no_grad():
+        agree = calibrators["ts"](logits[test]).argmax(1) == calibrators["vs"](logits[test]).argmax(1)
+    assert not agree.all()
+    test = torch.cat([test[agree][:8], test[~agree], test[agree][8:]])  # a first batch decided alike
+    collection = MetricCollection({name: M.CalibrationLoss(c, K, score=F.error_rate, relative=False) for name, c in calibrators.items()})
+    collection.update(logits[test[:8]], labels[test[:8]])
+    collection.update(logits[test[8:]], labels[test[8:]])
+    assert len(collection.compute_groups) == 2
+    result = collection.compute()
+    for name, calibrator in calibrators.items():
+        with torch.no_grad():
+            expected = F.calibration_loss(logits[test], calibrator(logits[test]), labels[test], score=F.error_rate).absolute
+        _close(result[name], expected)
+
+
 def test_posterior_quality_and_its_functional(cifar):
     logits, labels = cifar
     expected = F.posterior_quality(logits.double(), labels)._asdict()

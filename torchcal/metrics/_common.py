@@ -157,12 +157,16 @@ class BatchMetric(Metric):
 
     def _stamp_options_digest(self) -> None:
         """Write the digest of the class and of the options the update depends on (public
-        attributes and buffers, less ``_compute_only_options``) into its state; computed once."""
+        attributes, buffers and submodules, such as ``CalibrationLoss``'s calibrator, with their
+        parameters; less ``_compute_only_options``) into its state; computed once."""
         if self._options_digest is None or self._options_digest.device != self.options_digest.device:
             skip = self._metric_attributes | set(self._defaults) | {"validate_args", *self._compute_only_options}
             digest = hashlib.sha256(type(self).__qualname__.encode())
             options = {name: value for name, value in vars(self).items() if not name.startswith("_") and name not in skip}
             options.update((name, b) for name, b in self._buffers.items() if name not in skip)
+            for prefix, module in self.named_children():
+                options[prefix] = type(module).__qualname__
+                options.update((f"{prefix}.{name}", t) for name, t in module.state_dict(keep_vars=True).items())
             for name, value in sorted(options.items()):
                 if isinstance(value, Tensor):
                     value = (value.dtype, tuple(value.shape), value.detach().cpu().contiguous().numpy().tobytes())

@@ -128,20 +128,24 @@ class BatchMetric(Metric):
             self._batch_only = False
 
     def _wrap_compute(self, compute: Callable[..., Any]) -> Callable[..., Any]:
-        """torchmetrics' wrapper (sync across processes, cache) of a ``compute`` that gives a NaN
-        scalar where the metric is undefined, which ``compute`` reports by ``ValueError``: no
-        samples at all on any process (as the sum-based metrics give NaN), or, in ``forward``, the
-        batch alone (a class with a positive prior missing from it, one class only where the
-        score is normalised by the prior's). On all the data it accumulated, the error stands."""
+        """torchmetrics' wrapper (sync across processes, cache) of a ``compute`` that gives NaN
+        where the metric is undefined: a scalar where ``compute`` reports it by ``ValueError`` (in
+        ``forward``, the batch alone: a class with a positive prior missing from it, one class
+        only where the score is normalised by the prior's; on all the data it accumulated, the
+        error stands), and NaN in every entry where there are no samples at all on any process
+        (an empty maximum or bin sum would read 0: perfectly calibrated)."""
 
         @functools.wraps(compute)
         def compute_or_nan(*args: Any, **kwargs: Any) -> Any:
             try:
-                return compute(*args, **kwargs)
+                result = compute(*args, **kwargs)
             except ValueError:
                 if self._batch_only or not bool(self.sample_count > 0):
                     return torch.tensor(math.nan, dtype=torch.float64, device=self.sample_count.device)
                 raise
+            if isinstance(result, Tensor) and result.is_floating_point():  # (no host synchronisation)
+                return torch.where(self.sample_count > 0, result, math.nan)
+            return result
 
         return super()._wrap_compute(compute_or_nan)
 

@@ -25,6 +25,7 @@ __all__ = [
     "check_probs",
     "compute_dtype",
     "looks_like_probs",
+    "total_may_be_of_probs",
 ]
 
 
@@ -132,8 +133,7 @@ def check_logits(logits: Any, name: str = "logits", num_classes: int | None = No
             f"{name} contain {_describe_nonfinite(logits)}. Scores must be finite: check for a "
             f"diverged network, or replace log(0) = -inf by a large negative number."
         )
-    # Logits sum to about N only by coincidence, so the full test rarely runs.
-    if warn_probs and abs(total - n) <= 1e-3 * n and looks_like_probs(logits):
+    if warn_probs and total_may_be_of_probs(total, n, logits.dtype) and looks_like_probs(logits):
         warnings.warn(
             f"{name} look like probabilities (every row in [0, 1] and summing to one) but are read as "
             f"logits (log-posteriors), which gives wrong numbers; pass their log instead, e.g. "
@@ -226,12 +226,18 @@ def looks_like_probs(scores: Tensor) -> bool:
         (True, False)
     """
     values = scores.detach()
-    atol, rows = _simplex_atol(scores.dtype), scores.shape[0]
-    if abs(float(values.sum(dtype=torch.float64)) - rows) > atol * rows:
+    if not total_may_be_of_probs(float(values.sum(dtype=torch.float64)), values.shape[0], values.dtype):
         return False
     low, high = torch.stack(torch.aminmax(values)).tolist()
     sums = values.sum(dim=1, dtype=torch.float64)
-    return low >= 0 and high <= 1 and bool(((sums - 1).abs() <= atol).all())
+    return low >= 0 and high <= 1 and bool(((sums - 1).abs() <= _simplex_atol(values.dtype)).all())
+
+
+def total_may_be_of_probs(total: float, rows: int, dtype: torch.dtype) -> bool:
+    """Whether scores (rows, K) of ``dtype`` whose entries sum to ``total`` may be probabilities,
+    their rows summing to one within ``check_probs``' tolerance: the one-number pre-test of
+    :func:`looks_like_probs` (logits sum to about ``rows`` only by coincidence)."""
+    return abs(total - rows) <= _simplex_atol(dtype) * rows
 
 
 def check_priors(priors: Any, num_classes: int, device: torch.device | None = None) -> Tensor:

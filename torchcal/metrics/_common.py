@@ -62,6 +62,7 @@ from torchcal._validation import (
     check_probs,
     floored_log,
     looks_like_probs,
+    total_may_be_of_probs,
 )
 from torchcal.functional.diagnostics import binning_scores
 from torchcal.functional.scoring import to_log_probs
@@ -309,9 +310,10 @@ class ScoreMetric(BatchMetric):
         ):
             return False
         low, high = torch.aminmax(labels)
-        total, low, high = torch.stack([scores.detach().sum().double(), low.double(), high.double()]).tolist()
-        rows = scores.shape[0]
-        return math.isfinite(total) and abs(total - rows) > 1e-3 * rows and low >= 0 and high < scores.shape[1]
+        total = scores.detach().sum(dtype=torch.promote_types(scores.dtype, torch.float32))  # (see _finite_sum)
+        total, low, high = torch.stack([total.double(), low.double(), high.double()]).tolist()
+        return (math.isfinite(total) and not total_may_be_of_probs(total, scores.shape[0], scores.dtype)
+                and low >= 0 and high < scores.shape[1])
 
     def _binary_columns(self, scores: Tensor) -> Tensor:
         """(N,) scores of class 1, of the declared kind, as two columns (N, 2) of that kind."""

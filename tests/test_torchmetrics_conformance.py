@@ -268,6 +268,16 @@ def test_probabilities_read_as_logits_warn_and_the_declared_kind_is_right(cifar,
             M.CrossEntropy(K).update(half, labels[:1500])
     with pytest.raises(ValueError, match="sum to one"):
         M.CrossEntropy(K, input="probs").update(probs * 0.9, labels)
+    # one column of probabilities of class 1 (torchmetrics' binary convention), at the user's line
+    column, targets = binary[0].softmax(1)[:, 1], binary[1]
+    with pytest.warns(UserWarning, match="one column .* all in \\[0, 1\\]") as record:
+        M.CrossEntropy(2)(column, targets)
+    assert record[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        M.CrossEntropy(2)(binary[0][:, 1] - binary[0][:, 0], targets)  # log-odds
+        M.CrossEntropy(2, input="probs")(column, targets)
+        M.CrossEntropy(2)(column[:19], targets[:19])  # too few rows to tell
     with pytest.raises(ValueError, match="input must be one of"):
         M.CrossEntropy(K, input="softmax")
 

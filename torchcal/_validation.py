@@ -78,11 +78,12 @@ def _finite_sum(x: Tensor) -> float | None:
 
 def stacklevel_outside_package() -> int:
     """The ``stacklevel`` of a warning raised by this function's caller that points at the first
-    frame outside torchcal and torch (``Module.__call__`` sits between a user and a calibrator's
-    ``forward``): the user's line, however deep the call came. Frames are told apart by their
+    frame outside torchcal, torch and torchmetrics (``Module.__call__`` sits between a user and a
+    calibrator's ``forward``, torchmetrics' wrappers between a user and a metric's ``update``):
+    the user's line, however deep the call came. Frames are told apart by their
     module's name, not their file, which a symbolic link or a sibling folder would confuse."""
     frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("torchcal", "torch"):
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("torchcal", "torch", "torchmetrics"):
         frame, level = frame.f_back, level + 1
     return level
 

@@ -62,6 +62,7 @@ from torchcal._validation import (
     check_probs,
     floored_log,
     looks_like_probs,
+    stacklevel_outside_package,
     total_may_be_of_probs,
 )
 from torchcal.functional.diagnostics import binning_scores
@@ -72,6 +73,9 @@ __all__ = ["BatchMetric", "InputKind", "ScoreMetric", "add_sum_state", "check_nu
 InputKind = Literal["logits", "log_probs", "probs"]
 _DIGEST_BYTES = 8  # compared by torch.allclose: whole numbers 0..255 that differ are never close
 _INPUT_KINDS = get_args(InputKind)
+#: One column of log-odds with at least this many rows, all in [0, 1] (every posterior of class 1
+#: between 0.5 and 0.73), is taken for probabilities (torchmetrics' binary convention) mis-declared.
+_MIN_ROWS_OF_PROBABILITY_COLUMN = 20
 ResultT = TypeVar("ResultT", bound=NamedTuple)
 
 
@@ -271,7 +275,7 @@ class ScoreMetric(BatchMetric):
                     f"the scores look like probabilities (rows in [0, 1] summing to one) but "
                     f"input={self.input!r}, which reads them as log-posteriors and gives wrong numbers; "
                     f"pass input='probs' if they are.",
-                    stacklevel=3,
+                    stacklevel=stacklevel_outside_package(),
                 )
         elif labels.dtype != torch.int64:
             labels = labels.long()
@@ -327,5 +331,14 @@ class ScoreMetric(BatchMetric):
                 )
             complement = floored_log(-torch.expm1(scores))
             return torch.stack([complement, scores], dim=1)
+        if self.validate_args and scores.shape[0] >= _MIN_ROWS_OF_PROBABILITY_COLUMN:
+            low, high = torch.stack(torch.aminmax(scores.detach())).tolist()
+            if low >= 0 and high <= 1:
+                warnings.warn(
+                    f"the scores are one column of {scores.shape[0]} values all in [0, 1]: probabilities of "
+                    f"class 1? They are read as log-odds (input={self.input!r}), which gives wrong numbers "
+                    f"if they are probabilities; pass input='probs' if they are.",
+                    stacklevel=stacklevel_outside_package(),
+                )
         return torch.stack([torch.zeros_like(scores), scores], dim=1)  # log-odds of class 1
 

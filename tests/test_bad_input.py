@@ -653,3 +653,27 @@ def test_decision_metrics_validate_their_scores_once(metric):
         warnings.simplefilter("always")
         metric(probs, labels)
     assert len([w for w in caught if "look like probabilities" in str(w.message)]) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_probabilities_of_zero_are_floored_in_every_dtype(dtype):
+    """A probability of 0 becomes log(1e-20) ~ -46 in every dtype, with a zero gradient: in
+    float16 the floor itself rounded to 0, so half-precision networks that return probabilities
+    gave -inf (CalibratedModel on a .half() network, Lightning's 16-true: 'diverged network')."""
+    from torchcal.heads import scores_from_outputs
+
+    probs = torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.25, 0.25]], dtype=dtype, requires_grad=True)
+    scores = scores_from_outputs(probs, "probs")
+    assert scores.dtype == dtype and bool(scores.isfinite().all())
+    torch.testing.assert_close(scores[0, 1:].double(), torch.full((2,), np.log(1e-20), dtype=torch.float64), rtol=0, atol=0.1)
+    scores.sum().backward()
+    assert probs.grad is not None and probs.grad[0, 1:].eq(0).all() and probs.grad.isfinite().all()
+    calibrated = torchcal.TemperatureScaling().fit(torch.randn(200, 3), torch.randint(0, 3, (200,)))
+    assert bool(calibrated(scores.detach().float()).isfinite().all())
+
+
+def test_all_reduce_refuses_an_unknown_operation():
+    from torchcal.distributed import all_reduce_
+
+    with pytest.raises(ValueError, match="op must be one of"):
+        all_reduce_(torch.ones(1), None, "min")  # type: ignore[arg-type]

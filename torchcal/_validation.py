@@ -36,8 +36,9 @@ PROBABILITY_FLOOR = 1e-20
 
 
 def floored_log(probs: Tensor) -> Tensor:
-    """``log(probs)`` with probabilities below :data:`PROBABILITY_FLOOR` raised to it."""
-    return probs.clamp_min(PROBABILITY_FLOOR).log()
+    """``log(probs)`` with probabilities below :data:`PROBABILITY_FLOOR` raised to it, in the
+    dtype of ``probs`` (half precision is floored in float32, where the floor does not round to 0)."""
+    return probs.to(torch.promote_types(probs.dtype, torch.float32)).clamp_min(PROBABILITY_FLOOR).log().to(probs.dtype)
 
 
 def as_tensor(x: Any, name: str) -> Tensor:

@@ -25,11 +25,16 @@ except ImportError:  # pragma: no cover
     ProcessGroup = object  # type: ignore[assignment,misc]
 
 
+_REDUCE_OPS = {"sum": "SUM", "max": "MAX"}
+
+
 def all_reduce_(tensor: Tensor, group: ProcessGroup | None, op: Literal["sum", "max"] = "sum") -> Tensor:
     """Sum (or max) ``tensor`` in place over the processes of ``group``; a no-op for ``None``.
 
     Returns ``tensor`` so calls can be chained.
     """
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"op must be one of {sorted(_REDUCE_OPS)}, got {op!r}.")
     if group is None:
         return tensor
     if not torch.distributed.is_initialized():
@@ -37,8 +42,7 @@ def all_reduce_(tensor: Tensor, group: ProcessGroup | None, op: Literal["sum", "
             "a process_group was given but torch.distributed is not initialised: call "
             "torch.distributed.init_process_group first (Lightning and torchrun do this for you)."
         )
-    reduce_op = torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX
-    torch.distributed.all_reduce(tensor, op=reduce_op, group=group)
+    torch.distributed.all_reduce(tensor, op=getattr(torch.distributed.ReduceOp, _REDUCE_OPS[op]), group=group)
     return tensor
 
 

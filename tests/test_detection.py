@@ -178,3 +178,13 @@ def test_detection_metrics_take_labels_of_any_integer_kind(as_given):
     labels = [1, 0, 0, 0, 1]
     for metric in (cllr, min_cllr, detection_cost, min_detection_cost, equal_error_rate):
         assert float(metric(logits, as_given(labels))) == float(metric(logits, torch.tensor(labels)))
+
+
+@pytest.mark.parametrize("priors", [[1.0, 0.0], [0.0, 1.0]])
+def test_priors_with_a_zero_are_refused(priors):
+    """log(P1 / P0) is undefined: cllr and Cllr returned inf, detection_cost a plausible 1.0."""
+    z, y = torch.randn(100, 2), torch.arange(100) % 2
+    for call in (lambda: cllr(z, y, priors=torch.tensor(priors)), lambda: detection_cost(z, y, priors=torch.tensor(priors)),
+                 lambda: Cllr(priors=torch.tensor(priors)), lambda: DetectionCost(priors=torch.tensor(priors))):
+        with pytest.raises(ValueError, match="priors must both be positive"):
+            call()

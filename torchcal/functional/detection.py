@@ -31,7 +31,7 @@ The PAV and the sorting run on the CPU (NumPy) where noted; results return to th
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -95,8 +95,20 @@ def _llrs_and_labels(logits: Tensor, labels: Tensor, priors: Tensor | None = Non
     """``log_likelihood_ratios`` (N,) and the validated int64 labels (N,) on their device."""
     logits, labels = _binary(logits, labels)
     log_probs = to_log_probs(logits)
-    p = class_frequencies(labels, 2) if priors is None else check_priors(priors, 2, device=logits.device)
+    p = class_frequencies(labels, 2) if priors is None else check_detection_priors(priors, device=logits.device)
     return log_probs[:, 1] - log_probs[:, 0] - (p[1].log() - p[0].log()), labels
+
+
+def check_detection_priors(priors: Any, device: torch.device | None = None) -> Tensor:
+    """The (2,) priors that turn posteriors into LLRs, checked (both positive: the LLR subtracts
+    their log-odds), in float64."""
+    priors = check_priors(priors, 2, device=device)
+    if not bool((priors > 0).all()):
+        raise ValueError(
+            f"priors must both be positive to turn posteriors into LLRs (which subtract log(P1 / P0)), "
+            f"got {priors.tolist()}."
+        )
+    return priors
 
 
 def cllr_per_sample(llr: Tensor, labels: Tensor) -> Tensor:

@@ -17,9 +17,9 @@ import torch
 from torch import Tensor
 from torchmetrics.utilities import dim_zero_cat
 
-from torchcal._validation import check_priors
 from torchcal.functional.detection import (
     bayes_threshold,
+    check_detection_priors,
     cllr,
     cllr_from_class_sums,
     cllr_per_sample,
@@ -48,7 +48,7 @@ class _DetectionMetric(ScoreMetric):
 
     def __init__(self, priors: Tensor | None = None, **kwargs: Any) -> None:
         super().__init__(2, **kwargs)
-        self.register_buffer("priors", None if priors is None else check_priors(priors, 2), persistent=False)
+        self.register_buffer("priors", None if priors is None else check_detection_priors(priors), persistent=False)
         if priors is None:
             self.add_state("log_odds", [], dist_reduce_fx="cat", persistent=False)
             self.add_state("targets", [], dist_reduce_fx="cat", persistent=False)

@@ -677,3 +677,15 @@ def test_all_reduce_refuses_an_unknown_operation():
 
     with pytest.raises(ValueError, match="op must be one of"):
         all_reduce_(torch.ones(1), None, "min")  # type: ignore[arg-type]
+
+
+def test_messages_name_what_was_given():
+    """expected_cost takes no scores: its length mismatch names the labels; a 0-d cost matrix is
+    not '(K, M) = (0, M)'; a top-label ECE refuses an unknown reduction as the classwise one does."""
+    with pytest.raises(ValueError, match="decisions has 20 entries but there are N = 19 labels"):
+        F.expected_cost(torch.arange(20) % 3, torch.arange(19) % 3, F.zero_one_costs(3))
+    with pytest.raises(ValueError, match=r"\(K, M\) = \(K, M\) .* got \(\)"):
+        F.expected_cost(torch.arange(20) % 3, torch.arange(20) % 3, torch.tensor(1.0))
+    for kind in ("top-label", "classwise"):
+        with pytest.raises(ValueError, match="reduction must be one of"):
+            F.expected_calibration_error(torch.randn(20, 3), torch.arange(20) % 3, kind=kind, reduction="foo")  # type: ignore[arg-type]

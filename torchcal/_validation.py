@@ -152,9 +152,11 @@ def check_count(value: Any, name: str, minimum: int = 1) -> int:
     return value
 
 
-def check_labels(labels: Any, num_samples: int, num_classes: int, name: str = "labels", counted: str = "classes") -> Tensor:
+def check_labels(labels: Any, num_samples: int, num_classes: int, name: str = "labels", counted: str = "classes",
+                 samples: str = "the scores have N = {} rows") -> Tensor:
     """Validate class indices: an integer (N,) tensor with values in [0, K) (``counted``: what
-    the indices count, for the message: ``"classes"``, or ``"decisions"`` for decisions in [0, M))."""
+    the indices count, for the message: ``"classes"``, or ``"decisions"`` for decisions in [0, M);
+    ``samples``: the message's clause on N, a format string of it)."""
     labels = as_tensor(labels, name)
     if torch.is_floating_point(labels) or torch.is_complex(labels):
         raise ValueError(
@@ -172,7 +174,7 @@ def check_labels(labels: Any, num_samples: int, num_classes: int, name: str = "l
         )
     if labels.shape[0] != num_samples:
         raise ValueError(
-            f"{name} has {labels.shape[0]} entries but the scores have N = {num_samples} rows; "
+            f"{name} has {labels.shape[0]} entries but {samples.format(num_samples)}; "
             f"they must describe the same samples."
         )
     if num_samples and not _all_in_range(labels, num_classes):
@@ -257,12 +259,13 @@ def check_priors(priors: Any, num_classes: int, device: torch.device | None = No
     return priors
 
 
-def check_costs(costs: Any, num_classes: int, device: torch.device | None = None) -> Tensor:
-    """Validate a cost matrix of shape (K, M): rows are true classes, columns decisions. Float64."""
+def check_costs(costs: Any, num_classes: int | None, device: torch.device | None = None) -> Tensor:
+    """Validate a cost matrix of shape (K, M): rows are true classes, columns decisions; any K for
+    ``num_classes=None``. Float64."""
     costs = as_tensor(costs, "costs").to(dtype=torch.float64, device=device)
-    if costs.ndim != 2 or costs.shape[0] != num_classes or costs.shape[1] < 1:
+    if costs.ndim != 2 or costs.shape[0] != (num_classes or costs.shape[0]) or costs.shape[1] < 1:
         raise ValueError(
-            f"costs must have shape (K, M) = ({num_classes}, M) with rows for the true classes and "
+            f"costs must have shape (K, M) = ({num_classes or 'K'}, M) with rows for the true classes and "
             f"columns for the decisions, got {tuple(costs.shape)}."
         )
     if not bool(torch.isfinite(costs).all()):

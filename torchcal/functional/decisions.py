@@ -210,13 +210,13 @@ def check_decisions(decisions: Tensor, labels: Tensor, costs: Tensor) -> tuple[T
         ...
         ValueError: decisions must lie in [0, 3) for M = 3 decisions; found 1 out-of-range value(s), e.g. 3.
     """
-    costs = as_tensor(costs, "costs")
-    costs = check_costs(costs, costs.shape[0] if costs.ndim else 0)
+    costs = check_costs(costs, None)
     labels = as_tensor(labels, "labels")
     labels = check_labels(labels, labels.shape[0] if labels.ndim == 1 else labels.numel(), costs.shape[0])
     if labels.shape[0] == 0:
         raise ValueError("labels are empty (N = 0): at least one sample is needed.")
-    decisions = check_labels(decisions, labels.shape[0], costs.shape[1], name="decisions", counted="decisions")
+    decisions = check_labels(decisions, labels.shape[0], costs.shape[1], name="decisions", counted="decisions",
+                             samples="there are N = {} labels")
     return decisions.to(labels.device), labels, costs.to(labels.device)
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache, partial
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
 from torch import Tensor
@@ -394,7 +394,10 @@ class BinDecomposition(NamedTuple):
 
 
 def _column_reduction(kind: str, reduction: Reduction) -> Reduction:
-    """``reduction`` for ``"classwise"``; the other kinds have one column and a scalar result."""
+    """``reduction`` for ``"classwise"``; the other kinds have one column and a scalar result
+    (any valid ``reduction`` is accepted for them, as it changes nothing)."""
+    if reduction not in get_args(Reduction):
+        raise ValueError(f"reduction must be one of {get_args(Reduction)}, got {reduction!r}.")
     return reduction if kind == "classwise" else "mean"
 
 

@@ -135,6 +135,25 @@ def test_binary_llrs_without_priors_become_posteriors_with_the_class_frequencies
     np.testing.assert_allclose(np.load(tmp_path / "a.npz")["logits"], calibrator(read_as_at_the_fit).numpy(), rtol=1e-6)
 
 
+def test_the_calibrator_evaluate_fits_on_llrs_keeps_their_priors_for_apply(tmp_path, capsys):
+    """evaluate's calibrator.pt is the head `calibrate --save` writes: fitted on LLRs read with the
+    labels' class frequencies, it saves them, and `apply` reads new LLRs with them (it saved none,
+    and apply read them with uniform priors: posteriors off by the log prior odds, log(0.2 / 0.8))."""
+    rs = np.random.RandomState(2)
+    labels = (rs.uniform(size=1000) < 0.2).astype(int)
+    llr = np.where(labels == 1, 1.5, -1.5) + rs.normal(size=1000)
+    np.savez(tmp_path / "llr.npz", llr=llr, labels=labels)
+    np.save(tmp_path / "new.npy", rs.normal(size=50) * 2)  # new LLRs, no labels
+    fit = ["--method", "platt", "--quiet"]
+    assert run(capsys, "evaluate", tmp_path / "llr.npz", *fit, "--bootstrap", "0", "--no-figures", "--out", tmp_path / "rep")[0] == 0
+    assert run(capsys, "calibrate", tmp_path / "llr.npz", *fit, "--save", tmp_path / "head.pt")[0] == 0
+    for head, out in [(tmp_path / "rep" / "calibrator.pt", "a.npz"), (tmp_path / "head.pt", "b.npz")]:
+        assert run(capsys, "apply", head, tmp_path / "new.npy", "--input", "llr", "--out", tmp_path / out, "--quiet")[0] == 0
+    np.testing.assert_allclose(np.load(tmp_path / "a.npz")["logits"], np.load(tmp_path / "b.npz")["logits"], rtol=1e-5)
+    np.testing.assert_allclose(torch.load(tmp_path / "rep" / "calibrator.pt")["llr_priors"].numpy(),
+                               np.bincount(labels) / labels.size)
+
+
 def test_calibrate_then_apply(scores_file, capsys, tmp_path):
     head = tmp_path / "head.pt"
     code, out, _ = run(capsys, "calibrate", scores_file, "--method", "affine", "--save", head)

@@ -239,7 +239,8 @@ class Report:
     interval, when both were run and differ (``best`` is then temperature unless the difference is
     significant). The last fields hold tensors for notebooks and figures and are left out of
     :meth:`to_dict`: the winning ``calibrator`` (fitted on all calibration data), the evaluated
-    ``logits``/``labels`` and each method's ``calibrated`` log-posteriors.
+    ``logits``/``labels``, each method's ``calibrated`` log-posteriors, and ``llr_priors``, the
+    priors that turned the binary LLRs the calibrator was fitted on into posteriors (saved with it).
     """
 
     source: str
@@ -261,6 +262,7 @@ class Report:
     logits: Tensor | None = field(default=None, repr=False)
     labels: Tensor | None = field(default=None, repr=False)
     calibrated: dict[str, Tensor] = field(default_factory=dict, repr=False)
+    llr_priors: Tensor | None = field(default=None, repr=False)
 
     @property
     def best_result(self) -> MethodResult | None:
@@ -268,7 +270,7 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         """The numbers, JSON-ready (no tensors); ``options`` are the methods' constructor options."""
-        skip = {"calibrator", "method_options", "logits", "labels", "calibrated"}
+        skip = {"calibrator", "method_options", "logits", "labels", "calibrated", "llr_priors"}
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         data |= {"raw": asdict(self.raw), "methods": [asdict(m) for m in self.methods]}
         if self.lowest_vs_temperature is not None:
@@ -280,7 +282,7 @@ class Report:
         return "\n".join(_header(self) + _raw_section(self) + _methods_section(self) + _legend(self) + _verdict(self))
 
     def save(self, folder: str | Path, figures: bool = True, progress: bool = False) -> list[Path]:
-        """Write report.txt/.json/.csv, the winning calibrator (calibrator.pt) and PNG figures
+        """Write report.txt/.json/.csv, the winning calibrator (calibrator.pt, with its ``llr_priors``) and PNG figures
         (top-label reliability of every method; the smoothed and per-class reliability diagrams,
         the Bayes-risk curves and, for K = 2, the DET plot of the raw and the best posteriors).
         ``progress`` shows a bar while the figures render. Returns the paths written."""
@@ -292,7 +294,7 @@ class Report:
         written[2].write_text(self.csv())
         if self.calibrator is not None and self.best is not None:
             written.append(save_calibrator(folder / "calibrator.pt", self.best, self.calibrator,
-                                           self.method_options.get(self.best, {})))
+                                           self.method_options.get(self.best, {}), llr_priors=self.llr_priors))
         if figures and self.logits is not None:
             written += self._figures(folder, progress)
         return written
@@ -551,6 +553,7 @@ def evaluate(
         lowest=lowest if versus is not None else None, lowest_vs_temperature=versus,
         calibrator=None if best is None else fitted[best], method_options={m: dict(method_options.get(m, {})) for m in methods},
         logits=logits, labels=labels, calibrated=calibrated,
+        llr_priors=_llr_priors(calibration if calibration is not None else scores),
     )
 
 
@@ -574,6 +577,11 @@ def _refreshed_every_second(bar: tqdm) -> Iterator[None]:
     finally:
         stop.set()
         ticker.join()
+
+
+def _llr_priors(scores: Scores | tuple[Tensor, Tensor]) -> Tensor | None:
+    """The priors that turned the binary LLRs of ``scores`` into posteriors; None for other scores."""
+    return scores.llr_priors if isinstance(scores, Scores) else None
 
 
 def _unpack(scores: Scores | tuple[Tensor, Tensor], name: str) -> tuple[Tensor, Tensor, str, str]:

@@ -140,6 +140,10 @@ WRONG_CONTENT = [
     ("string-labels.npz", npz_bytes(logits=LOGITS, labels=LABELS.astype(str)), ["labels must be class indices 0..K-1, got values of dtype <U21 such as '0'"]),
     ("string-labels.pt", pt_bytes({"logits": torch.from_numpy(LOGITS), "labels": [str(y) for y in LABELS]}), ["labels must be class indices"]),
     ("empty.npy", b"", ["empty.npy", "not a readable .npy file"]),
+    ("ragged-tensors.pt", pt_bytes({"logits": [torch.zeros(3), torch.zeros(2)], "labels": torch.zeros(2)}),
+     ["the scores cannot be read as an array of numbers", "save them as one array or dense tensor of numbers"]),
+    ("complex.pt", pt_bytes({"logits": torch.from_numpy(LOGITS).to(torch.complex64), "labels": torch.from_numpy(LABELS)}),
+     ["array of numbers, got shape (60, 3) and dtype complex64"]),
 ]
 
 

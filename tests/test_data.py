@@ -114,6 +114,23 @@ def test_torch_files(tmp_path, small):
         assert torch.equal(scores.labels, labels)
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("stored", ["bfloat16", "float16", "requires_grad", "sparse", "sparse_csr"])
+def test_torch_files_hold_scores_as_models_leave_them(stored, tmp_path, small):
+    """LLM logits in bfloat16, a model output saved without .detach(), a sparse tensor: read as the
+    float32 scores they stand for (they ended in a traceback from NumPy)."""
+    logits, labels = torch.from_numpy(small[0]).float(), torch.from_numpy(small[1])
+    as_stored = {
+        "bfloat16": logits.bfloat16(), "float16": logits.half(), "requires_grad": logits * torch.ones(1, requires_grad=True),
+        "sparse": logits.to_sparse(), "sparse_csr": logits.to_sparse_csr(),
+    }[stored]
+    torch.save({"logits": as_stored, "labels": labels.to_sparse() if stored == "sparse" else labels}, tmp_path / "d.pt")
+    scores = load_scores(tmp_path / "d.pt")
+    assert scores.logits.dtype == torch.float32 and not scores.logits.requires_grad
+    torch.testing.assert_close(scores.logits, as_stored.detach().to_dense().float())
+    assert torch.equal(scores.labels, labels)
+
+
 def test_csv_with_a_label_column(tmp_path):
     (tmp_path / "s.csv").write_text("p_cat,label,p_dog\n0.9,0,0.1\n0.25,1,0.75\n0.5,1,0.5\n")
     scores = load_scores(tmp_path / "s.csv")

@@ -9,7 +9,8 @@ Supported files:
   name: ``x_logits.npy`` -> ``x_labels.npy``; ``logits.npy`` / ``scores.npy`` / ``probs.npy`` ->
   ``labels.npy`` or ``targets.npy`` in the same folder (only those three names).
 - ``.pt`` / ``.pth``: a dict with the ``.npz`` keys, a ``(scores, labels)`` pair, or a scores
-  tensor with ``labels_path``. Loaded with ``weights_only=True``.
+  tensor with ``labels_path``. Loaded with ``weights_only=True``. Tensors may be sparse, still
+  attached to autograd, or in half precision (bfloat16, float16: read as float32).
 - ``.csv``: a header row, one column named ``label`` (or ``labels``, ``target``, ``y``); every
   other column is a class score, in order. A first column with an empty header holding distinct
   whole numbers is the row index pandas writes by default (``df.to_csv()``, also of a slice or a
@@ -194,7 +195,8 @@ def load_scores(
         raw, labels, hint, missing, note = _read(path, labels_path, split)
         labels = None if labels is None else _as_labels(labels)
         reason = "as requested" if input != "auto" else "as the file's key says"
-        logits, read_as, llr_priors = _to_logits(np.asarray(raw), input if input != "auto" else hint, reason, priors, labels)
+        kind = input if input != "auto" else hint
+        logits, read_as, llr_priors = _to_logits(_as_array(raw, "scores"), kind, reason, priors, labels)
         read_as += note
         if labels is not None:
             logits, labels = check_logits_and_labels(logits, labels, warn_probs=False)  # read_as says
@@ -447,14 +449,32 @@ def _is_number(cell: str) -> bool:
 
 # --- interpreting the content --------------------------------------------------------------------
 
+def _as_array(values: Any, what: str) -> np.ndarray:
+    """``values`` as a NumPy array. A tensor is detached from autograd (a model output saved without
+    ``.detach()``), made dense, dequantised, and widened to float32 from a floating dtype that NumPy
+    lacks or that is too coarse to compute in (bfloat16, float16, float8): what the scores go
+    through next would do the same."""
+    try:
+        if isinstance(values, Tensor):
+            values = values.detach()
+            values = values.dequantize() if values.is_quantized else values
+            values = values.to_dense() if values.layout != torch.strided else values
+            if values.is_floating_point() and values.dtype not in (torch.float32, torch.float64):
+                values = values.float()
+        return np.asarray(values)
+    except (RuntimeError, TypeError, ValueError) as err:  # torch and NumPy raise any of these
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"the {what} cannot be read as an array of numbers ({first_line}); save them as one "
+                         f"array or dense tensor of numbers.") from None
+
+
 def _as_labels(labels: Any) -> Tensor:
     """Class indices as int64 (N,): accepts (N, 1), bool, unsigned and whole-number floats."""
-    if not isinstance(labels, Tensor):
-        labels = np.asarray(labels)
-        if labels.dtype.kind not in "biuf":
-            example = f" such as {str(labels.flat[0])!r}" if labels.size else ""
-            raise ValueError(f"labels must be class indices 0..K-1, got values of dtype {labels.dtype}{example}; "
-                             f"map the class names to integers first.")
+    labels = _as_array(labels, "labels")
+    if labels.dtype.kind not in "biuf":
+        example = f" such as {str(labels.flat[0])!r}" if labels.size else ""
+        raise ValueError(f"labels must be class indices 0..K-1, got values of dtype {labels.dtype}{example}; "
+                         f"map the class names to integers first.")
     labels = as_tensor(labels, "labels")
     if labels.ndim == 2 and labels.shape[1] == 1:
         labels = labels[:, 0]

@@ -8,8 +8,10 @@ a traceback, never an attempt to load more than the memory holds.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -233,6 +235,48 @@ def test_output_paths_that_cannot_be_written_are_refused_before_fitting(tmp_path
     head = tmp_path / "head.pt"
     assert run(capsys, "calibrate", good, "--method", "affine", "--save", head, "--quiet")[0] == 0
     assert_one_line_error(capsys, ["apply", head, good, "--out", a_folder], "--out", "a folder is already there; name a file")
+
+
+def _refuse_to_fit(monkeypatch):
+    def fit(*args, **kwargs):
+        pytest.fail("fitted before the output was checked")
+
+    for name in ("torchcal.report.fit_calibrator", "torchcal.report.evaluate"):
+        monkeypatch.setattr(name, fit)
+
+
+def _outputs_refused_before_fitting(tmp_path, capsys, monkeypatch, folder, *fragments):
+    """evaluate --out, calibrate --save and apply --out in ``folder``: one line, before any fit."""
+    good = tmp_path / "scores.npz"
+    good.write_bytes(GOOD_NPZ)
+    head = tmp_path / "head.pt"
+    assert run(capsys, "calibrate", good, "--method", "affine", "--save", head, "--quiet")[0] == 0
+    _refuse_to_fit(monkeypatch)
+    for argv in (["evaluate", good, "--out", folder / "report", "--quiet"],
+                 ["calibrate", good, "--method", "affine", "--save", folder / "sub" / "h.pt", "--quiet"],
+                 ["apply", head, good, "--out", folder / "out.npz", "--quiet"]):
+        assert_one_line_error(capsys, argv, *fragments)
+
+
+def test_output_locations_that_cannot_be_created_are_refused_before_fitting(tmp_path, capsys, monkeypatch):
+    """They were refused only when the report was written, after every fit and the bootstrap."""
+    if not Path("/proc/self").is_dir():
+        pytest.skip("needs /proc, where no file can be created even by root")
+    _outputs_refused_before_fitting(tmp_path, capsys, monkeypatch, Path("/proc/torchcal-test"),
+                                    "cannot create files in /proc", "name a location you can write to")
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root writes through permission bits")
+def test_output_folders_without_write_permission_are_refused_before_fitting(tmp_path, capsys, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    _outputs_refused_before_fitting(tmp_path, capsys, monkeypatch, locked, f"cannot create files in {locked} (Permission denied)")
+    assert list(locked.iterdir()) == []
+    read_only = tmp_path / "old.npz"
+    read_only.write_bytes(b"")
+    read_only.chmod(0o444)
+    assert_one_line_error(capsys, ["apply", tmp_path / "head.pt", tmp_path / "scores.npz", "--out", read_only],
+                          "the file is there and cannot be overwritten")
 
 
 def test_a_labels_file_given_for_scores_that_have_labels_is_an_error(tmp_path, capsys):

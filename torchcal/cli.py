@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import importlib.resources
 import logging
+import os
 import sys
+import tempfile
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -160,13 +162,25 @@ def _load(path: str, args: argparse.Namespace, priors: Any = None, **kwargs: Any
 
 def _check_output(option: str, path: str, folder: bool) -> None:
     """Refuse an output path that cannot be written before anything is fitted: a ``folder`` that
-    is a file, a file that is a folder, or one whose parent is a file."""
+    is a file, a file that is a folder, one whose parent is a file, or one in a folder where no
+    file can be created (no permission, a read-only file system, /proc). Nothing is left behind:
+    the nearest existing folder is tried with a file created and removed at once."""
     target = Path(path)
     if target.exists() and target.is_dir() != folder:
         raise UsageError(f"{option} {path}: {'a file' if folder else 'a folder'} is already there; name {'a folder' if folder else 'a file'}.")
-    parent = next((p for p in target.parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
-        raise UsageError(f"{option} {path}: {parent} is a file, not a folder.")
+    existing = next(p for p in (target, *target.parents) if p.exists())  # the last parent, '.' or '/', exists
+    if existing == target and not folder:  # a file to overwrite
+        if not os.access(target, os.W_OK):
+            raise UsageError(f"{option} {path}: the file is there and cannot be overwritten (no permission); name another file.")
+        return
+    if not existing.is_dir():
+        raise UsageError(f"{option} {path}: {existing} is a file, not a folder.")
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".torchcal-write-test-"):
+            pass
+    except OSError as err:
+        raise UsageError(f"{option} {path}: cannot create files in {existing} ({err.strerror or err}); "
+                         f"name a location you can write to.") from None
 
 
 def _with_two_classes(scores: Scores, path: str) -> Scores:

@@ -92,6 +92,19 @@ def test_config_and_overrides(scores_file, capsys, tmp_path):
     assert code == 2 and "unknown config keys ['folds']" in err
 
 
+def test_config_options_for_a_method_not_run_are_named(scores_file, capsys, tmp_path):
+    """Options of a method the config does not run warn (they were ignored silently); with --method
+    choosing some of the config's methods, leaving the others' options unused is the point."""
+    config = tmp_path / "c.yaml"
+    config.write_text("methods: [temperature]\noptions:\n  affine:\n    bias: false\n")
+    common = ["--config", config, "--bootstrap", "0", "--no-figures", "--quiet", "--out", tmp_path / "o"]
+    code, _, err = run(capsys, "evaluate", scores_file, *common)
+    assert code == 0 and err == (f"torchcal: warning: {config}: the options for affine are not used: not among the "
+                                 f"methods run (temperature); add it to methods.\n")
+    code, _, err = run(capsys, "evaluate", scores_file, *common, "--method", "temperature")
+    assert code == 0 and err == ""
+
+
 def test_priors_costs_and_inputs(tmp_path, capsys):
     rs = np.random.RandomState(0)
     llr = rs.normal(size=400) * 2

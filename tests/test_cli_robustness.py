@@ -206,9 +206,14 @@ def test_broken_config_and_cost_files(tmp_path, capsys):
         ({"methods": [["temperature"]]}, "methods must be a list of method names"),
         ({"options": ["temperature"]}, "options must map method names to their options"),
         ({"options": {"temperature": 5}}, "options must map method names to their options"),
+        ({"options": {"dirichlet_odir": {"reg_lambda": 1000.0}}},
+         "options for unknown method 'dirichlet_odir' (did you mean 'dirichlet-odir'?); the methods are temperature, affine,"),
+        ({"options": {"7": {}}}, "options for unknown method '7'; the methods are"),
     ]:
         config.write_text(yaml.safe_dump(settings))
         assert_one_line_error(capsys, ["evaluate", good, "--config", config, "--out", tmp_path / "o"], "bad.yaml", fragment)
+    assert_one_line_error(capsys, ["calibrate", good, "--method", "dirichlet-odir", "--config", config, "--save",
+                                   tmp_path / "h.pt"], "bad.yaml", "options for unknown method '7'")
     costs = tmp_path / "costs.csv"
     for content, fragment in [
         ("0,1\n1,0\n", "costs must have shape (K, M) = (3, M)"),

@@ -157,6 +157,8 @@ def test_bad_requests_raise_value_errors(small):
         evaluate(small, ["affine"], folds=1)
     with pytest.raises(ValueError, match="bad options for method 'affine'"):
         evaluate(small, ["affine"], method_options={"affine": {"n_bins": 3}})
+    with pytest.raises(ValueError, match="method_options for unknown method 'Affine'; choose from temperature"):
+        evaluate(small, ["affine"], method_options={"Affine": {"bias": False}})
     unlabelled = Scores(small[0], None, "logits", "x.npy")
     with pytest.raises(ValueError, match="evaluating needs labels"):
         evaluate(unlabelled, ["affine"])

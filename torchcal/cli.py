@@ -111,8 +111,11 @@ def parse_costs(spec: Any, num_classes: int) -> tuple[torch.Tensor, str]:
 
 def load_config(name: str | Path) -> dict[str, Any]:
     """Read a YAML configuration: a file, or a preset shipped in :data:`CONFIG_DIR` named by its name
-    (``quick``) or by its path in the repository (``configs/quick.yaml``, from any directory)."""
+    (``quick``) or by its path in the repository (``configs/quick.yaml``, from any directory).
+    Unknown keys, and ``options`` under a name that is no method, are refused."""
     import yaml
+
+    from torchcal.report import METHODS
 
     path: Path | Traversable = Path(name)
     if not path.is_file():
@@ -136,7 +139,19 @@ def load_config(name: str | Path) -> dict[str, Any]:
     if options is not None and not (isinstance(options, dict) and all(isinstance(o, dict) for o in options.values())):
         raise ValueError(f"{path}: options must map method names to their options, e.g. "
                          f"{{dirichlet-odir: {{reg_lambda: 0.01}}}}; got {options!r}.")
+    unknown = [name for name in options or {} if name not in METHODS]
+    if unknown:  # a misspelt name would leave its method on the default options, silently
+        raise ValueError(f"{path}: options for unknown method {_closest(unknown[0], list(METHODS))}; "
+                         f"the methods are {', '.join(METHODS)}.")
     return config
+
+
+def _closest(name: Any, known: Sequence[str]) -> str:
+    """``name`` quoted, with the known name it is likely a typo of, if any."""
+    import difflib
+
+    match = difflib.get_close_matches(str(name), known, n=1)
+    return f"{name!r}" + (f" (did you mean {match[0]!r}?)" if match else "")
 
 
 def _methods(spec: Any, num_classes: int) -> list[str]:
@@ -236,9 +251,11 @@ def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | 
     elif calibration is None and settings.get("cv") is None and has_split(scores_path):
         calibration = load_scores(scores_path, input=args.input, split="val", priors=scores.llr_priors)  # the file's own held-out split
     costs, costs_name = parse_costs(settings.get("costs"), k)
+    methods = _methods(settings.get("methods", default_methods), k)
+    _warn_of_unused_options(args, settings, methods)
     report = evaluate(
         scores,
-        _methods(settings.get("methods", default_methods), k),
+        methods,
         calibration=calibration,
         folds=_integer(args, settings, "cv", 5, 2, "an integer >= 2 (the number of folds)"),
         priors=parse_priors(raw_priors, k),
@@ -254,6 +271,15 @@ def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | 
     if not args.quiet:
         print(f"\nwrote {', '.join(p.name for p in written)} to {args.out}/")
     return 0
+
+
+def _warn_of_unused_options(args: argparse.Namespace, settings: dict[str, Any], methods: list[str]) -> None:
+    """Warn of config options for a method that is not run, unless ``--method`` chose the methods
+    (then leaving some of the config's out is the point)."""
+    unused = [m for m in settings.get("options") or {} if m not in methods]
+    if unused and args.methods is None:
+        warnings.warn(f"{args.config}: the options for {', '.join(unused)} are not used: not among the methods run "
+                      f"({', '.join(methods)}); add {'it' if len(unused) == 1 else 'them'} to methods.", stacklevel=2)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:

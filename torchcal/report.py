@@ -474,7 +474,9 @@ def evaluate(
             cross-validation the calibrator would have to be refitted per replicate
             (Ferrer & Ramos, App. E), so calibrated metrics carry no interval.
         seed: seed of the folds and of the bootstrap.
-        method_options: constructor options per method, e.g. ``{"dirichlet-odir": {"reg_grid": [...]}}``.
+        method_options: constructor options per method, e.g. ``{"dirichlet-odir": {"reg_grid": [...]}}``;
+            a name that is no method of :data:`METHODS` is refused, options of a method not in
+            ``methods`` are not used.
         progress: show a tqdm progress bar.
 
     Returns:
@@ -485,6 +487,9 @@ def evaluate(
     num_classes = logits.shape[1]
     methods = list(dict.fromkeys(methods))
     method_options = {name: dict(opts) for name, opts in (method_options or {}).items()}
+    unknown = [name for name in method_options if name not in METHODS]
+    if unknown:  # a misspelt name would leave its method on the default options, silently
+        raise ValueError(f"method_options for unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}.")
     for method in methods:  # fail early on bad names, options or class counts
         supported = make_calibrator(method, **method_options.get(method, {})).supported_num_classes
         if supported is not None and supported != num_classes:

@@ -226,3 +226,24 @@ def test_empty_panels_and_operating_points_are_refused(synthetic):
     for log_odds in (torch.tensor([]), torch.tensor([0.0, float("nan")]), torch.tensor([-math.inf, 0.0])):
         with pytest.raises(ValueError, match="log_odds must be finite operating points, at least one"):
             bayes_risk_curve(logits, labels, class_index=1, log_odds=log_odds)
+
+
+def test_det_axes_reach_down_to_the_lowest_rate_drawn():
+    """Speaker verification: false-alarm rates down to 1 in 20,000. The axes stopped at 0.1 %, which
+    hid most of the curve; they now begin just below its lowest rate, ticked in decades."""
+    from torchcal.functional.detection import det_curve
+    from torchcal.plots import det_plot
+
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.cat([torch.zeros(20000), torch.ones(500)]).long()
+    llr = torch.randn(len(labels), generator=gen, dtype=torch.float64) + 6.0 * labels
+    scores = torch.stack([torch.zeros_like(llr), llr], 1)
+    false_alarm, miss = det_curve(scores, labels)
+    lowest = float(false_alarm[(false_alarm > 0) & (miss > 0)].min())
+    assert lowest == pytest.approx(1 / 20000)
+    _, ax = det_plot(scores, labels)
+    [line] = [line for line in ax.lines if line.get_label().startswith("EER")]
+    lower = ax.get_xlim()[0]
+    assert ax.get_ylim()[0] == lower and lower < float(torch.special.ndtri(torch.tensor(lowest)))
+    assert min(line.get_xdata().min(), line.get_ydata().min()) >= lower  # every point drawn is inside
+    assert [t.get_text() for t in ax.get_xticklabels()][:3] == ["0.01", "0.1", "1"]  # 1e-4, 1e-3, 1e-2

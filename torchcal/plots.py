@@ -459,8 +459,26 @@ def smooth_reliability_diagram(
 
 # --- DET curves (binary detection) ----------------------------------------------------------------
 
+#: Error rates ticked on DET axes down to 0.1 %; below it, whole decades (closer together on probit axes).
+DET_TICKS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4)
+
+
+def _det_axis(lowest: float) -> tuple[float, list[float]]:
+    """The lower limit of DET axes on the probit scale, a little below ``lowest``, the lowest rate
+    drawn (at most 10 %), and the rates ticked above it. Axes that reach below 0.1 % tick it and
+    the decades below only: 0.2 % and 0.5 % would crowd it."""
+    lowest = min(lowest, 0.1)
+    limit = 1.05 * float(torch.special.ndtri(torch.tensor(lowest, dtype=torch.float64)))  # 5 % of the span to 50 % (0) below
+    rates = list(DET_TICKS)
+    if lowest < DET_TICKS[0]:
+        rates = [float(f"1e-{d}") for d in range(-math.floor(math.log10(lowest)), 3, -1)] + [t for t in rates if t not in (0.002, 0.005)]
+    positions = torch.special.ndtri(torch.tensor(rates, dtype=torch.float64)).tolist()
+    return limit, [t for t, x in zip(rates, positions) if x >= limit]
+
+
 def det_plot(logits: Systems, labels: Tensor, *, ax: Axes | None = None) -> tuple[Figure, Axes]:
-    """Detection-error-tradeoff curves on probit axes, with each system's ROC-convex-hull EER.
+    """Detection-error-tradeoff curves on probit axes, with each system's ROC-convex-hull EER; the
+    axes reach down to the lowest non-zero false-alarm or miss rate drawn.
 
     Args:
         logits: (N, 2) scores (class 1 is the target), or ``{name: (N, 2) scores}``.
@@ -490,13 +508,12 @@ def det_plot(logits: Systems, labels: Tensor, *, ax: Axes | None = None) -> tupl
                     color=colors[name], markersize=5)
         if bool(inside.any()):  # not for separated classes: no point has both rates > 0
             lowest = min(lowest, float(false_alarm[inside].min()), float(miss[inside].min()))
-    rates = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4)
-    ticks = [t for t in rates if t >= lowest / 2] or list(rates[-3:])
+    lower, ticks = _det_axis(lowest)
     positions = probit(torch.tensor(ticks, dtype=torch.float64)).tolist()
     labels_text = [f"{100 * t:g}" for t in ticks]
     ax.set_xticks(positions, labels_text)
     ax.set_yticks(positions, labels_text)
-    limits = (positions[0], float(probit(torch.tensor(0.5))))
+    limits = (lower, float(probit(torch.tensor(0.5))))
     ax.plot(limits, limits, color="0.6", linestyle="--", linewidth=1)
     ax.set(xlim=limits, ylim=limits, xlabel="false-alarm rate (%)", ylabel="miss rate (%)")
     ax.set_title("detection error tradeoff", fontsize="medium")

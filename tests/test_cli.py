@@ -410,6 +410,16 @@ def test_target_refuses_zero_source_priors_before_the_fit_and_names_them(scores_
     assert code == 2 and f"{two_classes} has no sample of class 2" in err and "fitting" not in err
 
 
+def test_target_file_is_read_and_checked_before_the_fit(scores_file, capsys, tmp_path, monkeypatch):
+    """A missing --target, or one of another classifier (other K), was found only after the fit."""
+    monkeypatch.setattr("torchcal.report.fit_calibrator", lambda *a, **k: pytest.fail("fitted before --target was checked"))
+    code, _, err = run(capsys, "calibrate", scores_file, "--method", "affine", "--target", tmp_path / "none.npy")
+    assert code == 2 and err == f"torchcal: error: no such file: {tmp_path / 'none.npy'}\n"
+    np.save(tmp_path / "four.npy", np.zeros((10, 4)))
+    code, _, err = run(capsys, "calibrate", scores_file, "--method", "affine", "--target", tmp_path / "four.npy")
+    assert code == 2 and f"--target {tmp_path / 'four.npy'}: 4 classes, but {scores_file} has 3" in err
+
+
 def test_target_warns_where_the_prior_estimate_stopped_short(scores_file, capsys, tmp_path, monkeypatch):
     import torchcal.label_shift
 

@@ -318,21 +318,28 @@ def _label_shift_source(args: argparse.Namespace, scores: Scores, priors: torch.
     return source
 
 
+def _load_target(args: argparse.Namespace, scores: Scores) -> Scores:
+    """The unlabelled ``--target`` scores, read as the calibration ``scores`` were; checked before the fit."""
+    from torchcal.data import load_scores
+
+    target = load_scores(args.target, input=args.input, priors=scores.llr_priors, require_labels=False)
+    if target.num_classes != scores.num_classes:
+        raise ValueError(f"--target {args.target}: {target.num_classes} classes, but {args.scores} has "
+                         f"{scores.num_classes}; the target scores must come from the same classifier.")
+    return target
+
+
 def _estimate_target_priors(
-    args: argparse.Namespace, scores: Scores, calibrator: Calibrator, method: str, source: torch.Tensor
+    args: argparse.Namespace, source: torch.Tensor, target: Scores, calibrator: Calibrator, method: str
 ) -> dict[str, torch.Tensor]:
     """Label shift: the class priors of the unlabelled ``--target`` scores, by maximum likelihood on
     their calibrated posteriors (``torchcal.label_shift.estimate_priors``), printed with their
     standard errors; a warning if the estimate stopped short of the maximum."""
     import torch
 
-    from torchcal.data import load_scores
     from torchcal.fit import ConvergenceWarning
     from torchcal.label_shift import estimate_priors
 
-    target = load_scores(args.target, input=args.input, priors=scores.llr_priors, require_labels=False)
-    if target.num_classes != scores.num_classes:
-        raise ValueError(f"{args.target}: {target.num_classes} classes, but {args.scores} has {scores.num_classes}.")
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)  # said below, naming --target
         estimate = estimate_priors(calibrator(target.logits), source)
@@ -368,11 +375,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise UsageError("calibrate needs --save PATH, --target TARGET_SCORES, or both (see torchcal calibrate --help)")
     if args.save is not None:
         _check_output("--save", args.save, folder=False)
-    source = _label_shift_source(args, scores, priors) if args.target else None
+    shift = (_label_shift_source(args, scores, priors), _load_target(args, scores)) if args.target else None
     if not args.quiet:
         print(f"fitting {method} on {where} ...", file=sys.stderr, flush=True)
     calibrator = fit_calibrator(method, options, scores.logits, labels, priors=priors)
-    label_shift = None if source is None else _estimate_target_priors(args, scores, calibrator, method, source)
+    label_shift = None if shift is None else _estimate_target_priors(args, *shift, calibrator, method)
     if args.save is None:
         return 0
     save_calibrator(args.save, method, calibrator, options, label_shift, scores.llr_priors)

@@ -349,11 +349,20 @@ def test_csv_written_by_pandas_with_its_index(tmp_path):
     assert load_scores(tmp_path / "excel.csv").logits.equal(without.logits)
     frame[["label", *frame.columns[:-1]]].to_csv(tmp_path / "label_first.csv", index=False, encoding="utf-8-sig")
     assert load_scores(tmp_path / "label_first.csv").labels.tolist() == labels.tolist()
-    # a named first column, or an unnamed one of repeated or fractional values, is data
-    frame.rename_axis("p_extra").to_csv(tmp_path / "named.csv")
-    assert load_scores(tmp_path / "named.csv").num_classes == 11
+    # a named index (df.index.name = "id") was read as an 11th class: an index-like name over
+    # distinct whole numbers, or the row numbers 0..N-1 under any name, is an index too
+    shuffled.rename_axis("id").to_csv(tmp_path / "id.csv")
+    read = load_scores(tmp_path / "id.csv")
+    assert read.num_classes == 10 and read.labels.tolist() == shuffled["label"].tolist()
+    assert read.read_as.endswith("; the first column ('id', distinct whole numbers) is a row index as pandas writes it, left out")
+    frame.rename_axis("row_number").to_csv(tmp_path / "range.csv")
+    read = load_scores(tmp_path / "range.csv")
+    assert read.logits.equal(without.logits) and read.read_as.endswith("('row_number', the row numbers 0..N-1) is a row index as pandas writes it, left out")
+    # any other first column of repeated, fractional, or shuffled values under a name is data
     frame.set_index(frame.index // 2).to_csv(tmp_path / "repeated.csv")
     assert load_scores(tmp_path / "repeated.csv").num_classes == 11
+    shuffled.rename_axis("p_extra").to_csv(tmp_path / "named.csv")
+    assert load_scores(tmp_path / "named.csv").num_classes == 11
 
 
 def test_tests_use_the_bundled_file_without_the_shared_folder(tmp_path, monkeypatch):

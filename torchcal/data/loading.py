@@ -12,9 +12,10 @@ Supported files:
   tensor with ``labels_path``. Loaded with ``weights_only=True``. Tensors may be sparse, still
   attached to autograd, or in half precision (bfloat16, float16: read as float32).
 - ``.csv``: a header row, one column named ``label`` (or ``labels``, ``target``, ``y``); every
-  other column is a class score, in order. A first column with an empty header holding distinct
-  whole numbers is the row index pandas writes by default (``df.to_csv()``, also of a slice or a
-  shuffled frame): it is dropped, and the note says so.
+  other column is a class score, in order. A first column that is the row index pandas writes
+  (``df.to_csv()``) is dropped, and the note says so: distinct whole numbers under an empty header
+  or an index-like one (``id``, ``index``, ... :data:`CSV_INDEX_NAMES`; also the index of a slice or
+  a shuffled frame), or the row numbers 0..N-1 in order under any header (a named ``RangeIndex``).
 
 Scores are read as logits in the wide sense (any unnormalised log-posteriors) unless the caller
 says otherwise (``input="probs"`` / ``"log_probs"`` / ``"llr"``), the file says so (key ``probs`` /
@@ -401,6 +402,10 @@ def _sibling_labels(path: Path) -> tuple[Path | None, str]:
 #: Reading a CSV file builds Python objects for every cell: about this many bytes per byte of text.
 CSV_EXPANSION = 10
 
+#: Headers of a first CSV column that, over distinct whole numbers, name a row index, not a class
+#: (compared in lower case; "unnamed: 0" is how pandas reads back an index it wrote without a name).
+CSV_INDEX_NAMES = ("", "id", "ids", "idx", "index", "row", "sample", "sample_id", "unnamed: 0")
+
 
 def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None, str]:
     size, available = path.stat().st_size, _available_memory()
@@ -432,11 +437,22 @@ def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None, str]:
         raise ValueError(f"every CSV cell after the header must be a number ({err}).") from None
     if table.ndim != 2 or table.shape[1] != len(header):
         raise ValueError(f"every CSV row must have {len(header)} cells, like the header.")
-    first = table[:, 0]
-    index = header[0] == "" and bool((first == np.round(first)).all()) and np.unique(first).size == first.size
-    note = "; the first column (no name, distinct whole numbers) is a row index as pandas writes it, left out" if index else ""
-    score_cols = [i for i in range(int(index), len(header)) if not (label_cols and i == label_cols[0])]
+    index = None if label_cols[:1] == [0] else _row_index(header[0], table[:, 0])
+    note = f"; the first column ({index}) is a row index as pandas writes it, left out" if index else ""
+    score_cols = [i for i in range(int(index is not None), len(header)) if not (label_cols and i == label_cols[0])]
     return table[:, score_cols], table[:, label_cols[0]] if label_cols else None, note
+
+
+def _row_index(name: str, values: np.ndarray) -> str | None:
+    """Why the first CSV column, headed ``name``, is a row index rather than class scores (see the
+    module docstring), or None if it is not one."""
+    if not (bool((values == np.round(values)).all()) and np.unique(values).size == values.size):
+        return None
+    if name.lower() in CSV_INDEX_NAMES:
+        return f"{f'{name!r}' if name else 'no name'}, distinct whole numbers"
+    if np.array_equal(values, np.arange(values.size)):
+        return f"{name!r}, the row numbers 0..N-1"
+    return None
 
 
 def _is_number(cell: str) -> bool:

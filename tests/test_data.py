@@ -131,6 +131,22 @@ def test_torch_files_hold_scores_as_models_leave_them(stored, tmp_path, small):
     assert torch.equal(scores.labels, labels)
 
 
+@pytest.mark.parametrize("suffix", [".npz", ".pt"])
+def test_a_file_with_several_score_keys_gives_the_one_input_names(suffix, tmp_path):
+    """An .npz holding logits and probs was refused with input="probs": logits were always read."""
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.0, 1.0, 0.0], [-1.0, 0.0, 3.0]], dtype=torch.float64)
+    probs, labels = logits.softmax(1), torch.tensor([0, 1, 2])
+    path = tmp_path / f"both{suffix}"
+    if suffix == ".npz":
+        np.savez(path, logits=logits.numpy(), probs=probs.numpy(), labels=labels.numpy())
+    else:
+        torch.save({"logits": logits, "probs": probs, "labels": labels}, path)
+    as_probs = load_scores(path, input="probs")
+    assert as_probs.read_as == "probabilities (as requested)"
+    torch.testing.assert_close(as_probs.logits.softmax(1), probs)
+    assert load_scores(path).read_as == "logits"  # without input, logits win
+
+
 def test_csv_with_a_label_column(tmp_path):
     (tmp_path / "s.csv").write_text("p_cat,label,p_dog\n0.9,0,0.1\n0.25,1,0.75\n0.5,1,0.5\n")
     scores = load_scores(tmp_path / "s.csv")

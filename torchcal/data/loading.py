@@ -3,7 +3,8 @@
 Supported files:
 
 - ``.npz``: scores under ``logits`` (or ``log_probs``), ``probs`` or ``llr``; labels under
-  ``labels`` (or ``targets``). A calibration split may sit next to them as ``logits_val`` /
+  ``labels`` (or ``targets``). Of several score keys, the one ``input`` names is read, else
+  ``logits``. A calibration split may sit next to them as ``logits_val`` /
   ``labels_val`` (read it with ``split="val"``).
 - ``.npy``: the scores; the labels come from ``labels_path`` or from a sibling file found by
   name: ``x_logits.npy`` -> ``x_labels.npy``; ``logits.npy`` / ``scores.npy`` / ``probs.npy`` ->
@@ -193,7 +194,7 @@ def load_scores(
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {path}")
     try:
-        raw, labels, hint, missing, note = _read(path, labels_path, split)
+        raw, labels, hint, missing, note = _read(path, labels_path, split, input)
         labels = None if labels is None else _as_labels(labels)
         reason = "as requested" if input != "auto" else "as the file's key says"
         kind = input if input != "auto" else hint
@@ -232,9 +233,9 @@ _PASS_LABELS = "pass the labels file explicitly (labels_path=..., or --labels on
 _TWO_LABELS = "the file has its own labels ({}), and a labels file was given too (labels_path, --labels): drop one of them."
 
 
-def _read(path: Path, labels_path: str | Path | None, split: str) -> tuple[Any, Any, InputKind, str, str]:
+def _read(path: Path, labels_path: str | Path | None, split: str, input: InputKind) -> tuple[Any, Any, InputKind, str, str]:
     """Return ``(scores, labels or None, kind hint, what to say if labels are missing, a note on
-    what was left out of the file)``."""
+    what was left out of the file)``; of a file with several score keys, the one ``input`` names."""
     suffix = path.suffix.lower()
     if split != "test" and suffix != ".npz":
         raise ValueError(f"only .npz files store a '{split}' split.")
@@ -250,9 +251,9 @@ def _read(path: Path, labels_path: str | Path | None, split: str) -> tuple[Any, 
             raise
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
             raise ValueError(f"not a readable .npz file ({str(err) or type(err).__name__}).") from None
-        return (*_from_mapping(found, given, suffix="" if split == "test" else f"_{split}"), "")
+        return (*_from_mapping(found, given, input, suffix="" if split == "test" else f"_{split}"), "")
     if suffix in (".pt", ".pth"):
-        return (*_from_torch(path, given), "")
+        return (*_from_torch(path, given, input), "")
     if suffix == ".npy":
         sibling, looked_for = _sibling_labels(path)
         labels = given if given is not None or sibling is None else _load_labels(sibling)
@@ -266,14 +267,15 @@ def _read(path: Path, labels_path: str | Path | None, split: str) -> tuple[Any, 
     raise ValueError(f"unsupported file type {path.suffix!r}; use .npz, .npy, .pt/.pth or .csv.")
 
 
-def _from_mapping(found: dict[str, Any], given: Any, suffix: str = ""):
+def _from_mapping(found: dict[str, Any], given: Any, input: InputKind, suffix: str = ""):
     score_keys = [k for k in _SCORE_KEYS if k + suffix in found]
     if not score_keys:
         raise ValueError(
             f"no scores found: expected a key {' or '.join(repr(k + suffix) for k in _SCORE_KEYS)}, "
             f"found keys {sorted(found)}."
         )
-    key = score_keys[0]  # "logits" wins over "probs" when both are stored
+    # the key the declared input names; else "logits" wins over "probs" when both are stored
+    key = input if input in score_keys else score_keys[0]
     label_keys = [k + suffix for k in _LABEL_KEYS if k + suffix in found]
     if label_keys and given is not None:
         raise ValueError(_TWO_LABELS.format(repr(label_keys[0])))
@@ -296,10 +298,10 @@ def _torch_load(path: Path) -> Any:
         raise ValueError(f"not a readable torch file ({type(err).__name__}: {first_line}).") from None
 
 
-def _from_torch(path: Path, given: Any):
+def _from_torch(path: Path, given: Any, input: InputKind):
     obj = _torch_load(path)
     if isinstance(obj, dict):
-        return _from_mapping(obj, given)
+        return _from_mapping(obj, given, input)
     if isinstance(obj, (tuple, list)) and len(obj) == 2:
         if given is not None:
             raise ValueError(_TWO_LABELS.format("a (scores, labels) pair"))

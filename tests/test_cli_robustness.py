@@ -214,6 +214,18 @@ def test_broken_config_and_cost_files(tmp_path, capsys):
         assert_one_line_error(capsys, ["evaluate", good, "--config", config, "--out", tmp_path / "o"], "bad.yaml", fragment)
     assert_one_line_error(capsys, ["calibrate", good, "--method", "dirichlet-odir", "--config", config, "--save",
                                    tmp_path / "h.pt"], "bad.yaml", "options for unknown method '7'")
+    # a config's costs and priors are named with the file (the messages said --costs / --priors,
+    # and a ragged matrix gave torch's bare "expected sequence of length 2 at dim 1 (got 1)")
+    for settings, fragment in [
+        ({"costs": [[0, 1, 1], [1, 0]]}, "costs must be a K x M matrix of numbers, one list of M costs per class"),
+        ({"costs": [[0, "a", 1], [1, 0, 1], [1, 1, 0]]}, "costs must be a K x M matrix of numbers"),
+        ({"costs": "abstain:x"}, "costs abstain:ALPHA needs a number"),
+        ({"priors": [0.5, 0.5]}, "priors needs 3 numbers"),
+    ]:
+        config.write_text(yaml.safe_dump(settings))
+        assert_one_line_error(capsys, ["evaluate", good, "--config", config, "--out", tmp_path / "o"], f"{config}: {fragment}")
+    assert_one_line_error(capsys, ["calibrate", good, "--method", "affine", "--config", config, "--save", tmp_path / "h.pt"],
+                          f"{config}: priors needs 3 numbers")
     costs = tmp_path / "costs.csv"
     for content, fragment in [
         ("0,1\n1,0\n", "costs must have shape (K, M) = (3, M)"),
@@ -282,6 +294,23 @@ def test_output_folders_without_write_permission_are_refused_before_fitting(tmp_
     read_only.chmod(0o444)
     assert_one_line_error(capsys, ["apply", tmp_path / "head.pt", tmp_path / "scores.npz", "--out", read_only],
                           "the file is there and cannot be overwritten")
+
+
+def test_the_labels_of_calibration_scores_are_asked_for_by_their_option(tmp_path, capsys):
+    """Calibration scores without labels: the message said --labels, which labels SCORES; and
+    --calibration-labels without --calibration was ignored (cross-validation ran instead)."""
+    good = tmp_path / "scores.npz"
+    good.write_bytes(GOOD_NPZ)
+    np.save(tmp_path / "val_scores.npy", LOGITS)
+    np.save(tmp_path / "y.npy", LABELS)  # a name not found next to val_scores.npy
+    common = ["--out", tmp_path / "o", "--quiet"]
+    assert_one_line_error(capsys, ["evaluate", good, "--calibration", tmp_path / "val_scores.npy", *common],
+                          "val_scores.npy: no labels file found next to it", "or --calibration-labels on the command line")
+    assert_one_line_error(capsys, ["evaluate", good, "--calibration", good, "--calibration-labels", tmp_path / "y.npy", *common],
+                          "a labels file was given too (labels_path, --calibration-labels)")
+    assert_one_line_error(capsys, ["evaluate", good, "--calibration-labels", tmp_path / "y.npy", *common],
+                          "--calibration-labels labels the --calibration scores, and none were given")
+    assert not (tmp_path / "o").exists()
 
 
 def test_a_labels_file_given_for_scores_that_have_labels_is_an_error(tmp_path, capsys):

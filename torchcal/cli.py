@@ -63,8 +63,9 @@ class _Parser(argparse.ArgumentParser):
 
 # --- option parsing --------------------------------------------------------------------------------
 
-def parse_priors(spec: Any, num_classes: int) -> torch.Tensor | None:
-    """``None``/``"data"`` (class frequencies), ``"uniform"``, or K comma-separated numbers / a list."""
+def parse_priors(spec: Any, num_classes: int, where: str = "--priors") -> torch.Tensor | None:
+    """``None``/``"data"`` (class frequencies), ``"uniform"``, or K comma-separated numbers / a list;
+    messages name ``where`` the spec came from."""
     import torch
 
     if spec is None or spec == "data":
@@ -74,15 +75,16 @@ def parse_priors(spec: Any, num_classes: int) -> torch.Tensor | None:
     try:
         values = [float(x) for x in (spec.split(",") if isinstance(spec, str) else spec)]
     except (TypeError, ValueError):
-        raise UsageError(f"--priors must be 'uniform', 'data' or {num_classes} comma-separated numbers, got {spec!r}.") from None
+        raise UsageError(f"{where} must be 'uniform', 'data' or {num_classes} comma-separated numbers, got {spec!r}.") from None
     if len(values) != num_classes:
-        raise UsageError(f"--priors needs {num_classes} numbers (one per class), got {len(values)}.")
+        raise UsageError(f"{where} needs {num_classes} numbers (one per class), got {len(values)}.")
     return torch.tensor(values, dtype=torch.float64)
 
 
-def parse_costs(spec: Any, num_classes: int) -> tuple[torch.Tensor, str]:
+def parse_costs(spec: Any, num_classes: int, where: str = "--costs") -> tuple[torch.Tensor, str]:
     """A cost matrix and its name from ``"0-1"``, ``"abstain:ALPHA"`` (0-1 plus an abstain decision
-    costing ALPHA), a (K, M) nested list, or a ``.csv``/``.txt``/``.npy`` file holding the matrix."""
+    costing ALPHA), a (K, M) nested list, or a ``.csv``/``.txt``/``.npy`` file holding the matrix;
+    messages name ``where`` the spec came from."""
     import numpy as np
     import torch
 
@@ -91,17 +93,21 @@ def parse_costs(spec: Any, num_classes: int) -> tuple[torch.Tensor, str]:
     if spec is None or spec == "0-1":
         return zero_one_costs(num_classes), "0-1"
     if isinstance(spec, list):
-        return torch.tensor(spec, dtype=torch.float64), "custom"
+        try:
+            return torch.tensor(spec, dtype=torch.float64), "custom"
+        except (TypeError, ValueError, RuntimeError):  # ragged rows, or cells that are no numbers
+            raise UsageError(f"{where} must be a K x M matrix of numbers, one list of M costs per class (e.g. "
+                             f"[[0, 1], [1, 0]]), got {spec!r}.") from None
     spec = str(spec)
     if spec.startswith("abstain:"):
         try:
             alpha = float(spec.split(":", 1)[1])
         except ValueError:
-            raise UsageError(f"--costs abstain:ALPHA needs a number, got {spec!r}.") from None
+            raise UsageError(f"{where} abstain:ALPHA needs a number, got {spec!r}.") from None
         return zero_one_costs(num_classes, abstain=alpha), f"0-1 + abstain {alpha:g}"
     path = Path(spec)
     if not path.is_file():
-        raise UsageError(f"--costs must be '0-1', 'abstain:ALPHA' or a cost-matrix file; no such file: {spec}.")
+        raise UsageError(f"{where} must be '0-1', 'abstain:ALPHA' or a cost-matrix file; no such file: {spec}.")
     try:
         matrix = np.load(path) if path.suffix == ".npy" else np.loadtxt(path, delimiter="," if path.suffix == ".csv" else None, ndmin=2)
     except ValueError as err:
@@ -225,12 +231,16 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     return config | given
 
 
+def _where(args: argparse.Namespace, key: str) -> str:
+    """Where a setting came from, for messages: ``--key``, or the config file and its key."""
+    return f"--{key}" if getattr(args, key, None) is not None else f"{args.config}: {key}"
+
+
 def _integer(args: argparse.Namespace, settings: dict[str, Any], key: str, default: int, minimum: int, what: str) -> int:
     """An integer setting, checked: given as ``--key`` or in the config file (which is named)."""
     value = settings.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (key == "bootstrap" and value == 1):
-        where = f"--{key}" if getattr(args, key, None) is not None else f"{args.config}: {key}"
-        raise UsageError(f"{where} must be {what}, got {value!r}.")
+        raise UsageError(f"{_where(args, key)} must be {what}, got {value!r}.")
     return value
 
 
@@ -247,10 +257,10 @@ def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | 
     # calibrators learn the map that the evaluated scores then go through
     if calibration is None and args.calibration:
         calibration = load_scores(args.calibration, labels_path=args.calibration_labels, input=args.input,
-                                  priors=scores.llr_priors)
+                                  priors=scores.llr_priors, labels_option="--calibration-labels")
     elif calibration is None and settings.get("cv") is None and has_split(scores_path):
         calibration = load_scores(scores_path, input=args.input, split="val", priors=scores.llr_priors)  # the file's own held-out split
-    costs, costs_name = parse_costs(settings.get("costs"), k)
+    costs, costs_name = parse_costs(settings.get("costs"), k, _where(args, "costs"))
     methods = _methods(settings.get("methods", default_methods), k)
     _warn_of_unused_options(args, settings, methods)
     report = evaluate(
@@ -258,7 +268,7 @@ def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | 
         methods,
         calibration=calibration,
         folds=_integer(args, settings, "cv", 5, 2, "an integer >= 2 (the number of folds)"),
-        priors=parse_priors(raw_priors, k),
+        priors=parse_priors(raw_priors, k, _where(args, "priors")),
         costs=costs,
         costs_name=costs_name,
         bootstrap=_integer(args, settings, "bootstrap", 1000, 0, "0 (no intervals) or an integer >= 2 (replicates)"),
@@ -283,6 +293,9 @@ def _warn_of_unused_options(args: argparse.Namespace, settings: dict[str, Any], 
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
+    if args.calibration_labels is not None and args.calibration is None:
+        raise UsageError("--calibration-labels labels the --calibration scores, and none were given: add "
+                         "--calibration CAL_SCORES, or pass the labels of SCORES with --labels.")
     return _evaluate(args, args.scores, None, ["temperature", "affine"])
 
 
@@ -310,7 +323,7 @@ def _label_shift_source(args: argparse.Namespace, scores: Scores, priors: torch.
         if priors is None:
             where = f"{args.scores} has no sample of {which} (its class frequencies are the source priors)"
         else:
-            where = f"{'--priors' if args.priors is not None else f'{args.config}: priors'} gives {which} prior 0"
+            where = f"{_where(args, 'priors')} gives {which} prior 0"
         raise UsageError(
             f"--target re-weights the calibrated posteriors by target / source priors, so every class needs a "
             f"positive source prior, but {where}."
@@ -370,7 +383,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     where = f"{scores.num_samples} samples" + (" (the file's validation split)" if split == "val" else "")
     labels = scores.labels
     assert labels is not None  # load_scores requires them here
-    priors = parse_priors(settings.get("priors"), scores.num_classes)
+    priors = parse_priors(settings.get("priors"), scores.num_classes, _where(args, "priors"))
     if args.save is None and args.target is None:
         raise UsageError("calibrate needs --save PATH, --target TARGET_SCORES, or both (see torchcal calibrate --help)")
     if args.save is not None:

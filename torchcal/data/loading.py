@@ -164,6 +164,7 @@ def load_scores(
     split: Literal["test", "val"] = "test",
     priors: Any = None,
     require_labels: bool = True,
+    labels_option: str = "--labels",
 ) -> Scores:
     """Load and validate scores and labels from ``path`` (formats in the module docstring).
 
@@ -180,6 +181,7 @@ def load_scores(
             for a file without labels or with a class absent.
         require_labels: with ``False``, scores without labels load with ``labels=None``
             (for applying a fitted calibrator).
+        labels_option: the command-line option that gives ``labels_path``, named in messages.
 
     Raises:
         FileNotFoundError: no such file. ValueError: anything wrong with the content, with a
@@ -194,7 +196,7 @@ def load_scores(
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {path}")
     try:
-        raw, labels, hint, missing, note = _read(path, labels_path, split, input)
+        raw, labels, hint, missing, note = _read(path, labels_path, split, input, labels_option)
         labels = None if labels is None else _as_labels(labels)
         reason = "as requested" if input != "auto" else "as the file's key says"
         kind = input if input != "auto" else hint
@@ -229,13 +231,20 @@ def has_split(path: str | Path, split: Literal["val"] = "val") -> bool:
 
 # --- reading files -------------------------------------------------------------------------------
 
-_PASS_LABELS = "pass the labels file explicitly (labels_path=..., or --labels on the command line)"
-_TWO_LABELS = "the file has its own labels ({}), and a labels file was given too (labels_path, --labels): drop one of them."
+def _pass_labels(option: str) -> str:
+    return f"pass the labels file explicitly (labels_path=..., or {option} on the command line)"
 
 
-def _read(path: Path, labels_path: str | Path | None, split: str, input: InputKind) -> tuple[Any, Any, InputKind, str, str]:
+def _two_labels(own: str, option: str) -> str:
+    return f"the file has its own labels ({own}), and a labels file was given too (labels_path, {option}): drop one of them."
+
+
+def _read(
+    path: Path, labels_path: str | Path | None, split: str, input: InputKind, labels_option: str
+) -> tuple[Any, Any, InputKind, str, str]:
     """Return ``(scores, labels or None, kind hint, what to say if labels are missing, a note on
-    what was left out of the file)``; of a file with several score keys, the one ``input`` names."""
+    what was left out of the file)``; of a file with several score keys, the one ``input`` names.
+    Messages name ``labels_option`` as the way to give a labels file."""
     suffix = path.suffix.lower()
     if split != "test" and suffix != ".npz":
         raise ValueError(f"only .npz files store a '{split}' split.")
@@ -251,23 +260,24 @@ def _read(path: Path, labels_path: str | Path | None, split: str, input: InputKi
             raise
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
             raise ValueError(f"not a readable .npz file ({str(err) or type(err).__name__}).") from None
-        return (*_from_mapping(found, given, input, suffix="" if split == "test" else f"_{split}"), "")
+        return (*_from_mapping(found, given, input, labels_option, suffix="" if split == "test" else f"_{split}"), "")
     if suffix in (".pt", ".pth"):
-        return (*_from_torch(path, given, input), "")
+        return (*_from_torch(path, given, input, labels_option), "")
     if suffix == ".npy":
         sibling, looked_for = _sibling_labels(path)
         labels = given if given is not None or sibling is None else _load_labels(sibling)
-        missing = f"no labels file found next to it (looked for {looked_for}); {_PASS_LABELS}."
+        missing = f"no labels file found next to it (looked for {looked_for}); {_pass_labels(labels_option)}."
         return _load_array(path), labels, "auto", missing, ""
     if suffix == ".csv":
         scores, labels, note = _read_csv(path)
         if labels is not None and given is not None:
-            raise ValueError(_TWO_LABELS.format("its 'label' column"))
-        return scores, given if labels is None else labels, "auto", f"no 'label' column; add one or {_PASS_LABELS}.", note
+            raise ValueError(_two_labels("its 'label' column", labels_option))
+        missing = f"no 'label' column; add one or {_pass_labels(labels_option)}."
+        return scores, given if labels is None else labels, "auto", missing, note
     raise ValueError(f"unsupported file type {path.suffix!r}; use .npz, .npy, .pt/.pth or .csv.")
 
 
-def _from_mapping(found: dict[str, Any], given: Any, input: InputKind, suffix: str = ""):
+def _from_mapping(found: dict[str, Any], given: Any, input: InputKind, labels_option: str, suffix: str = ""):
     score_keys = [k for k in _SCORE_KEYS if k + suffix in found]
     if not score_keys:
         raise ValueError(
@@ -278,7 +288,7 @@ def _from_mapping(found: dict[str, Any], given: Any, input: InputKind, suffix: s
     key = input if input in score_keys else score_keys[0]
     label_keys = [k + suffix for k in _LABEL_KEYS if k + suffix in found]
     if label_keys and given is not None:
-        raise ValueError(_TWO_LABELS.format(repr(label_keys[0])))
+        raise ValueError(_two_labels(repr(label_keys[0]), labels_option))
     labels = found[label_keys[0]] if label_keys else given
     kind = _SCORE_KEYS[key]
     scores = found[key + suffix]
@@ -298,16 +308,16 @@ def _torch_load(path: Path) -> Any:
         raise ValueError(f"not a readable torch file ({type(err).__name__}: {first_line}).") from None
 
 
-def _from_torch(path: Path, given: Any, input: InputKind):
+def _from_torch(path: Path, given: Any, input: InputKind, labels_option: str):
     obj = _torch_load(path)
     if isinstance(obj, dict):
-        return _from_mapping(obj, given, input)
+        return _from_mapping(obj, given, input, labels_option)
     if isinstance(obj, (tuple, list)) and len(obj) == 2:
         if given is not None:
-            raise ValueError(_TWO_LABELS.format("a (scores, labels) pair"))
+            raise ValueError(_two_labels("a (scores, labels) pair", labels_option))
         return obj[0], obj[1], "auto", ""
     if isinstance(obj, Tensor):
-        return obj, given, "auto", f"the file holds scores only; {_PASS_LABELS}."
+        return obj, given, "auto", f"the file holds scores only; {_pass_labels(labels_option)}."
     raise ValueError(f"expected a dict, a (scores, labels) pair or a tensor, got {type(obj).__name__}.")
 
 

@@ -454,6 +454,26 @@ def test_verbose_says_what_the_fits_are_doing(capsys, tmp_path):
     assert code == 0 and "Newton-CG" not in err and "regularisation path" not in err
 
 
+@pytest.mark.parametrize("method, steps", [
+    ("temperature", [r"temperature Newton \(5000 x 10\) iteration 1: 1/T = 1, log-loss 0\.\d+, derivative"]),
+    ("affine", [r"temperature Newton \(5000 x 10\) iteration 1:", r"Newton \(11 parameters\) step 1: loss 0\.\d+, max gradient"]),
+    ("vector", [r"Newton \(20 parameters\) step 1: loss 0\.\d+, max gradient .*, step length 1, 2 evaluations"]),
+])
+def test_verbose_shows_the_newton_steps_of_the_one_parameter_and_linear_fits(method, steps, capsys, tmp_path):
+    """--verbose logged nothing for temperature, affine and vector scaling: their solvers did not log."""
+    from torchcal.data import EXAMPLE_PATH
+
+    logger = logging.getLogger("torchcal")
+    try:
+        code, _, err = run(capsys, "calibrate", EXAMPLE_PATH, "--method", method, "--save", tmp_path / "h.pt", "--verbose", "--quiet")
+    finally:  # the CLI configured the package's logger for the rest of the process
+        logger.handlers.clear()
+        logger.setLevel(logging.NOTSET)
+    assert code == 0
+    for step in steps:
+        assert re.search(f"^torchcal: {step}", err, re.MULTILINE), err
+
+
 def test_all_methods_are_those_for_the_number_of_classes():
     from torchcal.cli import _methods
     from torchcal.report import METHODS

@@ -257,6 +257,9 @@ def newton(
             return theta, _stalled(iteration, evaluations, loss_value, grad_max)
         theta, grad, hess = theta + t * step, new_grad, new_hess
         loss_value, grad_max, size = trial_loss, trial_grad_max, trial_size
+        # (host floats only: the log adds no synchronisation)
+        _log.debug("Newton (%d parameters) step %d: loss %.10f, max gradient %.1e, step length %g, %d evaluations",
+                   theta.numel(), iteration + 1, loss_value, grad_max, t, evaluations)
     warnings.warn(f"Newton did not converge in {max_iter} iterations", ConvergenceWarning, stacklevel=4)
     return theta, FitRecord(max_iter, evaluations, loss_value, grad_max, False, f"stopped at the iteration cap ({max_iter})")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 
@@ -15,6 +16,8 @@ from torchcal.distributed import ProcessGroup, all_reduce_
 from torchcal.fit import ConvergenceWarning, FitRecord
 
 __all__ = ["TemperatureScaling", "fit_inverse_temperature", "inverse_temperature_start"]
+
+_log = logging.getLogger(__name__)
 
 # Past this many nats between a row's two largest logits the softmax is one-hot in float64: larger
 # inverse temperatures cannot change the loss, so the search stops there (perfectly separable data).
@@ -194,6 +197,9 @@ def fit_inverse_temperature(
     for iteration in range(1, max_iter + 1):
         value, grad, hess = moments(beta)
         evaluations += 1
+        # (host floats only: the log adds no synchronisation)
+        _log.debug("temperature Newton (%d x %d) iteration %d: 1/T = %.8g, %s %.10f, derivative %.1e",
+                   n, k, iteration, beta, loss_name, value, grad)
         # A derivative and a curvature that underflow (to 0, or to subnormals in float64) mean every
         # row's softmax is one-hot on its label in this precision: the loss is still falling
         # towards 0 (separable data), not at an optimum.

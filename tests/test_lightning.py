@@ -220,6 +220,32 @@ def test_checkpoint_restores_the_head_on_resume_and_for_test(trained):
         )
 
 
+class WithOwnCheckpointHooks(Classifier):
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["own"] = "saved"
+
+    def on_load_checkpoint(self, checkpoint):
+        self.own = checkpoint["own"]
+
+
+def test_weights_only_checkpoints_hold_the_head(tmp_path):
+    """Lightning skips callbacks' checkpoint hooks for weights-only checkpoints but always calls the
+    module's: the head goes in and comes out through them, after the module's own hooks."""
+    callback = CalibrationCallback(torchcal.TemperatureScaling(), metrics=("nce",))
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, filename="best", monitor="calibration/nce", save_weights_only=True)
+    trainer = Trainer(**{**TRAINER_DEFAULTS, "enable_checkpointing": True}, max_epochs=1, callbacks=[callback, checkpoints])
+    trainer.fit(WithOwnCheckpointHooks(), loader(200, 0), loader(300, 1))
+    trainer.save_checkpoint(tmp_path / "final.ckpt", weights_only=True)
+    temperature = callback.calibrator.temperature
+    for path in (checkpoints.best_model_path, tmp_path / "final.ckpt"):
+        checkpoint = torch.load(path, weights_only=True)
+        assert "callbacks" not in checkpoint and checkpoint["own"] == "saved"
+        assert CalibratedModel.from_checkpoint(path, Classifier()).calibrator.temperature == temperature
+    fresh, model = CalibrationCallback(torchcal.TemperatureScaling()), WithOwnCheckpointHooks()
+    Trainer(**TRAINER_DEFAULTS, callbacks=[fresh]).test(model, loader(100, 3), ckpt_path=checkpoints.best_model_path, verbose=False)
+    assert fresh.calibrator.temperature == temperature and model.own == "saved"
+
+
 FRESH_PROCESS = """
 import sys, torch
 sys.path.insert(0, {tests!r})

@@ -326,7 +326,8 @@ class CalibratedModel(nn.Module):
         if CHECKPOINT_KEY not in checkpoint:
             raise KeyError(
                 f"{os.fspath(path)} holds no calibration head (no {CHECKPOINT_KEY!r} entry): save it from a "
-                f"Trainer with torchcal.lightning.CalibrationCallback, after a validation epoch has fitted it."
+                f"Trainer with torchcal.lightning.CalibrationCallback, after a validation epoch has fitted it "
+                f"(earlier torchcal versions left it out of weights-only checkpoints, ModelCheckpoint(save_weights_only=True))."
             )
         entry = checkpoint[CHECKPOINT_KEY]
         if calibrator is None:

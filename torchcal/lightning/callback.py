@@ -177,8 +177,11 @@ class CalibrationCallback(Callback):
     :meth:`table` formats the report.
 
     **Checkpoints** hold the head of the latest fit under the top-level key
-    ``torchcal.heads.CHECKPOINT_KEY`` (whatever the prefix); it is restored on resume and by
-    ``trainer.test(..., ckpt_path=...)``, and ``CalibratedModel.from_checkpoint(path, network)``
+    ``torchcal.heads.CHECKPOINT_KEY`` (whatever the prefix), weights-only ones
+    (``ModelCheckpoint(save_weights_only=True)``) too: Lightning calls a callback's checkpoint hooks
+    for full checkpoints only, so :meth:`setup` wraps the LightningModule's ``on_save_checkpoint`` /
+    ``on_load_checkpoint`` (after the module's own) to write and restore the head. It is restored on
+    resume and by ``trainer.test(..., ckpt_path=...)``, and ``CalibratedModel.from_checkpoint(path, network)``
     loads it without Lightning. With ``every_n_epochs=0`` save a checkpoint after fitting
     (``trainer.save_checkpoint``).
 
@@ -443,6 +446,9 @@ class CalibrationCallback(Callback):
         self._trainer = trainer
         if self.attach and self._hook is None:
             self._hook = pl_module.register_forward_hook(self._calibrate_forward)
+        for hook in ("on_save_checkpoint", "on_load_checkpoint"):
+            if not isinstance(vars(pl_module).get(hook), _WithCalibrationHeads):
+                setattr(pl_module, hook, _WithCalibrationHeads(pl_module, hook))
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._hook is not None:
@@ -535,11 +541,16 @@ class CalibrationCallback(Callback):
 
     # ----------------------------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # The module's hook (see setup) writes the head too; this one covers the main process after
+        # ddp_spawn, whose module was never set up.
+        self._save_head(checkpoint)
+
+    def _save_head(self, checkpoint: dict[str, Any]) -> None:
         calibrator = self.calibrator  # (after ddp_spawn, the head the worker handed back)
         if calibrator.is_fitted:
             checkpoint[CHECKPOINT_KEY] = head_checkpoint(calibrator, self.output, self.logits_key)
 
-    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+    def _load_head(self, checkpoint: dict[str, Any]) -> None:
         entry = checkpoint.get(CHECKPOINT_KEY)
         if entry is None and self.calibrator.is_fitted:
             warnings.warn(
@@ -560,6 +571,29 @@ class CalibrationCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "calibrator" in state_dict:  # checkpoints of torchcal <= 0.x kept the head in the callback state
             self._calibrator.load_state_dict(state_dict["calibrator"])
+
+
+class _WithCalibrationHeads:
+    """A LightningModule's ``on_save_checkpoint`` or ``on_load_checkpoint``, followed by the
+    trainer's CalibrationCallbacks writing or restoring their heads.
+
+    Lightning calls a callback's checkpoint hooks only for full checkpoints, but the module's for
+    every one, weights-only ones (``ModelCheckpoint(save_weights_only=True)``) included; so
+    :meth:`CalibrationCallback.setup` puts this in the module's place, as an instance attribute
+    over the class's hook, which it calls first."""
+
+    def __init__(self, module: LightningModule, hook: str) -> None:
+        self.module = module
+        self.hook = hook
+
+    def __call__(self, checkpoint: dict[str, Any]) -> None:
+        getattr(type(self.module), self.hook)(self.module, checkpoint)
+        for callback in self.module.trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, CalibrationCallback):
+                if self.hook == "on_save_checkpoint":
+                    callback._save_head(checkpoint)
+                else:
+                    callback._load_head(checkpoint)
 
 
 def _remove_if_present(path: str) -> None:

@@ -186,8 +186,8 @@ def test_checkpoint_restores_the_head_on_resume_and_for_test(trained):
     _, _, callback, root = trained
     last = str(root / "ckpt" / "last.ckpt")
     checkpoint = torch.load(last, weights_only=True)
-    # one stable top-level key, whatever the callback's prefix; the callback state holds no copy
-    assert checkpoint[CHECKPOINT_KEY]["calibrator"] == "torchcal.calibrators.temperature.TemperatureScaling"
+    # one stable top-level key, the head under the callback's state key; the callback state holds no copy
+    assert checkpoint[CHECKPOINT_KEY][callback.state_key]["calibrator"] == "torchcal.calibrators.temperature.TemperatureScaling"
     assert not any("calibrator" in str(state) for state in checkpoint.get("callbacks", {}).values())
     # A run resumed from the checkpoint (already at max_epochs, so it trains no further), by a
     # callback with another prefix.
@@ -244,6 +244,41 @@ def test_weights_only_checkpoints_hold_the_head(tmp_path):
     fresh, model = CalibrationCallback(torchcal.TemperatureScaling()), WithOwnCheckpointHooks()
     Trainer(**TRAINER_DEFAULTS, callbacks=[fresh]).test(model, loader(100, 3), ckpt_path=checkpoints.best_model_path, verbose=False)
     assert fresh.calibrator.temperature == temperature and model.own == "saved"
+
+
+def test_two_callbacks_keep_their_own_heads(tmp_path):
+    """Two callbacks in one Trainer (they wrote one key, and the second head replaced the first in
+    both on reload): each head comes back to its own callback, from_checkpoint chooses by prefix
+    and says how when it must, and a checkpoint with one entry, as earlier versions wrote it, loads."""
+    log = CalibrationCallback(torchcal.TemperatureScaling(), metrics=("nce",), prefix="log/")
+    brier = CalibrationCallback(torchcal.TemperatureScaling(), metrics=("nce",), prefix="brier/", fit_options={"loss": "brier"})
+    trainer = Trainer(**TRAINER_DEFAULTS, max_epochs=1, callbacks=[log, brier])
+    trainer.fit(Classifier(), loader(200, 0), loader(300, 1))
+    path = tmp_path / "two.ckpt"
+    trainer.save_checkpoint(path)
+    temperatures = [log.calibrator.temperature, brier.calibrator.temperature]
+    assert temperatures[0] != temperatures[1]
+    restored = [CalibrationCallback(torchcal.TemperatureScaling(), prefix=prefix) for prefix in ("log/", "brier/")]
+    Trainer(**TRAINER_DEFAULTS, callbacks=restored).test(Classifier(), loader(100, 3), ckpt_path=path, verbose=False)
+    assert [callback.calibrator.temperature for callback in restored] == temperatures
+    for prefix, temperature in zip(("log/", "brier/"), temperatures):
+        assert CalibratedModel.from_checkpoint(path, Classifier(), prefix=prefix).calibrator.temperature == temperature
+    with pytest.raises(ValueError, match=r"several CalibrationCallbacks: TemperatureScaling \(prefix='log/'\).*Choose one with prefix="):
+        CalibratedModel.from_checkpoint(path, Classifier())
+    with pytest.raises(ValueError, match="holds no head of a callback with prefix='other/'"):
+        CalibratedModel.from_checkpoint(path, Classifier(), prefix="other/")
+    with pytest.raises(ValueError, match="none of them this callback's"):
+        Trainer(**TRAINER_DEFAULTS, callbacks=[CalibrationCallback(prefix="other/")]).test(
+            Classifier(), loader(100, 3), ckpt_path=path, verbose=False
+        )
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint[CHECKPOINT_KEY] = checkpoint[CHECKPOINT_KEY][brier.state_key]
+    torch.save(checkpoint, tmp_path / "one_entry.ckpt")
+    assert CalibratedModel.from_checkpoint(tmp_path / "one_entry.ckpt", Classifier()).calibrator.temperature == temperatures[1]
+    with pytest.raises(ValueError, match="give each its own prefix"):
+        Trainer(**TRAINER_DEFAULTS, callbacks=[CalibrationCallback(), CalibrationCallback()]).test(
+            Classifier(), loader(100, 3), ckpt_path=path, verbose=False
+        )
 
 
 FRESH_PROCESS = """

@@ -24,8 +24,8 @@ on a step moves to the neighbouring one there. That input is rare for logits. Wi
 :func:`torchcal._validation.floored_log` all become the same score, and a step can sit exactly on
 that score. (Venn–Abers pools scores within 16 float64 ulps of a calibration score, which
 covers float64 round-off, not float32.) A Lightning checkpoint saved with :class:`torchcal.lightning.CalibrationCallback` holds
-the head under :data:`CHECKPOINT_KEY`; :meth:`CalibratedModel.from_checkpoint` loads it without
-Lightning.
+the head under :data:`CHECKPOINT_KEY` (one per callback); :meth:`CalibratedModel.from_checkpoint`
+loads it without Lightning.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ _OUTPUT_KINDS = get_args(OutputKind)
 #: Where the logits are in a structured output: a dict key, a tuple/list index, or ``None``.
 LogitsKey = str | int | None
 
-#: Top-level key of a Lightning checkpoint that holds the calibration head (see :func:`head_checkpoint`).
+#: Top-level key of a Lightning checkpoint that holds the calibration heads (see :func:`head_checkpoint`).
 CHECKPOINT_KEY = "torchcal_calibration_head"
 
 #: ``split_batch(batch) -> (args, labels)``: the network is called as ``model(*args)``.
@@ -305,31 +305,36 @@ class CalibratedModel(nn.Module):
         model: nn.Module,
         calibrator: Calibrator | None = None,
         *,
+        prefix: str | None = None,
         load_weights: bool = True,
         map_location: str | torch.device | None = "cpu",
     ) -> CalibratedModel:
         """The calibrated network stored in a Lightning checkpoint, without a ``Trainer``.
 
         The checkpoint must have been saved with :class:`torchcal.lightning.CalibrationCallback`
-        (the head is under :data:`CHECKPOINT_KEY`). Returns the head in eval mode.
+        (the heads are under :data:`CHECKPOINT_KEY`, one per callback). Returns the head in eval mode.
 
         Args:
             path: the ``.ckpt`` file.
             model: the network, e.g. a fresh instance of the LightningModule that was trained.
             calibrator: an unfitted calibrator of the stored class, for one built with non-default
                 arguments; by default the stored class is built with its defaults.
+            prefix: the ``prefix`` of the callback whose head to load, for checkpoints of trainers
+                with several CalibrationCallbacks (``calibrator`` also tells heads of different
+                classes apart).
             load_weights: load the checkpoint's ``state_dict`` (the LightningModule's weights) into
                 ``model``; ``False`` keeps ``model``'s own weights.
             map_location: as in ``torch.load``.
         """
         checkpoint = torch.load(path, map_location=map_location, weights_only=True)
-        if CHECKPOINT_KEY not in checkpoint:
+        heads = _stored_heads(checkpoint)
+        if not heads:
             raise KeyError(
                 f"{os.fspath(path)} holds no calibration head (no {CHECKPOINT_KEY!r} entry): save it from a "
                 f"Trainer with torchcal.lightning.CalibrationCallback, after a validation epoch has fitted it "
                 f"(earlier torchcal versions left it out of weights-only checkpoints, ModelCheckpoint(save_weights_only=True))."
             )
-        entry = checkpoint[CHECKPOINT_KEY]
+        entry = _select_head(heads, os.fspath(path), prefix, calibrator)
         if calibrator is None:
             calibrator = _calibrator_class(entry["calibrator"])()
         elif _class_path(calibrator) != entry["calibrator"]:
@@ -344,15 +349,48 @@ class CalibratedModel(nn.Module):
 
 
 def head_checkpoint(calibrator: Calibrator, output: OutputKind = "logits", logits_key: LogitsKey = None) -> dict[str, Any]:
-    """The checkpoint entry (under :data:`CHECKPOINT_KEY`) from which :meth:`CalibratedModel.from_checkpoint`
-    rebuilds a head: the calibrator's class and ``state_dict``, the output kind and ``logits_key``;
-    plain types and tensors only, so it loads with ``torch.load(..., weights_only=True)``."""
+    """A checkpoint entry from which :meth:`CalibratedModel.from_checkpoint` rebuilds a head: the
+    calibrator's class and ``state_dict``, the output kind and ``logits_key``; plain types and
+    tensors only, so it loads with ``torch.load(..., weights_only=True)``. Under
+    :data:`CHECKPOINT_KEY` goes either one entry or, as the Lightning callback writes them, a dict
+    of entries by the callbacks' ``state_key``, each with the callback's ``prefix`` added."""
     return {
         "calibrator": _class_path(calibrator),
         "state_dict": calibrator.state_dict(),
         "output": output,
         "logits_key": logits_key,
     }
+
+
+def _stored_heads(checkpoint: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The heads in a checkpoint, by the ``state_key`` of the CalibrationCallback that saved each.
+
+    A single entry under :data:`CHECKPOINT_KEY` (written by hand with :func:`head_checkpoint`, or
+    by torchcal versions that kept one head per checkpoint) comes back under the key ``""``.
+    """
+    stored = checkpoint.get(CHECKPOINT_KEY)
+    if stored is None:
+        return {}
+    if "calibrator" in stored:  # one entry; state keys are "CalibrationCallback{...}"
+        return {"": stored}
+    return dict(stored)
+
+
+def _select_head(heads: Mapping[str, dict[str, Any]], path: str, prefix: str | None, calibrator: Calibrator | None) -> dict[str, Any]:
+    """The one head of ``heads`` with the callback prefix ``prefix`` (any if ``None``); among
+    several, the one of ``calibrator``'s class."""
+    matching = [entry for entry in heads.values() if prefix is None or entry.get("prefix") == prefix]
+    if calibrator is not None and len(matching) > 1:
+        matching = [entry for entry in matching if entry["calibrator"] == _class_path(calibrator)]
+    if len(matching) == 1:
+        return matching[0]
+    found = ", ".join(f"{entry['calibrator'].rpartition('.')[2]} (prefix={entry.get('prefix')!r})" for entry in heads.values())
+    if not matching:
+        raise ValueError(f"{path} holds no head of a callback with prefix={prefix!r}; it holds {found}.")
+    raise ValueError(
+        f"{path} holds the heads of several CalibrationCallbacks: {found}. Choose one with prefix= "
+        f"(and calibrator=, an unfitted instance of its class, where prefixes repeat)."
+    )
 
 
 def _class_path(calibrator: Calibrator) -> str:

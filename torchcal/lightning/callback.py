@@ -47,6 +47,7 @@ from torchcal.heads import (
     OutputKind,
     _check_output_kind,
     _class_path,
+    _stored_heads,
     calibrate_output,
     head_checkpoint,
     replace_logits,
@@ -177,12 +178,15 @@ class CalibrationCallback(Callback):
     :meth:`table` formats the report.
 
     **Checkpoints** hold the head of the latest fit under the top-level key
-    ``torchcal.heads.CHECKPOINT_KEY`` (whatever the prefix), weights-only ones
-    (``ModelCheckpoint(save_weights_only=True)``) too: Lightning calls a callback's checkpoint hooks
-    for full checkpoints only, so :meth:`setup` wraps the LightningModule's ``on_save_checkpoint`` /
-    ``on_load_checkpoint`` (after the module's own) to write and restore the head. It is restored on
-    resume and by ``trainer.test(..., ckpt_path=...)``, and ``CalibratedModel.from_checkpoint(path, network)``
-    loads it without Lightning. With ``every_n_epochs=0`` save a checkpoint after fitting
+    ``torchcal.heads.CHECKPOINT_KEY``, in a dict by the callback's :attr:`state_key` (its calibrator
+    class and prefix), so that several callbacks in one Trainer keep their own heads; weights-only
+    checkpoints (``ModelCheckpoint(save_weights_only=True)``) hold them too: Lightning calls a
+    callback's checkpoint hooks for full checkpoints only, so :meth:`setup` wraps the
+    LightningModule's ``on_save_checkpoint`` / ``on_load_checkpoint`` (after the module's own) to
+    write and restore the heads. A callback restores its own head on resume and in
+    ``trainer.test(..., ckpt_path=...)``, or the only head a checkpoint holds (one saved with another
+    prefix); ``CalibratedModel.from_checkpoint(path, network)`` loads a head without Lightning
+    (``prefix=`` chooses among several). With ``every_n_epochs=0`` save a checkpoint after fitting
     (``trainer.save_checkpoint``).
 
     Args:
@@ -442,6 +446,12 @@ class CalibrationCallback(Callback):
         return CalibratedModel(model, self.calibrator, self.output, self.logits_key)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        others = [c for c in trainer.callbacks if isinstance(c, CalibrationCallback) and c is not self]  # type: ignore[attr-defined]
+        if any(other.state_key == self.state_key for other in others):
+            raise ValueError(
+                f"two CalibrationCallbacks with the same calibrator class and prefix {self.prefix!r} would log "
+                f"the same names and save their heads under one key: give each its own prefix."
+            )
         self._receive_handoff()
         self._trainer = trainer
         if self.attach and self._hook is None:
@@ -548,10 +558,19 @@ class CalibrationCallback(Callback):
     def _save_head(self, checkpoint: dict[str, Any]) -> None:
         calibrator = self.calibrator  # (after ddp_spawn, the head the worker handed back)
         if calibrator.is_fitted:
-            checkpoint[CHECKPOINT_KEY] = head_checkpoint(calibrator, self.output, self.logits_key)
+            entry = {**head_checkpoint(calibrator, self.output, self.logits_key), "prefix": self.prefix}
+            checkpoint.setdefault(CHECKPOINT_KEY, {})[self.state_key] = entry
 
     def _load_head(self, checkpoint: dict[str, Any]) -> None:
-        entry = checkpoint.get(CHECKPOINT_KEY)
+        heads = _stored_heads(checkpoint)
+        entry = heads.get(self.state_key)
+        if entry is None and len(heads) == 1:
+            (entry,) = heads.values()  # an old checkpoint, or a callback with another prefix resuming
+        if entry is None and heads:
+            raise ValueError(
+                f"the checkpoint holds the heads of the CalibrationCallbacks {sorted(heads)}, none of them this "
+                f"callback's ({self.state_key}): build it with the calibrator class and prefix of the one to restore."
+            )
         if entry is None and self.calibrator.is_fitted:
             warnings.warn(
                 "the checkpoint holds no calibration head (it was saved before any fit, e.g. with "

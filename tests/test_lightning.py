@@ -589,6 +589,28 @@ def test_argument_errors():
         CalibrationCallback(every_n_epochs=-1)
 
 
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        ({"folds": 1}, ValueError, r"folds .* must be an integer >= 2, got 1"),
+        ({"n_bins": 0}, ValueError, "n_bins must be an integer >= 1, got 0"),
+        ({"prefix": None}, TypeError, "prefix must be a string"),
+        ({"logits_key": 1.5}, TypeError, "logits_key must be a dict key"),
+        ({"labels_key": 1}, TypeError, "labels_key must be a string"),
+        ({"fit_options": {"max_iters": 10}}, ValueError, r"unknown fit_options \['max_iters'\]: TemperatureScaling.fit takes \[.*'max_iter'"),
+        ({"fit_options": {"process_group": None}}, ValueError, r"unknown fit_options \['process_group'\]"),
+        ({"fit_options": {"loss": "hinge"}}, ValueError, r"fit_options\['loss'\] must be one of \['brier', 'log'\]"),
+        ({"fit_options": {"max_iter": 0}}, ValueError, r"fit_options\['max_iter'\] must be an integer >= 1"),
+    ],
+)
+def test_configuration_errors_are_raised_at_construction(arguments, error, message):
+    """Settings that the callback accepted and that failed only after training (folds=1 in the
+    end-of-fit report) or at the first validation epoch."""
+    with pytest.raises(error, match=message):
+        CalibrationCallback(**arguments)
+    CalibrationCallback(fit_options={"loss": "brier", "max_iter": 50, "priors": None, "warm_start": True}, folds=2, prefix="")
+
+
 def test_importing_torchcal_does_not_import_lightning():
     code = "import sys, torchcal; sys.exit('lightning' in sys.modules or 'torchcal.lightning' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import os
 import tempfile
 import uuid
@@ -29,6 +30,7 @@ from torch import Tensor, nn
 from torch.utils.data.distributed import DistributedSampler
 from torchmetrics.utilities.distributed import gather_all_tensors
 
+from torchcal._validation import check_count
 from torchcal.calibrators import Calibrator, TemperatureScaling
 from torchcal.distributed import ProcessGroup
 from torchcal.fit import cross_validate
@@ -40,6 +42,7 @@ from torchcal.functional import (
     expected_calibration_error,
     refinement_loss,
 )
+from torchcal.functional.scoring import PER_SAMPLE_SCORES
 from torchcal.heads import (
     CHECKPOINT_KEY,
     CalibratedModel,
@@ -114,6 +117,22 @@ def calibration_metrics(
         "refinement": lambda: refinement_loss(scores, labels),
     }
     return {name: float(compute[name]()) for name in metrics}
+
+
+def _check_fit_options(calibrator: Calibrator, options: Mapping[str, Any]) -> None:
+    """The names of ``options`` against ``calibrator.fit``'s keywords, and the values that are
+    cheap to check, so that a typo fails before training rather than at the first fit."""
+    parameters = inspect.signature(calibrator.fit).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        # the callback passes the data and the process group itself
+        accepted = sorted(set(parameters) - {"logits", "labels", "process_group"})
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            raise ValueError(f"unknown fit_options {unknown}: {type(calibrator).__name__}.fit takes {accepted}.")
+    if "loss" in options and options["loss"] not in PER_SAMPLE_SCORES:
+        raise ValueError(f"fit_options['loss'] must be one of {sorted(PER_SAMPLE_SCORES)}, got {options['loss']!r}.")
+    if "max_iter" in options:
+        check_count(options["max_iter"], "fit_options['max_iter']")
 
 
 def _batch_labels(batch: Any, key: str) -> Tensor | None:
@@ -238,6 +257,15 @@ class CalibrationCallback(Callback):
         _check_output_kind(output)
         if isinstance(every_n_epochs, bool) or not isinstance(every_n_epochs, int) or every_n_epochs < 0:
             raise ValueError(f"every_n_epochs must be an integer >= 0 (0: only at the end of fitting), got {every_n_epochs!r}.")
+        check_count(folds, "folds (cross-validation folds of the RCL and the report)", minimum=2)
+        check_count(n_bins, "n_bins")
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a string (the logged names start with it; '' for none), got {prefix!r}.")
+        if not (logits_key is None or isinstance(logits_key, str) or (isinstance(logits_key, int) and not isinstance(logits_key, bool))):
+            raise TypeError(f"logits_key must be a dict key (str), a tuple index (int) or None, got {logits_key!r}.")
+        if not isinstance(labels_key, str):
+            raise TypeError(f"labels_key must be a string (a key of dict outputs or batches), got {labels_key!r}.")
+        _check_fit_options(calibrator, fit_options or {})
         self._calibrator = calibrator
         self.metrics = tuple(metrics)
         self.output = output

@@ -565,6 +565,23 @@ def test_probability_outputs_are_calibrated_as_probabilities(trained):
         )
 
 
+def test_a_head_restores_only_into_a_callback_of_its_output_kind(trained, tmp_path):
+    """A head fitted on probabilities, restored into a callback with output="logits", was fed
+    probabilities as logits without a word; "logits" and "log_probs" are the same domain."""
+    _, model, callback, root = trained
+    network = ProbsClassifier()
+    network.load_state_dict(model.state_dict())
+    data = DataLoader(make_data(100, seed=4), batch_size=50)
+    trainer = Trainer(**TRAINER_DEFAULTS, callbacks=[CalibrationCallback(output="probs", metrics=("nce",), fit_on_validate=True)])
+    trainer.validate(network, data, verbose=False)
+    trainer.save_checkpoint(tmp_path / "probs.ckpt")
+    with pytest.raises(ValueError, match="fitted on outputs of kind 'probs' but this callback has output='logits'"):
+        Trainer(**TRAINER_DEFAULTS, callbacks=[CalibrationCallback()]).predict(network, data, ckpt_path=tmp_path / "probs.ckpt")
+    log_probs = CalibrationCallback(output="log_probs")
+    Trainer(**TRAINER_DEFAULTS, callbacks=[log_probs]).test(model, data, ckpt_path=root / "ckpt" / "last.ckpt", verbose=False)
+    assert log_probs.calibrator.temperature == callback.calibrator.temperature
+
+
 def test_warnings_when_test_outputs_are_not_calibrated(trained):
     _, model, callback, _ = trained
     test = DataLoader(make_data(100, seed=3), batch_size=50)

@@ -204,7 +204,8 @@ class CalibrationCallback(Callback):
     LightningModule's ``on_save_checkpoint`` / ``on_load_checkpoint`` (after the module's own) to
     write and restore the heads. A callback restores its own head on resume and in
     ``trainer.test(..., ckpt_path=...)``, or the only head a checkpoint holds (one saved with another
-    prefix); ``CalibratedModel.from_checkpoint(path, network)`` loads a head without Lightning
+    prefix), and refuses a head fitted on the other domain (``output="probs"`` against
+    ``"logits"`` / ``"log_probs"``); ``CalibratedModel.from_checkpoint(path, network)`` loads a head without Lightning
     (``prefix=`` chooses among several). With ``every_n_epochs=0`` save a checkpoint after fitting
     (``trainer.save_checkpoint``).
 
@@ -612,6 +613,12 @@ class CalibrationCallback(Callback):
                 raise TypeError(
                     f"the checkpoint holds a {entry['calibrator']} head but this callback's calibrator is a "
                     f"{type(self._calibrator).__name__}: build the callback with the checkpoint's calibrator class."
+                )
+            if (entry["output"] == "probs") != (self.output == "probs"):  # "logits" and "log_probs" are read alike
+                raise ValueError(
+                    f"the checkpoint's head was fitted on outputs of kind {entry['output']!r} but this callback has "
+                    f"output={self.output!r}, so it would calibrate the wrong kind of scores: build the callback with "
+                    f"output= the kind the LightningModule's forward returns ({entry['output']!r} when it saved the head)."
                 )
             self._calibrator.load_state_dict(entry["state_dict"])
 

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import torchcal
 from torchcal.functional import brier_score, cross_entropy, expected_calibration_error, refinement_loss
-from torchcal.heads import CHECKPOINT_KEY, CalibratedModel
+from torchcal.heads import CHECKPOINT_KEY, CalibratedModel, head_checkpoint
 from torchcal.lightning import CalibrationCallback
 from torchcal.metrics import CalibrationError, CrossEntropy
 
@@ -324,6 +324,25 @@ def test_from_checkpoint_errors(trained, tmp_path):
         CalibratedModel.from_checkpoint(tmp_path / "plain.ckpt", Classifier())
 
 
+def test_a_head_of_other_options_says_to_build_the_calibrator_alike(trained, tmp_path):
+    """A head without biases, loaded into the stored class built with its defaults (or a callback's
+    calibrator with biases), raised a bare "Missing key(s) in state_dict"."""
+    _, model, _, root = trained
+    data = make_data(300, seed=1)
+    checkpoint = torch.load(root / "ckpt" / "last.ckpt", weights_only=True)
+    no_bias = torchcal.AffineCalibration(bias=False).fit(raw_outputs(model, data), data.tensors[1])
+    checkpoint[CHECKPOINT_KEY] = head_checkpoint(no_bias)
+    torch.save(checkpoint, tmp_path / "no_bias.ckpt")
+    with pytest.raises(RuntimeError, match=r"does not fit AffineCalibration\(bias=True, not fitted\).*\"beta\".*pass calibrator= an unfitted AffineCalibration built with the same options"):
+        CalibratedModel.from_checkpoint(tmp_path / "no_bias.ckpt", Classifier())
+    loaded = CalibratedModel.from_checkpoint(tmp_path / "no_bias.ckpt", Classifier(), torchcal.AffineCalibration(bias=False))
+    torch.testing.assert_close(loaded.calibrator.state_dict(), no_bias.state_dict())
+    with pytest.raises(RuntimeError, match="build the callback's calibrator with the options of the one that saved the head"):
+        Trainer(**TRAINER_DEFAULTS, callbacks=[CalibrationCallback(torchcal.AffineCalibration())]).test(
+            Classifier(), loader(100, 3), ckpt_path=tmp_path / "no_bias.ckpt", verbose=False
+        )
+
+
 def digits_loaders() -> dict[str, DataLoader]:
     """scikit-learn's digits (8x8 images, 10 classes): train 600, validation 500, test 697."""
     pytest.importorskip("sklearn")
@@ -459,6 +478,31 @@ def test_no_validation_logits_says_how_to_provide_them():
     trainer = Trainer(**TRAINER_DEFAULTS, max_epochs=1, callbacks=[CalibrationCallback()])
     with pytest.raises(RuntimeError, match=r"found no validation logits.*override extract\(\)"):
         trainer.fit(LossOnlyValidation(), loader(100, 0), loader(100, 1))
+
+
+class DictBatches(Classifier):
+    def validation_step(self, batch, batch_idx):
+        return self(batch["x"])
+
+
+class OneScoreColumn(Classifier):
+    def validation_step(self, batch, batch_idx):
+        return self(batch[0])[:, 1]
+
+
+def test_logits_without_labels_or_of_the_wrong_shape_say_so():
+    """Both read "found no validation logits: validation_step returned Tensor", though the logits
+    were there: the labels were under another key of a dict batch, or the logits had no class axis."""
+    data = make_data(100, seed=1)
+    dict_batches = DataLoader([{"x": x, "target": y} for x, y in zip(*data.tensors)], batch_size=50)
+    validate = Trainer(**TRAINER_DEFAULTS, callbacks=[CalibrationCallback(fit_on_validate=True)]).validate
+    with pytest.raises(RuntimeError, match=r"found the validation logits but no labels: labels_key='labels' .*\['target', 'x'\]"):
+        validate(DictBatches(), dict_batches, verbose=False)
+    callback = CalibrationCallback(fit_on_validate=True, labels_key="target")
+    Trainer(**TRAINER_DEFAULTS, callbacks=[callback]).validate(DictBatches(), dict_batches, verbose=False)
+    assert callback.calibrator.is_fitted
+    with pytest.raises(RuntimeError, match=r"needs validation logits of shape \(B, K\).*got \(50,\)"):
+        validate(OneScoreColumn(), DataLoader(data, batch_size=50), verbose=False)
 
 
 class TupleValidation(Classifier):

@@ -339,7 +339,12 @@ class CalibratedModel(nn.Module):
             calibrator = _calibrator_class(entry["calibrator"])()
         elif _class_path(calibrator) != entry["calibrator"]:
             raise TypeError(f"the checkpoint holds a {entry['calibrator']} head, not a {type(calibrator).__name__}.")
-        calibrator.load_state_dict(entry["state_dict"])
+        _load_head_state(
+            calibrator,
+            entry,
+            f"pass calibrator= an unfitted {type(calibrator).__name__} built with the same options as the one that was "
+            f"fitted (the checkpoint stores its state, not its arguments)",
+        )
         if load_weights:
             model.load_state_dict(checkpoint["state_dict"])
         return cls(model, calibrator, entry["output"], entry["logits_key"]).eval()
@@ -391,6 +396,17 @@ def _select_head(heads: Mapping[str, dict[str, Any]], path: str, prefix: str | N
         f"{path} holds the heads of several CalibrationCallbacks: {found}. Choose one with prefix= "
         f"(and calibrator=, an unfitted instance of its class, where prefixes repeat)."
     )
+
+
+def _load_head_state(calibrator: Calibrator, entry: Mapping[str, Any], remedy: str) -> None:
+    """Load a stored head's state into ``calibrator``; a state of other options (e.g. a head
+    without biases into one with) raises with ``remedy`` rather than a bare key list."""
+    described = repr(calibrator)  # its options, before the failed load changes it
+    try:
+        calibrator.load_state_dict(entry["state_dict"])
+    except RuntimeError as error:
+        details = " ".join(str(error).split()).rstrip(".")
+        raise RuntimeError(f"the stored head does not fit {described}, built with other options ({details}): {remedy}.") from error
 
 
 def _class_path(calibrator: Calibrator) -> str:

@@ -50,6 +50,7 @@ from torchcal.heads import (
     OutputKind,
     _check_output_kind,
     _class_path,
+    _load_head_state,
     _stored_heads,
     calibrate_output,
     head_checkpoint,
@@ -356,15 +357,36 @@ class CalibrationCallback(Callback):
             return
         found = self.extract(outputs, batch)
         if found is None:
-            raise RuntimeError(
+            raise RuntimeError(self._not_found_message(outputs, batch))
+        logits, labels = found
+        self._batches.append((logits.detach(), labels.detach()))
+
+    def _not_found_message(self, outputs: Any, batch: Any) -> str:
+        """Why the default :meth:`extract` found nothing: no logits, logits of the wrong shape, or no labels."""
+        override = "or subclass CalibrationCallback and override extract()."
+        try:
+            logits = None if outputs is None else select_logits(outputs, self.logits_key)
+        except TypeError:
+            logits = None
+        if logits is None:
+            return (
                 f"CalibrationCallback found no validation logits: validation_step returned "
                 f"{type(outputs).__name__}. Return the logits (B, K), e.g. `return logits` or "
                 f"`return {{'{self.logits_key}': logits, '{self.labels_key}': y}}` (set logits_key=0 for "
-                f"(logits, features) tuples), with labels in the batch or the dict, or subclass "
-                f"CalibrationCallback and override extract()."
+                f"(logits, features) tuples), with labels in the batch or the dict, {override}"
             )
-        logits, labels = found
-        self._batches.append((logits.detach(), labels.detach()))
+        if logits.ndim != 2:
+            return (
+                f"CalibrationCallback needs validation logits of shape (B, K), one column per class, got "
+                f"{tuple(logits.shape)}: for one binary score per sample return "
+                f"torchcal.data.binary_scores_to_logits(scores, kind=...) from forward, {override}"
+            )
+        where = f"a dict with the keys {sorted(map(str, batch))}" if isinstance(batch, Mapping) else type(batch).__name__
+        return (
+            f"CalibrationCallback found the validation logits but no labels: labels_key={self.labels_key!r} is "
+            f"neither in what validation_step returned nor in the batch ({where}). Set labels_key= the key of "
+            f"the labels, return {{'{self.logits_key}': logits, '{self.labels_key}': y}} from validation_step, {override}"
+        )
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or not self._batches:
@@ -620,7 +642,7 @@ class CalibrationCallback(Callback):
                     f"output={self.output!r}, so it would calibrate the wrong kind of scores: build the callback with "
                     f"output= the kind the LightningModule's forward returns ({entry['output']!r} when it saved the head)."
                 )
-            self._calibrator.load_state_dict(entry["state_dict"])
+            _load_head_state(self._calibrator, entry, "build the callback's calibrator with the options of the one that saved the head")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "calibrator" in state_dict:  # checkpoints of torchcal <= 0.x kept the head in the callback state

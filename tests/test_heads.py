@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import types
 import warnings
 
 import pytest
@@ -10,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchcal
-from torchcal.heads import CalibratedModel, attach, collect_scores
+from torchcal.heads import CalibratedModel, attach, collect_scores, replace_logits
 
 K = 4
 
@@ -154,6 +156,36 @@ def test_structured_outputs_calibrate_the_logits_and_pass_the_rest(val):
     torch.testing.assert_close(out["logits"], reference(x), rtol=0, atol=1e-6)
     with pytest.raises(TypeError, match="logits_key=0 for"):
         CalibratedModel(model, head.calibrator, logits_key=0)(x)
+
+
+class ModelOutput(collections.OrderedDict):
+    """The essence of Hugging Face's ``ModelOutput``: an ordered dict with attribute access."""
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class NeedsArguments(collections.OrderedDict):
+    def __init__(self, tag: str, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tag = tag
+
+
+def test_replace_logits_keeps_the_type_of_dict_outputs():
+    """A ModelOutput-style output came back as a plain dict, without its attribute access."""
+    logits, features, new = torch.zeros(2, 3), torch.ones(2, 4), torch.full((2, 3), 2.0)
+    for output in (ModelOutput(logits=logits, features=features), collections.OrderedDict(features=features, logits=logits)):
+        replaced = replace_logits(output, "logits", new)
+        assert type(replaced) is type(output) and list(replaced) == list(output)
+        assert replaced["logits"] is new and replaced["features"] is features and output["logits"] is logits
+    assert replace_logits(ModelOutput(logits=logits), "logits", new).logits is new
+    # a plain dict where the type cannot be kept: immutable, or not copyable without arguments
+    for output in (types.MappingProxyType({"logits": logits}), NeedsArguments("tag", logits=logits)):
+        replaced = replace_logits(output, "logits", new)
+        assert type(replaced) is dict and replaced["logits"] is new
 
 
 def test_output_kinds_give_the_same_calibrated_posteriors(val):

@@ -30,10 +30,11 @@ loads it without Lightning.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from typing import Any, Literal, get_args
 
 import torch
@@ -117,16 +118,32 @@ def select_logits(output: Any, key: LogitsKey = None) -> Tensor:
 
 def replace_logits(output: Any, key: LogitsKey, logits: Tensor) -> Any:
     """``output`` with the tensor at ``key`` (see :func:`select_logits`) replaced by ``logits``;
-    the other elements are passed through unchanged (a new container, the input is not modified)."""
+    the other elements are passed through unchanged (a new container of the same type, e.g. an
+    ``OrderedDict`` or a Hugging Face ``ModelOutput``; the input is not modified)."""
     if isinstance(output, Tensor):
         return logits
     select_logits(output, key)  # same checks and message
     if isinstance(output, Mapping):
-        return {**output, key: logits}
+        return _with_item(output, key, logits)
     assert isinstance(key, int)
     items = list(output)
     items[key] = logits
     return type(output)(items) if isinstance(output, list) else tuple(items) if type(output) is tuple else type(output)(*items)
+
+
+def _with_item(output: Mapping[Any, Any], key: Any, value: Any) -> Mapping[Any, Any]:
+    """A shallow copy of ``output`` of its own type (attribute access of ``ModelOutput`` and the
+    like included) with ``key`` set to ``value``; a plain dict for immutable mappings and types
+    that cannot be copied without arguments."""
+    if type(output) is not dict and isinstance(output, MutableMapping):
+        try:
+            copied = copy.copy(output)
+        except TypeError:  # e.g. an OrderedDict subclass whose __init__ requires arguments
+            pass
+        else:
+            copied[key] = value
+            return copied
+    return {**output, key: value}
 
 
 def _default_split(batch: Any) -> tuple[Sequence[Any], Tensor]:

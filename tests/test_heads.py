@@ -345,6 +345,24 @@ def test_legacy_onnx_exporter_and_jit_trace(fitted_heads, tmp_path):
         assert "calibrator._extra_state" in head.state_dict()  # outside the export the state is whole
 
 
+def test_legacy_onnx_export_of_calibrators_outside_a_head(fitted_heads, tmp_path):
+    """A calibrator in an nn.Sequential, or alone, failed the legacy exporter ("'dict' object has no
+    attribute 'detach'"): only CalibratedModel left the calibrator's extra state out."""
+    ort = pytest.importorskip("onnxruntime")
+    x = make_data(16, seed=6)[0]
+    for name, head in fitted_heads.items():
+        sequential = nn.Sequential(head.model, head.calibrator).eval()
+        with torch.no_grad():
+            scores = head.model(x)
+        for what, module, example in (("sequential", sequential, x), ("bare", head.calibrator, scores)):
+            path = tmp_path / f"{name}-{what}.onnx"
+            torch.onnx.export(module, (example,), path, dynamo=False, input_names=["x"], dynamic_axes={"x": {0: "batch"}})
+            (got,) = ort.InferenceSession(str(path)).run(None, {"x": example[:5].numpy()})
+            with torch.no_grad():
+                torch.testing.assert_close(torch.from_numpy(got), module(example[:5]), rtol=0, atol=1e-5, msg=f"{name} {what}")
+        assert "1._extra_state" in sequential.state_dict()  # outside the export the state is whole
+
+
 def test_docstring_examples():
     import doctest
 

@@ -17,15 +17,16 @@ with ``logits_key`` (an index or a key); only that element is calibrated, the re
 It saves and loads with ``state_dict``, compiles with ``torch.compile`` and exports with
 ``torch.export``, ``torch.onnx.export`` (``dynamo=True``, and the legacy ``dynamo=False``) and
 ``torch.jit.trace`` (every calibrator, the step maps of histogram binning, isotonic regression and
-Venn–Abers included). Another runtime (ONNX Runtime) may round the network's own output
-differently in its last float32 bit; the step maps are discontinuous, so an input that sits exactly
-on a step moves to the neighbouring one there. That input is rare for logits. With
-``output="probs"`` it is common on a saturated network: probabilities below the floor of
-:func:`torchcal._validation.floored_log` all become the same score, and a step can sit exactly on
-that score. (Venn–Abers pools scores within 16 float64 ulps of a calibration score, which
-covers float64 round-off, not float32.) A Lightning checkpoint saved with :class:`torchcal.lightning.CalibrationCallback` holds
-the head under :data:`CHECKPOINT_KEY` (one per callback); :meth:`CalibratedModel.from_checkpoint`
-loads it without Lightning.
+Venn–Abers included; a calibrator exports the same way alone or inside any other module). Another
+runtime (ONNX Runtime) may round the network's own output differently in its last float32 bit;
+the step maps are discontinuous, so an input that sits exactly on a step moves to the
+neighbouring one there. That input is rare for logits. With ``output="probs"`` it is common on a
+saturated network: probabilities below the floor of :func:`torchcal._validation.floored_log` all
+become the same score, and a step can sit exactly on that score. (Venn–Abers pools scores within
+16 float64 ulps of a calibration score, which covers float64 round-off, not float32.) A Lightning
+checkpoint saved with :class:`torchcal.lightning.CalibrationCallback` holds the head under
+:data:`CHECKPOINT_KEY` (one per callback); :meth:`CalibratedModel.from_checkpoint` loads it
+without Lightning.
 """
 
 from __future__ import annotations
@@ -283,9 +284,6 @@ class CalibratedModel(nn.Module):
         self.calibrator = calibrator
         self.output = output
         self.logits_key = logits_key
-        # public in recent torch releases; older ones (the package allows torch>=2.1) have the private form
-        register = getattr(self, "register_state_dict_post_hook", None) or self._register_state_dict_hook
-        register(_drop_extra_state_in_legacy_onnx_export)
 
     def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         """Calibrated outputs (N, K) of ``model(x, *args, **kwargs)`` (in the same structure).
@@ -436,14 +434,6 @@ def _calibrator_class(name: str) -> type[Calibrator]:
     if not (isinstance(cls, type) and issubclass(cls, Calibrator)):
         raise TypeError(f"the checkpoint names {name!r}, which is not a torchcal calibrator class.")
     return cls
-
-
-def _drop_extra_state_in_legacy_onnx_export(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    # The legacy (TorchScript) ONNX exporter calls .detach() on every state_dict entry, and the
-    # calibrators' extra state (num_classes) is a dict; the traced graph does not need it.
-    if torch.onnx.is_in_onnx_export():
-        for key in [k for k in state_dict if k.endswith("_extra_state")]:
-            del state_dict[key]
 
 
 def attach(

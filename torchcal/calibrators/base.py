@@ -62,6 +62,9 @@ class Calibrator(nn.Module):
         super().__init__()
         self.num_classes: int = 0
         self.fit_record_: FitRecord | None = None
+        # public in recent torch releases; older ones (the package allows torch>=2.1) have the private form
+        register = getattr(self, "register_state_dict_post_hook", None) or self._register_state_dict_hook
+        register(_drop_extra_state_in_legacy_onnx_export)
 
     # ----------------------------------------------------------------- hooks for subclasses
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
@@ -273,6 +276,14 @@ class Calibrator(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_classes={self.num_classes}" if self.is_fitted else "not fitted"
+
+
+def _drop_extra_state_in_legacy_onnx_export(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    # The legacy (TorchScript) ONNX exporter calls .detach() on every state_dict entry, and a
+    # calibrator's extra state (num_classes) is a dict; the traced graph does not need it. A hook on
+    # every calibrator covers it wherever it sits (CalibratedModel, nn.Sequential, alone).
+    if torch.onnx.is_in_onnx_export():
+        state_dict.pop(prefix + "_extra_state", None)
 
 
 def total_samples(labels: Tensor, process_group: ProcessGroup | None = None) -> Tensor:

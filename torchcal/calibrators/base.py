@@ -18,7 +18,12 @@ map applied once to the data (:meth:`_features`), the unnormalised calibrated sc
 
 Data-parallel fits (``fit(..., process_group=...)``): every process passes its own shard; class
 counts, losses, gradients and Hessians are summed over the group (:mod:`torchcal.distributed`),
-so every process ends with the parameters of one fit on the union of the shards.
+so every process ends with the parameters of one fit on the union of the shards. A calibrator that
+cross-validates its regularisation (``reg_lambda=None``: the structured scalings' default, matrix
+scaling and Dirichlet calibration with a regulariser) makes its folds per process, each fold the
+union of the processes' folds: every process selects the same strength, but it depends on the
+sharding and can differ from that of a one-process fit on the same data, and so can the
+parameters. A fixed ``reg_lambda`` makes the fit independent of the sharding.
 """
 
 from __future__ import annotations
@@ -111,7 +116,9 @@ class Calibrator(nn.Module):
             process_group: fit data-parallel over a ``torch.distributed`` group (e.g.
                 ``torch.distributed.group.WORLD``): every process calls ``fit`` with its own shard
                 of the calibration data, and all end with the parameters of one fit on the union
-                of the shards. Only sums over samples travel, never the logits.
+                of the shards. Only sums over samples travel, never the logits. A cross-validated
+                regularisation strength is selected on per-process folds, so it can differ from a
+                one-process fit's (see the module docs).
         """
         if process_group is not None and not self._supports_process_group:
             raise NotImplementedError(f"{type(self).__name__} needs all the data in one process; fit it without process_group.")

@@ -48,7 +48,8 @@ class MatrixScaling(Calibrator):
         reg_lambda, reg_mu: penalty strengths. Left as ``None`` with a regulariser, they are chosen
             by ``cv_folds``-fold cross-validation over ``reg_grid`` (``mu = lambda``, or pairs; a
             given ``reg_mu`` is kept at every grid point). ``reg_mu`` defaults to ``reg_lambda``
-            (ODIR only).
+            (ODIR only). In a data-parallel fit (``process_group``) each process splits its own
+            samples into the folds, so the chosen strengths can differ from a one-process fit's.
         reg_grid: candidate lambdas, or ``(lambda, mu)`` pairs.
         tol: the log-loss fit has converged when the largest absolute entry of the gradient of the
             penalised mean loss is below ``tol``. The default, 1e-9, leaves the parameters within

@@ -14,7 +14,9 @@ strength grows with K and shrinks with N:
 ``lambda K / N (|b|^2 + |diag|^2) + lambda K (K - 1) / N |M|^2``. The K (K - 1) off-diagonal
 entries are shrunk hardest, so SMS departs from SVS only as far as the data insist; that is what
 keeps matrix scaling from diverging at K = 100. lambda is cross-validated by default (the paper
-fixes lambda = 1, which ``reg_lambda=1.0`` reproduces).
+fixes lambda = 1, which ``reg_lambda=1.0`` reproduces); in a data-parallel fit (``process_group``)
+each process splits its own samples into the folds, so the chosen lambda, and the fit, can differ
+from a one-process fit's on the same data.
 
 SMS's log-loss fit is multinomial logistic regression on ``[x, 1]`` about the identity, solved by
 the Newton-CG solver of Dirichlet calibration (:mod:`torchcal.calibrators._multinomial`). The
@@ -362,7 +364,8 @@ class StructuredVectorScaling(_StructuredScaling):
     Args:
         reg_lambda: multiplier of the ridge penalty ``K / N (|weight - 1|^2 + |bias|^2)`` added to
             the mean loss; ``None`` (the default) chooses it from ``reg_grid`` by ``cv_folds``-fold
-            cross-validation. 1 is the paper's fixed default (and probmetrics'): one fit, no CV.
+            cross-validation. 1 is the paper's fixed default (and probmetrics'): one fit, no CV
+            (and, in a data-parallel fit, no dependence on the sharding: see the module docs).
 
     Fitted state: ``inverse_temperature`` and ``mix`` (the ts-mix step), ``weight: (K,)``,
     ``bias: (K,)``; ``reg_lambda_`` (and ``cv_losses_`` when cross-validated).
@@ -444,7 +447,8 @@ class StructuredMatrixScaling(_StructuredScaling):
         reg_lambda: multiplier of the ridge penalties ``K / N (|diag(weight) - 1|^2 + |bias|^2)``
             and ``K (K - 1) / N |offdiag(weight)|^2`` added to the mean loss; ``None`` (the
             default) chooses it from ``reg_grid`` by ``cv_folds``-fold cross-validation. 1 is the
-            paper's fixed default (and probmetrics'): one fit, no CV.
+            paper's fixed default (and probmetrics'): one fit, no CV (and, in a data-parallel fit,
+            no dependence on the sharding: see the module docs).
 
     Fitted state: ``inverse_temperature`` and ``mix`` (the ts-mix step), ``weight: (K, K)``,
     ``bias: (K,)``; ``reg_lambda_`` (and ``cv_losses_`` when cross-validated).

@@ -176,12 +176,19 @@ class CalibrationCallback(Callback):
 
     **Distributed.** Under DDP every process keeps its own validation outputs; the metrics are
     reduced from per-process sums and the calibrator is fitted data-parallel
-    (``fit(..., process_group=...)``), so every process ends with the head of one fit on all the
-    outputs. Calibrators that cannot fit data-parallel (histogram binning, isotonic regression)
-    fall back, with a warning, to gathering all outputs on every process. A ``DistributedSampler``
-    that pads the validation set (its size is not a multiple of the number of processes) repeats
-    samples, which changes the head: the callback warns. With ``ddp_spawn`` (and ``ddp_fork``) the
-    fitted head and the report come back to the main process.
+    (``fit(..., process_group=...)``), so every process ends with the same head, that of one fit on
+    all the outputs. Cross-validation is the exception: each process splits its own outputs into the
+    folds (a fold is the union of the processes' folds), so a calibrator that cross-validates its
+    regularisation (``StructuredVectorScaling`` / ``StructuredMatrixScaling`` by default,
+    ``MatrixScaling`` / ``DirichletCalibration`` with a regulariser and ``reg_lambda=None``) can
+    select another strength, and fit another head, than a one-process run on the same outputs; the
+    RCL and the report's "after" row, which are out-of-fold, can differ slightly too. Fix
+    ``reg_lambda`` for a head that does not depend on the number of processes. Calibrators that
+    cannot fit data-parallel (histogram binning, isotonic regression) fall back, with a warning, to
+    gathering all outputs on every process. A ``DistributedSampler`` that pads the validation set
+    (its size is not a multiple of the number of processes) repeats samples, which changes the head:
+    the callback warns. With ``ddp_spawn`` (and ``ddp_fork``) the fitted head and the report come
+    back to the main process.
 
     **Test and predict.** While ``trainer.test`` / ``trainer.predict`` run, the LightningModule's
     ``forward`` returns calibrated outputs of the same kind and structure as its own (see

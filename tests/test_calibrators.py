@@ -112,6 +112,38 @@ def test_matrix_brier_fit_is_marked_non_convex_and_starts_from_the_better_point(
     assert "it is not: the Brier score of a full map has local optima" in " ".join((torchcal.MatrixScaling.__doc__ or "").split())
 
 
+def _brier(cal, logits: torch.Tensor, labels: torch.Tensor) -> float:
+    with torch.no_grad():
+        q = cal(logits.double()).exp()
+    return float(((q - torch.nn.functional.one_hot(labels, q.shape[1])) ** 2).sum(1).mean())
+
+
+def _assert_brier_fits_no_worse_than_contained(logits: torch.Tensor, labels: torch.Tensor) -> None:
+    """VectorScaling contains AffineCalibration and QuadraticScaling contains PlattScaling; from the
+    identity alone their non-convex Brier fits ended on the plateau 'class 0 with certainty for
+    every sample' (a vanishing gradient, reported as converged)."""
+    for cal, contained in ((torchcal.VectorScaling(), torchcal.AffineCalibration()), (torchcal.QuadraticScaling(), torchcal.PlattScaling())):
+        cal.fit(logits, labels, loss="brier")
+        bound = _brier(contained.fit(logits, labels, loss="brier"), logits, labels)
+        assert _brier(cal, logits, labels) <= bound * (1 + 1e-6), type(cal).__name__
+        assert "not convex" in cal.fit_record_.message
+
+
+def test_vector_and_quadratic_brier_fits_do_not_collapse_on_speaker_verification_scores(real):
+    data = real("fvcaus_xvector-plda_ferrer")
+    _assert_brier_fits_no_worse_than_contained(torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"]))
+
+
+def test_vector_and_quadratic_brier_fits_do_not_collapse_on_rare_well_separated_targets():
+    """Synthetic scores shaped like those speaker-verification log-posteriors: 1.7 % targets,
+    log-odds N(13.8, 2.3) for targets and N(-5.7, 3.6) for non-targets."""
+    gen = torch.Generator().manual_seed(0)
+    labels = (torch.rand(20000, generator=gen) < 0.017).long()
+    llr = torch.where(labels == 1, 13.8 + 2.3 * torch.randn(20000, generator=gen), -5.7 + 3.6 * torch.randn(20000, generator=gen))
+    logits = torch.log_softmax(torch.stack([torch.zeros_like(llr), llr], dim=1).double(), dim=1)
+    _assert_brier_fits_no_worse_than_contained(logits, labels)
+
+
 def _scipy_fit(kind: str, z: np.ndarray, y: np.ndarray, reg: float = 0.0) -> float:
     """Independent float64 SciPy fit of the same objective, with analytic gradients."""
     n, k = z.shape

@@ -139,7 +139,8 @@ class VectorScaling(Calibrator):
 
     Guo et al.'s vector scaling, applied to the raw logits (not to log-posteriors: the two differ
     because the row normaliser is scaled by different ``w_k``). The log-loss fit is Newton's
-    method with the exact 2K x 2K Hessian; other losses use the generic L-BFGS driver.
+    method with the exact 2K x 2K Hessian. Other losses (not convex here) use the generic L-BFGS
+    driver, started from the better of the identity and the log-loss fit.
     """
 
     weight: Tensor
@@ -153,7 +154,7 @@ class VectorScaling(Calibrator):
 
     def _fit(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
         if loss != "log":
-            return super()._fit(features, labels, weights, loss, max_iter, process_group)
+            return self._fit_nonconvex(features, labels, weights, loss, max_iter, process_group)
         k = features.shape[1]
         start = torch.cat([self.weight.detach(), self.bias.detach()])
         if self._at_identity():

@@ -233,6 +233,44 @@ class Calibrator(nn.Module):
 
         return minimize(objective, params, max_iter=max_iter, process_group=process_group)
 
+    def _fit_log_loss(self, features, labels, weights, max_iter, process_group=None) -> FitRecord:
+        """The log-loss fit :meth:`_fit_nonconvex` starts from (a subclass with a penalised or
+        constrained fit overrides it)."""
+        return self._fit(features, labels, weights, "log", max_iter, process_group)
+
+    def _fit_nonconvex(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
+        """Fit a loss under which the map's objective is not convex (the Brier score): L-BFGS finds a
+        local optimum, started from the better (for this objective) of the identity map and the
+        log-loss fit, and ``fit_record_.message`` says so. From the identity alone, a map that can
+        sharpen its scores (per-class scales, a quadratic term) can end on a plateau where every
+        sample gets one class with certainty and the gradient underflows. Only the parameters being
+        fitted (``requires_grad``) are reset to the identity; frozen ones keep their values."""
+
+        def objective() -> float:
+            with torch.no_grad():
+                scores = PER_SAMPLE_SCORES[loss](torch.log_softmax(self._scores(features), dim=1), labels).to(torch.float64)
+                sample_w = sample_weights(labels, weights, process_group)
+                data = torch.where(sample_w > 0, sample_w * scores, torch.zeros_like(scores)).sum()
+                return float(all_reduce_(data.reshape(1), process_group)) + float(self._penalty())
+
+        self._fit_log_loss(features, labels, weights, max_iter, process_group)
+        from_log_loss = objective()
+        identity = self._identity(self.num_classes)
+        fitted = {name: p for name, p in self.named_parameters() if p.requires_grad}
+        log_fit = {name: p.detach().clone() for name, p in fitted.items()}
+        with torch.no_grad():
+            for name, p in fitted.items():
+                p.copy_(identity[name])
+            if not objective() < from_log_loss:
+                for name, p in fitted.items():
+                    p.copy_(log_fit[name])
+                start = "the log-loss fit"
+            else:
+                start = "the identity map"
+        record = Calibrator._fit(self, features, labels, weights, loss, max_iter, process_group)
+        note = f"; the {loss} objective of {type(self).__name__} is not convex: a local optimum, started from {start}"
+        return dataclasses.replace(record, message=record.message + note)
+
     def _at_identity(self) -> bool:
         """Whether the fitted tensors hold the identity map (a fit that is not warm-started)."""
         return all(torch.equal(getattr(self, name).cpu(), value.to(torch.float64)) for name, value in self._identity(self.num_classes).items())

@@ -4,7 +4,6 @@ ODIR and L2 regularisers of Kull et al. (2019) and cross-validated regularisatio
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import warnings
 from collections.abc import Sequence
@@ -20,7 +19,6 @@ from torchcal.calibrators._multinomial import (
 )
 from torchcal.calibrators.base import Calibrator, sample_weights
 from torchcal.calibrators.temperature import inverse_temperature_start
-from torchcal.distributed import all_reduce_
 from torchcal.fit import FitRecord, cross_validate_warm_path, fold_indices
 from torchcal.functional.scoring import PER_SAMPLE_SCORES, weighted_mean
 
@@ -193,35 +191,8 @@ class MatrixScaling(Calibrator):
         self._set_theta(theta)
         return record
 
-    def _fit_nonconvex(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
-        """The Brier score of a full linear map is not convex in ``[W | b]``: L-BFGS finds a local
-        optimum, started from the better (for this objective) of the identity map and the
-        log-loss fit, and ``fit_record_.message`` says so."""
-        sample_w = sample_weights(labels, weights, process_group)
-        per_sample = PER_SAMPLE_SCORES[loss]
-
-        def objective() -> float:
-            with torch.no_grad():
-                data = sample_w @ per_sample(torch.log_softmax(self._scores(features), dim=1), labels).to(torch.float64)
-                return float(all_reduce_(data.reshape(1), process_group)) + float(self._penalty())
-
-        k = features.shape[1]
-        identity = self._identity(k)
-        self._fit_fixed_penalty(features, labels, weights, "log", max_iter, process_group)
-        from_log_loss = objective()
-        with torch.no_grad():
-            log_fit = self.weight.clone(), self.bias.clone()
-            self.weight.copy_(identity["weight"])
-            self.bias.copy_(identity["bias"])
-            if not objective() < from_log_loss:
-                self.weight.copy_(log_fit[0])
-                self.bias.copy_(log_fit[1])
-                start = "the log-loss fit"
-            else:
-                start = "the identity map"
-        record = Calibrator._fit(self, features, labels, weights, loss, max_iter, process_group)
-        note = f"; the {loss} objective of a full matrix is not convex: a local optimum, started from {start}"
-        return dataclasses.replace(record, message=record.message + note)
+    def _fit_log_loss(self, features, labels, weights, max_iter, process_group=None) -> FitRecord:
+        return self._fit_fixed_penalty(features, labels, weights, "log", max_iter, process_group)
 
     def _cross_validate_grid(self, features, labels, weights, loss, max_iter, process_group=None) -> tuple[list[float], Tensor]:
         """Out-of-fold loss of every grid point along the warm-started path of

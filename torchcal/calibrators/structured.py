@@ -599,7 +599,8 @@ class QuadraticScaling(Calibrator):
     ``llr = logits[:, 1] - logits[:, 0]`` are the log-odds of the scores. Platt scaling plus a
     quadratic term, so the map need not be monotone; it is the binary calibrator Berta et al.
     (2025) recommend (logistic regression on ``[1, llr, llr^2]``, unpenalised). The log-loss fit is
-    Newton's method with the exact 3 x 3 Hessian; other losses use the generic L-BFGS driver.
+    Newton's method with the exact 3 x 3 Hessian. Other losses (not convex here) use the generic
+    L-BFGS driver, started from the better of the identity and the log-loss fit.
 
     Example:
         >>> import torch
@@ -628,7 +629,7 @@ class QuadraticScaling(Calibrator):
 
     def _fit(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
         if loss != "log":
-            return super()._fit(features, labels, weights, loss, max_iter, process_group)
+            return self._fit_nonconvex(features, labels, weights, loss, max_iter, process_group)
         theta, record = fit_linear_newton(
             _QuadraticDesign(), features, labels, weights, self.coefficients.detach(),
             max_iter=min(max_iter, 100), process_group=process_group,

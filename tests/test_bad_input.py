@@ -516,6 +516,36 @@ def test_fewer_samples_than_folds(call):
             call(logits[:4], labels[:4])
 
 
+@pytest.mark.parametrize(
+    ("make", "argument"),
+    [
+        (lambda folds, seed: torchcal.MatrixScaling(reg="odir", cv_folds=folds, cv_seed=seed), "cv_"),
+        (lambda folds, seed: torchcal.DirichletCalibration(reg="odir", cv_folds=folds, cv_seed=seed), "cv_"),
+        (lambda folds, seed: torchcal.StructuredVectorScaling(cv_folds=folds, cv_seed=seed), "cv_"),
+        (lambda folds, seed: torchcal.StructuredMatrixScaling(cv_folds=folds, cv_seed=seed), "cv_"),
+        (lambda folds, seed: metrics.CalibrationLoss(torchcal.TemperatureScaling(), num_classes=K, folds=folds, seed=seed), ""),
+    ],
+    ids=["matrix", "dirichlet", "svs", "sms", "CalibrationLoss"],
+)
+@pytest.mark.parametrize(("folds", "seed", "name"), [(2.5, 0, "folds"), (True, 0, "folds"), (5, None, "seed"), (5, 0.5, "seed")])
+def test_fold_count_and_seed_are_checked_when_constructed(make, argument, folds, seed, name):
+    """A float or bool fold count, or a seed that is not an int, used to fail inside the fit's
+    cross-validation (after a pre-fit) with a torch indexing or manual_seed error."""
+    with pytest.raises(ValueError, match=f"^{argument}{name} must be an integer"):
+        make(folds, seed)
+
+
+@pytest.mark.parametrize(("folds", "seed", "name"), [(2.5, 0, "folds"), (5, None, "seed")])
+def test_fold_count_and_seed_of_cross_validate_are_checked(folds, seed, name):
+    logits, labels = good_data()
+    with pytest.raises(ValueError, match=f"^{name} must be an integer"):
+        torchcal.cross_validate(torchcal.TemperatureScaling(), logits, labels, folds=folds, seed=seed)
+    with pytest.raises(ValueError, match=f"^{name} must be an integer"):
+        F.cross_validated_calibration_loss(logits, labels, torchcal.AffineCalibration(), folds=folds, seed=seed)
+    with pytest.raises(ValueError, match=f"^{name} must be an integer"):
+        torchcal.fit.fold_indices(labels, folds, seed)
+
+
 def test_fewer_samples_than_folds_in_the_streaming_calibration_loss():
     logits, labels = good_data()
     metric = metrics.CalibrationLoss(torchcal.TemperatureScaling(), num_classes=K, folds=5)
@@ -527,7 +557,7 @@ def test_fewer_samples_than_folds_in_the_streaming_calibration_loss():
 
 def test_fold_counts_and_groups():
     logits, labels = good_data()
-    with pytest.raises(ValueError, match="needs folds >= 2, got 1"):
+    with pytest.raises(ValueError, match="folds must be an integer >= 2, got 1"):
         torchcal.cross_validate(torchcal.AffineCalibration(), logits, labels, folds=1)
     with pytest.raises(ValueError, match="2 groups cannot fill 3 folds"):
         torchcal.cross_validate(torchcal.AffineCalibration(), logits, labels, folds=3, groups=torch.arange(N) % 2)

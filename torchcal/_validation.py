@@ -152,6 +152,13 @@ def check_count(value: Any, name: str, minimum: int = 1) -> int:
     return value
 
 
+def check_folds(folds: Any, seed: Any, folds_name: str = "folds", seed_name: str = "seed") -> None:
+    """A cross-validation's fold count (an int >= 2) and seed (an int >= 0), or ``ValueError``
+    naming the argument."""
+    check_count(folds, folds_name, minimum=2)
+    check_count(seed, seed_name, minimum=0)
+
+
 def check_labels(labels: Any, num_samples: int, num_classes: int, name: str = "labels", counted: str = "classes",
                  samples: str = "the scores have N = {} rows") -> Tensor:
     """Validate class indices: an integer (N,) tensor with values in [0, K) (``counted``: what

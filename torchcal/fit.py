@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from torchcal._validation import check_logits_and_labels
+from torchcal._validation import check_folds, check_logits_and_labels
 from torchcal.distributed import ProcessGroup, all_reduce_, validate_together
 
 if TYPE_CHECKING:
@@ -285,9 +285,8 @@ def fold_indices(
     process with too few samples makes every process raise (not only itself, which would leave
     the others waiting in their next collective).
     """
+    check_folds(folds, seed)
     n = labels.shape[0]
-    if folds < 2:
-        raise ValueError(f"cross-validation needs folds >= 2, got {folds}.")
     if process_group is None and n < folds:
         raise ValueError(f"cross-validation with {folds} folds needs at least {folds} samples, got N = {n}.")
     if process_group is not None:

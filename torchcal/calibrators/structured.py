@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from torchcal._fast_exp import exp_floor
+from torchcal._validation import check_folds
 from torchcal.calibrators._linear import LinearDesign, fit_linear_newton
 from torchcal.calibrators._multinomial import (
     MAX_NEWTON_STEPS,
@@ -163,6 +164,7 @@ class _StructuredScaling(Calibrator):
             raise ValueError(f"reg_lambda must be finite and >= 0 (or None to cross-validate it), got {reg_lambda}.")
         if reg_lambda is None and (not reg_grid or not all(0 <= g < math.inf for g in reg_grid)):
             raise ValueError(f"reg_grid must be a non-empty sequence of finite lambdas >= 0, got {reg_grid!r}.")
+        check_folds(cv_folds, cv_seed, "cv_folds", "cv_seed")
         self.reg_lambda = reg_lambda
         self.reg_grid = [float(g) for g in reg_grid]
         self.cv_folds = cv_folds

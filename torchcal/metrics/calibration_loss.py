@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torchmetrics.utilities import dim_zero_cat
 
-from torchcal._validation import check_priors
+from torchcal._validation import check_folds, check_priors
 from torchcal.functional.bootstrap import sum_decomposition, sum_reduction
 from torchcal.functional.calibration_loss import (
     CalibrationLossResult,
@@ -92,6 +92,7 @@ class CalibrationLoss(ScoreMetric):
         self.calibrator = calibrator
         self.score = score
         self.score_options = {} if priors is None else {"priors": check_priors(priors, num_classes)}
+        check_folds(folds, seed)
         self.folds, self.seed = folds, seed
         self.streaming = bool(getattr(calibrator, "is_fitted", False))
         if self.streaming:

@@ -16,8 +16,11 @@ class BetaCalibration(Calibrator):
 
     ``q = softmax(logits)``. It contains the identity (``a = b = 1, c = 0``) and both sigmoid and
     inverse-sigmoid shapes; with ``a = b`` it is Platt scaling on the log-odds. As in the
-    reference implementation, the unconstrained (convex) fit is refitted with ``a = 0`` (then
-    ``b = 0``) if a coefficient comes out negative, which keeps the map monotone.
+    reference implementation, the unconstrained fit is refitted with ``a = 0`` (then ``b = 0``) if
+    a coefficient comes out negative, which keeps the map monotone; the refit starts from the
+    identity of the remaining coefficients. The log-loss fits are convex. Under other losses (the
+    Brier score) they are not, and each fit starts from the better of the identity and the log-loss
+    fit of the same coefficients.
     """
 
     supported_num_classes = 2
@@ -37,16 +40,31 @@ class BetaCalibration(Calibrator):
         return torch.stack([torch.zeros_like(log_odds), log_odds], dim=1)
 
     def _fit(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
-        for p in (self.a, self.b):
-            p.requires_grad_(True)
-        record = super()._fit(features, labels, weights, loss, max_iter, process_group)
-        for name in ("a", "b"):
-            param = getattr(self, name)
-            if param.item() < 0:
-                with torch.no_grad():
-                    param.zero_()
-                param.requires_grad_(False)
-                record = super()._fit(features, labels, weights, loss, max_iter, process_group)
-        for p in (self.a, self.b):
-            p.requires_grad_(True)
+        try:
+            record = self._fit_free(features, labels, weights, loss, max_iter, process_group)
+            for name in ("a", "b"):
+                param = getattr(self, name)
+                if param.item() < 0:
+                    # The unconstrained fit's other coefficients compensate for the negative one;
+                    # without it they saturate the scores, and under the Brier score the gradient
+                    # underflows there: the refit starts afresh.
+                    param.requires_grad_(False)
+                    with torch.no_grad():
+                        param.zero_()
+                        for other, value in self._identity(2).items():
+                            if getattr(self, other).requires_grad:
+                                getattr(self, other).copy_(value)
+                    record = self._fit_free(features, labels, weights, loss, max_iter, process_group)
+        finally:
+            for p in (self.a, self.b):
+                p.requires_grad_(True)
         return record
+
+    def _fit_free(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
+        """Fit the coefficients that require grad; the others stay at zero."""
+        if loss == "log":  # convex
+            return self._fit_log_loss(features, labels, weights, max_iter, process_group)
+        return self._fit_nonconvex(features, labels, weights, loss, max_iter, process_group)
+
+    def _fit_log_loss(self, features, labels, weights, max_iter, process_group=None) -> FitRecord:
+        return Calibrator._fit(self, features, labels, weights, "log", max_iter, process_group)

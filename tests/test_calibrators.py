@@ -577,6 +577,31 @@ def test_too_few_samples_for_an_unregularised_matrix_warns(data):
         torchcal.MatrixScaling().fit(logits[:20], labels[:20])
 
 
+@pytest.mark.parametrize("make", [torchcal.MatrixScaling, torchcal.DirichletCalibration])
+def test_unregularised_matrix_on_separable_data_stops_early_as_diverging(make):
+    """Without a penalty (nearly) separable data have no finite optimum: Newton-CG stops once the
+    parameters' norm keeps growing, says so, and no L-BFGS fallback runs to its cap after it (the
+    CIFAR-100 logits took 12 CPU-minutes that way)."""
+    def sample(n, seed):
+        g = torch.Generator().manual_seed(seed)
+        logits = 3 * torch.randn(n, 20, generator=g, dtype=torch.float64)
+        return logits, torch.multinomial(torch.softmax(logits, 1), 1, generator=g).squeeze(1)
+
+    logits, labels = sample(300, 1)  # separable (its infimum is 0), the fit stops near a loss of 0.07
+    with pytest.warns(torchcal.ConvergenceWarning, match=r"\(nearly\) separable.*reg='odir'"):
+        cal = make().fit(logits, labels)
+    record = cal.fit_record_
+    assert not record.converged and record.message.startswith("diverging")
+    assert record.iterations <= 25  # two spans of ten Newton steps (and a few precision switches)
+    assert _objective(cal, logits, labels) == pytest.approx(record.loss, rel=1e-5)  # the stopped fit's map is kept (loss on float32 passes)
+
+    logits, labels = sample(400, 0)  # a finite optimum, however few samples per parameter
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (over-fit)
+        record = make().fit(logits, labels).fit_record_
+    assert record.converged and record.grad_max < 1e-9
+
+
 def test_bad_regulariser_arguments():
     with pytest.raises(ValueError, match="reg must be"):
         torchcal.DirichletCalibration(reg="l1")

@@ -59,7 +59,7 @@ from torchcal._fast_exp import exp_floor
 from torchcal.distributed import ProcessGroup, all_reduce_, world_size
 from torchcal.fit import ConvergenceWarning, FitRecord
 
-__all__ = ["MAX_NEWTON_STEPS", "SELECTION_TOLERANCES", "TIE_TOLERANCES", "fit_multinomial_logistic"]
+__all__ = ["DIVERGING", "MAX_NEWTON_STEPS", "SELECTION_TOLERANCES", "TIE_TOLERANCES", "fit_multinomial_logistic"]
 
 _log = logging.getLogger(__name__)
 
@@ -84,6 +84,18 @@ TIE_TOLERANCES: dict[str, float] = {"tol_grad": 1e-7}
 #: stops decreasing) a converging fit took 100 steps with the plain diagonal preconditioner, 68
 #: with the rank-one one (10,000 samples, lambda = 1000).
 MAX_NEWTON_STEPS = 300
+#: An unpenalised fit stops as diverging once its parameters' norm grew by a factor of more than
+#: _DIVERGING_GROWTH in each of the last two spans of _DIVERGING_SPAN Newton steps: without a
+#: penalty, (nearly) separable data have no finite optimum, and Newton-CG follows the separating
+#: directions for ever. Converging unpenalised fits settle within a span: the CIFAR-10 ResNet-110
+#: validation logits (Dirichlet, 5,000 x 10) in 8 steps, the norm within 0.02 % from step 6 on.
+#: On the CIFAR-100 ResNet-20 logits (Dirichlet, 10,000 x 100) it grew 4,957 -> 18,036 -> 27,758
+#: at steps 10, 20 and 30 and to 2e7 at step 46, the loss near 0.634 falling by about 5e-5 a
+#: step, and the fit ran to its 300-step cap (then L-BFGS to its own: 12 CPU-minutes in all).
+_DIVERGING_SPAN = 10
+_DIVERGING_GROWTH = 1.1
+#: The start of the message of the record of a fit stopped as diverging.
+DIVERGING = "diverging"
 #: Rows per class (those of largest curvature) that form its preconditioner block: ``8 N / (F+1)``,
 #: so that forming the K blocks costs about four passes' arithmetic, and at least this many.
 _BLOCK_ROWS_PER_FEATURE = 8
@@ -783,6 +795,8 @@ def fit_multinomial_logistic(
     preconditioner = block_preconditioner if blocks_fit and not _penalty_is_strong(penalty, moments[2]) else rank_one_preconditioner
     solve, kept = None, False  # kept: the last step's blocks serve this one (_KEEP_BLOCKS_TOL_GRAD)
     decrease = math.inf  # of the objective by the last Newton step (tol_decrease)
+    unpenalised = not bool((penalty > 0).any())
+    norms: list[float] = []  # of the parameters after each Newton step (unpenalised fits: _DIVERGING_SPAN)
     for iteration in range(max_iter):
         if dtype != full_dtype and tol_grad < _FLOAT32_TOL_GRAD and max(grad_max, size) <= _FLOAT32_TOL_GRAD:
             passes_in_full_precision()
@@ -836,6 +850,16 @@ def fit_multinomial_logistic(
         loss_value, grad_max, size, grad_norm = new_loss_value, new_grad_max, new_size, new_grad_norm
         _log.debug("Newton-CG (%d x %d, K = %d) step %d on %s passes: loss %.10f, max gradient %.1e, step length %g, %d passes, %.1f s",
                    n, f, k, iteration + 1, str(new_q.dtype).removeprefix("torch."), loss_value, grad_max, t, passes, time.perf_counter() - started)
+        if unpenalised:
+            norms.append(float(c.norm()))
+            if len(norms) > 2 * _DIVERGING_SPAN:
+                before, middle, now = norms[-1 - 2 * _DIVERGING_SPAN], norms[-1 - _DIVERGING_SPAN], norms[-1]
+                if middle > _DIVERGING_GROWTH * before and now > _DIVERGING_GROWTH * middle:
+                    message = (f"{DIVERGING}: the parameters' norm grew {now / before:.3g}-fold over the last {2 * _DIVERGING_SPAN} "
+                               f"Newton steps while the loss fell to {loss_value:.6g}; the data are (nearly) separable and the "
+                               f"unpenalised fit has no finite optimum: use reg='odir' or reg='l2'")
+                    warnings.warn(f"Newton-CG stopped: {message}", ConvergenceWarning, stacklevel=4)
+                    return (shift(c) / scale).to(theta.dtype), FitRecord(iteration + 1, passes, loss_value, grad_max, False, message)
     else:
         warnings.warn(f"Newton-CG did not converge in {max_iter} iterations", ConvergenceWarning, stacklevel=4)
         return (shift(c) / scale).to(theta.dtype), FitRecord(max_iter, passes, loss_value, grad_max, False, f"stopped at the iteration cap ({max_iter})")

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from torchcal._validation import check_folds
 from torchcal.calibrators._multinomial import (
+    DIVERGING,
     MAX_NEWTON_STEPS,
     SELECTION_TOLERANCES,
     TIE_TOLERANCES,
@@ -188,7 +189,9 @@ class MatrixScaling(Calibrator):
             tol_grad=self.tol if tol_grad is None else tol_grad, tol_decrease=tol_decrease,
             max_iter=min(max_iter, MAX_NEWTON_STEPS), process_group=process_group,
         )
-        if not record.converged:  # Newton-CG stalled (degenerate curvature): the L-BFGS driver
+        # Newton-CG stalled (degenerate curvature): the L-BFGS driver. Not where the fit diverges
+        # (no finite optimum): L-BFGS would only run to its own cap.
+        if not record.converged and not record.message.startswith(DIVERGING):
             return Calibrator._fit(self, features, labels, weights, loss, max_iter, process_group)
         self._set_theta(theta)
         return record

@@ -221,6 +221,19 @@ class Calibrator(nn.Module):
 
         ``features: (N, K)``, ``labels: (N,)``, ``weights``: optional (K,) per-class weights.
         """
+        return self._fit_lbfgs(features, labels, weights, loss, max_iter, process_group)
+
+    def _fit_lbfgs(
+        self,
+        features: Tensor,
+        labels: Tensor,
+        weights: Tensor | None,
+        loss: str,
+        max_iter: int,
+        process_group: ProcessGroup | None = None,
+        tol_change: float = 1e-12,
+    ) -> FitRecord:
+        """:meth:`_fit`'s L-BFGS, until the loss or the step changes by less than ``tol_change``."""
         per_sample = PER_SAMPLE_SCORES[loss]
         params = [p for p in self.parameters() if p.requires_grad]
         sample_w = sample_weights(labels, weights, process_group)
@@ -231,20 +244,24 @@ class Calibrator(nn.Module):
             data = torch.where(sample_w > 0, sample_w * scores, torch.zeros_like(scores)).sum()
             return data + penalty_share * self._penalty()
 
-        return minimize(objective, params, max_iter=max_iter, process_group=process_group)
+        return minimize(objective, params, max_iter=max_iter, tol_change=tol_change, process_group=process_group)
 
-    def _fit_log_loss(self, features, labels, weights, max_iter, process_group=None) -> FitRecord:
+    def _fit_log_loss(self, features, labels, weights, max_iter, process_group=None, tol_grad=None, tol_decrease=None) -> FitRecord:
         """The log-loss fit :meth:`_fit_nonconvex` starts from (a subclass with a penalised or
-        constrained fit overrides it)."""
+        constrained fit overrides it; one with a Newton solver stops it at ``tol_grad`` and
+        ``tol_decrease`` where given, the generic fit ignores them)."""
         return self._fit(features, labels, weights, "log", max_iter, process_group)
 
-    def _fit_nonconvex(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
+    def _fit_nonconvex(self, features, labels, weights, loss, max_iter, process_group=None, tol_grad: float | None = None,
+                       tol_decrease: float | None = None, tol_change: float = 1e-12) -> FitRecord:
         """Fit a loss under which the map's objective is not convex (the Brier score): L-BFGS finds a
         local optimum, started from the better (for this objective) of the identity map and the
         log-loss fit, and ``fit_record_.message`` says so. From the identity alone, a map that can
         sharpen its scores (per-class scales, a quadratic term) can end on a plateau where every
         sample gets one class with certainty and the gradient underflows. Only the parameters being
-        fitted (``requires_grad``) are reset to the identity; frozen ones keep their values."""
+        fitted (``requires_grad``) are reset to the identity; frozen ones keep their values.
+        ``tol_grad`` and ``tol_decrease`` are the log-loss fit's, ``tol_change`` L-BFGS's (the
+        cross-validation's selection fits stop earlier than the final one)."""
 
         def objective() -> float:
             with torch.no_grad():
@@ -253,7 +270,7 @@ class Calibrator(nn.Module):
                 data = torch.where(sample_w > 0, sample_w * scores, torch.zeros_like(scores)).sum()
                 return float(all_reduce_(data.reshape(1), process_group)) + float(self._penalty())
 
-        self._fit_log_loss(features, labels, weights, max_iter, process_group)
+        self._fit_log_loss(features, labels, weights, max_iter, process_group, tol_grad, tol_decrease)
         from_log_loss = objective()
         identity = self._identity(self.num_classes)
         fitted = {name: p for name, p in self.named_parameters() if p.requires_grad}
@@ -267,7 +284,7 @@ class Calibrator(nn.Module):
                 start = "the log-loss fit"
             else:
                 start = "the identity map"
-        record = Calibrator._fit(self, features, labels, weights, loss, max_iter, process_group)
+        record = self._fit_lbfgs(features, labels, weights, loss, max_iter, process_group, tol_change)
         note = f"; the {loss} objective of {type(self).__name__} is not convex: a local optimum, started from {start}"
         return dataclasses.replace(record, message=record.message + note)
 

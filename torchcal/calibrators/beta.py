@@ -66,5 +66,5 @@ class BetaCalibration(Calibrator):
             return self._fit_log_loss(features, labels, weights, max_iter, process_group)
         return self._fit_nonconvex(features, labels, weights, loss, max_iter, process_group)
 
-    def _fit_log_loss(self, features, labels, weights, max_iter, process_group=None) -> FitRecord:
+    def _fit_log_loss(self, features, labels, weights, max_iter, process_group=None, tol_grad=None, tol_decrease=None) -> FitRecord:
         return Calibrator._fit(self, features, labels, weights, "log", max_iter, process_group)

@@ -34,6 +34,10 @@ __all__ = ["DEFAULT_REG_GRID", "DirichletCalibration", "MatrixScaling"]
 #: the strongest penalties first and stops after two rises, so the weak end costs nothing where
 #: the loss has turned.
 DEFAULT_REG_GRID: tuple[float, ...] = tuple(10.0**e for e in range(-4, 6))
+#: L-BFGS's loss change for the cross-validation's fits of a non-convex loss (Brier), selection
+#: and tie: as SMS's (structured._TOL_CHANGE). Their log-loss starts use SELECTION_TOLERANCES and
+#: TIE_TOLERANCES; the final fit is tight.
+_NONCONVEX_TOL_CHANGE = {"selection": 1e-8, "tie": 1e-11}
 
 
 class MatrixScaling(Calibrator):
@@ -179,10 +183,10 @@ class MatrixScaling(Calibrator):
 
     def _fit_fixed_penalty(
         self, features, labels, weights, loss, max_iter, process_group=None, tol_grad: float | None = None,
-        tol_decrease: float | None = None,
+        tol_decrease: float | None = None, tol_change: float = 1e-12,
     ) -> FitRecord:
         if loss != "log":
-            return self._fit_nonconvex(features, labels, weights, loss, max_iter, process_group)
+            return self._fit_nonconvex(features, labels, weights, loss, max_iter, process_group, tol_grad, tol_decrease, tol_change)
         k = features.shape[1]
         theta, record = fit_multinomial_logistic(
             features, labels, sample_weights(labels, weights, process_group), self._theta(), self._penalty_weights(k),
@@ -196,16 +200,17 @@ class MatrixScaling(Calibrator):
         self._set_theta(theta)
         return record
 
-    def _fit_log_loss(self, features, labels, weights, max_iter, process_group=None) -> FitRecord:
-        return self._fit_fixed_penalty(features, labels, weights, "log", max_iter, process_group)
+    def _fit_log_loss(self, features, labels, weights, max_iter, process_group=None, tol_grad=None, tol_decrease=None) -> FitRecord:
+        return self._fit_fixed_penalty(features, labels, weights, "log", max_iter, process_group, tol_grad, tol_decrease)
 
     def _cross_validate_grid(self, features, labels, weights, loss, max_iter, process_group=None) -> tuple[list[float], Tensor]:
         """Out-of-fold loss of every grid point along the warm-started path of
         :func:`~torchcal.fit.cross_validate_warm_path` (``inf`` for the points it abandoned), and
         the folds' mean ``[W | b]`` at the best point (a start for the final fit).
 
-        Fits are solved to ``SELECTION_TOLERANCES``: the selection only compares losses, and
-        near-ties are fitted again to ``TIE_TOLERANCES``; the final fit is tight.
+        Fits are solved to ``SELECTION_TOLERANCES`` (and ``_NONCONVEX_TOL_CHANGE``): the selection
+        only compares losses, and near-ties are fitted again to ``TIE_TOLERANCES``; the final fit
+        is tight.
         """
         order = sorted(range(len(self.reg_grid)), key=lambda i: tuple(-v for v in self.reg_grid[i]))
         per_sample = PER_SAMPLE_SCORES[loss]
@@ -222,7 +227,8 @@ class MatrixScaling(Calibrator):
             if start is not None:
                 model._set_theta(start)
             tolerances = TIE_TOLERANCES if tight else SELECTION_TOLERANCES
-            model._fit_fixed_penalty(train_x, train_y, weights, loss, max_iter, process_group, **tolerances)
+            tol_change = _NONCONVEX_TOL_CHANGE["tie" if tight else "selection"]
+            model._fit_fixed_penalty(train_x, train_y, weights, loss, max_iter, process_group, **tolerances, tol_change=tol_change)
             with torch.no_grad():
                 log_probs = torch.log_softmax(model._scores(test_x), dim=1)
                 return weighted_mean(per_sample(log_probs, test_y), test_y, weights) * test_y.numel(), model._theta()

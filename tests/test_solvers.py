@@ -3,6 +3,7 @@ scaling) reach the optimum of the generic L-BFGS fit of the same objective."""
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 
 import pytest
@@ -275,3 +276,63 @@ def test_max_iter_caps_both_stages_together():
             rough_objective=_logistic_objective(torch.float32, weight, []),
         )
     assert not record.converged and record.iterations <= 6
+
+
+def test_minimize_out_of_evaluations_before_the_iteration_cap_is_not_converged():
+    # A long way down a shallow quadratic: the first line search extrapolates through the whole
+    # budget of 2 * max_iter evaluations, after one iteration, at a gradient far above tol_grad.
+    x = torch.full((2,), 1000.0, dtype=torch.float64, requires_grad=True)
+    with pytest.warns(torchcal.fit.ConvergenceWarning, match="ran out of objective evaluations"):
+        record = minimize(lambda: x.square().sum() / 1e6, [x], max_iter=3)
+    assert record.iterations < 3 and record.grad_max > 1e-3 and not record.converged
+
+
+def test_minimize_without_progress_at_a_large_gradient_is_not_converged():
+    # At the kink of |w - target| no step decreases the loss, and the gradient stays 1.
+    w = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    target = torch.tensor([3.0, -1.0, 0.5], dtype=torch.float64)
+    with pytest.warns(torchcal.fit.ConvergenceWarning, match="no progress"):
+        record = minimize(lambda: (w - target).abs().sum(), [w])
+    assert record.iterations < 1000 and record.grad_max == 1.0 and not record.converged
+
+
+def test_minimize_loose_fit_counts_a_stop_for_lack_of_progress_as_converged():
+    w = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    target = torch.tensor([3.0, -1.0, 0.5], dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchcal.fit.ConvergenceWarning)
+        record = minimize(lambda: (w - target).abs().sum(), [w], loose=True)
+    assert record.converged and record.message.startswith("no further decrease")
+
+
+def test_a_line_search_that_stalls_far_from_the_optimum_is_reported(real):
+    """BetaCalibration's Brier fit on logits of scale 100 stops after 2 iterations at gradient
+    5e-3, its loss above that of Platt scaling, a special case: it was reported converged."""
+    data = real("adrenalmnist3d_resnet50_ferrer")
+    logits, labels = torch.from_numpy(data["logits"]) * 100, torch.from_numpy(data["labels"])
+    with pytest.warns(torchcal.fit.ConvergenceWarning, match="no progress"):
+        record = torchcal.BetaCalibration().fit(logits, labels, loss="brier").fit_record_
+    platt = torchcal.PlattScaling().fit(logits, labels, loss="brier").fit_record_
+    assert not record.converged and record.grad_max > 1e-3 and record.loss > platt.loss + 0.01
+
+
+def test_running_out_of_evaluations_is_reported(real):
+    """VectorScaling's Brier fit on SST-2 logits of scale 30 with max_iter=16 spends its 32
+    evaluations in 11 iterations, at gradient 4.8: it was reported converged."""
+    data = real("sst2_gpt2-0shot_ferrer")
+    logits, labels = torch.from_numpy(data["logits"]) * 30, torch.from_numpy(data["labels"])
+    with pytest.warns(torchcal.fit.ConvergenceWarning, match="ran out of objective evaluations"):
+        record = torchcal.VectorScaling().fit(logits, labels, loss="brier", max_iter=16).fit_record_
+    assert not record.converged and record.iterations < 16 and record.grad_max > 1
+
+
+def test_a_stop_at_the_optimum_of_a_badly_scaled_fit_is_converged(real):
+    """BetaCalibration's log-loss fit on logits of scale 100 (features in the hundreds) stops for
+    lack of progress at gradient 2e-5, at the optimum: 1e-12 above the loss Newton's method
+    reaches, and L-BFGS's model predicts as little."""
+    data = real("adrenalmnist3d_resnet50_ferrer")
+    logits, labels = torch.from_numpy(data["logits"]) * 100, torch.from_numpy(data["labels"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchcal.fit.ConvergenceWarning)
+        record = torchcal.BetaCalibration().fit(logits, labels).fit_record_
+    assert record.converged and record.grad_max > 1e-6 and record.loss == pytest.approx(0.420464058272, abs=1e-11)

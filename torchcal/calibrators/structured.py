@@ -308,6 +308,7 @@ class _StructuredScaling(Calibrator):
             process_group=process_group,
             rough_objective=rough,
             rough_tol_change=_FLOAT32_TOL_CHANGE,
+            loose=accuracy != "final",
         )
         with torch.no_grad():
             self._set_theta(to_theta(phi.detach()))

@@ -328,11 +328,11 @@ def test_running_out_of_evaluations_is_reported(real):
 
 def test_a_stop_at_the_optimum_of_a_badly_scaled_fit_is_converged(real):
     """BetaCalibration's log-loss fit on logits of scale 100 (features in the hundreds) stops for
-    lack of progress at gradient 2e-5, at the optimum: 1e-12 above the loss Newton's method
+    lack of progress at gradient 2e-5, at the optimum: within 1e-12 of the loss Newton's method
     reaches, and L-BFGS's model predicts as little."""
     data = real("adrenalmnist3d_resnet50_ferrer")
     logits, labels = torch.from_numpy(data["logits"]) * 100, torch.from_numpy(data["labels"])
     with warnings.catch_warnings():
         warnings.simplefilter("error", torchcal.fit.ConvergenceWarning)
         record = torchcal.BetaCalibration().fit(logits, labels).fit_record_
-    assert record.converged and record.grad_max > 1e-6 and record.loss == pytest.approx(0.420464058272, abs=1e-11)
+    assert record.converged and record.grad_max > 1e-6 and record.loss == pytest.approx(0.420464058272, abs=1e-9)

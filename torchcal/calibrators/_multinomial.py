@@ -57,7 +57,7 @@ from torch import Tensor
 
 from torchcal._fast_exp import exp_floor
 from torchcal.distributed import ProcessGroup, all_reduce_, world_size
-from torchcal.fit import ConvergenceWarning, FitRecord
+from torchcal.fit import STALL_GRAD, ConvergenceWarning, FitRecord
 
 __all__ = ["DIVERGING", "MAX_NEWTON_STEPS", "SELECTION_TOLERANCES", "TIE_TOLERANCES", "fit_multinomial_logistic"]
 
@@ -840,7 +840,7 @@ def fit_multinomial_logistic(
             if low != full_dtype:
                 products_in_full_precision()
                 continue
-            converged = grad_max <= 1e-6
+            converged = grad_max <= STALL_GRAD
             message = "no further decrease" if converged else "line search failed"
             return (shift(c) / scale).to(theta.dtype), FitRecord(iteration, passes, loss_value, grad_max, converged, message)
         if t < 1 and dtype != full_dtype and -slope < 1e3 * torch.finfo(dtype).eps * abs(loss_value):

@@ -195,9 +195,9 @@ def minimize(
             message = f"stopped at the iteration cap ({max_iter}) with gradient {grad_max:.2e}"
         elif out_of_evaluations:
             message = (f"ran out of objective evaluations ({max_eval}, line searches included) after {iterations} "
-                       f"iterations with gradient {grad_max:.2e}")
+                       f"iteration{'s' * (iterations != 1)} with gradient {grad_max:.2e}")
         else:
-            message = (f"no progress after {iterations} iterations (the line search's loss or step change fell below "
+            message = (f"no progress after {iterations} iteration{'s' * (iterations != 1)} (the line search's loss or step change fell below "
                        f"{tol_change:g}) with gradient {grad_max:.2e}; the problem may be badly scaled")
         warnings.warn(f"L-BFGS did not converge: {message}", ConvergenceWarning, stacklevel=3)
     for p in params:

@@ -231,9 +231,11 @@ class Calibrator(nn.Module):
         loss: str,
         max_iter: int,
         process_group: ProcessGroup | None = None,
-        tol_change: float = 1e-12,
+        tol_change: float | None = None,
     ) -> FitRecord:
-        """:meth:`_fit`'s L-BFGS, until the loss or the step changes by less than ``tol_change``."""
+        """:meth:`_fit`'s L-BFGS, until the loss or the step changes by less than ``tol_change``:
+        given, a cross-validation's selection or tie fit, for which that stop is the accuracy it
+        needs (``minimize(loose=True)``: no convergence warning); else the final fit's 1e-12."""
         per_sample = PER_SAMPLE_SCORES[loss]
         params = [p for p in self.parameters() if p.requires_grad]
         sample_w = sample_weights(labels, weights, process_group)
@@ -244,7 +246,8 @@ class Calibrator(nn.Module):
             data = torch.where(sample_w > 0, sample_w * scores, torch.zeros_like(scores)).sum()
             return data + penalty_share * self._penalty()
 
-        return minimize(objective, params, max_iter=max_iter, tol_change=tol_change, process_group=process_group)
+        return minimize(objective, params, max_iter=max_iter, tol_change=1e-12 if tol_change is None else tol_change,
+                        loose=tol_change is not None, process_group=process_group)
 
     def _fit_log_loss(self, features, labels, weights, max_iter, process_group=None, tol_grad=None, tol_decrease=None) -> FitRecord:
         """The log-loss fit :meth:`_fit_nonconvex` starts from (a subclass with a penalised or
@@ -253,7 +256,7 @@ class Calibrator(nn.Module):
         return self._fit(features, labels, weights, "log", max_iter, process_group)
 
     def _fit_nonconvex(self, features, labels, weights, loss, max_iter, process_group=None, tol_grad: float | None = None,
-                       tol_decrease: float | None = None, tol_change: float = 1e-12) -> FitRecord:
+                       tol_decrease: float | None = None, tol_change: float | None = None) -> FitRecord:
         """Fit a loss under which the map's objective is not convex (the Brier score): L-BFGS finds a
         local optimum, started from the better (for this objective) of the identity map and the
         log-loss fit, and ``fit_record_.message`` says so. From the identity alone, a map that can

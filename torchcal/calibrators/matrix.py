@@ -183,7 +183,7 @@ class MatrixScaling(Calibrator):
 
     def _fit_fixed_penalty(
         self, features, labels, weights, loss, max_iter, process_group=None, tol_grad: float | None = None,
-        tol_decrease: float | None = None, tol_change: float = 1e-12,
+        tol_decrease: float | None = None, tol_change: float | None = None,
     ) -> FitRecord:
         if loss != "log":
             return self._fit_nonconvex(features, labels, weights, loss, max_iter, process_group, tol_grad, tol_decrease, tol_change)

@@ -855,10 +855,10 @@ def fit_multinomial_logistic(
             if len(norms) > 2 * _DIVERGING_SPAN:
                 before, middle, now = norms[-1 - 2 * _DIVERGING_SPAN], norms[-1 - _DIVERGING_SPAN], norms[-1]
                 if middle > _DIVERGING_GROWTH * before and now > _DIVERGING_GROWTH * middle:
+                    # (no warning here: what to do instead is the caller's to say)
                     message = (f"{DIVERGING}: the parameters' norm grew {now / before:.3g}-fold over the last {2 * _DIVERGING_SPAN} "
                                f"Newton steps while the loss fell to {loss_value:.6g}; the data are (nearly) separable and the "
-                               f"unpenalised fit has no finite optimum: use reg='odir' or reg='l2'")
-                    warnings.warn(f"Newton-CG stopped: {message}", ConvergenceWarning, stacklevel=4)
+                               f"unpenalised fit has no finite optimum")
                     return (shift(c) / scale).to(theta.dtype), FitRecord(iteration + 1, passes, loss_value, grad_max, False, message)
     else:
         warnings.warn(f"Newton-CG did not converge in {max_iter} iterations", ConvergenceWarning, stacklevel=4)

@@ -4,6 +4,7 @@ ODIR and L2 regularisers of Kull et al. (2019) and cross-validated regularisatio
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import warnings
 from collections.abc import Sequence
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from torchcal._validation import check_folds
+from torchcal._validation import check_folds, stacklevel_outside_package
 from torchcal.calibrators._multinomial import (
     DIVERGING,
     MAX_NEWTON_STEPS,
@@ -21,7 +22,7 @@ from torchcal.calibrators._multinomial import (
 )
 from torchcal.calibrators.base import Calibrator, sample_weights
 from torchcal.calibrators.temperature import inverse_temperature_start
-from torchcal.fit import FitRecord, cross_validate_warm_path, fold_indices
+from torchcal.fit import ConvergenceWarning, FitRecord, cross_validate_warm_path, fold_indices
 from torchcal.functional.scoring import PER_SAMPLE_SCORES, weighted_mean
 
 __all__ = ["DEFAULT_REG_GRID", "DirichletCalibration", "MatrixScaling"]
@@ -197,6 +198,9 @@ class MatrixScaling(Calibrator):
         # (no finite optimum): L-BFGS would only run to its own cap.
         if not record.converged and not record.message.startswith(DIVERGING):
             return Calibrator._fit(self, features, labels, weights, loss, max_iter, process_group)
+        if record.message.startswith(DIVERGING):
+            record = dataclasses.replace(record, message=f"{record.message}: use reg='odir' or reg='l2'")
+            warnings.warn(f"Newton-CG stopped: {record.message}", ConvergenceWarning, stacklevel=stacklevel_outside_package())
         self._set_theta(theta)
         return record
 

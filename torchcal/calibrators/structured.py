@@ -506,15 +506,11 @@ class StructuredMatrixScaling(_StructuredScaling):
         k = x.shape[1]
         n_total = float(total_samples(labels, process_group))
         tolerances = {"final": {}, "selection": SELECTION_TOLERANCES, "tie": TIE_TOLERANCES}[accuracy]
-        with warnings.catch_warnings():
-            # (reg_lambda = 0 on separable data: its advice, reg='odir', is matrix scaling's; the
-            # L-BFGS fallback below and fit's separation check report the fit)
-            warnings.filterwarnings("ignore", message="Newton-CG stopped: diverging", category=ConvergenceWarning)
-            theta, record = fit_multinomial_logistic(
-                x.detach(), labels, sample_weights(labels, weights, process_group), self._theta().detach(),
-                self._penalty_weights(k, n_total, reg_lambda), max_iter=min(max_iter, MAX_NEWTON_STEPS),
-                process_group=process_group, anchor=torch.eye(k, k + 1, dtype=torch.float64), **tolerances,
-            )
+        theta, record = fit_multinomial_logistic(
+            x.detach(), labels, sample_weights(labels, weights, process_group), self._theta().detach(),
+            self._penalty_weights(k, n_total, reg_lambda), max_iter=min(max_iter, MAX_NEWTON_STEPS),
+            process_group=process_group, anchor=torch.eye(k, k + 1, dtype=torch.float64), **tolerances,
+        )
         if not record.converged:
             return super()._fit_map(x, labels, weights, loss, max_iter, reg_lambda, process_group, accuracy)
         with torch.no_grad():

@@ -719,3 +719,20 @@ def test_messages_name_what_was_given():
     for kind in ("top-label", "classwise"):
         with pytest.raises(ValueError, match="reduction must be one of"):
             F.expected_calibration_error(torch.randn(20, 3), torch.arange(20) % 3, kind=kind, reduction="foo")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("labels", "num_classes", "message"),
+    [
+        (torch.arange(10), 5, r"must lie in \[0, 5\)"),
+        (torch.tensor([-1, 0]), 2, r"must lie in \[0, 2\)"),
+        (torch.tensor([0.0, 1.0]), 2, "integer tensor"),
+        (torch.zeros(2, 2, dtype=torch.long), 2, r"shape \(N,\)"),
+        (torch.tensor([], dtype=torch.long), 3, "empty"),
+        (torch.tensor([0, 1]), 0, "num_classes must be a positive integer"),
+    ],
+)
+def test_class_frequencies_refuses_bad_labels(labels, num_classes, message):
+    """It was a bare bincount: labels past K gave a longer vector, no labels NaN, and K = 0 passed."""
+    with pytest.raises(ValueError, match=message):
+        F.class_frequencies(labels, num_classes)

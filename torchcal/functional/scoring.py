@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from torchcal._validation import check_logits_and_labels, check_priors
+from torchcal._validation import as_tensor, check_labels, check_logits_and_labels, check_priors
 
 __all__ = [
     "PER_SAMPLE_SCORES",
@@ -75,7 +75,19 @@ PER_SAMPLE_SCORES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 
 
 def class_frequencies(labels: Tensor, num_classes: int) -> Tensor:
-    """Empirical class priors ``N_k / N`` in float64; (K,)."""
+    """Empirical class priors ``N_k / N`` in float64; (K,) for ``labels: (N,)`` in [0, K).
+
+    Example:
+        >>> class_frequencies(torch.tensor([0, 2, 2, 1]), 3)
+        tensor([0.2500, 0.2500, 0.5000], dtype=torch.float64)
+    """
+    if isinstance(num_classes, bool) or not hasattr(num_classes, "__index__") or num_classes < 1:
+        raise ValueError(f"num_classes must be a positive integer, got {num_classes!r}.")
+    num_classes = int(num_classes)
+    labels = as_tensor(labels, "labels")
+    labels = check_labels(labels, labels.shape[0] if labels.ndim else 1, num_classes, samples="there are N = {} labels")
+    if labels.numel() == 0:
+        raise ValueError("labels is empty (N = 0): class frequencies need at least one sample.")
     counts = torch.bincount(labels, minlength=num_classes).to(torch.float64)
     return counts / counts.sum()
 

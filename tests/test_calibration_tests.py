@@ -259,22 +259,55 @@ def test_resampling_test_vectorised_path_equals_the_loop(metric, kwargs):
 
 def test_resampling_draws_do_not_depend_on_the_chunking_and_the_table_stays_small(monkeypatch):
     """At N = 10,000 the two paths draw their labels in chunks of different sizes; the draws used
-    to depend on the chunk (classwise ECE nulls differed by 3.5e-4). The per-label table is formed
-    K labels at a time (it was an (N K, K) copy of the logits: 1.9 GB for CIFAR-100) and falls back
-    to the loop beyond its bound."""
+    to depend on the chunk (classwise ECE nulls differed by 3.5e-4). The per-label table of a sum
+    over samples is formed K labels at a time (it was an (N K, K) copy of the logits: 1.9 GB for
+    CIFAR-100) and falls back to the loop beyond its bound."""
     with np.load(str(files("torchcal.data") / "examples" / "cifar10_resnet110_kangsepp.npz")) as f:
         logits, labels = torch.from_numpy(f["logits"]).double() / 2.4, torch.from_numpy(f["labels"]).long()
     options = {"kind": "classwise", "num_resamples": 30}
     fast = consistency_resampling_test(expected_calibration_error, logits, labels, **options)
     slow = consistency_resampling_test(lambda x, y, **k: expected_calibration_error(x, y, **k), logits, labels, **options)
     torch.testing.assert_close(fast.null_statistics, slow.null_statistics, rtol=1e-12, atol=1e-15)
+    tabulated = consistency_resampling_test(cross_entropy, logits, labels, num_resamples=30)
     formed = []
-    original = torch.Tensor.repeat_interleave
-    monkeypatch.setattr(torch.Tensor, "repeat_interleave", lambda *a, **k: formed.append(a) or original(*a, **k))
-    monkeypatch.setattr(sys.modules[consistency_resampling_test.__module__], "_MAX_TABLE_ELEMENTS", 10_000 * 10 * 10 - 1)  # one short of the targets
-    bounded = consistency_resampling_test(expected_calibration_error, logits, labels, **options)
-    torch.testing.assert_close(bounded.null_statistics, fast.null_statistics, rtol=1e-12, atol=1e-15)
-    assert not formed
+    original = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: formed.append(a) or original(*a, **k))
+    monkeypatch.setattr(sys.modules[consistency_resampling_test.__module__], "_MAX_TABLE_ELEMENTS", 10_000 * 10 - 1)  # one short
+    bounded = consistency_resampling_test(cross_entropy, logits, labels, num_resamples=30)
+    torch.testing.assert_close(bounded.null_statistics, tabulated.null_statistics, rtol=1e-12, atol=1e-15)
+    assert (10_000, 10) not in formed
+
+
+def test_binned_null_needs_neither_the_table_nor_a_call_per_resample(monkeypatch):
+    """The equal-width ECE's null only re-sums the targets: at K >= L (K = 1,000 and the report's
+    L = 199) it called the metric once per resample, about a second each at 50,000 x 1,000 (the
+    report spent nine of its twelve minutes there). Its decomposition is now formed once, at any
+    K, for every kind, and gives the loop's null."""
+    module = sys.modules[consistency_resampling_test.__module__]
+    original, calls = module.metric_decomposition, []
+
+    def counting(metric_fn, metric_kwargs):
+        terms = original(metric_fn, metric_kwargs)
+        return None if terms is None else lambda *a, **k: calls.append(1) or terms(*a, **k)
+
+    monkeypatch.setattr(module, "metric_decomposition", counting)
+    generator = torch.Generator().manual_seed(5)
+    logits = 3 * torch.randn(400, 50, generator=generator, dtype=torch.float64)
+    labels = torch.distributions.Categorical(logits=logits / 3).sample()
+    for options in ({}, {"kind": "classwise", "n_bins": 5}, {"norm": "max"}):
+        calls.clear()
+        fast = consistency_resampling_test(expected_calibration_error, logits, labels, num_resamples=20, **options)
+        assert len(calls) == 1  # K = 50 >= L = 20, and still no loop
+        loop = consistency_resampling_test(lambda x, y, **k: expected_calibration_error(x, y, **k), logits, labels,
+                                           num_resamples=20, **options)
+        torch.testing.assert_close(fast.null_statistics, loop.null_statistics, rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(fast.statistic, loop.statistic, rtol=1e-12, atol=1e-15)
+    binary = torch.stack([torch.zeros(400, dtype=torch.float64), logits[:, 0]], 1)
+    for options in ({"kind": "binary"}, {}):
+        fast = consistency_resampling_test(expected_calibration_error, binary, labels % 2, num_resamples=50, **options)
+        loop = consistency_resampling_test(lambda x, y, **k: expected_calibration_error(x, y, **k), binary, labels % 2,
+                                           num_resamples=50, **options)
+        torch.testing.assert_close(fast.null_statistics, loop.null_statistics, rtol=1e-12, atol=1e-15)
 
 
 def test_resampling_with_a_class_weighting_metric_says_why_it_failed():
@@ -338,7 +371,7 @@ def test_resampling_loops_when_the_label_table_costs_more_than_the_resamples(mon
     logits = torch.randn(400, 50, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     labels = torch.distributions.Categorical(logits=logits).sample()
     few = consistency_resampling_test(cross_entropy, 2 * logits, labels, num_resamples=20)
-    assert len(calls) == 0  # K = 50 >= L = 20: the loop
+    assert len(calls) == 1  # K = 50 >= L = 20: the loop (the decomposition gives the observed value)
     loop = consistency_resampling_test(lambda x, y: cross_entropy(x, y), 2 * logits, labels, num_resamples=20)
     torch.testing.assert_close(few.null_statistics, loop.null_statistics, rtol=1e-12, atol=1e-12)
     consistency_resampling_test(cross_entropy, 2 * logits, labels, num_resamples=60)

@@ -132,12 +132,26 @@ def binning_scores(
         >>> scores.flatten().tolist(), targets.flatten().tolist()
         ([0.7, 0.4], [True, False])
     """
+    scores, classes = binning_scores_and_classes(log_probs, kind, class_index)
+    return scores, classes == labels.unsqueeze(1)
+
+
+def binning_scores_and_classes(log_probs: Tensor, kind: Kind, class_index: int | None = None) -> tuple[Tensor, Tensor]:
+    """Scores (N, C) float64 and, for each column, the class (N, C) int64 whose indicator is its
+    target: the predicted class for ``"top-label"``, column k's class k for ``"classwise"``, the
+    one class of ``"binary"`` and ``"class"``. The columns of a sample test distinct classes.
+
+    Example:
+        >>> log_probs = torch.tensor([[.7, .2, .1], [.3, .3, .4]], dtype=torch.float64).log()
+        >>> binning_scores_and_classes(log_probs, "top-label")[1].flatten().tolist()
+        [0, 2]
+    """
     num_classes = log_probs.shape[1]
     if kind == "top-label":
         top, predicted = log_probs.max(dim=1, keepdim=True)  # first maximal class on ties
-        return top.exp(), predicted == labels.unsqueeze(1)
+        return top.exp(), predicted
     if kind == "classwise":
-        return log_probs.exp(), torch.nn.functional.one_hot(labels, num_classes).bool()
+        return log_probs.exp(), torch.arange(num_classes, device=log_probs.device).expand(log_probs.shape[0], -1)
     if kind == "binary":
         if num_classes != 2:
             raise ValueError(
@@ -150,7 +164,7 @@ def binning_scores(
             raise ValueError(f'kind="class" needs class_index in [0, {num_classes}), got {class_index}.')
     else:
         raise ValueError(f'kind must be "top-label", "binary", "class" or "classwise", got {kind!r}.')
-    return log_probs[:, class_index : class_index + 1].exp(), (labels == class_index).unsqueeze(1)
+    return log_probs[:, class_index : class_index + 1].exp(), torch.full_like(log_probs[:, :1], class_index, dtype=torch.int64)
 
 
 def uniform_edges(n_bins: int) -> Tensor:
@@ -387,6 +401,9 @@ class BinDecomposition(NamedTuple):
     targets: Tensor  # (N, C) bool
     shape: tuple[int, int]  # (C, M)
     reduce: Callable[[Tensor, Tensor, Tensor], Tensor]  # three (..., C, M) sums -> (...)
+    #: (N, C) int64: the class whose indicator each column's target is (``targets`` is ``classes ==
+    #: labels``): one column, or column k for class k (C = K), so other labels need no new terms
+    classes: Tensor
 
     def evaluate(self) -> Tensor:
         sums = sums_by_key(self.keys, self.scores, self.targets, self.shape[0] * self.shape[1])
@@ -425,13 +442,16 @@ def calibration_error_terms(
             f"sample), got {strategy!r}."
         )
     check_calibration_error_kind(kind)
-    _, _, scores, targets, edges, tolerance = binned_scores(logits, labels, n_bins, "uniform", kind)
+    logits, labels = check_logits_and_labels(logits, labels)
+    scores, classes = binning_scores_and_classes(to_log_probs(logits.detach()), kind)
+    edges = uniform_edges(n_bins).to(scores.device)
     return BinDecomposition(
-        _bin_keys(bin_indices(scores, edges, tolerance), n_bins),
+        _bin_keys(bin_indices(scores, edges, edge_tolerance(logits.dtype)), n_bins),
         scores,
-        targets,
+        classes == labels.unsqueeze(1),
         (scores.shape[1], n_bins),
         _calibration_error_reduction(kind, norm, reduction),
+        classes,
     )
 
 

@@ -325,21 +325,19 @@ def bayes_risk_sweep(
     pi = (1 - pi_k) * p / (1 - p[class_index])
     pi[:, class_index] = pi_k[:, 0]
     # The re-weighting only raises or lowers class k against all the others, so each sample's
-    # decision is either k or its best other class, whichever wins by the margin below.
-    log_q = torch.log_softmax(logits.to(torch.float64), dim=1)
-    others = log_q.clone()
-    others[:, class_index] = -math.inf
+    # decision is either k or its best other class, whichever wins by the margin below: a
+    # difference of two scores, which the log-softmax's per-row constant leaves as it is.
+    others = logits.index_fill(1, torch.tensor([class_index], device=logits.device), -math.inf)
     best_other_score, best_other = others.max(dim=1)
-    margin = log_q[:, class_index] - best_other_score
+    margin = logits[:, class_index].to(torch.float64) - best_other_score.to(torch.float64)
     threshold = math.log(p[class_index] / (1 - p[class_index])) - t  # (T, 1)
     decide_k = margin.unsqueeze(0) > threshold  # (T, N)
     is_k = labels == class_index
     wrong = torch.where(decide_k, ~is_k, best_other != labels).to(torch.float64)
-    one_hot = torch.nn.functional.one_hot(labels, num_classes).to(torch.float64)
-    counts = one_hot.sum(0)
+    counts = torch.zeros(num_classes, dtype=torch.float64, device=labels.device).index_add_(0, labels, torch.ones_like(margin))
     _check_classes_present(counts, p)  # their error rate is unknown: not 0
-    error_rates = (wrong @ one_hot) / counts.clamp_min(1)
-    return log_odds, (pi * error_rates).sum(1) / (1 - pi.max(dim=1).values)
+    errors = torch.zeros(len(t), num_classes, dtype=torch.float64, device=labels.device).index_add_(1, labels, wrong)
+    return log_odds, (pi * errors / counts.clamp_min(1)).sum(1) / (1 - pi.max(dim=1).values)
 
 
 def _measurable_log_odds(labels: Tensor, class_index: int, points: int = 201) -> Tensor:

@@ -105,7 +105,7 @@ def consistency_resampling_test(
     if terms is not None:
         observed = terms(logits, labels, **metric_kwargs)
         if isinstance(observed, SumDecomposition):
-            table = _label_table(terms, logits, metric_kwargs, num_resamples)
+            table = _label_table(terms, observed, logits, metric_kwargs, num_resamples)
     try:
         if terms is not None and isinstance(observed, BinDecomposition):
             statistic = observed.evaluate()
@@ -133,15 +133,16 @@ def consistency_resampling_test(
 
 class _LabelTable(NamedTuple):
     """A sum-decomposable metric's terms for every (sample, label) pair: ``per_label`` holds their
-    (N, K) values; ``like`` is the decomposition of one labelling (for its ``reduce``)."""
+    (N, K) values; ``like`` is the observed labels' decomposition, for its ``reduce`` (which
+    depends on the metric's options only)."""
 
     like: SumDecomposition
     per_label: Tensor
 
 
 def _label_table(
-    terms_fn: Callable[..., SumDecomposition | BinDecomposition], logits: Tensor, metric_kwargs: dict[str, Any],
-    num_resamples: int,
+    terms_fn: Callable[..., SumDecomposition | BinDecomposition], observed: SumDecomposition, logits: Tensor,
+    metric_kwargs: dict[str, Any], num_resamples: int,
 ) -> _LabelTable | None:
     """The terms of every label, K labellings at a time: labelling j gives sample i the label
     ``(i + j) mod K``, so every class is present in each (class-weighted metrics need that) and
@@ -156,9 +157,9 @@ def _label_table(
     for j in range(k):
         labelling = (samples + j) % k
         terms = terms_fn(logits, labelling, **metric_kwargs)
+        assert isinstance(terms, SumDecomposition)
         table[samples, labelling] = terms.per_sample.to(torch.float64)
-    assert isinstance(terms, SumDecomposition)
-    return _LabelTable(terms, table)
+    return _LabelTable(observed, table)
 
 
 def _summed_null(table: _LabelTable, log_probs: Tensor, num_resamples: int, seed: int) -> Tensor:

@@ -185,6 +185,18 @@ def test_calibrate_then_apply(scores_file, capsys, tmp_path):
     assert code == 0  # calibrated output holds logits + probs + no labels: readable again
 
 
+def test_apply_to_labels_of_one_class_writes_and_reports_the_cross_entropy(scores_file, capsys, tmp_path):
+    """Labels are optional for apply: a batch of one class is written, with the plain cross-entropy
+    instead of the NCE, whose naive system scores 0 there."""
+    head = tmp_path / "head.pt"
+    assert run(capsys, "calibrate", scores_file, "--method", "temperature", "--save", head, "--quiet")[0] == 0
+    logits = np.random.RandomState(3).normal(size=(50, 3)).astype(np.float32)
+    np.savez(tmp_path / "batch.npz", logits=logits, labels=np.full(50, 1))
+    code, out, err = run(capsys, "apply", head, tmp_path / "batch.npz", "--out", tmp_path / "cal.npz")
+    assert code == 0 and err == "" and (tmp_path / "cal.npz").is_file()
+    assert "every label is class 1: no NCE, which needs two classes" in out and "; cross-entropy " in out
+
+
 def test_apply_reads_the_saved_head_once(scores_file, capsys, tmp_path, monkeypatch):
     """The calibrator, its LLR priors and its label shift come from one read of the head file."""
     head = tmp_path / "head.pt"

@@ -466,8 +466,11 @@ def cmd_apply(args: argparse.Namespace) -> int:
     if not args.quiet:
         note = "" if label_shift is None else "; adapted to the target priors saved with it (--no-label-shift: not)"
         if scores.labels is not None:
-            before, after = (float(cross_entropy(x, scores.labels, normalize=True)) for x in (scores.logits, calibrated))
-            note += f"; NCE {before:.3f} -> {after:.3f}"
+            present = scores.labels.unique()  # of one class, the NCE's naive system scores 0: no NCE
+            one_class = present.numel() == 1
+            before, after = (float(cross_entropy(x, scores.labels, normalize=not one_class)) for x in (scores.logits, calibrated))
+            note += (f"; cross-entropy {before:.4f} -> {after:.4f} nats (every label is class {int(present[0])}: "
+                     f"no NCE, which needs two classes)" if one_class else f"; NCE {before:.3f} -> {after:.3f}")
         print(f"applied {method} to {scores.num_samples} samples{note}; wrote "
               f"{APPLY_FORMATS[out_path.suffix.lower()]} to {args.out}")
     return 0

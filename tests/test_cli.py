@@ -72,6 +72,9 @@ def test_calibration_data_come_from_the_option_or_the_files_own_split(tmp_path, 
     common = ["--method", "temperature", "--bootstrap", "0", "--no-figures", "--quiet", "--out", tmp_path / "o"]
     _, out, _ = run(capsys, "evaluate", tmp_path / "test.npz", "--calibration", tmp_path / "cal.npz", *common)
     assert f"fitted on separate calibration data ({tmp_path / 'cal.npz'}, N = 300)" in out
+    # a calibration file with a validation split gives that split, as to `calibrate`, not its test rows
+    _, out, _ = run(capsys, "evaluate", tmp_path / "test.npz", "--calibration", tmp_path / "both.npz", *common)
+    assert f"fitted on separate calibration data ({tmp_path / 'both.npz'} (val split), N = 300)" in out
     _, out, _ = run(capsys, "evaluate", tmp_path / "both.npz", *common)
     assert "(val split), N = 300)" in out
     _, out, _ = run(capsys, "evaluate", tmp_path / "both.npz", "--cv", "4", *common)

@@ -24,7 +24,7 @@ import tempfile
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 from torchcal import __version__
 
@@ -215,6 +215,14 @@ def _with_two_classes(scores: Scores, path: str) -> Scores:
     return scores
 
 
+def _calibration_split(path: str) -> Literal["test", "val"]:
+    """The split of ``path`` to fit calibrators on: its validation split when it has one (its main
+    split then stays for evaluation), else the file."""
+    from torchcal.data import has_split
+
+    return "val" if has_split(path) else "test"
+
+
 def _binary_priors(spec: Any) -> torch.Tensor | None:
     """The priors that turn one column of binary LLRs into posteriors, if ``spec`` gives two."""
     try:
@@ -257,7 +265,8 @@ def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | 
     # calibrators learn the map that the evaluated scores then go through
     if calibration is None and args.calibration:
         calibration = load_scores(args.calibration, labels_path=args.calibration_labels, input=args.input,
-                                  priors=scores.llr_priors, labels_option="--calibration-labels")
+                                  split=_calibration_split(args.calibration), priors=scores.llr_priors,
+                                  labels_option="--calibration-labels")
     elif calibration is None and settings.get("cv") is None and has_split(scores_path):
         calibration = load_scores(scores_path, input=args.input, split="val", priors=scores.llr_priors)  # the file's own held-out split
     costs, costs_name = parse_costs(settings.get("costs"), k, _where(args, "costs"))
@@ -369,7 +378,6 @@ def _estimate_target_priors(
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch
 
-    from torchcal.data import has_split
     from torchcal.functional import cross_entropy
     from torchcal.report import fit_calibrator, make_calibrator, save_calibrator
 
@@ -377,8 +385,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     method = args.method
     options = (settings.get("options") or {}).get(method, {})
     make_calibrator(method, **options)  # bad names and options fail before the data are read
-    # a file with a validation split keeps its main split for evaluation, as `evaluate` does
-    split = "val" if has_split(args.scores) else "test"
+    split = _calibration_split(args.scores)
     scores = _with_two_classes(_load(args.scores, args, priors=_binary_priors(settings.get("priors")), split=split), args.scores)
     where = f"{scores.num_samples} samples" + (" (the file's validation split)" if split == "val" else "")
     labels = scores.labels
@@ -518,7 +525,8 @@ def _evaluate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("scores", metavar="SCORES", help="scores and labels: .npz, .npy, .pt/.pth or .csv")
     _input_options(p)
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--calibration", metavar="CAL_SCORES", help="separate calibration data to fit the calibrators on")
+    where.add_argument("--calibration", metavar="CAL_SCORES", help="separate calibration data to fit the calibrators on "
+                       "(an .npz with a validation split: that split)")
     where.add_argument("--cv", type=int, metavar="K", help="fit by K-fold cross-validation on SCORES (default when "
                                                             "SCORES has no validation split: 5)")
     p.add_argument("--calibration-labels", metavar="FILE", help="labels file for CAL_SCORES")

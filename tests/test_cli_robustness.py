@@ -127,6 +127,9 @@ def test_corrupted_or_truncated_scores_file(name, content, fragments, command, t
 WRONG_CONTENT = [
     ("typo-key.npz", npz_bytes(logit=LOGITS, labels=LABELS), ["no scores found: expected a key 'logits'", "found keys ['labels', 'logit']"]),
     ("label-key.npz", npz_bytes(logits=LOGITS, label=LABELS), ["no labels found: expected a key 'labels'", "'label'"]),
+    ("val-scores-only.npz", npz_bytes(logits=LOGITS, labels=LABELS, logits_val=LOGITS),
+     ["has 'logits_val' but no 'labels_val' or 'targets_val'"]),
+    ("val-labels-only.npz", npz_bytes(logits=LOGITS, labels=LABELS, labels_val=LABELS), ["has 'labels_val' but no 'logits_val' or"]),
     ("wrong-keys.pt", pt_bytes({"scores": torch.from_numpy(LOGITS), "y": torch.from_numpy(LABELS)}), ["no scores found"]),
     ("list.pt", pt_bytes([1, 2, 3]), ["expected a dict, a (scores, labels) pair or a tensor, got list"]),
     ("strings.npz", npz_bytes(logits=np.array([["a", "b"], ["c", "d"]]), labels=np.array([0, 1])), ["scores must be a non-empty (N, K) or (N,) array of numbers"]),

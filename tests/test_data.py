@@ -48,6 +48,18 @@ def test_bundled_example_matches_the_published_numbers():
     assert "Copyright (c) 2018 Markus" in licence
 
 
+def test_half_a_validation_split_is_refused_naming_the_missing_key(small, tmp_path):
+    logits, labels = small
+    np.savez(tmp_path / "scores.npz", logits=logits, labels=labels, logits_val=logits)
+    with pytest.raises(ValueError, match=r"scores.npz: has 'logits_val' but no 'labels_val' or 'targets_val'"):
+        has_split(tmp_path / "scores.npz")
+    np.savez(tmp_path / "labels.npz", logits=logits, labels=labels, targets_val=labels)
+    with pytest.raises(ValueError, match=r"labels.npz: has 'targets_val' but no 'logits_val' or 'log_probs_val'"):
+        has_split(tmp_path / "labels.npz")
+    np.savez(tmp_path / "both.npz", logits=logits, labels=labels, probs_val=np.full((50, 3), 1 / 3), targets_val=labels)
+    assert has_split(tmp_path / "both.npz") and load_scores(tmp_path / "both.npz", split="val").num_samples == 50
+
+
 def test_bundled_example_is_the_shared_file(real):
     shared = real("cifar10_resnet110_kangsepp", bundled=False)
     with np.load(EXAMPLE_PATH) as bundled:

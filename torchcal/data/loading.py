@@ -218,15 +218,26 @@ def load_scores(
 
 def has_split(path: str | Path, split: Literal["val"] = "val") -> bool:
     """Whether the ``.npz`` at ``path`` stores a ``logits_val``/``labels_val`` calibration split
-    (not a file that cannot be read: :func:`load_scores` says what is wrong with it)."""
+    (not a file that cannot be read: :func:`load_scores` says what is wrong with it).
+
+    Raises:
+        ValueError: the file stores half a split, its scores without its labels or the reverse.
+    """
     path = Path(path)
     if path.suffix != ".npz" or not path.is_file():
         return False
     try:
         with np.load(path, allow_pickle=False) as f:
-            return f"labels_{split}" in f.files and any(f"{k}_{split}" in f.files for k in _SCORE_KEYS)
+            files = f.files
     except (OSError, ValueError, EOFError, zipfile.BadZipFile):
         return False
+    scores = next((f"{k}_{split}" for k in _SCORE_KEYS if f"{k}_{split}" in files), None)
+    labels = next((f"{k}_{split}" for k in _LABEL_KEYS if f"{k}_{split}" in files), None)
+    if (scores is None) != (labels is None):  # else the half that is there would be dropped silently
+        missing = " or ".join(repr(f"{k}_{split}") for k in (_LABEL_KEYS if labels is None else _SCORE_KEYS))
+        raise ValueError(f"{path}: has {scores or labels!r} but no {missing}; a '{split}' split needs its scores "
+                         f"and its labels (or neither).")
+    return scores is not None
 
 
 # --- reading files -------------------------------------------------------------------------------

@@ -207,6 +207,7 @@ def test_broken_config_and_cost_files(tmp_path, capsys):
     for settings, fragment in [
         ({"methods": 3}, "methods must be a list of method names"),
         ({"methods": [["temperature"]]}, "methods must be a list of method names"),
+        ({"methods": []}, "methods is empty; name one or more of temperature, affine,"),  # as --method "" is refused
         ({"options": ["temperature"]}, "options must map method names to their options"),
         ({"options": {"temperature": 5}}, "options must map method names to their options"),
         ({"options": {"dirichlet_odir": {"reg_lambda": 1000.0}}},

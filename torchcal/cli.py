@@ -142,6 +142,9 @@ def load_config(name: str | Path) -> dict[str, Any]:
     methods, options = config.get("methods"), config.get("options")
     if methods is not None and not (isinstance(methods, str) or (isinstance(methods, list) and all(isinstance(m, str) for m in methods))):
         raise ValueError(f"{path}: methods must be a list of method names (or one string 'a,b'), got {methods!r}.")
+    if methods == []:  # would run no calibration, as `--method ""` may not
+        raise ValueError(f"{path}: methods is empty; name one or more of {', '.join(METHODS)} or 'all' "
+                         f"(or leave the key out for the default).")
     if options is not None and not (isinstance(options, dict) and all(isinstance(o, dict) for o in options.values())):
         raise ValueError(f"{path}: options must map method names to their options, e.g. "
                          f"{{dirichlet-odir: {{reg_lambda: 0.01}}}}; got {options!r}.")

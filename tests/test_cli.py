@@ -63,6 +63,25 @@ def test_evaluate_writes_the_report_folder(scores_file, capsys, tmp_path):
     assert (out_dir / "report.txt").read_text() in out + "\n"
 
 
+def test_an_out_folder_used_again_loses_the_earlier_reports_files_only(tmp_path, synthetic, capsys):
+    """The second report writes no figures: those of the first go, and nothing torchcal did not name."""
+    from torchcal.report import REPORT_FILES
+
+    logits, labels = synthetic(2, 300, seed=2)
+    np.savez(tmp_path / "binary.npz", logits=logits, labels=labels)
+    out_dir = tmp_path / "rep"
+    common = ["--method", "temperature", "--cv", "2", "--bootstrap", "0", "--out", out_dir]
+    assert run(capsys, "evaluate", tmp_path / "binary.npz", *common, "--quiet")[0] == 0
+    figures = [name for name in REPORT_FILES if (out_dir / name).suffix == ".png"]
+    assert {p.name for p in out_dir.iterdir()} == set(REPORT_FILES)  # K = 2: every name, det.png too
+    (out_dir / "notes.txt").write_text("mine")
+    (out_dir / "mine.png").write_bytes(b"")
+    code, out, _ = run(capsys, "evaluate", tmp_path / "binary.npz", *common, "--no-figures")
+    assert code == 0 and f"removed 5 files of an earlier report: {', '.join(figures)}" in out
+    assert sorted(p.name for p in out_dir.iterdir()) == ["calibrator.pt", "mine.png", "notes.txt", "report.csv",
+                                                         "report.json", "report.txt"]
+
+
 def test_calibration_data_come_from_the_option_or_the_files_own_split(tmp_path, synthetic, capsys):
     logits, labels = synthetic(3, 900, seed=1)
     np.savez(tmp_path / "test.npz", logits=logits[:600], labels=labels[:600])

@@ -289,9 +289,15 @@ def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | 
         progress=not args.quiet,
     )
     print(report.table())
+    stale = report.stale_files(args.out, figures=not args.no_figures)  # an earlier run's, by torchcal's names only
+    for path in stale:
+        path.unlink()
     written = report.save(args.out, figures=not args.no_figures, progress=not args.quiet)
     if not args.quiet:
         print(f"\nwrote {', '.join(p.name for p in written)} to {args.out}/")
+        if stale:
+            print(f"removed {len(stale)} file{'s' if len(stale) > 1 else ''} of an earlier report: "
+                  f"{', '.join(p.name for p in stale)}")
     return 0
 
 

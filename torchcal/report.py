@@ -128,6 +128,10 @@ METHODS: dict[str, Callable[..., Calibrator]] = {
 ECE_BINS = 15
 #: Label resamples of the calibration test in the report (p-values in steps of 1/200, the smallest 0.005).
 CALIBRATION_TEST_RESAMPLES = 199
+_TEXT_FILES = ("report.txt", "report.json", "report.csv")
+#: Every name :meth:`Report.save` may write: the files :meth:`Report.stale_files` may name for removal.
+REPORT_FILES = (*_TEXT_FILES, "calibrator.pt", "reliability_top_label.png", "reliability_smooth.png",
+                "reliability_per_class.png", "bayes_risk.png", "det.png")
 
 
 def make_calibrator(method: str, **options: Any) -> Calibrator:
@@ -288,7 +292,7 @@ class Report:
         ``progress`` shows a bar while the figures render. Returns the paths written."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        written = [folder / "report.txt", folder / "report.json", folder / "report.csv"]
+        written = [folder / name for name in _TEXT_FILES]
         written[0].write_text(self.table() + "\n")
         written[1].write_text(json.dumps(self.to_dict(), indent=2) + "\n")
         written[2].write_text(self.csv())
@@ -298,6 +302,17 @@ class Report:
         if figures and self.logits is not None:
             written += self._figures(folder, progress)
         return written
+
+    def stale_files(self, folder: str | Path, figures: bool = True) -> list[Path]:
+        """The files of an earlier report in ``folder`` (by the names in :data:`REPORT_FILES`, no
+        others) that :meth:`save` with these arguments would leave beside the new one."""
+        keep = set(self._file_names(figures))
+        return [p for p in (Path(folder) / name for name in REPORT_FILES if name not in keep) if p.is_file()]
+
+    def _file_names(self, figures: bool) -> list[str]:
+        """The names :meth:`save` writes, in order."""
+        names = [*_TEXT_FILES, *(["calibrator.pt"] if self.calibrator is not None and self.best is not None else [])]
+        return names + (list(self._drawings()) if figures and self.logits is not None else [])
 
     def csv(self) -> str:
         """One row per system (raw, then each method) with every metric and interval."""
@@ -309,7 +324,8 @@ class Report:
         rows = [_csv_row("raw", self.raw, None)] + [_csv_row(m.method, m.quality, m) for m in self.methods]
         return "\n".join(",".join(map(str, row)) for row in [header, *rows]) + "\n"
 
-    def _figures(self, folder: Path, progress: bool) -> list[Path]:
+    def _drawings(self) -> dict[str, Callable[[], tuple[Any, Any]]]:
+        """The figures by file name, each drawn when called."""
         from torchcal import plots
 
         logits, labels = self.logits, self.labels
@@ -324,8 +340,13 @@ class Report:
         }
         if self.num_classes == 2:
             drawings["det.png"] = lambda: plots.det_plot(best, labels)
+        return drawings
+
+    def _figures(self, folder: Path, progress: bool) -> list[Path]:
+        from torchcal import plots
+
         written = []
-        for name, draw in tqdm(drawings.items(), desc="figures", disable=None if progress else True, leave=False):
+        for name, draw in tqdm(self._drawings().items(), desc="figures", disable=None if progress else True, leave=False):
             fig, _ = draw()
             fig.savefig(folder / name, dpi=110)
             plots.pyplot().close(fig)

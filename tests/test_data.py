@@ -107,6 +107,10 @@ def test_npy_pairs_found_by_name_or_given(tmp_path, small):
     np.save(folder / "scores.npy", logits)
     np.save(folder / "targets.npy", labels[:, None])
     assert load_scores(folder / "scores.npy").labels.tolist() == labels.tolist()
+    # both label words go with both forms: x_scores.npy + x_targets.npy as scores.npy + targets.npy
+    np.save(folder / "run2_scores.npy", logits)
+    np.save(folder / "run2_targets.npy", labels)
+    assert load_scores(folder / "run2_scores.npy").labels.tolist() == labels.tolist()
     np.save(tmp_path / "other.npy", logits)
     assert load_scores(tmp_path / "other.npy", labels_path=tmp_path / "run1_labels.npy").num_samples == 50
     # labels.npy goes with logits.npy, scores.npy or probs.npy only, not with any file of the folder

@@ -7,8 +7,9 @@ Supported files:
   ``logits``. A calibration split may sit next to them as ``logits_val`` /
   ``labels_val`` (read it with ``split="val"``).
 - ``.npy``: the scores; the labels come from ``labels_path`` or from a sibling file found by
-  name: ``x_logits.npy`` -> ``x_labels.npy``; ``logits.npy`` / ``scores.npy`` / ``probs.npy`` ->
-  ``labels.npy`` or ``targets.npy`` in the same folder (only those three names).
+  name, the word ``logits``, ``scores`` or ``probs`` in it replaced by ``labels`` or ``targets``:
+  ``x_logits.npy`` -> ``x_labels.npy`` or ``x_targets.npy``, ``scores.npy`` -> ``labels.npy`` or
+  ``targets.npy`` (a name without those words takes no sibling).
 - ``.pt`` / ``.pth``: a dict with the ``.npz`` keys, a ``(scores, labels)`` pair, or a scores
   tensor with ``labels_path``. Loaded with ``weights_only=True``. Tensors may be sparse, still
   attached to autograd, or in half precision (bfloat16, float16: read as float32).
@@ -414,10 +415,8 @@ def _load_labels(path: str | Path) -> Any:
 def _sibling_labels(path: Path) -> tuple[Path | None, str]:
     """The labels file that goes with a ``.npy`` scores file, found by name, and the names tried."""
     stem = path.stem
-    candidates = [path.with_name(stem.replace(word, "labels") + ".npy")
-                  for word in ("logits", "scores", "probs") if word in stem]
-    if stem in ("logits", "scores", "probs"):  # (any other file would take an unrelated labels.npy)
-        candidates += [path.with_name("labels.npy"), path.with_name("targets.npy")]
+    candidates = [path.with_name(stem.replace(word, labels) + ".npy")
+                  for word in ("logits", "scores", "probs") if word in stem for labels in ("labels", "targets")]
     found = next((c for c in candidates if c != path and c.is_file()), None)
     return found, ", ".join(c.name for c in candidates) or "a name with 'logits', 'scores' or 'probs' in it"
 

@@ -1,7 +1,10 @@
 """torchcal: measure and fix the quality of classifier posteriors in PyTorch.
 
 Scores are logits in the wide sense throughout: any unnormalised log-posteriors of shape (N, K),
-so ``log(probs)`` works too. Calibrators return calibrated log-posteriors.
+so ``log(probs)`` works too, unless a probability is exactly 0: its log, -inf, is refused
+everywhere; clamp first (``probs.clamp_min(1e-20).log()``) or declare the probabilities
+(``input="probs"`` on the metric classes, ``--input probs`` on the command line), which floors them.
+Calibrators return calibrated log-posteriors.
 
 Every name, and the submodules (``torchcal.calibrators``, ``torchcal.functional``,
 ``torchcal.metrics``, ``torchcal.fit``, ``torchcal.report``, ``torchcal.plots``,

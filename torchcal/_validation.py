@@ -98,7 +98,8 @@ def _all_in_range(labels: Tensor, num_classes: int) -> bool:
 def check_logits(logits: Any, name: str = "logits", num_classes: int | None = None, *, warn_probs: bool = True) -> Tensor:
     """Validate scores of shape (N, K): floating dtype, K >= 2, N >= 1, all finite.
 
-    Scores are logits in the wide sense: any unnormalised log-posteriors (``log(probs)`` works).
+    Scores are logits in the wide sense: any unnormalised log-posteriors (``log(probs)`` works,
+    clamped if a probability is 0: -inf is refused).
     Scores that look like probabilities instead (rows in [0, 1] summing to one) warn unless
     ``warn_probs=False``: read as logits they give plausible but wrong numbers.
     """

@@ -1,8 +1,8 @@
 """The contract every calibrator follows.
 
 A calibrator is an ``nn.Module`` mapping scores ``logits: (N, K)`` — logits in the wide sense, i.e.
-any unnormalised log-posteriors, so ``log(probs)`` works too — to calibrated log-posteriors
-(``logsumexp == 0`` per row).
+any unnormalised log-posteriors, so ``log(probs)`` works too (clamped, if a probability is
+exactly 0: -inf is refused) — to calibrated log-posteriors (``logsumexp == 0`` per row).
 
 - ``fit(logits, labels, ...)`` fits on held-out data and returns ``self``; what happened is in
   ``fit_record_`` (a :class:`torchcal.fit.FitRecord`).

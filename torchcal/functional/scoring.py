@@ -1,8 +1,8 @@
 """Expected proper scoring rules: cross-entropy and the Brier score, with prior weighting.
 
 All functions take scores ``logits: (N, K)`` — logits in the wide sense, i.e. any unnormalised
-log-posteriors (``log(probs)`` works) — and class indices ``labels: (N,)``. They compute in float64
-and return a float64 scalar tensor.
+log-posteriors (``log(probs)`` works, clamped if a probability is 0: -inf is refused) — and class
+indices ``labels: (N,)``. They compute in float64 and return a float64 scalar tensor.
 
 Prior weighting (Ferrer & Ramos, App. A): with deployment priors ``P``, sample ``t`` of class
 ``h_t`` gets weight ``P[h_t] / P_data[h_t]`` where ``P_data`` are the class frequencies in the data,

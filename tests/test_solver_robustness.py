@@ -224,3 +224,27 @@ def test_dirichlet_with_a_near_certain_class_reaches_the_dense_newton_optimum_in
         cal = torchcal.DirichletCalibration(reg="odir", reg_lambda=1e-2).fit(logits[perm], labels[perm])
         assert cal.fit_record_.loss == pytest.approx(record.loss, rel=1e-12)
         torch.testing.assert_close(cal.weight[:, 0].detach(), theta.view(9, 10)[:, 0], rtol=1e-4, atol=1e-4 * float(theta[0]))
+
+
+@pytest.mark.parametrize("loss", ["log", "brier"])
+def test_temperature_fit_is_the_same_at_any_scale_of_the_logits(loss):
+    """Temperature scaling absorbs a scale of the logits into the temperature. In float32 the fit
+    of logits scaled by 1e19 overflowed (the curvature sums e^(beta w) w^2 with w^2 ~ 1e40) and
+    ended at T = inf, cross-entropy log(10) instead of 0.22, reported converged; at 1e20, at 1.05
+    (fix: the search runs on the logits divided by a power of 2 near their typical margin)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(2000, 10, generator=gen, dtype=torch.float64)
+    labels = torch.distributions.Categorical(logits=logits / 2).sample()
+    fits = {}
+    for dtype in (torch.float32, torch.float64):
+        for scale in (1e-10, 1e-3, 1.0, 1e18, 1e19, 1e20, 1e30):
+            scaled = (logits * scale).to(dtype)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                ts = torchcal.TemperatureScaling().fit(scaled, labels, loss=loss)
+            assert ts.fit_record_.converged, (dtype, scale)
+            fits[dtype, scale] = (_loss(ts, scaled, labels), ts.temperature / scale)
+    reference_loss, reference_temperature = fits[torch.float64, 1.0]
+    assert 1.5 < reference_temperature < 4
+    for key, (value, temperature) in fits.items():
+        assert (value, temperature) == pytest.approx((reference_loss, reference_temperature), rel=1e-5), key

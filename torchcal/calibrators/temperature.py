@@ -28,6 +28,10 @@ _MAX_SCALED_MARGIN = 1e4
 _SUBSAMPLE_ELEMENTS = 1 << 20
 # The grid of a non-convex loss's first pass: beta_max / 2^j, j = 0 .. this (down to 1e-12 of it).
 _GRID_HALVINGS = 40
+# Logits whose typical margin is further than this many factors of 2 from 1 are rescaled to a margin
+# near 1 (exactly, by a power of 2): a float32 fit of logits of 1e19 overflowed, and one of 1e-20 took 37
+# steps of 4x.
+_RESCALE_OCTAVES = 16
 # Grid values this close to the lowest are tied (a saturated Brier score of 0 came out as -6e-24)
 _GRID_TIE = 1e-12
 
@@ -161,7 +165,15 @@ def fit_inverse_temperature(
     margins = top_two[:, 0] - top_two[:, 1]
     margins = margins[margins > 0]
     typical_margin = margins.median() if margins.numel() else margins.new_zeros(())
-    beta_max = _MAX_SCALED_MARGIN / max(float(all_reduce_(typical_margin, process_group, op="max")), 1e-300)
+    margin = float(all_reduce_(typical_margin, process_group, op="max"))
+    # Temperature scaling absorbs any scale of the logits into beta, so the search runs on logits /
+    # unit: the curvature sums e^(beta w) w^2, whose w^2 overflow float32 from logits of about 1e19
+    # (a fit at T = inf reported converged), and beta, near float32's smallest normal number there.
+    octave = math.frexp(margin)[1] - 1  # margin in [2^octave, 2^(octave + 1)); 0 for 0, inf and NaN
+    unit = math.ldexp(1.0, octave) if abs(octave) > _RESCALE_OCTAVES else 1.0
+    if unit != 1:
+        logits = logits / unit
+    beta_max = _MAX_SCALED_MARGIN / max(margin / unit, 1e-300)
 
     start, lo, hi = 1.0, 0.0, math.inf
     stride = int(all_reduce_(logits.new_tensor(float(n * k), dtype=torch.float64), process_group)) // _SUBSAMPLE_ELEMENTS
@@ -192,7 +204,7 @@ def fit_inverse_temperature(
     def converged(beta: float, iteration: int, value: float, grad: float) -> tuple[float, FitRecord]:
         if not convex and uniform_value < value:  # a local minimum above the loss at beta = 0
             return uniform_is_best()
-        return beta, FitRecord(iteration, evaluations, value, abs(grad), True, "Newton step below tolerance")
+        return beta / unit, FitRecord(iteration, evaluations, value, abs(grad) * unit, True, "Newton step below tolerance")
 
     for iteration in range(1, max_iter + 1):
         value, grad, hess = moments(beta)
@@ -213,11 +225,12 @@ def fit_inverse_temperature(
                     "perfectly separable by the scores, or their misclassified rows already score their worst")
                 warnings.warn(
                     f"the calibration data are {why}: the {loss_name} keeps falling as T -> 0; stopped at "
-                    f"T = {1 / beta_max:.3g}.",
+                    f"T = {unit / beta_max:.3g}.",
                     ConvergenceWarning,
                     stacklevel=stacklevel_outside_package(),
                 )
-                return beta, FitRecord(iteration, evaluations, value, abs(grad), False, "separable data: T at its lower limit")
+                return beta / unit, FitRecord(
+                    iteration, evaluations, value, abs(grad) * unit, False, "separable data: T at its lower limit")
         else:
             hi = beta
         # Newton on u = log(beta): f'(u) = beta * grad, f''(u) = beta^2 * hess + beta * grad.
@@ -236,7 +249,7 @@ def fit_inverse_temperature(
             return converged(candidate, iteration, value, grad)
         beta = candidate
     warnings.warn("temperature fit did not converge", ConvergenceWarning, stacklevel=4)
-    return beta, FitRecord(max_iter, evaluations, value, abs(grad), False, f"stopped at the iteration cap ({max_iter})")
+    return beta / unit, FitRecord(max_iter, evaluations, value, abs(grad) * unit, False, f"stopped at the iteration cap ({max_iter})")
 
 
 def inverse_temperature_start(

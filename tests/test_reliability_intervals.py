@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
+import scipy.special
 import scipy.stats
 import torch
 
@@ -21,6 +24,33 @@ def test_binomial_interval_matches_scipy(method):
     for k, n, lo, hi in zip(successes.tolist(), trials.tolist(), lower.tolist(), upper.tolist()):
         expected = scipy.stats.binomtest(k, n).proportion_ci(confidence_level=0.9, method=SCIPY_METHOD[method])
         assert (lo, hi) == pytest.approx((expected.low, expected.high), abs=1e-10)
+
+
+@pytest.mark.parametrize("confidence", [0.9, 0.95, 0.99])
+def test_clopper_pearson_matches_scipy_up_to_millions_of_trials(confidence):
+    """The beta quantiles are solved in torch (SciPy is not a dependency): against
+    scipy.special.betaincinv from n = 1 to bins of ImageNet-size sets, k near 0, n / 2 and n."""
+    rows = [(k, n) for n in (1, 2, 10, 1000, 100_000, 2_000_000) for k in {0, 1, 2, n // 2, n - 2, n - 1, n} if 0 <= k <= n]
+    successes, trials = torch.tensor(rows, dtype=torch.float64).T
+    lower, upper = binomial_interval(successes, trials, confidence)
+    k, n = successes.numpy(), trials.numpy()
+    alpha = 1 - confidence
+    with np.errstate(invalid="ignore"):
+        expected_lower = np.where(k > 0, scipy.special.betaincinv(k, n - k + 1, alpha / 2), 0.0)
+        expected_upper = np.where(k < n, scipy.special.betaincinv(k + 1, n - k, 1 - alpha / 2), 1.0)
+    np.testing.assert_allclose(lower.numpy(), expected_lower, rtol=0, atol=1e-10)
+    np.testing.assert_allclose(upper.numpy(), expected_upper, rtol=0, atol=1e-10)
+
+
+def test_clopper_pearson_needs_no_scipy(monkeypatch):
+    """SciPy is only a dev extra: on a plain install the reliability diagrams of ``torchcal demo``
+    crashed importing scipy.special for Clopper-Pearson's beta quantiles."""
+    monkeypatch.setitem(sys.modules, "scipy", None)
+    monkeypatch.setitem(sys.modules, "scipy.special", None)
+    lower, upper = binomial_interval(torch.tensor([0.0, 7.0, 0.0]), torch.tensor([10.0, 10.0, 0.0]))
+    assert lower[:2].tolist() == pytest.approx([0.0, 0.3475471499], abs=1e-9)
+    assert upper[:2].tolist() == pytest.approx([0.3084971078, 0.9332604888], abs=1e-9)
+    assert bool(lower[2].isnan() and upper[2].isnan())
 
 
 def test_reliability_intervals_on_cifar10_bins(real):

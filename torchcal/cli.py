@@ -395,7 +395,7 @@ def _estimate_target_priors(
     import torch
 
     from torchcal.fit import ConvergenceWarning
-    from torchcal.label_shift import estimate_priors
+    from torchcal.label_shift import estimate_priors, smoothed_priors
 
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)  # said below, naming --target
@@ -407,7 +407,9 @@ def _estimate_target_priors(
           f"(maximum likelihood on the {method}-calibrated scores; +- one standard error):")
     for k, (p, se, s) in enumerate(zip(estimate.priors.tolist(), estimate.stderr.tolist(), source.tolist())):
         print(f"  class {k}: {p:.4f} +- {se:.4f}   (calibration data: {s:.4f})")
-    return {"source_priors": source, "target_priors": estimate.priors, "stderr": estimate.stderr}
+    # what `apply` adapts to: half a target sample added to every class, so none gets probability 0
+    return {"source_priors": source, "target_priors": smoothed_priors(estimate.priors, target.num_samples),
+            "stderr": estimate.stderr}
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

@@ -54,7 +54,7 @@ from torchcal.distributed import ProcessGroup, all_reduce_, validate_together
 from torchcal.fit import ConvergenceWarning, FitRecord
 from torchcal.functional.scoring import class_frequencies
 
-__all__ = ["LabelShiftAdapter", "PriorEstimate", "adapt_to_priors", "estimate_priors"]
+__all__ = ["LabelShiftAdapter", "PriorEstimate", "adapt_to_priors", "estimate_priors", "smoothed_priors"]
 
 # EM steps before the Newton steps: from the source priors they make most of the way where the
 # scores are confident, and Newton's first steps there are short (CIFAR-10 ResNet-110: 13 Newton
@@ -128,6 +128,30 @@ def _shift(logits: Tensor, source: Tensor, target: Tensor) -> Tensor:
     """``log_softmax(logits + log(target / source))`` in the compute dtype, without input checks."""
     dtype = compute_dtype(logits.dtype)
     return torch.log_softmax(logits.to(dtype) + (target.log() - source.log()).to(dtype), dim=1)
+
+
+def smoothed_priors(priors: Tensor, num_samples: float | Tensor, pseudocount: float = 0.5) -> Tensor:
+    """Priors estimated from ``num_samples`` target samples, with ``pseudocount`` samples added to
+    every class: ``(N pi + c) / (N + K c)``, (K,).
+
+    The likelihood's maximum (:func:`estimate_priors`) puts a class at exactly 0 wherever the
+    target scores are explained without it, also when a few of its samples are there: with
+    CIFAR-100 test scores resampled to Dirichlet(0.5) priors (3,004 samples), 15 classes ended at
+    0, 8 of them present with 1-8 samples, and posteriors adapted to those priors gave such samples
+    probability 0 (log-loss inf, 1.104 calibrated); with the default 0.5 (the Jeffreys prior's
+    count), 0.846.
+
+    Example:
+        >>> smoothed_priors(torch.tensor([0.75, 0.25, 0.0]), 100)
+        tensor([0.7438, 0.2512, 0.0049])
+    """
+    _check_pseudocount(pseudocount)
+    return (num_samples * priors + pseudocount) / (num_samples + pseudocount * priors.shape[0])
+
+
+def _check_pseudocount(pseudocount: float) -> None:
+    if not (pseudocount >= 0 and math.isfinite(pseudocount)):
+        raise ValueError(f"pseudocount must be a finite number >= 0, got {pseudocount}.")
 
 
 def estimate_priors(
@@ -412,17 +436,12 @@ class LabelShiftAdapter(nn.Module):
         """Set the target priors: estimated from unlabelled ``target_logits: (N, K)`` (raw, uncalibrated
         scores; ``options`` go to :func:`estimate_priors`), or the known ``priors: (K,)``.
 
-        The estimate is used with ``pseudocount`` target samples added to every class,
-        ``(N pi + c) / (N + K c)``; ``estimate_`` keeps the maximum-likelihood priors. The
-        likelihood's maximum puts a class at exactly 0 wherever the target scores are explained
-        without it, also when a few of its samples are there: with CIFAR-100 test scores resampled
-        to Dirichlet(0.5) priors (3,004 samples), 15 classes ended at 0, 8 of them present with 1-8
-        samples, and the adapted posteriors gave those samples probability 0 (log-loss inf, 1.104
-        calibrated); with 0.5 (the Jeffreys prior's count), 0.846. ``pseudocount=0`` adapts to the
-        maximum-likelihood priors as they are.
+        The estimate is used with ``pseudocount`` target samples added to every class
+        (:func:`smoothed_priors`, which says why), so that no class the estimate puts at 0 gets
+        probability 0; ``estimate_`` keeps the maximum-likelihood priors, and ``pseudocount=0``
+        adapts to them as they are.
         """
-        if not (pseudocount >= 0 and math.isfinite(pseudocount)):
-            raise ValueError(f"pseudocount must be a finite number >= 0, got {pseudocount}.")
+        _check_pseudocount(pseudocount)
         if self.source_priors.numel() == 0:
             raise RuntimeError("this LabelShiftAdapter is not fitted yet: call .fit(logits, labels) on labelled source data first.")
         if (target_logits is None) == (priors is None):
@@ -436,8 +455,7 @@ class LabelShiftAdapter(nn.Module):
         self.estimate_ = estimate_priors(calibrated, self.source_priors, **options)
         count = all_reduce_(torch.tensor([float(calibrated.shape[0])], dtype=torch.float64, device=calibrated.device),
                             options.get("process_group"))[0]
-        smoothed = (count * self.estimate_.priors + pseudocount) / (count + pseudocount * calibrated.shape[1])
-        self.target_priors = smoothed.to(self.source_priors.device)
+        self.target_priors = smoothed_priors(self.estimate_.priors, count, pseudocount).to(self.source_priors.device)
         return self
 
     def forward(self, logits: Tensor) -> Tensor:

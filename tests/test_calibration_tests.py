@@ -278,11 +278,8 @@ def test_resampling_draws_do_not_depend_on_the_chunking_and_the_table_stays_smal
     assert (10_000, 10) not in formed
 
 
-def test_binned_null_needs_neither_the_table_nor_a_call_per_resample(monkeypatch):
-    """The equal-width ECE's null only re-sums the targets: at K >= L (K = 1,000 and the report's
-    L = 199) it called the metric once per resample, about a second each at 50,000 x 1,000 (the
-    report spent nine of its twelve minutes there). Its decomposition is now formed once, at any
-    K, for every kind, and gives the loop's null."""
+def _count_decompositions(monkeypatch) -> list[int]:
+    """A list that grows by one each time consistency_resampling_test forms a metric's decomposition."""
     module = sys.modules[consistency_resampling_test.__module__]
     original, calls = module.metric_decomposition, []
 
@@ -291,6 +288,15 @@ def test_binned_null_needs_neither_the_table_nor_a_call_per_resample(monkeypatch
         return None if terms is None else lambda *a, **k: calls.append(1) or terms(*a, **k)
 
     monkeypatch.setattr(module, "metric_decomposition", counting)
+    return calls
+
+
+def test_binned_null_needs_neither_the_table_nor_a_call_per_resample(monkeypatch):
+    """The equal-width ECE's null only re-sums the targets: at K >= L (K = 1,000 and the report's
+    L = 199) it called the metric once per resample, about a second each at 50,000 x 1,000 (the
+    report spent nine of its twelve minutes there). Its decomposition is now formed once, at any
+    K, for every kind, and gives the loop's null."""
+    calls = _count_decompositions(monkeypatch)
     generator = torch.Generator().manual_seed(5)
     logits = 3 * torch.randn(400, 50, generator=generator, dtype=torch.float64)
     labels = torch.distributions.Categorical(logits=logits / 3).sample()
@@ -360,14 +366,7 @@ def test_bad_input():
 def test_resampling_loops_when_the_label_table_costs_more_than_the_resamples(monkeypatch):
     """Forming the per-label table evaluates the metric's terms once per class: at K = 1,000 and
     the report's L = 199 that took 3-25 times as long as calling the metric L times."""
-    module = sys.modules[consistency_resampling_test.__module__]
-    original, calls = module.metric_decomposition, []
-
-    def counting(metric_fn, metric_kwargs):
-        terms = original(metric_fn, metric_kwargs)
-        return None if terms is None else lambda *a, **k: calls.append(1) or terms(*a, **k)
-
-    monkeypatch.setattr(module, "metric_decomposition", counting)
+    calls = _count_decompositions(monkeypatch)
     logits = torch.randn(400, 50, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     labels = torch.distributions.Categorical(logits=logits).sample()
     few = consistency_resampling_test(cross_entropy, 2 * logits, labels, num_resamples=20)

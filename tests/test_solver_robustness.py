@@ -248,3 +248,18 @@ def test_temperature_fit_is_the_same_at_any_scale_of_the_logits(loss):
     assert 1.5 < reference_temperature < 4
     for key, (value, temperature) in fits.items():
         assert (value, temperature) == pytest.approx((reference_loss, reference_temperature), rel=1e-5), key
+
+
+def test_rescaled_temperature_fit_of_tiny_margins_keeps_a_masked_class_finite():
+    """Logits of typical margin below 2^-16 are rescaled up; in float32 a class masked at
+    float32's lowest value overflowed to -inf there, and the fit's loss was NaN."""
+    from torchcal.calibrators.temperature import fit_inverse_temperature
+
+    gen = torch.Generator().manual_seed(0)
+    logits = 1e-6 * torch.randn(2000, 5, generator=gen)
+    logits[:, -1] = torch.finfo(torch.float32).min
+    labels = torch.multinomial(torch.softmax(logits[:, :-1].double() * 1e6, 1), 1, generator=gen).squeeze(1)
+    beta64, record64 = fit_inverse_temperature(logits.double(), labels)
+    beta32, record32 = fit_inverse_temperature(logits, labels)
+    assert record32.converged and record64.converged
+    assert beta32 == pytest.approx(beta64, rel=1e-8) and 0.5 < beta64 * 1e-6 < 2

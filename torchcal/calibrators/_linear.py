@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from torchcal._fast_exp import exp_floor
 from torchcal.calibrators.base import sample_weights
 from torchcal.distributed import ProcessGroup, world_size
 from torchcal.fit import FitRecord, newton
@@ -97,7 +96,7 @@ class AffineDesign(LinearDesign):
         mean_x = torch.linalg.vecdot(q, x)  # (n,): each row's posterior mean of x
         corner = torch.dot(wq.flatten(), x.square().flatten()) - torch.dot(w * mean_x, mean_x)
         edge = (wq * (x - mean_x.unsqueeze(1))).sum(0)
-        q32 = q.float().clamp_(min=exp_floor(torch.float32))  # no subnormals: they slow the product
+        q32 = q.float().clamp_(min=torch.finfo(torch.float32).tiny)  # no subnormals: they slow the product
         m = ((w.float().unsqueeze(1) * q32).T @ q32).to(q.dtype)
         m = (m + m.T) / 2
         biases = torch.diag(m.sum(1)) - m

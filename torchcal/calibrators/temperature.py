@@ -171,8 +171,10 @@ def fit_inverse_temperature(
     # (a fit at T = inf reported converged), and beta, near float32's smallest normal number there.
     octave = math.frexp(margin)[1] - 1  # margin in [2^octave, 2^(octave + 1)); 0 for 0, inf and NaN
     unit = math.ldexp(1.0, octave) if abs(octave) > _RESCALE_OCTAVES else 1.0
-    if unit != 1:
+    if unit > 1:
         logits = logits / unit
+    elif unit < 1:  # in float64: a masked class at float32's lowest would overflow
+        logits = logits.double() / unit
     beta_max = _MAX_SCALED_MARGIN / max(margin / unit, 1e-300)
 
     start, lo, hi = 1.0, 0.0, math.inf

@@ -186,7 +186,8 @@ def _binned_null(observed: BinDecomposition, log_probs: Tensor, num_resamples: i
     counts, score_sums, _ = sums_by_key(observed.keys, observed.scores, observed.targets, num_columns * n_bins)
     samples = torch.arange(n, device=log_probs.device)
     replicates = []
-    for drawn in resample_labels(log_probs, num_resamples, seed):
+    chunk = max(1, CHUNK_ELEMENTS // max(n, num_columns * n_bins))  # (b, N) labels, (b, C M) sums
+    for drawn in resample_labels(log_probs, num_resamples, seed, chunk):
         if num_columns == 1:
             keys, hits = observed.keys[:, 0].expand_as(drawn), observed.classes[:, 0] == drawn
         else:  # column k tests class k
@@ -194,7 +195,6 @@ def _binned_null(observed: BinDecomposition, log_probs: Tensor, num_resamples: i
         target_sums = torch.zeros(drawn.shape[0], num_columns * n_bins, dtype=torch.float64, device=log_probs.device)
         target_sums.scatter_add_(1, keys, hits.to(torch.float64))
         shape = (drawn.shape[0], num_columns, n_bins)
-        replicates.append(observed.reduce(
-            counts.expand(drawn.shape[0], -1).reshape(shape), score_sums.expand(drawn.shape[0], -1).reshape(shape), target_sums.reshape(shape)
-        ))
+        replicates.append(observed.reduce(counts.view(1, num_columns, n_bins).expand(shape),
+                                          score_sums.view(1, num_columns, n_bins).expand(shape), target_sums.view(shape)))
     return torch.cat(replicates)

@@ -39,9 +39,9 @@ class BinIntervals(NamedTuple):
 # point near the mean about 4 n^(1/3) (521 at n = 2e6).
 _CF_CHUNK = 16
 _CF_MAX_TERMS = 1 << 14
-# Halley steps of the beta quantile stop below this relative change in x: the prefactor
-# x^a (1 - x)^b / B(a, b) carries a relative error of about 1e-16 (a + b), which moves the root of
-# I_x(a, b) = p by far less.
+# Halley steps of the beta quantile stop below this relative change in x (the prefactor
+# x^a (1 - x)^b / B(a, b) carries a relative error of about 1e-16 (a + b), which bounds the
+# accuracy of the root for bins of billions).
 _QUANTILE_RTOL = 1e-12
 _QUANTILE_MAX_STEPS = 100
 
@@ -100,6 +100,7 @@ def _beta_quantile(a: Tensor, b: Tensor, p: Tensor) -> Tensor:
     lower, upper = torch.zeros_like(x), torch.ones_like(x)
     log_norm = _log_beta(a, b)
     previous = before = torch.ones_like(x)  # the lengths of the last two steps
+    done = torch.zeros_like(x, dtype=torch.bool)
     for _ in range(_QUANTILE_MAX_STEPS):
         error = _betainc(a, b, x) - p
         lower, upper = torch.where(error < 0, x, lower), torch.where(error > 0, x, upper)
@@ -112,9 +113,14 @@ def _beta_quantile(a: Tensor, b: Tensor, p: Tensor) -> Tensor:
         candidate = x - step
         halley = (lower <= candidate) & (candidate <= upper) & (2 * step.abs() <= before)
         candidate = torch.where(halley, candidate, (lower + upper) / 2)
+        # a converged element stays where it is: its round-off steps, not half the one before,
+        # would send it to the bisection's midpoint (in a batch, the interval of a bin of 78,054
+        # came out as [0.505, 0.442])
+        candidate = torch.where(done, x, candidate)
         before, previous = previous, (candidate - x).abs()
         x = candidate
-        if bool((previous <= _QUANTILE_RTOL * x).all()):
+        done |= previous <= _QUANTILE_RTOL * x
+        if bool(done.all()):
             break
     return x
 
@@ -130,7 +136,9 @@ def binomial_interval(successes: Tensor, trials: Tensor, confidence: float = 0.9
     Clopper–Pearson's ends are beta quantiles, ``Beta(k, n - k + 1)``'s ``alpha / 2`` and
     ``Beta(k + 1, n - k)``'s ``1 - alpha / 2``, solved in float64 on the input's device (Halley
     steps on the incomplete beta function's continued fraction: torch has no inverse incomplete
-    beta function); Wilson is closed-form in torch.
+    beta function); Wilson is closed-form in torch. The ends agree with SciPy's ``betaincinv`` to
+    1e-10 up to n = 2e6 (tested); the prefactor's round-off, about 1e-16 n relative, shows beyond
+    that (1e-6 at n = 1e9).
 
     Example:
         >>> lower, upper = binomial_interval(torch.tensor([0., 7.]), torch.tensor([10., 10.]))

@@ -375,3 +375,19 @@ def test_resampling_loops_when_the_label_table_costs_more_than_the_resamples(mon
     torch.testing.assert_close(few.null_statistics, loop.null_statistics, rtol=1e-12, atol=1e-12)
     consistency_resampling_test(cross_entropy, 2 * logits, labels, num_resamples=60)
     assert len(calls) >= 50  # K < L: the table, one labelling per class
+
+
+def test_binned_null_chunks_its_resamples_by_the_bins_too(monkeypatch):
+    """The resamples' per-bin sums are (b, C M): with few samples and many classes (N = 50, K =
+    1,000, classwise, L = 2,000) chunking by N alone took 1.17 GB. Any chunking gives the same null."""
+    module = sys.modules[consistency_resampling_test.__module__]
+    logits = 2 * torch.randn(50, 40, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    labels = torch.arange(50) % 40
+    whole = consistency_resampling_test(expected_calibration_error, logits, labels, 300, kind="classwise", n_bins=5)
+    chunks = []
+    original = module.resample_labels
+    monkeypatch.setattr(module, "resample_labels", lambda *a: chunks.append(a[3]) or original(*a))
+    monkeypatch.setattr(module, "CHUNK_ELEMENTS", 40 * 5 * 7)
+    chunked = consistency_resampling_test(expected_calibration_error, logits, labels, 300, kind="classwise", n_bins=5)
+    assert chunks == [7]  # CHUNK_ELEMENTS // (C M), not // N = 28
+    torch.testing.assert_close(chunked.null_statistics, whole.null_statistics, rtol=0, atol=1e-15)

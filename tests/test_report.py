@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import sys
 import warnings
 
@@ -265,6 +266,18 @@ def test_progress_counts_every_fold_of_every_method(small, monkeypatch):
         for step in [f"{method}: fit on all calibration data"] + [f"{method}: fold {i}/3" for i in (1, 2, 3)]
     ]
     assert [n for n, _ in shown] == list(range(9))  # one step per fit, every fold included
+
+
+def test_progress_without_a_terminal_is_a_line_per_step(small, capsys):
+    """tqdm draws no bar where stderr is not a terminal (a log file, CI): a run of minutes at
+    ImageNet size printed nothing until its table. Each step is now a line there."""
+    evaluate(small, ["temperature"], folds=2, bootstrap=0, progress=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert [re.sub(r" \(\d+ s\)$", "", line) for line in lines] == [
+        "torchcal: raw posteriors", "torchcal: temperature: fit on all calibration data",
+        "torchcal: temperature: fold 1/2", "torchcal: temperature: fold 2/2"]
+    evaluate(small, ["temperature"], folds=2, bootstrap=0, progress=False)
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("progress", [False, True])

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import threading
 import time
 import warnings
@@ -537,7 +538,15 @@ def evaluate(
     bar_format = "{desc}: {n_fmt}/{total_fmt} steps |{bar}| {elapsed} elapsed{postfix}"  # no ETA: fits differ a lot
     with tqdm(total=1 + fits * len(methods), disable=None if progress else True, desc="torchcal", leave=False,
               bar_format=bar_format) as bar, _refreshed_every_second(bar):
-        bar.set_postfix_str("raw posteriors" + (f", bootstrap x{bootstrap}" if bootstrap else ""))
+        started = time.perf_counter()
+
+        def status(text: str) -> None:
+            """The bar's status; where there is no bar (not a terminal), a line on stderr instead."""
+            bar.set_postfix_str(text)
+            if progress and bar.disable:
+                print(f"torchcal: {text} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+
+        status("raw posteriors" + (f", bootstrap x{bootstrap}" if bootstrap else ""))
         raw = metrics.quality(logits, with_intervals=True)
         bar.update()
         results, fitted, calibrated = [], {}, {}
@@ -546,7 +555,7 @@ def evaluate(
             options = method_options.get(method, {})
             where = "fit on the calibration data" if calibration is not None else f"{folds}-fold CV and the final fit"
             with _solver_warnings(f"{method} ({where})", fits):
-                bar.set_postfix_str(f"{method}: fit on all calibration data")
+                status(f"{method}: fit on all calibration data")
                 model = make_calibrator(method, **options).fit(cal_logits, cal_labels, priors=priors).requires_grad_(False)
                 bar.update()
                 with torch.no_grad():
@@ -555,7 +564,7 @@ def evaluate(
                     else:
                         def fold_started(fold: int, method: str = method) -> None:
                             bar.update(fold > 0)
-                            bar.set_postfix_str(f"{method}: fold {fold + 1}/{folds}")
+                            status(f"{method}: fold {fold + 1}/{folds}")
 
                         out = cross_validate(make_calibrator(method, **options), logits, labels, folds=folds,
                                              seed=seed, priors=priors, on_fold=fold_started)

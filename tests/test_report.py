@@ -268,7 +268,7 @@ def test_progress_counts_every_fold_of_every_method(small, monkeypatch):
     assert [n for n, _ in shown] == list(range(9))  # one step per fit, every fold included
 
 
-def test_progress_without_a_terminal_is_a_line_per_step(small, capsys):
+def test_progress_without_a_terminal_is_a_line_per_step(small, capsys, tmp_path):
     """tqdm draws no bar where stderr is not a terminal (a log file, CI): a run of minutes at
     ImageNet size printed nothing until its table. Each step is now a line there."""
     evaluate(small, ["temperature"], folds=2, bootstrap=0, progress=True)
@@ -276,8 +276,10 @@ def test_progress_without_a_terminal_is_a_line_per_step(small, capsys):
     assert [re.sub(r" \(\d+ s\)$", "", line) for line in lines] == [
         "torchcal: raw posteriors", "torchcal: temperature: fit on all calibration data",
         "torchcal: temperature: fold 1/2", "torchcal: temperature: fold 2/2"]
-    evaluate(small, ["temperature"], folds=2, bootstrap=0, progress=False)
+    report = evaluate(small, ["temperature"], folds=2, bootstrap=0, progress=False)
     assert capsys.readouterr().err == ""
+    report.save(tmp_path, progress=True)
+    assert capsys.readouterr().err.splitlines() == [f"torchcal: drawing {name}" for name in report._drawings()]
 
 
 @pytest.mark.parametrize("progress", [False, True])

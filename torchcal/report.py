@@ -347,7 +347,10 @@ class Report:
         from torchcal import plots
 
         written = []
-        for name, draw in tqdm(self._drawings().items(), desc="figures", disable=None if progress else True, leave=False):
+        bar = tqdm(self._drawings().items(), desc="figures", disable=None if progress else True, leave=False)
+        for name, draw in bar:
+            if progress and bar.disable:  # no bar on a non-terminal: a line per figure
+                print(f"torchcal: drawing {name}", file=sys.stderr, flush=True)
             fig, _ = draw()
             fig.savefig(folder / name, dpi=110)
             plots.pyplot().close(fig)

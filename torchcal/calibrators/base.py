@@ -236,18 +236,21 @@ class Calibrator(nn.Module):
         """:meth:`_fit`'s L-BFGS, until the loss or the step changes by less than ``tol_change``:
         given, a cross-validation's selection or tie fit, for which that stop is the accuracy it
         needs (``minimize(loose=True)``: no convergence warning); else the final fit's 1e-12."""
-        per_sample = PER_SAMPLE_SCORES[loss]
         params = [p for p in self.parameters() if p.requires_grad]
         sample_w = sample_weights(labels, weights, process_group)
         penalty_share = 1.0 / world_size(process_group)
 
         def objective() -> Tensor:
-            scores = per_sample(torch.log_softmax(self._scores(features), dim=1), labels).to(torch.float64)
-            data = torch.where(sample_w > 0, sample_w * scores, torch.zeros_like(scores)).sum()
-            return data + penalty_share * self._penalty()
+            return self._data_term(features, labels, sample_w, loss) + penalty_share * self._penalty()
 
         return minimize(objective, params, max_iter=max_iter, tol_change=1e-12 if tol_change is None else tol_change,
                         loose=tol_change is not None, process_group=process_group)
+
+    def _data_term(self, features: Tensor, labels: Tensor, sample_w: Tensor, loss: str) -> Tensor:
+        """This process's weighted sum of the per-sample ``loss`` (float64 scalar); samples of
+        weight 0 count 0 even where their score is infinite."""
+        scores = PER_SAMPLE_SCORES[loss](torch.log_softmax(self._scores(features), dim=1), labels).to(torch.float64)
+        return torch.where(sample_w > 0, sample_w * scores, torch.zeros_like(scores)).sum()
 
     def _fit_log_loss(self, features, labels, weights, max_iter, process_group=None, tol_grad=None, tol_decrease=None) -> FitRecord:
         """The log-loss fit :meth:`_fit_nonconvex` starts from (a subclass with a penalised or
@@ -266,11 +269,11 @@ class Calibrator(nn.Module):
         ``tol_grad`` and ``tol_decrease`` are the log-loss fit's, ``tol_change`` L-BFGS's (the
         cross-validation's selection fits stop earlier than the final one)."""
 
+        sample_w = sample_weights(labels, weights, process_group)
+
         def objective() -> float:
             with torch.no_grad():
-                scores = PER_SAMPLE_SCORES[loss](torch.log_softmax(self._scores(features), dim=1), labels).to(torch.float64)
-                sample_w = sample_weights(labels, weights, process_group)
-                data = torch.where(sample_w > 0, sample_w * scores, torch.zeros_like(scores)).sum()
+                data = self._data_term(features, labels, sample_w, loss)
                 return float(all_reduce_(data.reshape(1), process_group)) + float(self._penalty())
 
         self._fit_log_loss(features, labels, weights, max_iter, process_group, tol_grad, tol_decrease)

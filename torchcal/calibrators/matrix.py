@@ -196,9 +196,10 @@ class MatrixScaling(Calibrator):
         )
         # Newton-CG stalled (degenerate curvature): the L-BFGS driver. Not where the fit diverges
         # (no finite optimum): L-BFGS would only run to its own cap.
-        if not record.converged and not record.message.startswith(DIVERGING):
+        diverging = record.message.startswith(DIVERGING)
+        if not record.converged and not diverging:
             return Calibrator._fit(self, features, labels, weights, loss, max_iter, process_group)
-        if record.message.startswith(DIVERGING):
+        if diverging:
             record = dataclasses.replace(record, message=f"{record.message}: use reg='odir' or reg='l2'")
             warnings.warn(f"Newton-CG stopped: {record.message}", ConvergenceWarning, stacklevel=stacklevel_outside_package())
         self._set_theta(theta)

@@ -19,6 +19,7 @@ from torchcal.functional.calibration_tests import (
     kolmogorov_smirnov_test,
     kuiper_test,
     spiegelhalter_test,
+    spiegelhalter_test_from_sums,
 )
 from torchcal.functional.consistency_resampling import consistency_resampling_test
 from torchcal.functional.smooth_ece import smooth_calibration_error
@@ -72,22 +73,27 @@ def test_hosmer_lemeshow_counts_only_non_empty_groups_and_impossible_events():
     tiny = torch.cat([torch.exp(-torch.linspace(40, 60, 500, dtype=torch.float64)), torch.linspace(0.05, 0.95, 500, dtype=torch.float64)])
     logits = torch.stack([torch.zeros_like(tiny), torch.log(tiny) - torch.log1p(-tiny)], 1)
     labels = torch.bernoulli(tiny, generator=gen).long()
-    statistic, p_value = _hosmer_lemeshow_numpy(torch.softmax(logits, 1).numpy(), labels.numpy(), 10, 10)
+    statistic, _ = _hosmer_lemeshow_numpy(torch.softmax(logits, 1).numpy(), labels.numpy(), 10, 10)
     result = hosmer_lemeshow_test(logits, labels)
     assert float(result.statistic) == pytest.approx(statistic, rel=1e-9)
-    assert float(result.p_value) == pytest.approx(p_value, rel=1e-6)
+    assert float(result.p_value) == pytest.approx(_external_p_value_numpy(torch.softmax(logits, 1).numpy(), 10, statistic), rel=1e-6)
     # an event of probability 0: C is infinite, p = 0
     log_odds = torch.tensor([-1000.0, -1000.0, 0.0, 0.0, math.log(9), math.log(9)], dtype=torch.float64)  # q_1 = 0, 0.5, 0.9
     impossible = hosmer_lemeshow_test(torch.stack([torch.zeros_like(log_odds), log_odds], 1), torch.tensor([1, 0, 0, 1, 1, 1]), n_groups=3)
     assert float(impossible.statistic) == math.inf and float(impossible.p_value) == 0.0
 
 
-def _hosmer_lemeshow_numpy(probs: np.ndarray, labels: np.ndarray, groups: int, df: int) -> tuple[float, float]:
-    """Independent float64 reference: numpy percentiles, right-closed bins, one term per bin and class."""
-    u = probs[:, 1:].sum(axis=1)  # 1 - q_0
+def _groups_numpy(probs: np.ndarray, groups: int) -> np.ndarray:
+    """Each sample's group: numpy percentiles of 1 - q_0, right-closed bins."""
+    u = probs[:, 1:].sum(axis=1)
     edges = np.quantile(u, np.linspace(0, 1, groups + 1))
     edges[0], edges[-1] = 0.0, 1.0
-    group = np.clip(np.searchsorted(edges[1:-1], u, side="left"), 0, groups - 1)
+    return np.clip(np.searchsorted(edges[1:-1], u, side="left"), 0, groups - 1)
+
+
+def _hosmer_lemeshow_numpy(probs: np.ndarray, labels: np.ndarray, groups: int, df: int) -> tuple[float, float]:
+    """Independent float64 reference: one term per bin and class, chi-square with ``df``."""
+    group = _groups_numpy(probs, groups)
     total = 0.0
     for m in range(groups):
         inside = group == m
@@ -96,6 +102,23 @@ def _hosmer_lemeshow_numpy(probs: np.ndarray, labels: np.ndarray, groups: int, d
             if expected > 0:
                 total += ((labels[inside] == j).sum() - expected) ** 2 / expected
     return total, scipy.stats.chi2.sf(total, df)
+
+
+def _external_p_value_numpy(probs: np.ndarray, groups: int, statistic: float) -> float:
+    """The "external" p-value from the eigenvalues of each group's explicit K x K matrix
+    diag(E)^-1/2 (diag(E) - sum_i q_i q_i^T) diag(E)^-1/2, by Satterthwaite's scaled chi-square."""
+    group = _groups_numpy(probs, groups)
+    eigenvalues = []
+    for m in range(groups):
+        q = probs[group == m]
+        expected = q.sum(axis=0)
+        kept = expected > 0
+        covariance = np.diag(expected) - q.T @ q
+        scale = 1 / np.sqrt(expected[kept])
+        eigenvalues.append(np.linalg.eigvalsh(covariance[np.ix_(kept, kept)] * scale[:, None] * scale[None, :]))
+    weights = np.concatenate(eigenvalues)
+    a = (weights**2).sum() / weights.sum()
+    return float(scipy.stats.chi2.sf(statistic / a, weights.sum() / a))
 
 
 @pytest.mark.parametrize("name", ["adrenalmnist3d_resnet50_ferrer", "sst2_gpt2-0shot_ferrer"])
@@ -107,16 +130,54 @@ def test_binary_hosmer_lemeshow_matches_numpy_on_real_data(real, name):
     assert float(result.statistic) == pytest.approx(statistic, rel=1e-9)
     assert float(result.p_value) == pytest.approx(p_value, rel=1e-6, abs=1e-300)
     external = hosmer_lemeshow_test(logits, labels, degrees_of_freedom="external")
-    assert float(external.p_value) == pytest.approx(scipy.stats.chi2.sf(statistic, 10), rel=1e-6, abs=1e-300)
+    assert float(external.p_value) == pytest.approx(_external_p_value_numpy(probs, 10, statistic), rel=1e-6, abs=1e-300)
 
 
 def test_multinomial_hosmer_lemeshow_matches_numpy_on_cifar10(real):
     data = real("cifar10_resnet110_kangsepp")
     logits, labels = torch.from_numpy(data["logits"]) / 2.395, torch.from_numpy(data["labels"])
-    statistic, p_value = _hosmer_lemeshow_numpy(torch.softmax(logits.double(), 1).numpy(), labels.numpy(), 10, 8 * 9)
+    probs = torch.softmax(logits.double(), 1).numpy()
+    statistic, p_value = _hosmer_lemeshow_numpy(probs, labels.numpy(), 10, 8 * 9)
     result = hosmer_lemeshow_test(logits, labels, degrees_of_freedom="fitted")
     assert float(result.statistic) == pytest.approx(statistic, rel=1e-9)
     assert float(result.p_value) == pytest.approx(p_value, rel=1e-6)
+    # labels drawn from the posteriors (calibrated by construction): the "external" p-value
+    # against the reference's, and against the Monte Carlo null of C given the posteriors
+    generator = torch.Generator().manual_seed(3)
+    posteriors = torch.from_numpy(probs)
+    drawn = torch.multinomial(posteriors, 1, generator=generator)[:, 0]
+    statistic, _ = _hosmer_lemeshow_numpy(probs, drawn.numpy(), 10, 0)
+    external = hosmer_lemeshow_test(logits, drawn)
+    assert float(external.p_value) == pytest.approx(_external_p_value_numpy(probs, 10, statistic), rel=1e-6)
+    null = np.array([float(hosmer_lemeshow_test(logits, torch.multinomial(posteriors, 1, generator=generator)[:, 0]).statistic)
+                     for _ in range(400)])
+    assert float(external.p_value) == pytest.approx((null >= statistic).mean(), abs=0.08)
+    assert null.mean() < 0.6 * 10 * 9  # far below the chi-square with M (K - 1) degrees of freedom
+
+
+@pytest.mark.parametrize("statistic", [0.3, 0.9, 1.0, 1.7, 3.0, 8.0, 12.0, 30.0, 43.8])
+def test_brownian_p_values_keep_their_relative_accuracy_in_the_tail(statistic):
+    """Against mpmath at 60 digits: the theta series (Kolmogorov's; Feller's for the range) for
+    small statistics, the reflection series for large ones. One minus the distribution function
+    floored the recipe's p-values at 1.1e-16 for a statistic of 43.8 (the true ones are about 1e-417)."""
+    mpmath = pytest.importorskip("mpmath")
+    from torchcal.functional.calibration_tests import _brownian_range_sf, _max_abs_brownian_sf
+
+    mpmath.mp.dps = 60
+    x = mpmath.mpf(statistic)
+    if statistic < 1.5:  # 1 - the distribution functions' series
+        max_abs = 1 - 4 / mpmath.pi * mpmath.nsum(lambda k: (-1) ** k / (2 * k + 1) * mpmath.exp(-((2 * k + 1) ** 2) * mpmath.pi**2 / (8 * x**2)), [0, mpmath.inf])
+        spread = 1 - mpmath.nsum(lambda k: (8 / x**2 + 2 / ((k + 0.5) ** 2 * mpmath.pi**2)) * mpmath.exp(-2 * (k + 0.5) ** 2 * mpmath.pi**2 / x**2), [0, mpmath.inf])
+    else:
+        max_abs = 4 * mpmath.nsum(lambda k: (-1) ** (k - 1) * mpmath.ncdf(-(2 * k - 1) * x), [1, mpmath.inf])
+        spread = 8 * mpmath.nsum(lambda k: (-1) ** (k - 1) * k * mpmath.ncdf(-k * x), [1, mpmath.inf])
+    for ours, reference in ((_max_abs_brownian_sf, max_abs), (_brownian_range_sf, spread)):
+        value = float(ours(torch.tensor(statistic, dtype=torch.float64)))
+        assert value == pytest.approx(float(reference), rel=1e-12, abs=1e-300)
+    assert (float(max_abs) > 0) == (statistic < 38)  # (float64's underflow: 4 Phi(-38) is about 1e-315)
+    # Spiegelhalter's normal tail, from the sums of a Z equal to the statistic
+    z = spiegelhalter_test_from_sums(torch.tensor([statistic, 1.0, 1.0], dtype=torch.float64), alternative="greater")
+    assert float(z.p_value) == pytest.approx(float(mpmath.ncdf(-x)), rel=1e-12, abs=1e-300)
 
 
 @pytest.mark.parametrize("name", ["adrenalmnist3d_resnet50_ferrer", "sst2_gpt2-0shot_ferrer", "sst2_gpt2-4shot_ferrer"])
@@ -198,7 +259,10 @@ def test_statistics_ignore_row_order_and_dtype(synthetic):
             assert float(other.p_value) == pytest.approx(float(reference.p_value), rel=1e-4, abs=1e-12)
 
 
-def _calibrated(generator: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _calibrated(generator: torch.Generator, n: int, k: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    if k > 2:  # softmax posteriors of Gaussian logits, labels drawn from them
+        logits = 1.5 * torch.randn(n, k, generator=generator, dtype=torch.float64)
+        return logits, torch.multinomial(torch.softmax(logits, 1), 1, generator=generator)[:, 0]
     q = torch.rand(n, generator=generator, dtype=torch.float64) * 0.9 + 0.05
     return _binary_logits(q), torch.bernoulli(q, generator=generator).long()
 
@@ -208,6 +272,7 @@ def _calibrated(generator: torch.Generator, n: int) -> tuple[torch.Tensor, torch
 # about 0.6 N^-1/2 on each side), which a KS test on 1,000 p-values sees at N = 1000 for Kuiper
 TESTS = {
     "hosmer-lemeshow": (partial(hosmer_lemeshow_test, degrees_of_freedom="external"), 1000),
+    "hosmer-lemeshow, K = 5": (partial(hosmer_lemeshow_test, degrees_of_freedom="external"), 1000),
     "spiegelhalter": (partial(spiegelhalter_test, kind="binary"), 1000),
     "kolmogorov-smirnov": (partial(kolmogorov_smirnov_test, kind="binary"), 4000),
     "kuiper": (partial(kuiper_test, kind="binary"), 4000),
@@ -217,12 +282,13 @@ TESTS = {
 @pytest.mark.parametrize("name", TESTS)
 def test_p_values_are_uniform_under_calibration_and_powerful_against_over_confidence(name):
     test, n = TESTS[name]
+    k = 5 if name.endswith("K = 5") else 2
     generator = torch.Generator().manual_seed(11)
-    p_values = [float(test(*_calibrated(generator, n)).p_value) for _ in range(1000)]
+    p_values = [float(test(*_calibrated(generator, n, k)).p_value) for _ in range(1000)]
     assert scipy.stats.kstest(p_values, "uniform").pvalue > 0.01
     rejected = 0
     for _ in range(50):
-        logits, labels = _calibrated(generator, 500)
+        logits, labels = _calibrated(generator, 500, k)
         rejected += float(test(2 * logits, labels).p_value) < 0.05  # sharpened: over-confident
     assert rejected >= 48
 

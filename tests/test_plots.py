@@ -131,6 +131,25 @@ def test_bayes_risk_curves_panels_and_errors(synthetic):
         bayes_risk_sweep(logits, labels, class_index=3)
 
 
+def test_the_zero_one_point_is_on_every_default_curve_and_named_only_when_drawn():
+    """A class of 8 samples in 1,600 has its 0-1 point at log(8 / 1592) = -5.29, below the measurable
+    range's -log(1592 / 10) = -5.07: the legend named a line the axes did not show (the report's
+    bayes_risk.png at K = 1,000 showed it in none of its panels)."""
+    generator = torch.Generator().manual_seed(4)
+    labels = torch.arange(200).repeat_interleave(8)
+    logits = torch.randn(1600, 200, generator=generator, dtype=torch.float64)
+    zero_one = math.log(8 / 1592)
+    t, _ = bayes_risk_sweep(logits, labels, class_index=0)
+    assert float(t[0]) <= zero_one - 0.5 and float(t[-1]) >= math.log(2)
+    fig, ax = bayes_risk_curve(logits, labels, class_index=0)
+    (line,) = [line for line in ax.get_lines() if line.get_label() == "0-1 costs"]
+    assert line.get_xdata()[0] == pytest.approx(zero_one)
+    assert ax.get_xlim()[0] <= zero_one <= ax.get_xlim()[1]
+    fig, ax = bayes_risk_curve(logits, labels, class_index=0, log_odds=torch.linspace(-2.0, 2.0, 5))
+    assert "0-1 costs" not in [line.get_label() for line in ax.get_lines()]
+    assert "0-1 costs" not in [text.get_text() for text in ax.get_legend().get_texts()]
+
+
 def test_reliability_diagram_from_binned_statistics(synthetic):
     """Streaming metrics keep only the bins: the diagram draws ReliabilityBins as they are."""
     logits, labels = (torch.from_numpy(x) for x in synthetic(3, 500, seed=4))

@@ -292,7 +292,8 @@ def bayes_risk_sweep(
         class_index: the class whose effective prior is swept.
         log_odds: (T,) operating points ``t``. The default, 201 points, spans the range the data
             can measure: from ``-log(N_rest / 10)`` to ``log(N_k / 10)``, where one more error
-            moves the NEC by at most about 0.1 (beyond it the curve is a few samples' noise).
+            moves the NEC by at most about 0.1 (beyond it the curve is a few samples' noise), and
+            at least half a unit past the 0-1 costs' point ``log(P_k / (1 - P_k))``.
         priors: (K,) evaluation priors P; a class with a positive prior needs samples in ``labels``.
 
     Returns:
@@ -309,18 +310,21 @@ def bayes_risk_sweep(
     num_classes = logits.shape[1]
     if not 0 <= class_index < num_classes:
         raise ValueError(f"class_index must lie in [0, {num_classes}), got {class_index}.")
-    t = _measurable_log_odds(labels, class_index) if log_odds is None else torch.as_tensor(log_odds, dtype=torch.float64)
-    t = t.to(labels.device)
-    if t.numel() == 0 or not bool(torch.isfinite(t).all()):
-        raise ValueError(f"log_odds must be finite operating points, at least one; got {t.numel()}, of which "
-                         f"{int((~torch.isfinite(t)).sum())} not finite.")
-    log_odds, t = t, t.reshape(-1, 1)
     p = class_frequencies(labels, num_classes) if priors is None else check_priors(priors, num_classes)
     if not 0 < float(p[class_index]) < 1:
         raise ValueError(
             f"class {class_index} has prior {float(p[class_index]):.3g}: its effective prior can be swept only when "
             f"it and another class have positive priors (with the class frequencies: samples in the labels)."
         )
+    if log_odds is None:
+        t = _measurable_log_odds(labels, class_index, _zero_one_log_odds(p, class_index))
+    else:
+        t = torch.as_tensor(log_odds, dtype=torch.float64)
+    t = t.to(labels.device)
+    if t.numel() == 0 or not bool(torch.isfinite(t).all()):
+        raise ValueError(f"log_odds must be finite operating points, at least one; got {t.numel()}, of which "
+                         f"{int((~torch.isfinite(t)).sum())} not finite.")
+    log_odds, t = t, t.reshape(-1, 1)
     pi_k = torch.sigmoid(t)
     pi = (1 - pi_k) * p / (1 - p[class_index])
     pi[:, class_index] = pi_k[:, 0]
@@ -340,10 +344,17 @@ def bayes_risk_sweep(
     return log_odds, (pi * errors / counts.clamp_min(1)).sum(1) / (1 - pi.max(dim=1).values)
 
 
-def _measurable_log_odds(labels: Tensor, class_index: int, points: int = 201) -> Tensor:
+def _zero_one_log_odds(priors: Tensor, class_index: int) -> float:
+    """The operating point of 0-1 costs: the prior log-odds of the class against the others."""
+    return math.log(float(priors[class_index]) / (1 - float(priors[class_index])))
+
+
+def _measurable_log_odds(labels: Tensor, class_index: int, zero_one: float, points: int = 201) -> Tensor:
+    """The default operating points of :func:`bayes_risk_sweep`: the range the data can measure,
+    widened to half a unit past the 0-1 point ``zero_one`` where a class has fewer than 10 samples."""
     in_class = int((labels == class_index).sum())
-    low = -math.log(max(labels.shape[0] - in_class, 20) / 10)
-    high = math.log(max(in_class, 20) / 10)
+    low = min(-math.log(max(labels.shape[0] - in_class, 20) / 10), zero_one - 0.5)
+    high = max(math.log(max(in_class, 20) / 10), zero_one + 0.5)
     return torch.linspace(low, high, points, dtype=torch.float64)
 
 
@@ -380,8 +391,9 @@ def bayes_risk_curve(
         top = max(top, float(nec.max()))
     p = class_frequencies(labels, num_classes) if priors is None else check_priors(priors, num_classes)
     ax.axhline(1.0, color="0.6", linestyle="--", linewidth=1, label="prior-only system")
-    ax.axvline(math.log(float(p[class_index]) / (1 - float(p[class_index]))), color="0.6", linestyle=":",
-               linewidth=1, label="0-1 costs")
+    zero_one = _zero_one_log_odds(p, class_index)
+    if float(t[0]) <= zero_one <= float(t[-1]):  # (given operating points may leave it out)
+        ax.axvline(zero_one, color="0.6", linestyle=":", linewidth=1, label="0-1 costs")
     ax.set(xlim=(float(t[0]), float(t[-1])), ylim=(0, min(top * 1.05, 2.0)),
            xlabel=f"prior log-odds of class {class_index} (operating point)", ylabel="normalised expected cost")
     ax.set_title(f"Bayes risk, effective prior of class {class_index}", fontsize="medium")

@@ -31,6 +31,14 @@ The column and general paths loop over the replicates; ``progress=True`` shows a
 
 The resampled data contain duplicates, so a calibrator cross-validated inside a replicate may see
 copies of a test sample in its training folds, which favours the calibrator.
+
+The percentile interval describes the metric's sampling distribution, which for a binned or
+kernel ECE (non-negative, and biased upwards by the noise of finite bins) lies above the true
+calibration error: it is no confidence interval for it and need not contain the estimate itself
+(all-tied scores with balanced labels: ECE 0, interval [0, 0.175] with 1,000 replicates). For
+"is the calibration error zero?" use a test (:mod:`torchcal.functional.calibration_tests`,
+:func:`~torchcal.functional.consistency_resampling.consistency_resampling_test`), and for its
+size :func:`~torchcal.functional.debiased_ece.debiased_calibration_error`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Every class is named after its functional twin (``ExpectedCalibrationError`` /
 ``expected_calibration_error``; the former names ``CalibrationError``, ``ECD`` and
 ``BrierDecomposition`` are aliases) and behaves as a torchmetrics citizen: ``compute()`` returns one
 float64 tensor (a scalar, or per-class values where asked), so it works with ``self.log``,
-``MetricCollection`` (and its compute groups), ``BootStrapper``, ``MetricTracker``,
+``MetricCollection`` (and its compute groups), ``BootStrapper`` (with ``quantile`` a float or a
+float64 tensor: ``torch.quantile`` wants the values' dtype), ``MetricTracker``,
 ``ClasswiseWrapper`` and ``MultitaskWrapper``; ``plot(val=None, ax=None)`` plots a value.
 ``PosteriorQuality`` is a ``MetricCollection`` whose members share one fused pass.
 

@@ -23,11 +23,12 @@ def _exhaustive(make, grid, logits, labels):
     return losses, grid[best], make(grid[best]).fit(logits, labels)
 
 
-def _check_same_selection(make, logits, labels):
-    grid = torchcal.calibrators.matrix.DEFAULT_REG_GRID
+def _check_same_selection(make, logits, labels, grid=torchcal.calibrators.matrix.DEFAULT_REG_GRID):
+    """``make(None)`` cross-validates over ``grid`` (lambdas, or (lambda, mu) pairs), ``make(point)``
+    fits at one of its points."""
     path = make(None).fit(logits, labels)
     losses, best, final = _exhaustive(make, grid, logits, labels)
-    assert path.reg_lambda_ == best
+    assert (path.reg_lambda_, path.reg_mu_) == best if isinstance(best, tuple) else path.reg_lambda_ == best
     torch.testing.assert_close(path.weight, final.weight, rtol=0, atol=1e-6)
     torch.testing.assert_close(path.bias, final.bias, rtol=0, atol=1e-6)
     tried = [i for i, v in enumerate(path.cv_losses_) if math.isfinite(v)]
@@ -78,6 +79,27 @@ def test_path_selects_what_the_exhaustive_grid_selects_on_random_problems(make):
     labels = torch.multinomial(torch.softmax(latent, 1), 1, generator=gen).squeeze(1)
     mixing = torch.eye(8, dtype=torch.float64) + 0.3 * torch.randn(8, 8, generator=gen, dtype=torch.float64)
     _check_same_selection(make, 3 * latent @ mixing + torch.linspace(-1, 1, 8, dtype=torch.float64), labels)
+
+
+def test_a_grid_of_lambda_mu_pairs_is_searched_past_the_first_lambda(real):
+    """Kull et al.'s ODIR search: every (lambda, mu) of two lists. The path visits the pairs lambda
+    by lambda, each from its largest mu; it stopped once the loss had risen twice, at the second
+    lambda's two largest mus, and chose lambda = 1e4 here where the exhaustive search's best is
+    lambda = 100 (MS-ODIR, the Kängsepp CIFAR-10 validation logits)."""
+    d = real("cifar10_resnet110_kangsepp")
+    logits, labels = torch.from_numpy(d["logits_val"]).double(), torch.from_numpy(d["labels_val"])
+    grid = {"lambda": [1e4, 1e2, 1.0], "mu": [1e3, 1e1, 1e-3]}
+    pairs = [(lam, mu) for lam in grid["lambda"] for mu in grid["mu"]]
+
+    def make(point):
+        if point is None:
+            return torchcal.MatrixScaling(reg="odir", reg_grid=grid)
+        return torchcal.MatrixScaling(reg="odir", reg_lambda=point[0], reg_mu=point[1])
+
+    path = _check_same_selection(make, logits, labels, grid=pairs)
+    assert path.reg_grid == pairs and (path.reg_lambda_, path.reg_mu_) == (1e2, 1e-3)
+    with pytest.raises(ValueError, match="exactly the keys 'lambda' and 'mu'"):
+        torchcal.MatrixScaling(reg="odir", reg_grid={"lambda": [1.0]})
 
 
 def test_the_path_and_the_newton_steps_are_logged(caplog):

@@ -7,7 +7,7 @@ import copy
 import dataclasses
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -55,7 +55,8 @@ class MatrixScaling(Calibrator):
             given ``reg_mu`` is kept at every grid point). ``reg_mu`` defaults to ``reg_lambda``
             (ODIR only). In a data-parallel fit (``process_group``) each process splits its own
             samples into the folds, so the chosen strengths can differ from a one-process fit's.
-        reg_grid: candidate lambdas, or ``(lambda, mu)`` pairs.
+        reg_grid: candidate lambdas, or ``(lambda, mu)`` pairs, or ``{"lambda": [...], "mu": [...]}``
+            for every pair of the two lists (Kull et al.'s ODIR search; readable in a config file).
         tol: the log-loss fit has converged when the largest absolute entry of the gradient of the
             penalised mean loss is below ``tol``. The default, 1e-9, leaves the parameters within
             round-off of the optimum even in the flat directions of a weak penalty; 1e-6 takes
@@ -92,7 +93,7 @@ class MatrixScaling(Calibrator):
         reg: str | None = None,
         reg_lambda: float | None = None,
         reg_mu: float | None = None,
-        reg_grid: Sequence[float | tuple[float, float]] = DEFAULT_REG_GRID,
+        reg_grid: Sequence[float | tuple[float, float]] | Mapping[str, Sequence[float]] = DEFAULT_REG_GRID,
         cv_folds: int = 5,
         cv_seed: int = 0,
         tol: float = 1e-9,
@@ -110,6 +111,10 @@ class MatrixScaling(Calibrator):
         check_folds(cv_folds, cv_seed, "cv_folds", "cv_seed")
         if reg == "l2" and reg_mu is not None:
             raise ValueError("reg_mu is ODIR's intercept penalty; reg='l2' has one strength, reg_lambda.")
+        if isinstance(reg_grid, Mapping):
+            if set(reg_grid) != {"lambda", "mu"}:
+                raise ValueError(f"reg_grid as a mapping needs exactly the keys 'lambda' and 'mu', got {sorted(reg_grid)}.")
+            reg_grid = [(float(lam), float(mu)) for lam in reg_grid["lambda"] for mu in reg_grid["mu"]]
         grid = list(reg_grid)
         if not grid or not all(0 <= v < math.inf for g in grid for v in (g if isinstance(g, tuple) else (g,))):
             raise ValueError(f"reg_grid must be a non-empty sequence of finite lambdas >= 0 (or (lambda, mu) pairs), got {reg_grid!r}.")
@@ -239,8 +244,13 @@ class MatrixScaling(Calibrator):
                 return weighted_mean(per_sample(log_probs, test_y), test_y, weights) * test_y.numel(), model._theta()
 
         names = [f"{type(self).__name__} lambda = {lam:g}, mu = {mu:g}" for lam, mu in self.reg_grid]
-        return cross_validate_warm_path(order, [lam for lam, _ in self.reg_grid], len(folds), fit_fold, labels.shape[0],
-                                        process_group, point_names=names)
+        # The path stops once the loss has risen at two points in a row: right along one strength,
+        # wrong across a grid of (lambda, mu) pairs, whose path starts each lambda at its largest
+        # mu. There (a lambda with several mus) every point is visited; the race still prunes.
+        lambdas = [lam for lam, _ in self.reg_grid]
+        patience = len(lambdas) if len(set(lambdas)) < len(lambdas) else 2
+        return cross_validate_warm_path(order, lambdas, len(folds), fit_fold, labels.shape[0],
+                                        process_group, patience=patience, point_names=names)
 
     def get_extra_state(self):
         return {**super().get_extra_state(), "reg": self.reg, "reg_lambda_": self.reg_lambda_, "reg_mu_": self.reg_mu_,

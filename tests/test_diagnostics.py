@@ -17,6 +17,7 @@ from torchcal.functional import (
     entropic_calibration_difference,
     error_rate,
     expected_calibration_error,
+    murphy_decomposition,
     reliability_bins,
     signed_calibration_error,
 )
@@ -139,6 +140,39 @@ def test_toy_per_bin_tables(toy):
     confidence = reliability_bins(logits, labels, n_bins=5)
     assert confidence.counts.tolist() == [0, 7, 10, 11, 2]
     assert confidence.frequency.tolist() == pytest.approx([0, 3 / 7, 3 / 10, 5 / 11, 1], abs=1e-14)
+
+
+def test_toy_class1_murphy_decomposition(toy):
+    """The reference notes' Murphy terms for class 1 of the toy problem, 5 bins (calibration-survey.md,
+    B.2): REL .0645, RES .0407, UNC .2222 (BS .2433: not their sum, scores vary within bins)."""
+    logits, labels = toy
+    class1 = torch.stack([torch.log1p(-logits[:, 0].exp()).clamp_min(-1e4), logits[:, 0]], dim=1)
+    rel, res, unc = murphy_decomposition(class1, (labels == 0).long(), n_bins=5, kind="binary")
+    assert [rel.item(), res.item(), unc.item()] == pytest.approx([0.0645, 0.0407, 0.2222], abs=5e-5)
+
+
+def test_survey_footnote_2_classwise_calibrated_but_not_confidence_calibrated():
+    """Silva Filho et al., footnote 2 (calibration-survey.md, E.4.4): 40 instances in 4 groups whose
+    class frequencies equal their scores: classwise-ECE 0, confidence-ECE 0.025, at M = 5, 10, 15."""
+    groups = [((.3, .3, .4), (4, 2, 4)), ((.4, .3, .3), (3, 4, 3)), ((.4, .6, 0), (5, 5, 0)), ((.3, .6, .1), (2, 7, 1))]
+    probs = torch.tensor([s for s, counts in groups for n in counts for _ in range(n)], dtype=torch.float64)
+    labels = torch.tensor([k for _, counts in groups for k, n in enumerate(counts) for _ in range(n)])
+    logits = probs.log().clamp_min(-1e4)
+    for n_bins in (5, 10, 15):
+        assert expected_calibration_error(logits, labels, n_bins=n_bins, kind="classwise").item() == pytest.approx(0, abs=1e-12)
+        assert expected_calibration_error(logits, labels, n_bins=n_bins).item() == pytest.approx(0.025, abs=5e-4)
+
+
+@pytest.mark.parametrize("n_bins, ece, mce, tolerance", [(10, 0.049187, 0.15, 5e-3), (5, 0.049187, 0.10, 5e-3), (2, 0.032114, 0.0824, 5e-5)])
+def test_hallenbeck_reliability_table(n_bins, ece, mce, tolerance):
+    """Hallenbeck (1920), the survey's Table 1: 123 rain forecasts at the decile centres
+    (calibration-survey.md, E.4.6), binned in 10, 5 and 2."""
+    counts, rains = [0, 22, 31, 18, 15, 13, 15, 7, 1, 1], [0, 4, 7, 6, 8, 8, 11, 6, 1, 1]
+    scores = torch.tensor([0.05 + 0.1 * i for i, n in enumerate(counts) for _ in range(n)], dtype=torch.float64)
+    labels = torch.tensor([int(j < r) for n, r in zip(counts, rains) for j in range(n)])
+    logits = torch.stack([torch.log1p(-scores), scores.log()], dim=1)
+    assert expected_calibration_error(logits, labels, n_bins=n_bins, kind="binary").item() == pytest.approx(ece, abs=5e-7)
+    assert expected_calibration_error(logits, labels, n_bins=n_bins, kind="binary", norm="max").item() == pytest.approx(mce, abs=tolerance)
 
 
 # --------------------------------------------------------------------------- NumPy reference

@@ -344,6 +344,25 @@ def test_ferrer_table3_abstention(binary_systems, alpha, miscalibrated, calibrat
         assert share == pytest.approx(abstained, abs=0.05)
 
 
+def test_ferrer_threshold_sweep_section_4_8_1(binary_systems):
+    """Ferrer §4.8.1 (metrics-decisions-ecd.md): LR-mc1's LLR thresholded over the grid -1:0.01:3;
+    NEC with data priors and c21 = 2 (NEC_beta^2=2) is 0.366 at its best threshold (0.22) and 0.604
+    at the grid point 1.50 next to the Bayes threshold log(4.5) = 1.504."""
+    labels, systems = binary_systems
+    logits = systems["Datap-mc1"].double()
+    llr = logits[:, 1] - logits[:, 0] - math.log(0.1 / 0.9)  # the posteriors hold the 0.1 prior
+    costs = torch.tensor([[0.0, 1.0], [2.0, 0.0]], dtype=torch.float64)
+
+    def nec(threshold: float) -> float:
+        return expected_cost((llr > threshold).long(), labels, costs, normalize=True).item()
+
+    grid = [round(-1 + 0.01 * i, 2) for i in range(401)]
+    necs = [nec(t) for t in grid]
+    best = min(range(len(grid)), key=necs.__getitem__)
+    assert necs[best] == pytest.approx(0.366, abs=5e-4) and grid[best] == 0.22
+    assert necs[grid.index(1.5)] == pytest.approx(0.604, abs=5e-4)
+
+
 def test_ferrer_table4_decision_columns():
     """K = 10: NEC of argmax decisions and NEC with an abstain cost of 0.1, uncalibrated rows."""
     task = gaussian_task(num_classes=10)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import torchcal.metrics
 from torchcal.functional import (
+    brier_score,
     cross_entropy,
     entropic_calibration_difference,
     error_rate,
@@ -480,6 +481,38 @@ def test_resnet110_published_values(real):
     assert expected_calibration_error(z, y, kind="classwise", reduction="sum").item() == pytest.approx(0.098, abs=5e-4)
     assert cross_entropy(z, y).item() == pytest.approx(0.3583, abs=5e-5)
     assert error_rate(z, y).item() == pytest.approx(0.0644, abs=5e-5)
+
+
+# ../shared/data/real/SOURCES.md, inventory: accuracy, NLL (nats), Brier (summed over classes) and
+# top-label ECE (%, 15 bins) of every file as stored
+SOURCES_INVENTORY = {
+    "cifar10_resnet110_kangsepp": (0.9356, 0.3583, 0.1102, 4.75),
+    "cifar10_lenet5_netcal": (0.5308, 1.3699, 0.6142, 10.79),
+    "cifar10_wrn16-4_netcal": (0.9109, 0.3782, 0.1439, 5.37),
+    "cifar100_lenet5_netcal": (0.1246, 3.8131, 0.9520, 1.49),
+    "cifar10_resnet20_ferrer": (0.9260, 0.2815, 0.1187, 3.90),
+    "cifar10_vgg19bn_ferrer": (0.9391, 0.3519, 0.1114, 5.00),
+    "cifar10_repvgg-a2_ferrer": (0.9527, 0.2122, 0.0800, 3.17),
+    "cifar100_resnet20_ferrer": (0.6883, 1.2253, 0.4453, 10.34),
+    "cifar100_vgg19bn_ferrer": (0.7387, 1.8048, 0.4449, 19.68),
+    "cifar100_repvgg-a2_ferrer": (0.7750, 0.9207, 0.3237, 5.58),
+    "cifar10_resnet50_ferrer-old": (0.8613, 0.7897, 0.2392, 10.69),
+    "sst2_gpt2-0shot_ferrer": (0.5865, 0.6357, 0.4602, 20.00),
+    "sst2_gpt2-4shot_ferrer": (0.5030, 0.7440, 0.5592, 34.40),
+    "adrenalmnist3d_resnet50_ferrer": (0.7852, 0.5038, 0.2996, 11.08),
+    "fvcaus_xvector-plda_ferrer": (0.9326, 0.1711, 0.0996, 1.77),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES_INVENTORY))
+def test_sources_inventory_row(real, name):
+    accuracy, nll, brier, ece = SOURCES_INVENTORY[name]
+    data = real(name)
+    z, y = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
+    assert 1 - error_rate(z, y).item() == pytest.approx(accuracy, abs=5e-5)
+    assert cross_entropy(z, y).item() == pytest.approx(nll, abs=5e-5)
+    assert brier_score(z, y).item() == pytest.approx(brier, abs=5e-5)
+    assert 100 * expected_calibration_error(z, y, n_bins=15).item() == pytest.approx(ece, abs=5e-3)
 
 
 # Ferrer & Ramos (TMLR 2025) Table 2, raw column: normalised cross-entropy and top-label ECE (%, 15 bins)

@@ -671,6 +671,55 @@ def test_single_class_present_warns_and_stays_finite(make, data):
     assert torch.isfinite(cal(logits)).all()
 
 
+def _class_missing_from_the_fit(real) -> tuple[torch.Tensor, ...]:
+    """CIFAR-10 ResNet-20 logits split in half, class 3 left out of the first half (the fit's)."""
+    data = real("cifar10_resnet20_ferrer")
+    logits, labels = torch.from_numpy(data["logits"]).double(), torch.from_numpy(data["labels"])
+    fit_x, fit_y, test_x, test_y = logits[:5000], labels[:5000], logits[5000:], labels[5000:]
+    return fit_x[fit_y != 3], fit_y[fit_y != 3], test_x, test_y
+
+
+@pytest.mark.parametrize("make", [torchcal.DirichletCalibration, torchcal.MatrixScaling])
+def test_odir_holds_the_diagonal_of_a_class_without_samples_at_the_identity(make, real):
+    """ODIR leaves the diagonal free; without samples of class 3 every sample asks for its
+    probability to be 0, which the free W_33 gave at infinity (Dir-ODIR: W_33 = 1.4e5 reported as
+    converged, 202 of 508 test samples of the class at probability 0, test log-loss 6,239). Its
+    diagonal is now penalised as the off-diagonal entries, towards 1: the optimum of that objective
+    (the gradient by autograd), and a finite test log-loss."""
+    fit_x, fit_y, test_x, test_y = _class_missing_from_the_fit(real)
+    with pytest.warns(UserWarning, match=r"classes \[3\] have no sample"):
+        cal = make(reg="odir").fit(fit_x, fit_y)
+    assert cal.fit_record_.converged
+    k, lam, mu = 10, cal.reg_lambda_, cal.reg_mu_
+    weight, bias = cal.weight.detach().clone().requires_grad_(), cal.bias.detach().clone().requires_grad_()
+    features = torch.log_softmax(fit_x, 1) if make is torchcal.DirichletCalibration else fit_x
+    off = ~torch.eye(k, dtype=torch.bool)
+    objective = (torch.nn.functional.cross_entropy(features @ weight.T + bias, fit_y)
+                 + lam / (k * (k - 1)) * (weight[off].square().sum() + (weight[3, 3] - 1) ** 2) + mu / k * bias.square().sum())
+    gradient = torch.autograd.grad(objective, [weight, bias])
+    assert max(float(g.abs().max()) for g in gradient) < 1e-7
+    assert abs(float(cal.weight.detach()[3, 3])) < 2
+    with torch.no_grad():
+        log_probs = cal(test_x)
+    assert float(torch.nn.functional.nll_loss(log_probs, test_y)) < 1.0 and bool((log_probs[test_y == 3, 3] > -30).all())
+
+
+def test_odir_class_without_samples_in_a_synthetic_fit_and_in_a_fold():
+    """The same without the real data: a class absent from the fit, and a class of 2 samples,
+    which some folds' training parts lack, under the cross-validation."""
+    gen = torch.Generator().manual_seed(5)
+    logits = 2 * torch.randn(1500, 6, generator=gen, dtype=torch.float64)
+    labels = torch.distributions.Categorical(logits=logits).sample()
+    absent = labels != 4
+    with pytest.warns(UserWarning, match="no sample"):
+        cal = torchcal.DirichletCalibration(reg="odir", reg_lambda=1e-2).fit(logits[absent], labels[absent])
+    assert cal.fit_record_.converged and 0.5 < float(cal.weight.detach()[4, 4]) < 1.5
+    rare = torch.cat([labels[absent], torch.tensor([4, 4])])
+    cal = torchcal.DirichletCalibration(reg="odir").fit(torch.cat([logits[absent], logits[:2]]), rare)
+    assert cal.fit_record_.converged and all(math.isfinite(v) for v in cal.cv_losses_ if v != math.inf)
+    assert float(cal.weight.detach()[4, 4]) < 100
+
+
 def test_too_few_samples_for_an_unregularised_matrix_warns(data):
     logits, labels = data
     with pytest.warns(UserWarning, match="over-fit"):

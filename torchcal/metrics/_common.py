@@ -54,6 +54,7 @@ from typing import Any, Literal, NamedTuple, TypeVar, get_args
 import torch
 from torch import Tensor
 from torchmetrics import Metric
+from torchmetrics.utilities.distributed import gather_all_tensors
 
 from torchcal._validation import (
     as_tensor,
@@ -68,7 +69,7 @@ from torchcal._validation import (
 from torchcal.functional.diagnostics import binning_scores
 from torchcal.functional.scoring import to_log_probs
 
-__all__ = ["BatchMetric", "InputKind", "ScoreMetric", "add_sum_state", "check_num_classes"]
+__all__ = ["BatchMetric", "InputKind", "ScoreMetric", "add_cat_state", "add_sum_state", "check_num_classes"]
 
 InputKind = Literal["logits", "log_probs", "probs"]
 _DIGEST_BYTES = 8  # compared by torch.allclose: whole numbers 0..255 that differ are never close
@@ -89,6 +90,13 @@ def add_sum_state(metric: Metric, name: str, *shape: int) -> None:
     metric.add_state(name, torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="sum", persistent=False)
 
 
+def add_cat_state(metric: BatchMetric, name: str, dtype: torch.dtype, *trailing: int) -> None:
+    """A list of per-sample tensors ``(N, *trailing)`` of ``dtype``, concatenated across processes
+    (also from a process without samples: see ``BatchMetric._sync_dist``)."""
+    metric.add_state(name, [], dist_reduce_fx="cat", persistent=False)
+    metric._cat_states[name] = (dtype, trailing)
+
+
 class BatchMetric(Metric):
     """A ``Metric`` with the shared ``ignore_index``, ``validate_args``, extra dimensions, empty
     batches and ``plot`` (see the module docs).
@@ -106,6 +114,7 @@ class BatchMetric(Metric):
 
     def __init__(self, *, ignore_index: int | None = None, validate_args: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self._cat_states: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}  # (add_cat_state)
         self._metric_attributes = frozenset(vars(self))  # torchmetrics' own: none of them changes a state
         if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
             raise ValueError(f"ignore_index must be an integer label or None, got {ignore_index!r}.")
@@ -182,6 +191,16 @@ class BatchMetric(Metric):
                 digest.update(f"{name}={value!r};".encode())
             self._options_digest = torch.tensor(list(digest.digest()[:_DIGEST_BYTES]), dtype=torch.float64, device=self.options_digest.device)
         self.options_digest.copy_(self._options_digest)
+
+    def _sync_dist(self, dist_sync_fn: Callable = gather_all_tensors, process_group: Any | None = None) -> None:
+        """torchmetrics sends a process's empty list state as an empty float32 vector, which the
+        other processes' states (float64 scores, int64 labels, (N, C) columns) do not match: gloo
+        aborted the job where a process had no samples. Such a state is sent as an empty tensor
+        of its own dtype and trailing shape."""
+        for name, (dtype, trailing) in self._cat_states.items():
+            if not getattr(self, name):
+                getattr(self, name).append(torch.empty(0, *trailing, dtype=dtype, device=self.device))
+        super()._sync_dist(dist_sync_fn, process_group)
 
     def _apply(self, fn: Any, exclude_state: Any = "") -> Any:
         """Moves states and buffers with the module but keeps their dtypes: ``.to(torch.float16)``

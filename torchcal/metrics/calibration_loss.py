@@ -4,8 +4,9 @@ Two modes, chosen by whether the calibrator is fitted:
 
 - fitted (``calibrator.is_fitted``): each batch is scored raw and after the calibrator, side by
   side; the state is per-class sums of both per-sample scores and per-class counts, (K,) each;
-- unfitted: the logits and labels are kept (O(N K) memory, gathered across processes) and
-  ``compute()`` returns the out-of-fold loss of ``functional.cross_validated_calibration_loss``.
+- unfitted: the logits (in float64) and labels are kept (O(N K) memory, gathered across
+  processes, also from a process that saw no samples) and ``compute()`` returns the out-of-fold
+  loss of ``functional.cross_validated_calibration_loss``.
   Use ``update()``, not ``forward()``, in this mode: a single batch is usually too small to
   cross-validate.
 """
@@ -27,7 +28,7 @@ from torchcal.functional.calibration_loss import (
     cross_validated_calibration_loss,
 )
 from torchcal.functional.scoring import class_sums, cross_entropy
-from torchcal.metrics._common import ScoreMetric, add_sum_state
+from torchcal.metrics._common import ScoreMetric, add_cat_state, add_sum_state
 
 __all__ = ["CalibrationLoss"]
 
@@ -100,8 +101,8 @@ class CalibrationLoss(ScoreMetric):
             for name in ("raw_sums", "calibrated_sums", "class_counts"):
                 add_sum_state(self, name, num_classes)
         else:
-            self.add_state("logits", [], dist_reduce_fx="cat", persistent=False)
-            self.add_state("labels", [], dist_reduce_fx="cat", persistent=False)
+            add_cat_state(self, "logits", torch.float64, num_classes)
+            add_cat_state(self, "labels", torch.int64)
 
     def update(self, scores: Tensor, labels: Tensor) -> None:
         """Accumulate raw ``scores: (N, K)`` or ``(N, K, d1, ...)`` and ``labels: (N,)`` or ``(N, d1, ...)``."""
@@ -110,7 +111,7 @@ class CalibrationLoss(ScoreMetric):
             return
         logits, labels = batch
         if not self.streaming:
-            self.logits.append(logits)
+            self.logits.append(logits.to(torch.float64))  # (one dtype in every process: add_cat_state)
             self.labels.append(labels)
             return
         with torch.no_grad():

@@ -27,7 +27,7 @@ from torchcal.functional.detection import (
     detection_cost_from_class_sums,
 )
 from torchcal.functional.scoring import class_sums, to_log_probs
-from torchcal.metrics._common import ScoreMetric, add_sum_state
+from torchcal.metrics._common import ScoreMetric, add_cat_state, add_sum_state
 
 __all__ = ["Cllr", "DetectionCost"]
 
@@ -50,8 +50,8 @@ class _DetectionMetric(ScoreMetric):
         super().__init__(2, **kwargs)
         self.register_buffer("priors", None if priors is None else check_detection_priors(priors), persistent=False)
         if priors is None:
-            self.add_state("log_odds", [], dist_reduce_fx="cat", persistent=False)
-            self.add_state("targets", [], dist_reduce_fx="cat", persistent=False)
+            add_cat_state(self, "log_odds", torch.float64)
+            add_cat_state(self, "targets", torch.int64)
         else:
             add_sum_state(self, "class_sums", 2)
             add_sum_state(self, "class_counts", 2)

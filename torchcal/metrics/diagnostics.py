@@ -32,7 +32,7 @@ from torchcal.functional.diagnostics import (
     uniform_edges,
 )
 from torchcal.functional.scoring import to_log_probs
-from torchcal.metrics._common import ScoreMetric, add_sum_state
+from torchcal.metrics._common import ScoreMetric, add_cat_state, add_sum_state
 from torchcal.metrics._softmax_rows import softmax_rows
 
 __all__ = [
@@ -116,14 +116,14 @@ class ExpectedCalibrationError(ScoreMetric):
             )
         self.n_bins, self.strategy, self.kind, self.norm, self.reduction = n_bins, strategy, kind, norm, reduction
         edges = uniform_edges(n_bins)  # also validates n_bins
+        columns = num_classes if kind == "classwise" else 1
         if strategy == "uniform":
             self.register_buffer("edges", edges, persistent=False)
-            columns = num_classes if kind == "classwise" else 1
             for name in ("counts", "score_sums", "target_sums"):
                 add_sum_state(self, name, columns, n_bins)
         else:
-            self.add_state("scores", [], dist_reduce_fx="cat", persistent=False)
-            self.add_state("targets", [], dist_reduce_fx="cat", persistent=False)
+            add_cat_state(self, "scores", torch.float64, columns)
+            add_cat_state(self, "targets", torch.uint8, columns)
 
     def update(self, scores: Tensor, labels: Tensor) -> None:
         """Accumulate ``scores: (N, K)`` or ``(N, K, d1, ...)`` and ``labels: (N,)`` or ``(N, d1, ...)``."""
@@ -284,8 +284,8 @@ class EntropicCalibrationDifference(ScoreMetric):
             uniform_edges(n_bins)  # validates n_bins
         self.n_bins, self.strategy, self.kind = n_bins, strategy, kind
         if n_bins is not None and strategy == "quantile":
-            self.add_state("scores", [], dist_reduce_fx="cat", persistent=False)
-            self.add_state("values", [], dist_reduce_fx="cat", persistent=False)
+            add_cat_state(self, "scores", torch.float64, 1)
+            add_cat_state(self, "values", torch.float64)
         else:
             add_sum_state(self, "sums", 2, 1 if n_bins is None else n_bins)  # ECD sums, counts
 

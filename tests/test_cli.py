@@ -98,6 +98,11 @@ def test_calibration_data_come_from_the_option_or_the_files_own_split(tmp_path, 
     assert "(val split), N = 300)" in out
     _, out, _ = run(capsys, "evaluate", tmp_path / "both.npz", "--cv", "4", *common)
     assert "4-fold stratified cross-validation" in out
+    # the evaluated file as its own calibration data: refused (exit 2), a copy of it too
+    for calibration in (tmp_path / "test.npz", tmp_path / "copy.npz"):
+        np.savez(tmp_path / "copy.npz", logits=logits[:600], labels=labels[:600])
+        code, _, err = run(capsys, "evaluate", tmp_path / "test.npz", "--calibration", calibration, *common)
+        assert code == 2 and "every evaluated sample (600) is in the calibration data too" in err
     _, out, _ = run(capsys, "evaluate", tmp_path / "test.npz", *common)
     assert "5-fold stratified cross-validation" in out  # the default: never the test data itself
 

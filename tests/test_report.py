@@ -282,6 +282,22 @@ def test_progress_without_a_terminal_is_a_line_per_step(small, capsys, tmp_path)
     assert capsys.readouterr().err.splitlines() == [f"torchcal: drawing {name}" for name in report._drawings()]
 
 
+def test_calibration_data_that_hold_the_evaluated_samples_are_refused_or_warned_of(small):
+    """A calibrator is never scored on the samples it was fitted on: the evaluated data given as
+    their own calibration data (the CLI took `evaluate F --calibration F`, and a copy of F) are
+    refused; calibration data holding some of them (in another order) warn with the count."""
+    logits, labels = small
+    with pytest.raises(ValueError, match=r"every evaluated sample \(800\) is in the calibration data too"):
+        evaluate(small, ["temperature"], calibration=(logits.double().flip(0), labels.flip(0)), bootstrap=0)
+    with pytest.warns(UserWarning, match="100 of the 400 evaluated samples are in the calibration data too"):
+        evaluate((logits[:400], labels[:400]), ["temperature"], calibration=(logits[300:], labels[300:]), bootstrap=0)
+    relabelled = (labels[:400] + 1) % 4  # the same scores with other labels are other samples
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        evaluate((logits[:400], labels[:400]), ["temperature"], calibration=(logits[:400], relabelled), bootstrap=0)
+    assert not [w for w in caught if "in the calibration data too" in str(w.message)]
+
+
 @pytest.mark.parametrize("progress", [False, True])
 def test_progress_reaches_the_bootstrap(small, monkeypatch, progress):
     """The bootstrap's own bar (its column and general paths loop over the replicates) follows ``progress``."""
@@ -293,5 +309,6 @@ def test_progress_reaches_the_bootstrap(small, monkeypatch, progress):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(report_module, "bootstrap_metric", recording)
-    evaluate(small, ["temperature"], calibration=small, bootstrap=20, progress=progress)
+    logits, labels = small
+    evaluate((logits[:400], labels[:400]), ["temperature"], calibration=(logits[400:], labels[400:]), bootstrap=20, progress=progress)
     assert len(asked) >= 4 and set(asked) == {progress}

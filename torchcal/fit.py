@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from torchcal.calibrators.base import Calibrator
 
 __all__ = [
-    "ConvergenceWarning", "FitRecord", "cross_validate", "cross_validate_path", "cross_validate_warm_path", "fold_indices",
-    "minimize", "newton",
+    "ConvergenceWarning", "FitRecord", "content_keys", "cross_validate", "cross_validate_path", "cross_validate_warm_path",
+    "fold_indices", "minimize", "newton", "shared_samples",
 ]
 
 
@@ -408,23 +408,38 @@ def fold_indices(
     return [(assignment == f).nonzero().flatten() for f in range(folds)]
 
 
-def _order_by_content(scores: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    """A permutation of the samples that depends on their values only: by label, then by a fixed
-    random projection of the float32 roundings of their log-posteriors ``log_softmax(scores)``
-    (computed in float64, so that logits and log-posteriors, float32 or float64, give one order;
-    identical samples are interchangeable); and, in that order, whether each sample is identical
-    to the one before it (the same label and projection)."""
+def content_keys(scores: Tensor) -> Tensor:
+    """A key (N,) float64 per sample that depends on its values only: a fixed random projection of
+    the float32 roundings of its log-posteriors ``log_softmax(scores)`` (computed in float64, so
+    that logits and log-posteriors, float32 or float64, give one key). Identical samples share a
+    key; different ones practically never do."""
     direction = torch.randn(scores.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     direction = direction.to(scores.device)
     rows = max(1, (1 << 22) // scores.shape[1])  # float64 temporaries of 32 MB
-    key = torch.cat([torch.log_softmax(chunk.detach().to(torch.float64), dim=1).to(torch.float32).to(torch.float64) @ direction
-                     for chunk in scores.split(rows)])
-    key = key.cpu()
+    return torch.cat([torch.log_softmax(chunk.detach().to(torch.float64), dim=1).to(torch.float32).to(torch.float64) @ direction
+                      for chunk in scores.split(rows)]).cpu()
+
+
+def _order_by_content(scores: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """A permutation of the samples that depends on their values only: by label, then by their
+    :func:`content_keys` (identical samples are interchangeable); and, in that order, whether each
+    sample is identical to the one before it (the same label and key)."""
+    key = content_keys(scores)
     order = torch.argsort(key, stable=True)
     order = order[torch.argsort(labels[order], stable=True)]
     repeated = torch.zeros(order.numel(), dtype=torch.bool)
     repeated[1:] = (key[order[1:]] == key[order[:-1]]) & (labels[order[1:]] == labels[order[:-1]])
     return order, repeated
+
+
+def shared_samples(logits: Tensor, labels: Tensor, other_logits: Tensor, other_labels: Tensor) -> Tensor:
+    """Which samples of ``logits: (N, K)``, ``labels: (N,)`` appear in the other data as well (the
+    same label and :func:`content_keys`); (N,) bool."""
+    keys, other_keys = content_keys(logits), content_keys(other_logits)
+    order = torch.argsort(other_keys)
+    sorted_keys, sorted_labels = other_keys[order], other_labels.cpu()[order]
+    at = torch.searchsorted(sorted_keys, keys).clamp_(max=max(sorted_keys.numel() - 1, 0))
+    return (sorted_keys[at] == keys) & (sorted_labels[at] == labels.cpu()) if sorted_keys.numel() else torch.zeros_like(keys, dtype=torch.bool)
 
 
 def cross_validate(

@@ -62,9 +62,9 @@ from torchcal import (
     VennAbersCalibration,
     cross_validate,
 )
-from torchcal._validation import check_costs, check_logits_and_labels, check_priors
+from torchcal._validation import check_costs, check_logits_and_labels, check_priors, stacklevel_outside_package
 from torchcal.data import Scores
-from torchcal.fit import ConvergenceWarning
+from torchcal.fit import ConvergenceWarning, shared_samples
 from torchcal.functional import (
     bayes_risk,
     brier_score,
@@ -468,6 +468,22 @@ def _csv_row(name: str, q: Quality, m: MethodResult | None) -> list[Any]:
 
 # --- the workflow ----------------------------------------------------------------------------------
 
+def _check_held_out(logits: Tensor, labels: Tensor, cal_logits: Tensor, cal_labels: Tensor) -> None:
+    """Refuse calibration data that hold every evaluated sample, and warn where they hold some: a
+    calibrator is never scored on the samples it was fitted on (Ferrer & Ramos; the evaluated
+    file given as its own calibration data raised the affine RCL of CIFAR-10 ResNet-20 from
+    17.28 % by cross-validation to 17.65 %)."""
+    shared = int(shared_samples(logits, labels, cal_logits, cal_labels).sum())
+    n = labels.shape[0]
+    advice = "pass held-out calibration data, or none: then every sample is calibrated by cross-validation"
+    if shared == n:
+        raise ValueError(f"every evaluated sample ({n}) is in the calibration data too: the calibrators would be scored on "
+                         f"the samples they were fitted on, which flatters them; {advice}.")
+    if shared:
+        warnings.warn(f"{shared} of the {n} evaluated samples are in the calibration data too: their calibrated scores were "
+                      f"fitted on themselves, which flatters the calibrators; {advice}.", stacklevel=stacklevel_outside_package())
+
+
 def evaluate(
     scores: Scores | tuple[Tensor, Tensor],
     methods: Sequence[str] = ("temperature", "affine"),
@@ -530,6 +546,7 @@ def evaluate(
         cal_logits, cal_labels, cal_source, _ = _unpack(calibration, "calibration scores")
         if cal_logits.shape[1] != num_classes:
             raise ValueError(f"the calibration scores have K = {cal_logits.shape[1]} classes, the evaluated scores K = {num_classes}.")
+        _check_held_out(logits, labels, cal_logits, cal_labels)
         protocol = f"fitted on separate calibration data ({cal_source}, N = {cal_logits.shape[0]})"
     else:
         cal_logits, cal_labels = logits, labels

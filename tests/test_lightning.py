@@ -241,6 +241,11 @@ def test_weights_only_checkpoints_hold_the_head(tmp_path):
         checkpoint = torch.load(path, weights_only=True)
         assert "callbacks" not in checkpoint and checkpoint["own"] == "saved"
         assert CalibratedModel.from_checkpoint(path, Classifier()).calibrator.temperature == temperature
+    # the bare network instead of the LightningModule: the keys differ ("net.0.weight" / "0.weight")
+    with pytest.raises(ValueError, match=r"do not fit the Sequential passed.*fresh instance of that LightningModule, or load_weights=False"):
+        CalibratedModel.from_checkpoint(tmp_path / "final.ckpt", Classifier().net)
+    bare = CalibratedModel.from_checkpoint(tmp_path / "final.ckpt", Classifier().net, load_weights=False)
+    assert bare.calibrator.temperature == temperature
     fresh, model = CalibrationCallback(torchcal.TemperatureScaling()), WithOwnCheckpointHooks()
     Trainer(**TRAINER_DEFAULTS, callbacks=[fresh]).test(model, loader(100, 3), ckpt_path=checkpoints.best_model_path, verbose=False)
     assert fresh.calibrator.temperature == temperature and model.own == "saved"

@@ -361,7 +361,15 @@ class CalibratedModel(nn.Module):
             f"fitted (the checkpoint stores its state, not its arguments)",
         )
         if load_weights:
-            model.load_state_dict(checkpoint["state_dict"])
+            try:
+                model.load_state_dict(checkpoint["state_dict"])
+            except RuntimeError as error:
+                stored, own = list(checkpoint["state_dict"]), list(model.state_dict())
+                raise ValueError(
+                    f"the weights in {os.fspath(path)} (the trained LightningModule's, e.g. {stored[:2]}) do not fit the "
+                    f"{type(model).__name__} passed (e.g. {own[:2]}): pass a fresh instance of that LightningModule, or "
+                    f"load_weights=False with a network that already holds its weights."
+                ) from error
         return cls(model, calibrator, entry["output"], entry["logits_key"]).eval()
 
     def extra_repr(self) -> str:

@@ -324,6 +324,49 @@ def test_two_processes_estimate_the_priors_of_the_union(tmp_path):
         assert record.loss == pytest.approx(single.record.loss, rel=1e-12)
 
 
+def _adapter_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+
+    def sample(priors, n):
+        labels = torch.multinomial(torch.tensor(priors), n, replacement=True, generator=gen)
+        return torch.randn(n, 3, generator=gen) + 2.5 * torch.eye(3)[labels], labels
+
+    source_logits, source_labels = sample([0.6, 0.3, 0.1], 3000)
+    return source_logits, source_labels, sample([0.1, 0.2, 0.7], 3000)[0]
+
+
+def _adapter_worker(rank: int, out: str) -> None:
+    logits, labels, target = _adapter_data()
+    group = dist.group.WORLD
+    for layout in ("uneven", "sorted"):
+        order = labels.argsort(stable=True) if layout == "sorted" else torch.arange(3000)
+        mine = order[:1800] if rank == 0 else order[1800:]  # sorted: rank 1 has no sample of class 0
+        adapter = LabelShiftAdapter().fit(logits[mine], labels[mine], process_group=group)
+        adapter.adapt(target[:1000] if rank == 0 else target[1000:], process_group=group)
+        torch.save(adapter.state_dict(), Path(out) / f"{layout}{rank}.pt")
+    # a class absent from every shard is refused by every process (none waits for another)
+    try:
+        LabelShiftAdapter().fit(logits[:100], labels[:100] % 2, process_group=group)
+    except ValueError as err:
+        Path(out, f"refused{rank}").write_text(str(err))
+
+
+def test_two_processes_fit_the_adapter_of_the_union(tmp_path):
+    """Every process gets the source priors of all the shards (and so the target priors of all
+    the target shards), also with uneven shards and with a shard that lacks a class."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    spawn_gloo(_adapter_worker, 2, str(tmp_path))
+    logits, labels, target = _adapter_data()
+    single = LabelShiftAdapter().fit(logits, labels).adapt(target).state_dict()
+    for layout in ("uneven", "sorted"):
+        for rank in range(2):
+            state = torch.load(tmp_path / f"{layout}{rank}.pt", weights_only=True)
+            torch.testing.assert_close(state["source_priors"], class_frequencies(labels, 3), rtol=0, atol=1e-15)
+            torch.testing.assert_close(state, single, rtol=1e-6, atol=1e-7)
+    assert all("must be positive" in (tmp_path / f"refused{rank}").read_text() for rank in range(2))
+
+
 def test_a_fit_that_refuses_leaves_the_adapter_as_it_was():
     """The source priors are checked before the calibrator is refitted: a refitted calibrator with
     the old priors would mix two fits."""

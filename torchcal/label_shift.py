@@ -52,7 +52,6 @@ from torchcal.calibrators.affine import AffineCalibration
 from torchcal.calibrators.base import Calibrator
 from torchcal.distributed import ProcessGroup, all_reduce_, validate_together
 from torchcal.fit import ConvergenceWarning, FitRecord
-from torchcal.functional.scoring import class_frequencies
 
 __all__ = ["LabelShiftAdapter", "PriorEstimate", "adapt_to_priors", "estimate_priors", "smoothed_priors"]
 
@@ -416,12 +415,20 @@ class LabelShiftAdapter(nn.Module):
 
     def fit(self, logits: Tensor, labels: Tensor, *, priors: Tensor | None = None, **fit_options: Any) -> LabelShiftAdapter:
         """Fit the calibrator on labelled source ``logits: (N, K)``, ``labels: (N,)``; ``priors``
-        and ``fit_options`` go to its ``fit``. The target priors start as the source priors."""
-        logits, labels = check_logits_and_labels(logits, labels)
+        and ``fit_options`` go to its ``fit``. The target priors start as the source priors.
+
+        With ``process_group=`` (a ``fit_options`` entry) every process passes its own shard and all
+        end with the adapter of one fit on the union: the source priors are the class frequencies of
+        all the shards (the class counts are summed over the group), so a shard may lack classes."""
+        group = fit_options.get("process_group")
+        logits, labels = validate_together(lambda: check_logits_and_labels(logits, labels), group, logits)
         k = logits.shape[1]
         # checked before the calibrator is refitted, so that a refusal leaves the adapter as it was
         if priors is None:
-            source = _source_priors(class_frequencies(labels, k), k, logits.device, "the class frequencies of labels")
+            counts = all_reduce_(torch.bincount(labels, minlength=k).to(torch.float64), group)
+            if float(counts.sum()) == 0:
+                raise ValueError("labels is empty (N = 0): the source priors are the class frequencies of at least one sample.")
+            source = _source_priors(counts / counts.sum(), k, logits.device, "the class frequencies of labels")
             self.calibrator.fit(logits, labels, **fit_options)
         else:
             source = _source_priors(priors, k, logits.device, "priors")

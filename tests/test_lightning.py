@@ -433,6 +433,46 @@ def test_early_stopping_and_checkpointing_monitor_the_refinement_loss(tmp_path):
     )
 
 
+class SeveralValidationLoaders(Classifier):
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", F.cross_entropy(logits, y))  # Lightning suffixes it with the loader's index
+        return logits
+
+
+def test_several_validation_loaders_log_the_first_loaders_metrics_under_its_name(trained):
+    """With two validation loaders the metrics are the first loader's and are named for it
+    (``/dataloader_idx_0``): the second loader's results hold no plain calibration keys that
+    would pass loader 0's numbers off as its own; fit's validation logs them alike."""
+    _, model, _, _ = trained
+    net = SeveralValidationLoaders()
+    net.load_state_dict(model.state_dict())
+    val, test = make_data(300, seed=1), make_data(200, seed=7)
+    callback = CalibrationCallback(metrics=("nce", "refinement"))
+    results = Trainer(**TRAINER_DEFAULTS, callbacks=[callback]).validate(
+        net, [DataLoader(val, batch_size=50), DataLoader(test, batch_size=50)], verbose=False
+    )
+    logits = raw_outputs(net, val, batch_size=50)
+    expected = {
+        "calibration/nce/dataloader_idx_0": float(cross_entropy(logits, val.tensors[1], normalize=True)),
+        "calibration/refinement/dataloader_idx_0": float(refinement_loss(logits, val.tensors[1])),
+    }
+    test_nce = float(cross_entropy(raw_outputs(net, test, batch_size=50), test.tensors[1], normalize=True))
+    assert abs(test_nce - expected["calibration/nce/dataloader_idx_0"]) > 1e-3  # the loaders differ
+    for index, result in enumerate(results):
+        assert not any(key.startswith("calibration/") and "/dataloader_idx_" not in key for key in result)
+        assert "calibration/nce/dataloader_idx_1" not in result
+        for key, value in expected.items():
+            assert result[key] == pytest.approx(value, rel=1e-6)
+        assert f"val_loss/dataloader_idx_{index}" in result
+    # trainer.fit with two validation loaders: EarlyStopping monitors the first loader's key
+    stopping = EarlyStopping(monitor="calibration/refinement/dataloader_idx_0", patience=5)
+    trainer = Trainer(**TRAINER_DEFAULTS, max_epochs=2, callbacks=[CalibrationCallback(report=False), stopping])
+    trainer.fit(SeveralValidationLoaders(), loader(200, seed=0, shuffle=True), [loader(300, seed=1), loader(200, seed=7)])
+    assert stopping.best_score.isfinite() and "calibration/refinement" not in trainer.callback_metrics
+
+
 class InferenceModeProbe(CalibrationCallback):
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.inference_mode = torch.is_inference_mode_enabled()

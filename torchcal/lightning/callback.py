@@ -161,7 +161,17 @@ class CalibrationCallback(Callback):
             self.log("val_loss", F.cross_entropy(logits, y))
             return logits  # or {"logits": logits, "labels": y}, or (logits, features) with logits_key=0
 
-    Override :meth:`extract` for anything else. Only the first validation dataloader is used.
+    Override :meth:`extract` for anything else.
+
+    **Several validation dataloaders.** Only the first is used: its outputs are the ones measured
+    and fitted on. The metrics are then logged as ``{prefix}{name}/dataloader_idx_0``, the name
+    Lightning gives the first loader's metrics (``EarlyStopping`` / ``ModelCheckpoint`` monitor
+    ``"calibration/refinement/dataloader_idx_0"``). Lightning copies whatever is logged at the end of
+    a validation epoch into every loader's results, so ``trainer.validate(model, [val, test])[1]``
+    holds these keys too: they are the first loader's numbers, as their names say, not the second
+    loader's (the table ``trainer.validate`` prints drops the suffix, and so shows them in every
+    loader's column). To measure another loader, validate on it alone:
+    ``trainer.validate(model, test_loader)``.
 
     **When it fits (cost controls).** At the validation of every ``every_n_epochs``-th training
     epoch of ``trainer.fit`` (with ``check_val_every_n_epoch=2`` and ``every_n_epochs=2``, every
@@ -411,9 +421,12 @@ class CalibrationCallback(Callback):
         quality = self._quality(scores, labels, group) if any(n in _FUSED_STATISTICS or n == "rcl" for n in names) else None
         if trainer.state.fn == TrainerFn.FITTING:
             self._latest_quality = quality  # the end-of-fit report reuses it
+        # Lightning puts what an epoch-end hook logs into the results of every loader, so with
+        # several loaders the names say that the values are the first loader's (see the class docs)
+        suffix = "/dataloader_idx_0" if len(trainer.num_val_batches) > 1 else ""
         for name, value in self._metrics(scores, labels, names, group, quality, head_fitted_here=fit).items():
             # identical on every process; sync_dist averages identical values (exactly)
-            pl_module.log(self.prefix + name, value, sync_dist=True)
+            pl_module.log(self.prefix + name + suffix, value, sync_dist=True, add_dataloader_idx=False)
 
     def _epoch_data(self) -> tuple[Tensor, Tensor, ProcessGroup | None]:
         """This process's scores (N, K) and labels (N,), and the process group to reduce over:

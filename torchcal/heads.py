@@ -17,7 +17,13 @@ with ``logits_key`` (an index or a key); only that element is calibrated, the re
 It saves and loads with ``state_dict``, compiles with ``torch.compile`` and exports with
 ``torch.export``, ``torch.onnx.export`` (``dynamo=True``, and the legacy ``dynamo=False``) and
 ``torch.jit.trace`` (every calibrator, the step maps of histogram binning, isotonic regression and
-Venn–Abers included; a calibrator exports the same way alone or inside any other module). Another
+Venn–Abers included; a calibrator exports the same way alone or inside any other module). The
+``dynamo=True`` export of pairwise Venn–Abers (``VennAbersCalibration(multiclass="pairwise")``) is
+slow for many classes, though: its graph holds two searches per pair of classes and fold, unrolled,
+and the exporter's graph optimiser (onnxscript) takes the time, growing quickly with K (measured on
+one CPU thread with torch 2.13: 14 s at K = 4, 48 s at K = 6, minutes at K = 10; with
+``optimize=False`` 8 s, 13 s and 34 s; with ``dynamo=False`` under a second at K = 6, 2 s at
+K = 10, and the same outputs). Export it with ``dynamo=False`` or ``optimize=False`` for large K. Another
 runtime (ONNX Runtime) may round the network's own output differently in its last float32 bit;
 the step maps are discontinuous, so an input that sits exactly on a step moves to the
 neighbouring one there. That input is rare for logits. With ``output="probs"`` it is common on a

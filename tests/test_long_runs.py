@@ -91,8 +91,8 @@ def _expected(name, fn, logits, labels):
         cal = fitted_temperature()
         with torch.no_grad():
             return F.calibration_loss(logits, cal(logits), labels).relative
-    if name == "CalibrationLoss(unfitted)":
-        return F.cross_validated_calibration_loss(logits, labels, torchcal.TemperatureScaling(), folds=3).relative
+    if name == "CalibrationLoss(unfitted)":  # (the metric keeps the logits in float64)
+        return F.cross_validated_calibration_loss(logits.double(), labels, torchcal.TemperatureScaling(), folds=3).relative
     return fn(logits, labels)
 
 

@@ -571,46 +571,6 @@ def test_cross_validated_penalty_does_not_depend_on_the_row_order(real):
             torch.testing.assert_close(one(logits), other(logits), rtol=0, atol=1e-5)
 
 
-def test_identical_samples_share_a_fold_and_the_folds_stay_balanced(data):
-    """A copy of a held-out sample in the training folds is a test sample trained on: every row of
-    the data twice (and a third copy of some) puts each row's copies in one fold; data without
-    copies keep the folds they had (the positions of the seeded shuffle are the same)."""
-    logits, labels = data
-    logits = logits.double()
-    copies = torch.cat([torch.arange(600), torch.arange(600), torch.arange(150)])
-    fold_of = torch.empty(copies.numel(), dtype=torch.long)
-    for f, fold in enumerate(torchcal.fit.fold_indices(labels[copies], 5, seed=3, scores=logits[copies].float())):
-        fold_of[fold] = f
-    for original in range(600):
-        assert fold_of[copies == original].unique().numel() == 1
-    sizes = torch.bincount(fold_of)
-    assert int(sizes.max() - sizes.min()) <= 0.1 * copies.numel() / 5
-    # without copies: each class's samples dealt round-robin in the shuffled order of its samples
-    generator = torch.Generator().manual_seed(3)
-    expected = torch.empty(600, dtype=torch.long)
-    canonical, _ = torchcal.fit._order_by_content(logits, labels)
-    offset = 0
-    for k in torch.unique(labels).tolist():
-        members = canonical[labels[canonical] == k]
-        members = members[torch.randperm(members.numel(), generator=generator)]
-        expected[members] = (torch.arange(members.numel()) + offset) % 5
-        offset += members.numel()
-    for f, fold in enumerate(torchcal.fit.fold_indices(labels, 5, seed=3, scores=logits)):
-        assert bool((expected[fold] == f).all())
-
-
-def test_cross_validated_penalty_is_the_same_for_data_given_twice(real):
-    """Every CIFAR-10 ResNet-20 calibration row twice: copies in different folds moved the
-    cross-validated Dir-ODIR lambda from 10 to 1 (CIFAR-100: 1e5 to 10)."""
-    data = real("cifar10_resnet20_ferrer")
-    logits, labels = torch.from_numpy(data["logits"][:5000]).double(), torch.from_numpy(data["labels"][:5000])
-    once = torchcal.DirichletCalibration(reg="odir").fit(logits, labels)
-    twice = torchcal.DirichletCalibration(reg="odir").fit(torch.cat([logits, logits]), torch.cat([labels, labels]))
-    assert once.reg_lambda_ == twice.reg_lambda_
-    with torch.no_grad():
-        torch.testing.assert_close(once(logits), twice(logits), rtol=0, atol=1e-6)
-
-
 def test_cross_validation_needs_enough_samples(data):
     logits, labels = data
     with pytest.raises(ValueError, match="at least 5 samples"):

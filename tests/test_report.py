@@ -291,6 +291,12 @@ def test_calibration_data_that_hold_the_evaluated_samples_are_refused_or_warned_
         evaluate(small, ["temperature"], calibration=(logits.double().flip(0), labels.flip(0)), bootstrap=0)
     with pytest.warns(UserWarning, match="100 of the 400 evaluated samples are in the calibration data too"):
         evaluate((logits[:400], labels[:400]), ["temperature"], calibration=(logits[300:], labels[300:]), bootstrap=0)
+    # scores of a few distinct values: different samples share them, and only equal data are refused
+    coarse = logits.sign()  # (2^4 distinct rows)
+    assert torchcal.fit.content_keys(coarse).unique().numel() < 0.99 * 800
+    evaluate((coarse[:400], labels[:400]), ["temperature"], calibration=(coarse[400:], labels[400:]), bootstrap=0)
+    with pytest.raises(ValueError, match=r"every evaluated sample \(400\)"):
+        evaluate((coarse[:400], labels[:400]), ["temperature"], calibration=(coarse[:400].clone(), labels[:400].clone()), bootstrap=0)
     relabelled = (labels[:400] + 1) % 4  # the same scores with other labels are other samples
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

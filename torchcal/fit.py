@@ -345,10 +345,9 @@ def fold_indices(
     groups assigned greedily, largest first, to the smallest fold) and ``stratified`` is ignored.
     With ``scores: (N, K)`` (logits or log-posteriors), the samples are put in an order given by
     their scores before the seeded shuffle, so each sample lands in the same fold whatever the
-    order of the rows, and whether the scores are float32 or float64; and (stratified) identical
-    samples, of one label and the same log-posteriors, land in one fold: a copy in the training
-    folds of a sample scored out of fold is a test sample trained on (every CIFAR-100 row twice:
-    the cross-validated Dir-ODIR lambda fell from 1e5 to 10).
+    order of the rows, and whether the scores are float32 or float64. (Identical samples are not
+    kept together: with scores of a few distinct values they are different samples, and folds of
+    whole groups of them were empty or lacked whole score values.)
     In a data-parallel fit every process splits its own samples; with ``process_group`` given, a
     process with too few samples makes every process raise (not only itself, which would leave
     the others waiting in their next collective).
@@ -365,10 +364,7 @@ def fold_indices(
     gen = torch.Generator().manual_seed(seed)
     assignment = torch.empty(n, dtype=torch.long)
     labels = labels.cpu()
-    if scores is None or groups is not None:
-        canonical, repeated = torch.arange(n), torch.zeros(n, dtype=torch.bool)
-    else:
-        canonical, repeated = _order_by_content(scores, labels)
+    canonical = torch.arange(n) if scores is None or groups is not None else _order_by_content(scores, labels)
     if groups is not None:
         groups = torch.as_tensor(groups).cpu()
         if groups.shape != (n,):
@@ -388,13 +384,10 @@ def fold_indices(
     elif stratified:
         offset = 0
         for k in torch.unique(labels).tolist():
-            in_class = labels[canonical] == k
-            members, first = canonical[in_class], ~repeated[in_class]  # (copies follow their first)
-            group = first.cumsum(0) - 1  # identical samples form one group
-            shuffled = torch.empty(int(first.sum()), dtype=torch.long)  # each group's place in a shuffle
-            shuffled[torch.randperm(shuffled.numel(), generator=gen)] = torch.arange(shuffled.numel())
-            assignment[members] = (shuffled[group] + offset) % folds  # the groups dealt round-robin
-            offset += shuffled.numel()
+            members = canonical[labels[canonical] == k]
+            members = members[torch.randperm(members.numel(), generator=gen)]
+            assignment[members] = (torch.arange(members.numel()) + offset) % folds
+            offset += members.numel()
         small = torch.bincount(labels)
         small = small[small > 0].min()
         if small < folds:
@@ -412,7 +405,8 @@ def content_keys(scores: Tensor) -> Tensor:
     """A key (N,) float64 per sample that depends on its values only: a fixed random projection of
     the float32 roundings of its log-posteriors ``log_softmax(scores)`` (computed in float64, so
     that logits and log-posteriors, float32 or float64, give one key). Identical samples share a
-    key; different ones practically never do."""
+    key; samples with different scores practically never do (samples of equal scores do: with
+    scores of a few distinct values, different samples share keys)."""
     direction = torch.randn(scores.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     direction = direction.to(scores.device)
     rows = max(1, (1 << 22) // scores.shape[1])  # float64 temporaries of 32 MB
@@ -420,16 +414,11 @@ def content_keys(scores: Tensor) -> Tensor:
                       for chunk in scores.split(rows)]).cpu()
 
 
-def _order_by_content(scores: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+def _order_by_content(scores: Tensor, labels: Tensor) -> Tensor:
     """A permutation of the samples that depends on their values only: by label, then by their
-    :func:`content_keys` (identical samples are interchangeable); and, in that order, whether each
-    sample is identical to the one before it (the same label and key)."""
-    key = content_keys(scores)
-    order = torch.argsort(key, stable=True)
-    order = order[torch.argsort(labels[order], stable=True)]
-    repeated = torch.zeros(order.numel(), dtype=torch.bool)
-    repeated[1:] = (key[order[1:]] == key[order[:-1]]) & (labels[order[1:]] == labels[order[:-1]])
-    return order, repeated
+    :func:`content_keys` (identical samples are interchangeable)."""
+    order = torch.argsort(content_keys(scores), stable=True)
+    return order[torch.argsort(labels[order], stable=True)]
 
 
 def shared_samples(logits: Tensor, labels: Tensor, other_logits: Tensor, other_labels: Tensor) -> Tensor:

@@ -256,6 +256,41 @@ def test_state_dict_of_another_number_of_classes_replaces_the_shapes():
         other(torch.randn(4, 5))
 
 
+@pytest.mark.parametrize(
+    "make, name, cut",
+    [
+        (partial(torchcal.DirichletCalibration, reg="odir", reg_lambda=1.0), "weight", lambda t: t[:2]),
+        (partial(torchcal.DirichletCalibration, reg="odir", reg_lambda=1.0), "bias", lambda t: t[:2]),
+        (torchcal.VectorScaling, "weight", lambda t: t[:2]),
+        (torchcal.AffineCalibration, "beta", lambda t: t[:2]),
+        (torchcal.IsotonicCalibration, "thresholds", lambda t: t[:2]),
+        (torchcal.HistogramBinning, "edges", lambda t: t[0]),
+    ],
+    ids=["matrix-weight", "matrix-bias", "vector-weight", "affine-beta", "isotonic-thresholds", "histogram-edges"],
+)
+def test_state_dict_whose_tensors_do_not_fit_its_number_of_classes(make, name, cut):
+    logits, labels = good_data()
+    state = make().fit(logits, labels).state_dict()
+    given = tuple(cut(state[name]).shape)
+    state[name] = cut(state[name])
+    with pytest.raises(ValueError, match=rf"'{name}' has shape \({given[0]},.*num_classes = 3.*needs shape"):
+        make().load_state_dict(state)
+    with pytest.raises(ValueError, match=rf"'{name}' has shape"):
+        make().fit(logits, labels).load_state_dict(state)
+
+
+def test_state_dict_whose_step_maps_have_other_lengths_loads():
+    logits, labels = good_data()
+    for make in (lambda: torchcal.HistogramBinning(n_bins=4), torchcal.IsotonicCalibration, torchcal.VennAbersCalibration):
+        cal = make().fit(logits, labels)
+        other = make().fit(torch.randn(40, K), torch.arange(40) % K)
+        other.load_state_dict(cal.state_dict())
+        assert torch.equal(other(logits), cal(logits))
+    fewer = torchcal.HistogramBinning(n_bins=3)
+    fewer.load_state_dict(torchcal.HistogramBinning(n_bins=5).fit(logits, labels).state_dict())
+    assert fewer.edges.shape == (K, 6)
+
+
 def test_metric_updated_with_another_number_of_classes():
     logits, labels = good_data()
     wider = torch.randn(N, K + 1)

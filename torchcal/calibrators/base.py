@@ -32,7 +32,7 @@ import contextlib
 import dataclasses
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -57,6 +57,10 @@ class Calibrator(nn.Module):
     supported_num_classes: int | None = None
     #: fitted tensors stored as buffers (not optimised) rather than parameters.
     _buffer_names: tuple[str, ...] = ()
+    #: fitted tensors whose last sizes depend on the calibration data or on options rather than on
+    #: the number of classes alone: name -> how many trailing sizes (not checked when a state_dict
+    #: is loaded; every other size is).
+    _free_last_dims: ClassVar[dict[str, int]] = {}
     #: whether the fit sees a float64 copy of the data (``False``: the caller's tensor itself, in
     #: its own precision or float32 for half precision, for solvers that accumulate in float64).
     _fit_in_float64: bool = True
@@ -334,9 +338,26 @@ class Calibrator(nn.Module):
             self._materialize(int(extra["num_classes"]), device)
             for name, tensor in list(self._parameters.items()) + list(self._buffers.items()):
                 stored = state_dict.get(prefix + name)
-                if tensor is not None and stored is not None and stored.shape != tensor.shape:
+                if tensor is not None and isinstance(stored, Tensor) and stored.shape != tensor.shape:
+                    self._check_stored_shape(name, prefix + name, stored.shape, tensor.shape, int(extra["num_classes"]))
                     getattr(self, name).data = torch.empty_like(stored, device=tensor.device)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+    def _check_stored_shape(self, name: str, key: str, stored: torch.Size, expected: torch.Size, num_classes: int) -> None:
+        """Refuse a stored fitted tensor whose shape does not fit the stored number of classes: the
+        identity map's shape ``expected``, but for the sizes named in :attr:`_free_last_dims`."""
+        free = self._free_last_dims.get(name, 0)
+        fixed = len(expected) - free
+        if len(stored) == len(expected) and stored[:fixed] == expected[:fixed]:
+            return
+        shown = [str(size) for size in expected[:fixed]] + ["*"] * free
+        needed = "(" + ", ".join(shown) + ("," if len(shown) == 1 else "") + ")"
+        raise ValueError(
+            f"state_dict entry {key!r} has shape {tuple(stored)}, but {type(self).__name__} with "
+            f"num_classes = {num_classes} (the state_dict's _extra_state) needs shape {needed}"
+            f"{' (* : any size)' if free else ''}. The state_dict is inconsistent: load one saved by a "
+            f"fitted {type(self).__name__}, unchanged."
+        )
 
     def _tensors(self):
         yield from (p for p in self._parameters.values() if p is not None)

@@ -7,6 +7,8 @@ Neither ever outputs a probability of exactly 0 or 1, so the log-loss stays fini
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -73,6 +75,7 @@ class HistogramBinning(_OneVsRest):
     """
 
     _buffer_names = ("edges", "values")
+    _free_last_dims: ClassVar[dict[str, int]] = {"edges": 1, "values": 1}  # n_bins + 1 edges, n_bins values
     edges: Tensor
     values: Tensor
 
@@ -128,6 +131,7 @@ class IsotonicCalibration(_OneVsRest):
     """
 
     _buffer_names = ("thresholds", "values")
+    _free_last_dims: ClassVar[dict[str, int]] = {"thresholds": 1, "values": 1}  # as many steps as the fit found
     thresholds: Tensor
     values: Tensor
 

@@ -34,7 +34,7 @@ temperature scaling 0.209).
 from __future__ import annotations
 
 from itertools import combinations
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -204,6 +204,7 @@ class VennAbersCalibration(Calibrator):
     """
 
     _buffer_names = ("grid", "p0", "p1", "log_prior_ratio")
+    _free_last_dims: ClassVar[dict[str, int]] = {"grid": 2, "p0": 2, "p1": 2}  # (folds, the widest fold's grid)
     _supports_process_group = False
 
     def __init__(self, folds: int = 1, multiclass: str = "ovr") -> None:

@@ -771,3 +771,26 @@ def test_class_frequencies_refuses_bad_labels(labels, num_classes, message):
     """It was a bare bincount: labels past K gave a longer vector, no labels NaN, and K = 0 passed."""
     with pytest.raises(ValueError, match=message):
         F.class_frequencies(labels, num_classes)
+
+
+# --------------------------------------------------------------------------- arguments of helpers
+P3 = [0.5, 0.25, 0.25]
+
+BAD_ARGUMENTS = {
+    "smoothed_priors(counts)": (lambda: torchcal.label_shift.smoothed_priors([1.0, 1.0, 1.0], 100), "priors must sum to one"),
+    "smoothed_priors(negative)": (lambda: torchcal.label_shift.smoothed_priors([-0.2, 0.6, 0.6], 100), "priors must be finite and non-negative"),
+    "smoothed_priors(nan)": (lambda: torchcal.label_shift.smoothed_priors(torch.tensor([np.nan, 0.5, 0.5]), 100), "priors must be finite"),
+    "smoothed_priors(2-D)": (lambda: torchcal.label_shift.smoothed_priors([P3], 100), r"priors must have shape \(K,\)"),
+    "smoothed_priors(num_samples=-5)": (lambda: torchcal.label_shift.smoothed_priors(P3, -5), "num_samples must be a finite number >= 0.*got -5"),
+    "smoothed_priors(num_samples=inf)": (lambda: torchcal.label_shift.smoothed_priors(P3, float("inf")), "num_samples must be a finite number >= 0"),
+}
+
+
+@pytest.mark.parametrize("call, pattern", BAD_ARGUMENTS.values(), ids=BAD_ARGUMENTS.keys())
+def test_bad_arguments_of_helpers(call, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        call()
+
+
+def test_smoothed_priors_of_a_list():
+    assert torch.allclose(torchcal.label_shift.smoothed_priors(P3, 100), torchcal.label_shift.smoothed_priors(torch.tensor(P3), 100).double())

@@ -35,6 +35,7 @@ for: the class frequencies of its calibration data, or the ``priors`` given to i
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from typing import Any, NamedTuple
 
@@ -42,6 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from torchcal._validation import (
+    as_tensor,
     check_logits,
     check_logits_and_labels,
     check_priors,
@@ -129,7 +131,7 @@ def _shift(logits: Tensor, source: Tensor, target: Tensor) -> Tensor:
     return torch.log_softmax(logits.to(dtype) + (target.log() - source.log()).to(dtype), dim=1)
 
 
-def smoothed_priors(priors: Tensor, num_samples: float | Tensor, pseudocount: float = 0.5) -> Tensor:
+def smoothed_priors(priors: Tensor | Any, num_samples: float | Tensor, pseudocount: float = 0.5) -> Tensor:
     """Priors estimated from ``num_samples`` target samples, with ``pseudocount`` samples added to
     every class: ``(N pi + c) / (N + K c)``, (K,).
 
@@ -145,7 +147,22 @@ def smoothed_priors(priors: Tensor, num_samples: float | Tensor, pseudocount: fl
         tensor([0.7438, 0.2512, 0.0049])
     """
     _check_pseudocount(pseudocount)
-    return (num_samples * priors + pseudocount) / (num_samples + pseudocount * priors.shape[0])
+    given = as_tensor(priors, "priors")
+    if given.ndim != 1:
+        raise ValueError(f"priors must have shape (K,), one per class, got shape {tuple(given.shape)}.")
+    check_priors(given, given.shape[0])
+    if not torch.is_floating_point(given):
+        given = given.to(torch.float64)
+    if isinstance(num_samples, Tensor):
+        count = float(num_samples.detach()) if num_samples.numel() == 1 and not num_samples.is_complex() else math.nan
+    else:
+        count = float(num_samples) if isinstance(num_samples, numbers.Real) and not isinstance(num_samples, bool) else math.nan
+    if not (math.isfinite(count) and count >= 0):
+        raise ValueError(
+            f"num_samples must be a finite number >= 0 (the number of target samples the priors were "
+            f"estimated from), got {num_samples!r}."
+        )
+    return (num_samples * given + pseudocount) / (num_samples + pseudocount * given.shape[0])
 
 
 def _check_pseudocount(pseudocount: float) -> None:

@@ -776,6 +776,12 @@ def test_class_frequencies_refuses_bad_labels(labels, num_classes, message):
 # --------------------------------------------------------------------------- arguments of helpers
 P3 = [0.5, 0.25, 0.25]
 
+
+def _binary_data():
+    logits, labels = good_data()
+    return logits[:, :2], (labels > 0).long()
+
+
 BAD_ARGUMENTS = {
     "smoothed_priors(counts)": (lambda: torchcal.label_shift.smoothed_priors([1.0, 1.0, 1.0], 100), "priors must sum to one"),
     "smoothed_priors(negative)": (lambda: torchcal.label_shift.smoothed_priors([-0.2, 0.6, 0.6], 100), "priors must be finite and non-negative"),
@@ -783,6 +789,12 @@ BAD_ARGUMENTS = {
     "smoothed_priors(2-D)": (lambda: torchcal.label_shift.smoothed_priors([P3], 100), r"priors must have shape \(K,\)"),
     "smoothed_priors(num_samples=-5)": (lambda: torchcal.label_shift.smoothed_priors(P3, -5), "num_samples must be a finite number >= 0.*got -5"),
     "smoothed_priors(num_samples=inf)": (lambda: torchcal.label_shift.smoothed_priors(P3, float("inf")), "num_samples must be a finite number >= 0"),
+    "detection_cost(cost_miss=nan)": (lambda: F.detection_cost(*_binary_data(), cost_miss=float("nan")), "must be finite and positive.*cost_miss = nan"),
+    "min_detection_cost(cost_false_alarm=inf)": (
+        lambda: F.min_detection_cost(*_binary_data(), cost_false_alarm=float("inf")), "must be finite and positive.*cost_false_alarm = inf"),
+    "DetectionCost(cost_miss=nan)": (lambda: metrics.DetectionCost(cost_miss=float("nan")), "must be finite and positive"),
+    "detection_cost_from_class_sums(cost_miss=-1)": (
+        lambda: torchcal.functional.detection.detection_cost_from_class_sums(torch.tensor([1.0, 0.0]), torch.tensor([4.0, 2.0]), cost_miss=-1.0), "must be finite and positive"),
 }
 
 

@@ -237,8 +237,12 @@ def det_curve(logits: Tensor, labels: Tensor) -> DetectionCurve:
 def _check_operating_point(target_prior: float, cost_miss: float, cost_false_alarm: float) -> None:
     if not 0 < target_prior < 1:
         raise ValueError(f"target_prior must lie strictly between 0 and 1, got {target_prior}.")
-    if cost_miss <= 0 or cost_false_alarm <= 0:
-        raise ValueError(f"cost_miss and cost_false_alarm must be positive, got {cost_miss} and {cost_false_alarm}.")
+    for name, cost in (("cost_miss", cost_miss), ("cost_false_alarm", cost_false_alarm)):
+        if not (math.isfinite(cost) and cost > 0):
+            raise ValueError(
+                f"cost_miss and cost_false_alarm must be finite and positive, got {name} = {cost}: "
+                f"give the cost of one miss and of one false alarm, e.g. 1.0."
+            )
 
 
 def _dcf(miss: Tensor, false_alarm: Tensor, target_prior: float, cost_miss: float, cost_false_alarm: float, normalize: bool) -> Tensor:
@@ -266,6 +270,7 @@ def detection_cost_from_class_sums(
         >>> float(detection_cost_from_class_sums(torch.tensor([1.0, 0.0]), torch.tensor([4.0, 2.0])))
         0.25
     """
+    _check_operating_point(target_prior, cost_miss, cost_false_alarm)
     _check_both_classes(counts)
     false_alarm, miss = errors / counts
     return _dcf(miss, false_alarm, target_prior, cost_miss, cost_false_alarm, normalize)

@@ -804,5 +804,18 @@ def test_bad_arguments_of_helpers(call, pattern):
         call()
 
 
+@pytest.mark.parametrize("option, pattern", [
+    ({"input": "bogus"}, r"input must be one of \['auto', 'logits', 'probs', 'log_probs', 'llr'\].*got 'bogus'"),
+    ({"input": "probabilities"}, "input must be one of"),
+    ({"split": "train"}, "split must be 'test' or 'val', got 'train'"),
+])
+def test_load_scores_checks_its_options(tmp_path, option, pattern):
+    probs = torch.softmax(good_data()[0], dim=1).numpy()
+    np.save(tmp_path / "p.npy", probs)
+    np.save(tmp_path / "y.npy", good_data()[1].numpy())
+    with pytest.raises(ValueError, match=pattern):
+        load_scores(tmp_path / "p.npy", labels_path=tmp_path / "y.npy", **option)
+
+
 def test_smoothed_priors_of_a_list():
     assert torch.allclose(torchcal.label_shift.smoothed_priors(P3, 100), torchcal.label_shift.smoothed_priors(torch.tensor(P3), 100).double())

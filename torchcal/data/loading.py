@@ -42,7 +42,7 @@ import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -193,6 +193,10 @@ def load_scores(
         >>> s.logits.shape, s.read_as      # doctest: +SKIP
         (torch.Size([10000, 10]), 'logits')
     """
+    if input not in get_args(InputKind):
+        raise ValueError(f"input must be one of {list(get_args(InputKind))} (as --input of the command line), got {input!r}.")
+    if split not in ("test", "val"):
+        raise ValueError(f"split must be 'test' or 'val', got {split!r}.")
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {path}")

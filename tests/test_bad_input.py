@@ -795,6 +795,14 @@ BAD_ARGUMENTS = {
     "DetectionCost(cost_miss=nan)": (lambda: metrics.DetectionCost(cost_miss=float("nan")), "must be finite and positive"),
     "detection_cost_from_class_sums(cost_miss=-1)": (
         lambda: torchcal.functional.detection.detection_cost_from_class_sums(torch.tensor([1.0, 0.0]), torch.tensor([4.0, 2.0]), cost_miss=-1.0), "must be finite and positive"),
+    "smooth_calibration_error(bandwidth=1e-9)": (
+        lambda: F.smooth_calibration_error(*good_data(), bandwidth=1e-9), r"bandwidth must lie in \[1e-05, 1\], got 1e-09"),
+    "smooth_calibration_error(grid_points=1e8)": (
+        lambda: F.smooth_calibration_error(*good_data(), grid_points=10**8), "grid_points must be at most 1,000,001"),
+    "SmoothCalibrationError(bandwidth=1e-9)": (lambda: metrics.SmoothCalibrationError(K, bandwidth=1e-9), r"bandwidth must lie in \[1e-05, 1\]"),
+    "SmoothCalibrationError(grid_points=1e8)": (lambda: metrics.SmoothCalibrationError(K, grid_points=10**8), "grid_points must be at most"),
+    "smooth_reliability_curve(mesh_points=1e8)": (lambda: F.smooth_reliability_curve(*good_data(), mesh_points=10**8), "mesh_points must be at most"),
+    "smooth_reliability_curve(bandwidth=1e-9)": (lambda: F.smooth_reliability_curve(*good_data(), bandwidth=1e-9), "bandwidth must lie in"),
 }
 
 

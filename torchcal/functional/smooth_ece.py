@@ -54,6 +54,32 @@ DENSITY_FLOOR = 1e-4
 MIN_BANDWIDTH = 1e-3
 #: Halvings of the bandwidth interval in the fixed-point search (relplot's ``refine``).
 BISECTION_STEPS = 10
+#: The most points a grid or mesh may have (``grid_points``, ``mesh_points``): a million intervals,
+#: 8 MB per float64 row; a larger one runs for minutes and may not fit in memory.
+MAX_GRID_POINTS = 1_000_001
+#: The smallest bandwidth accepted: relplot's grid for it, ``max(2000, round(20 / sigma)) // 2 + 1``,
+#: and the mesh the smECE is integrated on, ``round(10 / sigma)``, reach :data:`MAX_GRID_POINTS`.
+SMALLEST_BANDWIDTH = 1e-5
+
+
+def check_bandwidth(bandwidth: float) -> None:
+    """``ValueError`` unless ``bandwidth`` lies in [:data:`SMALLEST_BANDWIDTH`, 1]."""
+    if isinstance(bandwidth, bool) or not SMALLEST_BANDWIDTH <= bandwidth <= 1:
+        raise ValueError(
+            f"bandwidth must lie in [{SMALLEST_BANDWIDTH:g}, 1], got {bandwidth!r}: a smaller one needs a grid of "
+            f"about 10 / bandwidth points, more than the {MAX_GRID_POINTS:,} allowed. Pass bandwidth=None for the "
+            f"automatic (fixed-point) bandwidth."
+        )
+
+
+def check_grid_points(points: int, name: str = "grid_points", minimum: int = 3) -> None:
+    """``ValueError`` unless ``points`` is an integer in [``minimum``, :data:`MAX_GRID_POINTS`]."""
+    check_count(points, name, minimum)
+    if points > MAX_GRID_POINTS:
+        raise ValueError(
+            f"{name} must be at most {MAX_GRID_POINTS:,} (a grid of {SMALLEST_BANDWIDTH:g} per step, "
+            f"finer than any bandwidth accepted needs), got {points:,}."
+        )
 
 SmoothKind = Literal["top-label", "binary", "classwise"]
 #: ``(G, columns) -> (c, 2, G)``: the grid sums of ones and residuals of some columns (c,) on G points.
@@ -218,8 +244,7 @@ def _smooth_ece_columns(
     columns = torch.arange(num_columns)
     if bandwidth is None:
         return _at_fixed_points(at, columns)
-    if not 0 < bandwidth <= 1:
-        raise ValueError(f"bandwidth must lie in (0, 1], got {bandwidth}.")
+    check_bandwidth(bandwidth)
     values = at(columns, bandwidth)
     return values, torch.full_like(values, bandwidth)
 
@@ -359,7 +384,9 @@ def smooth_calibration_error_columns(
         (torch.Size([4, 2]), 0.22689)
     """
     if grid_points is not None:
-        check_count(grid_points, "grid_points", 3)
+        check_grid_points(grid_points)
+    if bandwidth is not None:
+        check_bandwidth(bandwidth)
     scores, targets = _columns(logits, labels, kind)
     return ColumnDecomposition(scores, targets, partial(_mean_over_columns, bandwidth=bandwidth, grid_points=grid_points))
 
@@ -413,7 +440,9 @@ def smooth_reliability_curve(
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must lie strictly between 0 and 1, got {confidence}.")
     check_count(num_replicates, "num_replicates", 2)  # a percentile band needs two replicates
-    check_count(mesh_points, "mesh_points", 2)
+    check_grid_points(mesh_points, "mesh_points", 2)
+    if bandwidth is not None:
+        check_bandwidth(bandwidth)
     columns = _columns(logits, labels, kind)
     values, bandwidths = _per_column(*columns, bandwidth, None)
     (scores, targets), value, sigma = (x[:, 0] for x in columns), values[0], float(bandwidths[0])

@@ -16,8 +16,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchcal._validation import check_count
-from torchcal.functional.smooth_ece import SmoothKind, round_to_grid, smooth_ece_from_grids
+from torchcal.functional.smooth_ece import (
+    SmoothKind,
+    check_bandwidth,
+    check_grid_points,
+    round_to_grid,
+    smooth_ece_from_grids,
+)
 from torchcal.metrics._common import ScoreMetric, add_sum_state
 
 __all__ = ["SmoothCalibrationError"]
@@ -69,9 +74,9 @@ class SmoothCalibrationError(ScoreMetric):
             raise ValueError(f'kind must be "top-label", "binary" or "classwise", got {kind!r}.')
         if kind == "binary" and num_classes != 2:
             raise ValueError(f'kind="binary" needs K = 2 classes, got K = {num_classes}; use "classwise".')
-        check_count(grid_points, "grid_points", 3)
-        if bandwidth is not None and not 0 < bandwidth <= 1:
-            raise ValueError(f"bandwidth must lie in (0, 1], got {bandwidth}.")
+        check_grid_points(grid_points)
+        if bandwidth is not None:
+            check_bandwidth(bandwidth)
         self.kind, self.bandwidth, self.grid_points = kind, bandwidth, grid_points
         add_sum_state(self, "grid", num_classes if kind == "classwise" else 1, 2, grid_points)
 

@@ -803,6 +803,9 @@ BAD_ARGUMENTS = {
     "SmoothCalibrationError(grid_points=1e8)": (lambda: metrics.SmoothCalibrationError(K, grid_points=10**8), "grid_points must be at most"),
     "smooth_reliability_curve(mesh_points=1e8)": (lambda: F.smooth_reliability_curve(*good_data(), mesh_points=10**8), "mesh_points must be at most"),
     "smooth_reliability_curve(bandwidth=1e-9)": (lambda: F.smooth_reliability_curve(*good_data(), bandwidth=1e-9), "bandwidth must lie in"),
+    "calibrate_output(kind='bogus')": (
+        lambda: torchcal.heads.calibrate_output(_fitted_temperature(), good_data()[0], kind="bogus"), r"kind must be one of .*got 'bogus'"),
+    "head_checkpoint(output='bogus')": (lambda: torchcal.heads.head_checkpoint(_fitted_temperature(), output="bogus"), "output must be one of"),
 }
 
 
@@ -823,6 +826,19 @@ def test_load_scores_checks_its_options(tmp_path, option, pattern):
     np.save(tmp_path / "y.npy", good_data()[1].numpy())
     with pytest.raises(ValueError, match=pattern):
         load_scores(tmp_path / "p.npy", labels_path=tmp_path / "y.npy", **option)
+
+
+def test_head_checkpoint_of_an_unfitted_calibrator():
+    with pytest.raises(RuntimeError, match="TemperatureScaling is not fitted"):
+        torchcal.heads.head_checkpoint(torchcal.TemperatureScaling())
+
+
+@pytest.mark.parametrize("labels_per_batch", [5, 2])
+def test_collect_scores_refuses_outputs_and_labels_of_other_lengths(labels_per_batch):
+    logits, labels = good_data()
+    batches = [(logits[:6], labels[:labels_per_batch]), (logits[6:], labels[6:])]
+    with pytest.raises(ValueError, match=f"batch 0: the model returned 6 rows of outputs but the batch has {labels_per_batch} labels"):
+        torchcal.heads.collect_scores(torch.nn.Identity(), batches)
 
 
 def test_smoothed_priors_of_a_list():

@@ -77,9 +77,9 @@ CHECKPOINT_KEY = "torchcal_calibration_head"
 SplitBatch = Callable[[Any], tuple[Sequence[Any], Tensor]]
 
 
-def _check_output_kind(output: str) -> None:
+def _check_output_kind(output: str, name: str = "output") -> None:
     if output not in _OUTPUT_KINDS:
-        raise ValueError(f"output must be one of {_OUTPUT_KINDS} (what the network returns), got {output!r}.")
+        raise ValueError(f"{name} must be one of {_OUTPUT_KINDS} (what the network returns), got {output!r}.")
 
 
 def _to_scores(output: Tensor, kind: str) -> Tensor:
@@ -96,6 +96,7 @@ def calibrate_output(calibrator: Calibrator, output: Tensor, kind: OutputKind = 
     ``"logits"`` and ``"log_probs"`` give calibrated log-posteriors, ``"probs"`` calibrated
     probabilities. Pure tensor code without value checks, so it traces for export.
     """
+    _check_output_kind(kind, "kind")
     log_posteriors = calibrator(_to_scores(output, kind))
     return log_posteriors.exp() if kind == "probs" else log_posteriors
 
@@ -213,10 +214,16 @@ def collect_scores(
     model.eval()
     try:
         with torch.no_grad():
-            for batch in dataloader:
+            for index, batch in enumerate(dataloader):
                 args, y = split(batch)
                 outputs.append(select_logits(model(*_to_device(tuple(args), device)), logits_key))
                 labels.append(torch.as_tensor(y).to(device))
+                rows, count = (len(outputs[-1]) if outputs[-1].ndim else 1), (len(labels[-1]) if labels[-1].ndim else 1)
+                if rows != count:
+                    raise ValueError(
+                        f"batch {index}: the model returned {rows} rows of outputs but the batch has {count} "
+                        f"labels; they must describe the same samples (check split_batch and logits_key)."
+                    )
     finally:
         for module, mode in modes:  # pre-order: parents first, so children end in their own mode
             module.train(mode)
@@ -388,6 +395,12 @@ def head_checkpoint(calibrator: Calibrator, output: OutputKind = "logits", logit
     tensors only, so it loads with ``torch.load(..., weights_only=True)``. Under
     :data:`CHECKPOINT_KEY` goes either one entry or, as the Lightning callback writes them, a dict
     of entries by the callbacks' ``state_key``, each with the callback's ``prefix`` added."""
+    if not calibrator.is_fitted:
+        raise RuntimeError(
+            f"this {type(calibrator).__name__} is not fitted: a checkpoint of it could not rebuild a head; "
+            f"call .fit(logits, labels) on held-out data first."
+        )
+    _check_output_kind(output)
     return {
         "calibrator": _class_path(calibrator),
         "state_dict": calibrator.state_dict(),

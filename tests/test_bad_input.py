@@ -528,7 +528,7 @@ def test_decisions_outside_the_cost_matrix():
         F.expected_cost(torch.zeros(N), labels, F.zero_one_costs(K))
     with pytest.raises(ValueError, match="abstain must be a non-negative cost"):
         F.zero_one_costs(3, abstain=-0.5)
-    with pytest.raises(ValueError, match="num_classes must be at least 2"):
+    with pytest.raises(ValueError, match="num_classes must be an integer >= 2, got 1"):
         F.zero_one_costs(1)
 
 
@@ -806,6 +806,25 @@ BAD_ARGUMENTS = {
     "calibrate_output(kind='bogus')": (
         lambda: torchcal.heads.calibrate_output(_fitted_temperature(), good_data()[0], kind="bogus"), r"kind must be one of .*got 'bogus'"),
     "head_checkpoint(output='bogus')": (lambda: torchcal.heads.head_checkpoint(_fitted_temperature(), output="bogus"), "output must be one of"),
+    "CrossEntropy(num_classes=None)": (lambda: metrics.CrossEntropy(num_classes=None), "CrossEntropy needs num_classes"),
+    "zero_one_costs(2.0)": (lambda: F.zero_one_costs(2.0), "num_classes must be an integer >= 2, got 2.0"),
+    "reliability_bins(class_index=1.0)": (
+        lambda: F.reliability_bins(*good_data(), kind="class", class_index=1.0), r"needs an integer class_index in \[0, 3\), got 1.0"),
+    "reliability_bins(top-label, class_index=7)": (
+        lambda: F.reliability_bins(*good_data(), kind="top-label", class_index=7), 'class_index is used only with kind="class"'),
+    "bootstrap(seed=1.5)": (lambda: F.bootstrap(F.cross_entropy, *good_data(), num_replicates=5, seed=1.5), "seed must be an integer, got 1.5"),
+    "estimate_priors(max_iter=1.5)": (
+        lambda: torchcal.label_shift.estimate_priors(good_data()[0], P3, max_iter=1.5), "max_iter must be an integer >= 1, got 1.5"),
+    "class_priors(1)": (lambda: torchcal.data.class_priors(1), "num_classes must be an integer >= 2, got 1"),
+    "gaussian_task(2.5)": (lambda: torchcal.data.gaussian_task(2.5), "num_classes must be an integer >= 2, got 2.5"),
+    "log_posteriors(priors of K=2)": (lambda: torchcal.data.log_posteriors(torch.zeros(2, 3), [0.5, 0.5]), r"priors must have shape \(3,\)"),
+    "class_priors(first=1.5)": (lambda: torchcal.data.class_priors(3, first=1.5), r"first must be a prior in \[0, 1\], got 1.5"),
+    "mismatched_priors(last=-1)": (lambda: torchcal.data.mismatched_priors(3, last=-1), r"last must be a prior in \[0, 1\], got -1"),
+    "log_posteriors(negative priors)": (
+        lambda: torchcal.data.log_posteriors(torch.zeros(2, 3), torch.tensor([-0.5, 0.5, 1.0])), "priors must be finite and non-negative"),
+    "gaussian_task(num_samples=-1)": (lambda: torchcal.data.gaussian_task(3, num_samples=-1), "num_samples must be an integer >= 1, got -1"),
+    "binary_scores_to_logits(nan llr)": (
+        lambda: torchcal.data.binary_scores_to_logits(torch.tensor([np.nan, 0.5]), kind="llr"), "LLRs must be finite; found 1 NaN"),
 }
 
 

@@ -7,6 +7,7 @@ that names the problem and says how to fix it. Nothing here modifies its input.
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 import warnings
 from typing import Any
@@ -23,6 +24,7 @@ __all__ = [
     "check_logits_and_labels",
     "check_priors",
     "check_probs",
+    "check_seed",
     "compute_dtype",
     "looks_like_probs",
     "total_may_be_of_probs",
@@ -151,6 +153,13 @@ def check_count(value: Any, name: str, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
     return value
+
+
+def check_seed(seed: Any, name: str = "seed") -> int:
+    """``seed`` as an int (not a bool, not a float), or ``ValueError`` naming it."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {seed!r}.")
+    return int(seed)
 
 
 def check_folds(folds: Any, seed: Any, folds_name: str = "folds", seed_name: str = "seed") -> None:

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from torchcal._validation import (
     as_tensor,
+    check_count,
     check_logits,
     check_logits_and_labels,
     check_priors,
@@ -209,6 +210,7 @@ def estimate_priors(
         >>> [round(p, 4) for p in estimate.priors.tolist()], estimate.record.converged
         ([0.75, 0.25], True)
     """
+    check_count(max_iter, "max_iter", 1)
     if max_iter < 1 or not tol > 0:
         raise ValueError(f"max_iter must be >= 1 and tol > 0, got max_iter={max_iter}, tol={tol}.")
 

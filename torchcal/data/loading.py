@@ -50,6 +50,7 @@ from torch import Tensor
 
 from torchcal._validation import (
     PROBABILITY_FLOOR,
+    _describe_nonfinite,
     as_tensor,
     check_logits,
     check_logits_and_labels,
@@ -153,6 +154,8 @@ def binary_scores_to_logits(
             raise ValueError("probabilities must lie in [0, 1]; found values outside. Are these LLRs?")
         return floored_log(torch.stack([1 - scores, scores], dim=1))
     if kind == "llr":
+        if not bool(torch.isfinite(scores).all()):
+            raise ValueError(f"LLRs must be finite; found {_describe_nonfinite(scores)}. Drop or replace those samples.")
         log_priors = torch.zeros(2, dtype=torch.float64) if priors is None else check_priors(priors, 2).log()
         return torch.stack([torch.zeros_like(scores), scores], dim=1) + log_priors
     raise ValueError(f"kind must be 'probability' or 'llr', got {kind!r}.")

@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from torchcal._validation import as_tensor, check_count, check_priors
+
 __all__ = [
     "GaussianTask",
     "class_priors",
@@ -64,12 +66,18 @@ class GaussianTask:
 
 def class_priors(num_classes: int, first: float = 0.9) -> Tensor:
     """Priors ``P_1 = first`` and ``(1 - first) / (K - 1)`` for every other class; (K,) float64."""
+    check_count(num_classes, "num_classes", 2)
+    if not 0 <= first <= 1:
+        raise ValueError(f"first must be a prior in [0, 1], got {first!r}.")
     rest = (1 - first) / (num_classes - 1)
     return torch.tensor([first] + [rest] * (num_classes - 1), dtype=torch.float64)
 
 
 def mismatched_priors(num_classes: int, last: float = 0.9) -> Tensor:
     """The "Mismp" priors: ``P_K = last`` and ``(1 - last) / (K - 1)`` for the others; (K,)."""
+    check_count(num_classes, "num_classes", 2)
+    if not 0 <= last <= 1:
+        raise ValueError(f"last must be a prior in [0, 1], got {last!r}.")
     return class_priors(num_classes, last).flip(0)
 
 
@@ -93,8 +101,8 @@ def gaussian_task(
             that every pair is at distance 1 (Ferrer & Ramos App. C).
         seed: seed of NumPy's legacy ``RandomState``.
     """
-    if num_classes < 2:
-        raise ValueError(f"num_classes must be >= 2, got {num_classes}.")
+    check_count(num_classes, "num_classes", 2)
+    check_count(num_samples, "num_samples", 1)
     if not 0 < prior1 < 1 or variance <= 0:
         raise ValueError("prior1 must lie in (0, 1) and variance must be positive.")
     priors = class_priors(num_classes, prior1)
@@ -118,6 +126,11 @@ def gaussian_task(
 
 def log_posteriors(log_likelihoods: Tensor, priors: Tensor) -> Tensor:
     """Bayes' rule: ``log_softmax(llk + log P)``; (N, K) from (N, K) and (K,)."""
+    log_likelihoods = as_tensor(log_likelihoods, "log_likelihoods")
+    if log_likelihoods.ndim != 2:
+        raise ValueError(f"log_likelihoods must have shape (N, K), got {tuple(log_likelihoods.shape)}.")
+    priors = as_tensor(priors, "priors")
+    check_priors(priors, log_likelihoods.shape[1])
     return torch.log_softmax(log_likelihoods + priors.log(), dim=1)
 
 

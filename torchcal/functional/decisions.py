@@ -27,6 +27,7 @@ from torch import Tensor
 from torchcal._validation import (
     as_tensor,
     check_costs,
+    check_count,
     check_labels,
     check_logits,
     check_logits_and_labels,
@@ -63,8 +64,7 @@ def zero_one_costs(num_classes: int, abstain: float | None = None) -> Tensor:
         tensor([[0.0000, 1.0000, 0.1000],
                 [1.0000, 0.0000, 0.1000]], dtype=torch.float64)
     """
-    if num_classes < 2:
-        raise ValueError(f"num_classes must be at least 2, got {num_classes}.")
+    check_count(num_classes, "num_classes", 2)
     costs = 1 - torch.eye(num_classes, dtype=torch.float64)
     if abstain is None:
         return costs

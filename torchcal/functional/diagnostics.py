@@ -25,6 +25,7 @@ sums are accumulated in float64.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache, partial
@@ -147,6 +148,11 @@ def binning_scores_and_classes(log_probs: Tensor, kind: Kind, class_index: int |
         [0, 2]
     """
     num_classes = log_probs.shape[1]
+    if class_index is not None and kind != "class" and not (kind == "binary" and class_index == 1):
+        raise ValueError(
+            f'class_index is used only with kind="class" (one class against the rest), got class_index={class_index!r} '
+            f'with kind={kind!r}: pass kind="class", or leave class_index out.'
+        )
     if kind == "top-label":
         top, predicted = log_probs.max(dim=1, keepdim=True)  # first maximal class on ties
         return top.exp(), predicted
@@ -160,8 +166,9 @@ def binning_scores_and_classes(log_probs: Tensor, kind: Kind, class_index: int |
             )
         class_index = 1
     elif kind == "class":
-        if class_index is None or not 0 <= class_index < num_classes:
-            raise ValueError(f'kind="class" needs class_index in [0, {num_classes}), got {class_index}.')
+        if isinstance(class_index, bool) or not isinstance(class_index, numbers.Integral) or not 0 <= class_index < num_classes:
+            raise ValueError(f'kind="class" needs an integer class_index in [0, {num_classes}), got {class_index!r}.')
+        class_index = int(class_index)
     else:
         raise ValueError(f'kind must be "top-label", "binary", "class" or "classwise", got {kind!r}.')
     return log_probs[:, class_index : class_index + 1].exp(), torch.full_like(log_probs[:, :1], class_index, dtype=torch.int64)

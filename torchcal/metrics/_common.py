@@ -87,6 +87,11 @@ def check_num_classes(num_classes: int) -> int:
 
 def add_sum_state(metric: Metric, name: str, *shape: int) -> None:
     """A float64 accumulator of the given shape, summed across processes."""
+    if None in shape:  # a ScoreMetric built with num_classes=None, whose state has a size per class
+        raise ValueError(
+            f"{type(metric).__name__} needs num_classes, the number of classes K (an integer >= 2): its "
+            f"state holds one sum per class; got num_classes=None."
+        )
     metric.add_state(name, torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="sum", persistent=False)
 
 

@@ -825,6 +825,8 @@ BAD_ARGUMENTS = {
     "gaussian_task(num_samples=-1)": (lambda: torchcal.data.gaussian_task(3, num_samples=-1), "num_samples must be an integer >= 1, got -1"),
     "binary_scores_to_logits(nan llr)": (
         lambda: torchcal.data.binary_scores_to_logits(torch.tensor([np.nan, 0.5]), kind="llr"), "LLRs must be finite; found 1 NaN"),
+    "hosmer_lemeshow_test(n_groups=0)": (lambda: F.hosmer_lemeshow_test(*good_data(), n_groups=0), "^n_groups must be a positive integer, got 0"),
+    "sweep_calibration_error(max_bins=0)": (lambda: F.sweep_calibration_error(*good_data(), max_bins=0), "^max_bins must be a positive integer, got 0"),
 }
 
 

@@ -104,7 +104,7 @@ def test_bad_input():
         sweep_calibration_error(logits, labels, norm="max")
     with pytest.raises(ValueError, match="kind"):
         debiased_calibration_error(logits, labels, kind="class")
-    with pytest.raises(ValueError, match="n_bins"):
+    with pytest.raises(ValueError, match="max_bins must be a positive integer"):
         sweep_calibration_error(logits, labels, max_bins=0)
     with pytest.raises(ValueError, match="reduction"):
         debiased_calibration_error(logits, labels, reduction="median")

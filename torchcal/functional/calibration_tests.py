@@ -116,7 +116,7 @@ def hosmer_lemeshow_test(
         >>> round(float(result.statistic), 4), round(float(result.p_value), 4)
         (14.0769, 0.0071)
     """
-    check_n_bins(n_groups)
+    check_n_bins(n_groups, "n_groups")
     if degrees_of_freedom not in ("fitted", "external"):
         raise ValueError(f'degrees_of_freedom must be "fitted" or "external", got {degrees_of_freedom!r}.')
     logits, labels = check_logits_and_labels(logits, labels)

@@ -283,7 +283,7 @@ def sweep_calibration_error_columns(
     if norm not in ("l1", "l2"):
         raise ValueError(f'norm must be "l1" or "l2", got {norm!r}.')
     if max_bins is not None:
-        check_n_bins(max_bins)
+        check_n_bins(max_bins, "max_bins")
     _, _, scores, targets, _, _ = binned_scores(logits, labels, 1, "uniform", kind)
     return ColumnDecomposition(scores, targets, partial(_sweep_of_columns, norm=norm, reduction=reduction, max_bins=max_bins))
 

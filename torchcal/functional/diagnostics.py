@@ -512,9 +512,10 @@ def check_calibration_error_kind(kind: str) -> None:
         raise ValueError(f'kind must be "top-label", "binary" or "classwise", got {kind!r}.')
 
 
-def check_n_bins(n_bins: int) -> None:
+def check_n_bins(n_bins: int, name: str = "n_bins") -> None:
+    """``ValueError`` unless ``n_bins`` is a positive integer; ``name``: the caller's parameter."""
     if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
-        raise ValueError(f"n_bins must be a positive integer, got {n_bins!r}.")
+        raise ValueError(f"{name} must be a positive integer, got {n_bins!r}.")
 
 
 def _edges(scores: Tensor, n_bins: int, strategy: Strategy) -> Tensor:

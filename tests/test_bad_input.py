@@ -827,6 +827,8 @@ BAD_ARGUMENTS = {
         lambda: torchcal.data.binary_scores_to_logits(torch.tensor([np.nan, 0.5]), kind="llr"), "LLRs must be finite; found 1 NaN"),
     "hosmer_lemeshow_test(n_groups=0)": (lambda: F.hosmer_lemeshow_test(*good_data(), n_groups=0), "^n_groups must be a positive integer, got 0"),
     "sweep_calibration_error(max_bins=0)": (lambda: F.sweep_calibration_error(*good_data(), max_bins=0), "^max_bins must be a positive integer, got 0"),
+    "bayes_risk_sweep(log_odds 2-D)": (
+        lambda: torchcal.plots.bayes_risk_sweep(*good_data(), log_odds=torch.zeros(2, 2)), r"log_odds must have shape \(T,\).*got \(2, 2\)"),
 }
 
 
@@ -860,6 +862,11 @@ def test_collect_scores_refuses_outputs_and_labels_of_other_lengths(labels_per_b
     batches = [(logits[:6], labels[:labels_per_batch]), (logits[6:], labels[6:])]
     with pytest.raises(ValueError, match=f"batch 0: the model returned 6 rows of outputs but the batch has {labels_per_batch} labels"):
         torchcal.heads.collect_scores(torch.nn.Identity(), batches)
+
+
+def test_calibration_loss_metric_refuses_what_is_no_calibrator():
+    with pytest.raises(TypeError, match="calibrator must be a torchcal calibrator.*got str"):
+        metrics.CalibrationLoss("temp", num_classes=K)
 
 
 def test_smoothed_priors_of_a_list():

@@ -320,6 +320,8 @@ def bayes_risk_sweep(
         t = _measurable_log_odds(labels, class_index, _zero_one_log_odds(p, class_index))
     else:
         t = torch.as_tensor(log_odds, dtype=torch.float64)
+        if t.ndim > 1:
+            raise ValueError(f"log_odds must have shape (T,), one operating point each, got {tuple(t.shape)}; flatten them.")
     t = t.to(labels.device)
     if t.numel() == 0 or not bool(torch.isfinite(t).all()):
         raise ValueError(f"log_odds must be finite operating points, at least one; got {t.numel()}, of which "

@@ -21,6 +21,7 @@ from torch import Tensor
 from torchmetrics.utilities import dim_zero_cat
 
 from torchcal._validation import check_folds, check_priors
+from torchcal.calibrators.base import Calibrator
 from torchcal.functional.bootstrap import sum_decomposition, sum_reduction
 from torchcal.functional.calibration_loss import (
     CalibrationLossResult,
@@ -79,7 +80,7 @@ class CalibrationLoss(ScoreMetric):
 
     def __init__(
         self,
-        calibrator: torch.nn.Module,
+        calibrator: Calibrator,
         num_classes: int,
         score: Callable[..., Tensor] = cross_entropy,
         priors: Tensor | None = None,
@@ -88,6 +89,11 @@ class CalibrationLoss(ScoreMetric):
         relative: bool = True,
         **kwargs: Any,
     ) -> None:
+        if not isinstance(calibrator, Calibrator):
+            raise TypeError(
+                f"calibrator must be a torchcal calibrator such as torchcal.TemperatureScaling(), got "
+                f"{type(calibrator).__name__}."
+            )
         super().__init__(num_classes, **kwargs)
         self.relative = relative
         self.calibrator = calibrator

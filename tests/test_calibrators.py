@@ -772,6 +772,11 @@ def test_bad_regulariser_arguments():
             torchcal.StructuredMatrixScaling(reg_grid=grid)
     with pytest.raises(ValueError, match="not both"):
         torchcal.DirichletCalibration(reg="odir", reg_mu=1.0, reg_grid=[(1.0, 2.0)])
+    for pairs in ([(1.0, 2.0)], {"lambda": [1.0], "mu": [1.0, 2.0]}):  # mu is ODIR's
+        with pytest.raises(ValueError, match="reg='l2' has one strength"):
+            torchcal.DirichletCalibration(reg="l2", reg_grid=pairs)
+    with pytest.raises(ValueError, match="exactly the keys 'lambda' and 'mu'"):
+        torchcal.MatrixScaling(reg="odir", reg_grid={"lambda": [1.0]})
     for bad in (float("inf"), -1.0):
         with pytest.raises(ValueError, match="reg_lambda must be finite and >= 0"):
             torchcal.MatrixScaling(reg="odir", reg_lambda=bad)

@@ -145,6 +145,8 @@ def test_the_zero_one_point_is_on_every_default_curve_and_named_only_when_drawn(
     (line,) = [line for line in ax.get_lines() if line.get_label() == "0-1 costs"]
     assert line.get_xdata()[0] == pytest.approx(zero_one)
     assert ax.get_xlim()[0] <= zero_one <= ax.get_xlim()[1]
+    fig, ax = bayes_risk_curve(logits, labels, class_index=0, log_odds=torch.linspace(0.0, -6.0, 7))  # descending
+    assert "0-1 costs" in [line.get_label() for line in ax.get_lines()]
     fig, ax = bayes_risk_curve(logits, labels, class_index=0, log_odds=torch.linspace(-2.0, 2.0, 5))
     assert "0-1 costs" not in [line.get_label() for line in ax.get_lines()]
     assert "0-1 costs" not in [text.get_text() for text in ax.get_legend().get_texts()]

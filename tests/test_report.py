@@ -302,6 +302,12 @@ def test_calibration_data_that_hold_the_evaluated_samples_are_refused_or_warned_
         warnings.simplefilter("always")
         evaluate((logits[:400], labels[:400]), ["temperature"], calibration=(logits[:400], relabelled), bootstrap=0)
     assert not [w for w in caught if "in the calibration data too" in str(w.message)]
+    # a sample is shared whichever label its copies in the other data carry (sorted by key alone,
+    # only the first copy's label was compared)
+    copies = logits[:1].repeat(50, 1)
+    shared = torchcal.fit.shared_samples(copies[:3], torch.tensor([0, 1, 2]), copies, torch.arange(50) % 3)
+    assert shared.tolist() == [True, True, True]
+    assert not torchcal.fit.shared_samples(copies[:1], torch.tensor([3]), copies, torch.arange(50) % 3).any()
 
 
 @pytest.mark.parametrize("progress", [False, True])

@@ -424,11 +424,12 @@ def _order_by_content(scores: Tensor, labels: Tensor) -> Tensor:
 def shared_samples(logits: Tensor, labels: Tensor, other_logits: Tensor, other_labels: Tensor) -> Tensor:
     """Which samples of ``logits: (N, K)``, ``labels: (N,)`` appear in the other data as well (the
     same label and :func:`content_keys`); (N,) bool."""
-    keys, other_keys = content_keys(logits), content_keys(other_logits)
-    order = torch.argsort(other_keys)
-    sorted_keys, sorted_labels = other_keys[order], other_labels.cpu()[order]
-    at = torch.searchsorted(sorted_keys, keys).clamp_(max=max(sorted_keys.numel() - 1, 0))
-    return (sorted_keys[at] == keys) & (sorted_labels[at] == labels.cpu()) if sorted_keys.numel() else torch.zeros_like(keys, dtype=torch.bool)
+    pairs = torch.stack([content_keys(logits), labels.cpu().to(torch.float64)], dim=1)
+    other = torch.stack([content_keys(other_logits), other_labels.cpu().to(torch.float64)], dim=1)
+    _, which = torch.unique(torch.cat([other, pairs]), dim=0, return_inverse=True)  # one index per (key, label)
+    present = torch.zeros(int(which.max()) + 1 if which.numel() else 0, dtype=torch.bool)
+    present[which[: other.shape[0]]] = True
+    return present[which[other.shape[0] :]]
 
 
 def cross_validate(

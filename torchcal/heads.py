@@ -94,7 +94,8 @@ def calibrate_output(calibrator: Calibrator, output: Tensor, kind: OutputKind = 
     """Calibrate a network output (N, K) of the given kind; returns the same kind (N, K).
 
     ``"logits"`` and ``"log_probs"`` give calibrated log-posteriors, ``"probs"`` calibrated
-    probabilities. Pure tensor code without value checks, so it traces for export.
+    probabilities. Pure tensor code without checks of the values (only of ``kind``, a string), so
+    it traces for export.
     """
     _check_output_kind(kind, "kind")
     log_posteriors = calibrator(_to_scores(output, kind))

@@ -132,7 +132,7 @@ def _shift(logits: Tensor, source: Tensor, target: Tensor) -> Tensor:
     return torch.log_softmax(logits.to(dtype) + (target.log() - source.log()).to(dtype), dim=1)
 
 
-def smoothed_priors(priors: Tensor | Any, num_samples: float | Tensor, pseudocount: float = 0.5) -> Tensor:
+def smoothed_priors(priors: Any, num_samples: float | Tensor, pseudocount: float = 0.5) -> Tensor:
     """Priors estimated from ``num_samples`` target samples, with ``pseudocount`` samples added to
     every class: ``(N pi + c) / (N + K c)``, (K,).
 
@@ -211,8 +211,8 @@ def estimate_priors(
         ([0.75, 0.25], True)
     """
     check_count(max_iter, "max_iter", 1)
-    if max_iter < 1 or not tol > 0:
-        raise ValueError(f"max_iter must be >= 1 and tol > 0, got max_iter={max_iter}, tol={tol}.")
+    if not tol > 0:
+        raise ValueError(f"tol must be > 0, got {tol}.")
 
     def check() -> tuple[Tensor, Tensor]:
         checked = check_logits(logits)

@@ -394,7 +394,7 @@ def bayes_risk_curve(
     p = class_frequencies(labels, num_classes) if priors is None else check_priors(priors, num_classes)
     ax.axhline(1.0, color="0.6", linestyle="--", linewidth=1, label="prior-only system")
     zero_one = _zero_one_log_odds(p, class_index)
-    if float(t[0]) <= zero_one <= float(t[-1]):  # (given operating points may leave it out)
+    if float(t.min()) <= zero_one <= float(t.max()):  # (given operating points may leave it out)
         ax.axvline(zero_one, color="0.6", linestyle=":", linewidth=1, label="0-1 costs")
     ax.set(xlim=(float(t[0]), float(t[-1])), ylim=(0, min(top * 1.05, 2.0)),
            xlabel=f"prior log-odds of class {class_index} (operating point)", ylabel="normalised expected cost")

@@ -121,6 +121,8 @@ class MatrixScaling(Calibrator):
             raise ValueError(f"reg_grid must be a non-empty sequence of finite lambdas >= 0 (or (lambda, mu) pairs), got {reg_grid!r}.")
         if reg_mu is not None and any(isinstance(g, tuple) for g in grid):
             raise ValueError("pass reg_mu or (lambda, mu) pairs in reg_grid, not both.")
+        if reg == "l2" and any(isinstance(g, tuple) for g in grid):
+            raise ValueError("(lambda, mu) pairs set mu, ODIR's intercept penalty; reg='l2' has one strength: give reg_grid as lambdas.")
         self.reg = reg
         self.reg_lambda = reg_lambda
         self.reg_mu = reg_mu

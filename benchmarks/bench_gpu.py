@@ -19,6 +19,10 @@ by the recipe of ``bench_common.make_data``: latent ``z ~ 3 N(0, 1)``, labels dr
 - ``real``: the default cross-validated Dir-ODIR, MS-ODIR, SVS and SMS fits on the real CIFAR-100
   logits (``TORCHCAL_REAL_DATA`` or ``../shared/data/real``) on the GPU, against the same fits on
   the CPU: time, host syncs, chosen lambda, the CV / fixed-lambda ratio.
+- ``folds``: the default cross-validated Dir-ODIR and MS-ODIR fits with each grid point's folds
+  fitted together as one batched problem (``cv_together=True``, the default on a GPU) and one by
+  one, on the real CIFAR-100 logits and (Dir-ODIR) on 100,000 x 1,000 over ``--reg-grid``: time,
+  host syncs, Newton-CG passes, the chosen lambda, the largest parameter difference.
 - ``metrics``: cross-entropy + Brier + ECE streamed over 1,000,000 x 1,000 in batches of 10,000
   and of 100,000 rows: torchcal's fused ``PosteriorQuality`` against torchmetrics' ``MulticlassCalibrationError``.
 - ``syncs``: host synchronisations per solver iteration and per metric update, counted by
@@ -263,6 +267,55 @@ def section_real(args) -> None:
           ["set / family", "GPU s", "host syncs", "GPU fixed-lambda s", "CV / fixed", "lambda", "CPU s", "same lambda on CPU", "max |param diff|", "training log-loss"], rows)
 
 
+def section_folds(args) -> None:
+    """The default cross-validated fits, each grid point's folds together and one by one."""
+    import numpy as np
+    from bench_structured import REAL as real
+
+    import torchcal.calibrators.matrix as matrix
+
+    solve, passes = matrix.fit_multinomial_logistic, [0]
+
+    def counted(*arguments, **options):
+        theta, record = solve(*arguments, **options)
+        passes[0] += record.evaluations
+        return theta, record
+
+    matrix.fit_multinomial_logistic = counted
+    problems = []
+    for file in ("cifar100_resnet20_ferrer", "cifar100_vgg19bn_ferrer", "cifar100_repvgg-a2_ferrer", "cifar100_lenet5_netcal"):
+        if (real / f"{file}.npz").exists():
+            with np.load(real / f"{file}.npz") as d:
+                logits, labels = torch.from_numpy(d["logits"]).float().to(DEVICE), torch.from_numpy(d["labels"]).long().to(DEVICE)
+            problems += [(f"{file} {family}", cls, logits, labels, DEFAULT_REG_GRID) for family, cls in
+                         (("Dir-ODIR", torchcal.DirichletCalibration), ("MS-ODIR", torchcal.MatrixScaling))]
+    n = int(100_000 * args.scale)
+    problems.append((f"synthetic {n:,} x 1,000 Dir-ODIR", torchcal.DirichletCalibration, *make_data(n, 1000), args.reg_grid or DEFAULT_REG_GRID))
+    torchcal.DirichletCalibration(reg="odir", cv_together=True).fit(*problems[0][2:4])  # warm-up: kernels' first calls
+    rows = []
+    for name, cls, logits, labels, grid in problems:
+        results = {}
+        for together in (True, False):
+            passes[0] = 0
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                seconds, syncs, model = fit_counted(lambda: cls(reg="odir", reg_grid=grid, cv_together=together), logits, labels)
+            except torch.OutOfMemoryError as error:
+                rows.append([name, str(together), "out of memory", "", "", "", str(error)[:60]])
+                torch.cuda.empty_cache()
+                continue
+            results[together] = (seconds, model)
+            rows.append([name, "together" if together else "one by one", f"{seconds:.3f}", str(syncs), str(passes[0]), f"{model.reg_lambda_:g}",
+                         f"{torch.cuda.max_memory_allocated() / GB:.1f}"])
+            print(rows[-1], flush=True)
+        if len(results) == 2:
+            diff = max((a - b).abs().max().item() for a, b in zip(results[True][1].parameters(), results[False][1].parameters()))
+            rows.append([name, "ratio, parameter difference", f"{results[False][0] / results[True][0]:.2f}x", "", "", "", f"{diff:.1e}"])
+    matrix.fit_multinomial_logistic = solve
+    table("default cross-validated fits: each grid point's folds together (one batched problem) and one by one",
+          ["problem", "folds", "s", "host syncs", "Newton-CG passes", "lambda", "peak GB / max |param diff|"], rows)
+
+
 def section_structured(args) -> None:
     """SVS / SMS at lambda = 1 (``bench_structured.py``'s rows, same seeded data) on the GPU, against
     probmetrics and torchcal on this machine's CPU (all threads), with the reached objective."""
@@ -384,10 +437,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of the default sizes")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--sections", nargs="+", default=["copy", "temperature", "metrics", "syncs", "fits", "dirichlet", "structured", "real", "dirichlet-cv"])
+    parser.add_argument("--sections", nargs="+", default=["copy", "temperature", "metrics", "syncs", "fits", "dirichlet", "structured", "real", "dirichlet-cv", "folds"])
     parser.add_argument("--families", nargs="+", default=["Dir-ODIR", "MS-ODIR", "SVS", "SMS"], help="families of the real section")
     parser.add_argument("--structured-k", nargs="+", type=int, default=[10, 100, 1000], help="K of the structured section")
-    parser.add_argument("--reg-grid", nargs="+", type=float, help="lambdas of the dirichlet-cv section (default: the default grid)")
+    parser.add_argument("--reg-grid", nargs="+", type=float, help="lambdas of the dirichlet-cv and folds sections (default: the default grid)")
     parser.add_argument("--verbose", action="store_true", help="log the regularisation paths and Newton steps")
     args = parser.parse_args()
     if args.verbose:
@@ -409,6 +462,8 @@ def main() -> None:
             section_dirichlet(args, cross_validate=True)
         elif name == "real":
             section_real(args)
+        elif name == "folds":
+            section_folds(args)
         elif name == "structured":
             section_structured(args)
         elif name == "fits":

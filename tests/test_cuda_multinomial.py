@@ -61,3 +61,20 @@ def test_low_rank_blocks_on_cuda_equal_cpu(monkeypatch):
     assert on_cuda.fit_record_.converged and on_cpu.fit_record_.converged
     torch.testing.assert_close(on_cuda.weight.cpu(), on_cpu.weight, rtol=0, atol=1e-6)
     torch.testing.assert_close(on_cuda.bias.cpu(), on_cpu.bias, rtol=0, atol=1e-6)
+
+
+def test_folds_fitted_together_on_cuda_select_what_they_select_one_by_one():
+    """On a GPU the cross-validation fits each grid point's folds together, as one batched problem
+    (``cv_together=None``): the same lambda and final fit as the folds one by one, in fewer host
+    synchronisations (one per pass for every fold)."""
+    logits, labels = _data(20_000, 100)
+    logits, labels = logits.to(CUDA), labels.to(CUDA)
+    make = lambda together: torchcal.DirichletCalibration(reg="odir", reg_grid=(1e-2, 1.0, 100.0), cv_together=together)
+    make(True).fit(logits, labels)  # warm-up
+    fitted: dict = {}
+    syncs = {together: count_host_syncs(lambda together=together: fitted.__setitem__(together, make(together).fit(logits, labels)))
+             for together in (None, False)}
+    assert fitted[None].reg_lambda_ == fitted[False].reg_lambda_
+    torch.testing.assert_close(fitted[None].weight, fitted[False].weight, rtol=0, atol=1e-6)
+    torch.testing.assert_close(fitted[None].bias, fitted[False].bias, rtol=0, atol=1e-6)
+    assert syncs[None] < syncs[False], syncs

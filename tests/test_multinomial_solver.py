@@ -610,3 +610,35 @@ def test_a_loose_fit_with_a_decrease_tolerance_does_not_stop_far_from_a_weak_pen
     assert optimum.converged and loose.converged and guarded.converged
     assert loose.loss - optimum.loss > 2e-4
     assert guarded.loss - optimum.loss < 1e-5 and guarded.iterations > loose.iterations
+
+
+@pytest.mark.parametrize("path", ["blocks", "rank-one", "low-rank"])
+def test_a_batched_fit_solves_each_problem_as_alone(monkeypatch, path):
+    """B problems on the same rows, each with its own weights (zero on a fifth of the rows, as a
+    cross-validation fold's test rows), penalty, anchor and start, solved together as one (the
+    weights (N, B), the parameters (B, K, F + 1)) reach the optimum of each solved alone on its
+    own rows; one batch of one problem is the plain fit. On every preconditioner's path."""
+    if path != "blocks":
+        monkeypatch.setattr(torchcal.calibrators._multinomial, "_MAX_BLOCK_SIZE", 0)
+    if path == "low-rank":
+        monkeypatch.setattr(torchcal.calibrators._multinomial, "_MIN_LOW_RANK_BLOCK_SIZE", 0)
+        monkeypatch.setattr(torchcal.calibrators._multinomial, "_MIN_BLOCK_ROWS", 4)
+    logits, labels = _problem(2000, 6, seed=21)
+    features = torch.log_softmax(logits, 1)
+    b, k = 4, 6
+    gen = torch.Generator().manual_seed(3)
+    w = torch.rand(2000, b, generator=gen, dtype=torch.float64) * (torch.rand(2000, b, generator=gen) > 0.2)
+    w /= w.sum(0)
+    penalty = 10.0 ** torch.empty(b, 1, 1, dtype=torch.float64).uniform_(-3, 1, generator=gen) * torch.rand(b, k, k + 1, generator=gen, dtype=torch.float64)
+    anchor = 0.1 * torch.randn(b, k, k + 1, generator=gen, dtype=torch.float64)
+    start = torch.eye(k, k + 1, dtype=torch.float64) + 0.1 * torch.randn(b, k, k + 1, generator=gen, dtype=torch.float64)
+    together, record = fit_multinomial_logistic(features, labels, w, start, penalty, anchor=anchor)
+    assert record.converged and record.grad_max < 1e-9 and together.shape == (b, k, k + 1)
+    for i in range(b):
+        rows = w[:, i] > 0
+        alone, alone_record = fit_multinomial_logistic(features[rows], labels[rows], w[rows, i], start[i], penalty[i], anchor=anchor[i])
+        assert alone_record.converged
+        torch.testing.assert_close(together[i], alone, rtol=0, atol=1e-6)
+    one, _ = fit_multinomial_logistic(features, labels, w[:, :1], start[:1], penalty[:1], anchor=anchor[:1])
+    plain, _ = fit_multinomial_logistic(features, labels, w[:, 0], start[0], penalty[0], anchor=anchor[0])
+    torch.testing.assert_close(one[0], plain, rtol=0, atol=0)

@@ -23,10 +23,12 @@ def _exhaustive(make, grid, logits, labels):
     return losses, grid[best], make(grid[best]).fit(logits, labels)
 
 
-def _check_same_selection(make, logits, labels, grid=torchcal.calibrators.matrix.DEFAULT_REG_GRID):
+def _check_same_selection(make, logits, labels, grid=torchcal.calibrators.matrix.DEFAULT_REG_GRID, together=False):
     """``make(None)`` cross-validates over ``grid`` (lambdas, or (lambda, mu) pairs), ``make(point)``
-    fits at one of its points."""
-    path = make(None).fit(logits, labels)
+    fits at one of its points; ``together``: the folds of each point as one batched problem."""
+    path = make(None)
+    path.cv_together = together
+    path.fit(logits, labels)
     losses, best, final = _exhaustive(make, grid, logits, labels)
     assert (path.reg_lambda_, path.reg_mu_) == best if isinstance(best, tuple) else path.reg_lambda_ == best
     torch.testing.assert_close(path.weight, final.weight, rtol=0, atol=1e-6)
@@ -45,12 +47,13 @@ def _check_same_selection(make, logits, labels, grid=torchcal.calibrators.matrix
     return path
 
 
-def test_path_selects_what_the_exhaustive_grid_selects_on_real_cifar100_logits(real):
+@pytest.mark.parametrize("together", [False, True], ids=["fold-by-fold", "folds-together"])
+def test_path_selects_what_the_exhaustive_grid_selects_on_real_cifar100_logits(real, together):
     d = real("cifar100_resnet20_ferrer")
     logits, labels = torch.from_numpy(d["logits"]).double(), torch.from_numpy(d["labels"])
     keep = labels < 15  # the samples and columns of 15 classes: K (K+1) = 240 parameters
     path = _check_same_selection(
-        lambda lam: torchcal.DirichletCalibration(reg="odir", reg_lambda=lam), logits[keep][:, :15], labels[keep]
+        lambda lam: torchcal.DirichletCalibration(reg="odir", reg_lambda=lam), logits[keep][:, :15], labels[keep], together=together
     )
     assert not all(map(math.isfinite, path.cv_losses_))  # the path did save work here
     # lambda = 100 and 1000 are 2.3e-4 (relative) apart here: a near-tie, decided by tight fits
@@ -73,12 +76,13 @@ def test_the_default_grid_brackets_the_best_strength_on_real_cifar100_logits(rea
     lambda lam: torchcal.MatrixScaling(reg="odir", reg_lambda=lam),
     lambda lam: torchcal.DirichletCalibration(reg="l2", reg_lambda=lam),
 ], ids=["matrix-odir", "dirichlet-l2"])
-def test_path_selects_what_the_exhaustive_grid_selects_on_random_problems(make):
+@pytest.mark.parametrize("together", [False, True], ids=["fold-by-fold", "folds-together"])
+def test_path_selects_what_the_exhaustive_grid_selects_on_random_problems(make, together):
     gen = torch.Generator().manual_seed(12)
     latent = 2 * torch.randn(1500, 8, generator=gen, dtype=torch.float64)
     labels = torch.multinomial(torch.softmax(latent, 1), 1, generator=gen).squeeze(1)
     mixing = torch.eye(8, dtype=torch.float64) + 0.3 * torch.randn(8, 8, generator=gen, dtype=torch.float64)
-    _check_same_selection(make, 3 * latent @ mixing + torch.linspace(-1, 1, 8, dtype=torch.float64), labels)
+    _check_same_selection(make, 3 * latent @ mixing + torch.linspace(-1, 1, 8, dtype=torch.float64), labels, together=together)
 
 
 def test_a_grid_of_lambda_mu_pairs_is_searched_past_the_first_lambda(real):
@@ -190,3 +194,44 @@ def test_the_path_races_a_point_behind_the_best_on_the_same_folds(caplog):
     fitted.clear()
     losses = cross_validate_path([0, 2, 3, 1], 5, fold_loss, 500, patience=5, race=None)
     assert losses == pytest.approx([1.0, 0.928, 1.06, 1.02])  # the bound alone rules nothing out here
+
+
+def test_the_warm_path_fits_a_point_s_folds_together_and_refines_them_together():
+    """With ``fit_folds``, each point's folds are fitted in one call, from the folds' starts (none
+    at the first point, the secant from the third), near-ties refitted in one call from their loose
+    fits; a point behind the best on its first folds is not raced away (its folds are all fitted)."""
+    from torchcal.fit import cross_validate_warm_path
+
+    strengths = [100.0, 10.0, 1.0, 1.0 + 1e-9]
+    point_loss = {0: 3.0, 1: 1.0, 2: 2.0, 3: 1.0 + 1e-6}
+    calls = []
+
+    def fit_folds(point, starts, tight):
+        calls.append((point, [None if s is None else s.tolist() for s in starts], tight))
+        thetas = [torch.tensor([float(point), float(fold)]) + (0.5 if tight else 0.0) for fold in range(2)]
+        return torch.full((2,), point_loss[point], dtype=torch.float64), thetas
+
+    def fit_fold(point, fold, start, tight):
+        raise AssertionError("the folds one by one")
+
+    losses, start = cross_validate_warm_path([0, 1, 2, 3], strengths, 2, fit_fold, 2, patience=5, tie=1e-4, fit_folds=fit_folds)
+    assert calls == [
+        (0, [None, None], False), (1, [None, None], False), (2, [[2.0, 0.0], [2.0, 1.0]], False), (3, [[2.0, 0.0], [2.0, 1.0]], False),
+        (1, [[1.0, 0.0], [1.0, 1.0]], True), (3, [[3.0, 0.0], [3.0, 1.0]], True),
+    ]
+    assert losses == pytest.approx([3.0, 1.0, 2.0, 1.0 + 1e-6])
+    torch.testing.assert_close(start, torch.tensor([1.5, 1.0]))
+
+
+def test_folds_fitted_together_that_do_not_converge_are_fitted_one_by_one(monkeypatch):
+    """A batched fit that stops unconverged (here at a cap of one Newton step) hands its point to
+    the folds one by one (each then finishing by L-BFGS): the selection and the final fit are those
+    of the folds one by one."""
+    monkeypatch.setattr(torchcal.calibrators.matrix, "MAX_NEWTON_STEPS", 1)
+    gen = torch.Generator().manual_seed(5)
+    latent = 2 * torch.randn(600, 4, generator=gen, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(latent, 1), 1, generator=gen).squeeze(1)
+    fitted = {together: torchcal.DirichletCalibration(reg="odir", reg_grid=(1e-2, 1.0, 100.0), cv_together=together).fit(3 * latent, labels)
+              for together in (True, False)}
+    assert fitted[True].reg_lambda_ == fitted[False].reg_lambda_
+    torch.testing.assert_close(fitted[True].weight, fitted[False].weight, rtol=0, atol=1e-6)

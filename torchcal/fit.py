@@ -9,6 +9,7 @@ returns a :class:`FitRecord` saying what happened; non-convergence is reported, 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import warnings
@@ -581,6 +582,7 @@ def cross_validate_warm_path(
     point_names: Sequence[str] | None = None,
     tie: float = _TIE,
     race: float | None = 0.5,
+    fit_folds: Callable[[int, list[Tensor | None], bool], tuple[Tensor, list[Tensor]]] | None = None,
 ) -> tuple[list[float], Tensor]:
     """:func:`cross_validate_path` for calibrators whose fold fits warm-start one another.
 
@@ -593,21 +595,42 @@ def cross_validate_warm_path(
     point, the previous fold's fit there (the training sets share most of their samples); for a
     tight refit, the loose fit it refines.
 
+    With ``fit_folds(point, starts, tight)``, every fold of a point is fitted at once, from the
+    folds' ``starts`` (``None`` at the first point), returning the folds' test losses (F,) and
+    parameters; ``fit_fold`` is then not called. A point's folds are then all fitted before the
+    path can abandon it, so ``race`` is not used: the points are abandoned only where they cannot
+    win (which, their losses known, loses nothing).
+
     Returns:
         The out-of-fold losses of :func:`cross_validate_path`, and the folds' mean parameters at
         the best point: a start for the final fit, near its optimum.
     """
     fits: dict[int, dict[int, Tensor]] = {}  # grid point -> fold -> parameters, in the order visited
 
-    def fold_loss(point: int, fold: int) -> Tensor:
+    def start(point: int, fold: int) -> Tensor | None:
         path = [(strengths[p], thetas[fold]) for p, thetas in fits.items() if fold in thetas]
-        start = secant_start(path, strengths[point]) if path else fits.get(point, {}).get(fold - 1)
-        loss, fits.setdefault(point, {})[fold] = fit_fold(point, fold, start, False)
+        return secant_start(path, strengths[point]) if path else fits.get(point, {}).get(fold - 1)
+
+    def fold_loss(point: int, fold: int) -> Tensor:
+        loss, fits.setdefault(point, {})[fold] = fit_fold(point, fold, start(point, fold), False)
         return loss
 
     def refined_loss(point: int, fold: int) -> Tensor:
         loss, fits[point][fold] = fit_fold(point, fold, fits[point][fold], True)
         return loss
+
+    batch_losses: dict[tuple[int, bool], Tensor] = {}  # (point, tight) -> the folds' losses, fitted together
+
+    def fitted_together(point: int, fold: int, tight: bool) -> Tensor:
+        assert fit_folds is not None
+        if fold == 0:  # (the path asks for a point's folds in order)
+            starts: list[Tensor | None] = [fits[point][f] if tight else start(point, f) for f in range(num_folds)]
+            batch_losses[point, tight], thetas = fit_folds(point, starts, tight)
+            fits[point] = dict(enumerate(thetas))
+        return batch_losses[point, tight][fold]
+
+    if fit_folds is not None:
+        fold_loss, refined_loss, race = functools.partial(fitted_together, tight=False), functools.partial(fitted_together, tight=True), None
 
     losses = cross_validate_path(order, num_folds, fold_loss, num_samples, process_group, patience, point_names, refined_loss, tie, race)
     best = min(range(len(losses)), key=losses.__getitem__)

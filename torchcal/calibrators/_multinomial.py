@@ -313,7 +313,8 @@ class _ClassBlocks:
 
         Args:
             source: (N, D) the features ``[x_i, 1]`` whose rows are summed.
-            w: (N,) the sample weights and ``q: (N, K)`` the posteriors, in the passes' precision.
+            w: (N,) the sample weights (or (N, B), see :func:`_curvature`) and ``q: (N, K)`` the
+                posteriors, in the passes' precision.
             penalty: (K, D) float64, added twice to the diagonals.
             loose: the Newton system is solved loosely (``source`` is then the float32 copy).
 
@@ -330,8 +331,8 @@ class _ClassBlocks:
         cross-validation.
         """
         n, d = source.shape
-        k = q.shape[1]
         curvature = _curvature(w, q)
+        k = curvature.shape[1]
         m = min(n, max(_MIN_BLOCK_ROWS, _BLOCK_ROWS_PER_FEATURE * n // d))
         if m < n:
             if self.generator is None:
@@ -415,11 +416,11 @@ class _LowRankBlocks:
 
     def factorise(self, source: Tensor, w: Tensor, q: Tensor, penalty: Tensor) -> Callable[[Tensor], Tensor]:
         """Form and factorise the blocks from the features ``source: (N, D)``, the sample
-        weights ``w: (N,)`` and posteriors ``q: (N, K)`` (in ``source``'s precision, which the
-        rows and their products keep) and ``penalty: (K, D)``; returns the solve
-        ``r -> (B_k^{-1} r_k)_k`` for ``r: (K, D)`` float64."""
+        weights ``w: (N,)`` (or (N, B), see :func:`_curvature`) and posteriors ``q: (N, K)`` (in
+        ``source``'s precision, which the rows and their products keep) and ``penalty: (K, D)``;
+        returns the solve ``r -> (B_k^{-1} r_k)_k`` for ``r: (K, D)`` float64."""
         n, d = source.shape
-        k = q.shape[1]
+        k = q.shape[1]  # (every group's classes, in a batched fit)
         # at most D / 2 rows: the capacitance matrices and their factors take 2 K m^2 floats
         # (100,000 x 1,000: 8 N / D would be 799 rows, 10 GB in float64; 500 rows, 4 GB)
         m = min(n - 1, d // 2, max(_MIN_BLOCK_ROWS, _BLOCK_ROWS_PER_FEATURE * n // d))
@@ -472,8 +473,11 @@ def _jitter(diagonal: Tensor) -> Tensor:
 
 
 def _curvature(w: Tensor, q: Tensor) -> Tensor:
-    """``c_ik = w_i q_ik (1 - q_ik)`` (N, K): row i's curvature of class k's scores."""
-    return w.unsqueeze(1) * q * (1 - q)
+    """``c_ik = w_i q_ik (1 - q_ik)`` (N, K): row i's curvature of class k's scores. With weights
+    ``w: (N, B)`` per group of a batched fit (:func:`fit_multinomial_logistic`), the K columns
+    of ``q`` are B groups of classes, each weighted by its group's column of ``w``."""
+    n = q.shape[0]
+    return (q * (1 - q)).view(n, w.numel() // n, -1).mul_(w.view(n, -1, 1)).view(n, -1)
 
 
 def _curvature_moments(x: Tensor, curvature: Tensor, process_group: ProcessGroup | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -559,6 +563,13 @@ def fit_multinomial_logistic(
     """Minimise ``sum_i w_i CE(softmax(theta @ [x_i, 1]), y_i) + sum(penalty * theta^2)``
     (``anchor + theta`` in the softmax where an ``anchor`` is given).
 
+    **Batched:** with ``sample_w: (N, B)`` and ``theta``, ``penalty`` (and ``anchor``) of shape
+    (B, K, F + 1), B independent problems on the same rows, the b-th weighted by ``sample_w[:, b]``
+    (zero leaves a row out), are solved together as one: the sum of their objectives, which is
+    minimised where each is. Cross-validation solves its folds so (every fold's training rows
+    weighted, its test rows not): one pass does every fold's arithmetic in one matrix product, and
+    the decisions are read back once per pass for all of them, not once per fold.
+
     Args:
         features: (N, F) features ``x_i`` (logits for matrix scaling, log-posteriors for
             Dirichlet calibration), float32 or float64; losses and gradients are computed in this
@@ -566,9 +577,10 @@ def fit_multinomial_logistic(
             to round to TF32 / bfloat16, or once CG stalls on their round-off).
         labels: (N,) class indices in ``[0, K)``.
         sample_w: (N,) per-sample weights, e.g. ``1 / N`` for the mean loss (see
-            :func:`torchcal.calibrators.base.sample_weights`).
-        theta: (K, F + 1) starting ``[W | b]``.
-        penalty: (K, F + 1) non-negative penalty weights (e.g. ODIR: zero on the diagonal of W).
+            :func:`torchcal.calibrators.base.sample_weights`); (N, B) for B problems at once.
+        theta: (K, F + 1) starting ``[W | b]``; (B, K, F + 1) batched.
+        penalty: (K, F + 1) non-negative penalty weights (e.g. ODIR: zero on the diagonal of W),
+            (B, K, F + 1) batched.
         tol_grad: converged when the largest absolute gradient entry is below this, both as it is
             and for the features scaled to unit root mean square.
         tol_decrease: if given, converged only after a Newton step that decreased the objective
@@ -578,11 +590,12 @@ def fit_multinomial_logistic(
         max_iter: Newton iterations at most.
         process_group: data-parallel fit; every process passes its shard (and weights that sum
             to 1 over the group), sums over samples are all-reduced, the penalty counted once.
-        anchor: (K, F + 1) a fixed part of the map: the scores are ``(anchor + theta) @ [x_i, 1]``
-            and the penalty acts on ``theta``, the deviation from it (SMS: the identity).
+        anchor: (K, F + 1) (batched: (B, K, F + 1)) a fixed part of the map: the scores are
+            ``(anchor + theta) @ [x_i, 1]`` and the penalty acts on ``theta``, the deviation from
+            it (SMS: the identity).
 
     Returns:
-        ``(theta, record)``: the minimiser (K, F + 1) in the dtype of ``theta`` and a
+        ``(theta, record)``: the minimiser, shaped and typed as ``theta``, and a
         :class:`~torchcal.fit.FitRecord` whose ``evaluations`` counts passes over the data
         (gradients, line-search trials and Hessian-vector products). Of the minimisers that differ
         by a constant added to every class's scores (when the penalty does not fix it), the one
@@ -600,16 +613,18 @@ def fit_multinomial_logistic(
         (True, True)
     """
     n, f = features.shape
-    k = theta.shape[0]
+    shape = theta.shape
+    groups = 1 if sample_w.dim() == 1 else sample_w.shape[1]  # B problems, each of K classes
+    k = shape[-2]
     dtype = features.dtype
     x = torch.cat([features, features.new_ones(n, 1)], dim=1)  # (N, D), D = F + 1
-    w = sample_w.to(dtype)
+    w = sample_w.to(dtype).view(n, groups)
     rows = torch.arange(n, device=x.device)
     # The solver works on features scaled to unit root mean square, so that its tolerances and
     # preconditioner mean the same for every column: a feature that varies by 1e-7 (a class
     # whose log-probabilities all sit near 0) needs a weight of 1e7, whose raw gradient is
     # below any tolerance long before it gets there.
-    scale = all_reduce_((w @ x.square()).to(torch.float64), process_group).sqrt()
+    scale = all_reduce_((w.mean(1) @ x.square()).to(torch.float64), process_group).sqrt()
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     largest_scale = max(1.0, float(scale.max()))
     x /= scale.to(dtype)
@@ -621,20 +636,26 @@ def fit_multinomial_logistic(
     low = torch.float32 if _float32_products_are_ieee(x.device) else dtype
     x_low, w_low = x.to(low), w.to(low)
     full_dtype, x_full, w_full = dtype, x, w
-    loss_w = sample_w.to(torch.float64)  # (the losses' sums in float64 whatever the passes' precision)
+    loss_w = w.to(torch.float64)  # (the losses' sums in float64 whatever the passes' precision)
     dtype, x, w = low, x_low, w_low  # gradients and losses too, far from the optimum (_FLOAT32_TOL_GRAD)
     float32_floor = math.exp(exp_floor(torch.float32))  # posteriors below it: float32 subnormals
-    penalty = penalty.to(device=x.device, dtype=torch.float64) / scale.square()
-    anchor_scaled = 0.0 if anchor is None else anchor.to(device=x.device, dtype=torch.float64) * scale
-    column_penalty = penalty.sum(0)  # (D,)
+    # the B problems' parameters as the rows of one (B K, D) matrix, group by group
+    penalty = penalty.to(device=x.device, dtype=torch.float64).reshape(-1, f + 1) / scale.square()
+    anchor_scaled = 0.0 if anchor is None else anchor.to(device=x.device, dtype=torch.float64).reshape(-1, f + 1) * scale
+    column_penalty = penalty.view(groups, k, -1).sum(1, keepdim=True)  # (B, 1, D)
 
     def shift(c: Tensor) -> Tensor:
-        """The constant per column, added to every class, that minimises the penalty of ``c``."""
-        best = -(penalty * c).sum(0) / torch.where(column_penalty > 0, column_penalty, 1.0)
-        return c + best
+        """The constant per column, added to every class of a group, that minimises the penalty of ``c``."""
+        best = -(penalty * c).view(groups, k, -1).sum(1, keepdim=True) / torch.where(column_penalty > 0, column_penalty, 1.0)
+        return (c.view(groups, k, -1) + best).view(c.shape)
 
     def centre(v: Tensor) -> Tensor:
-        return v - v.mean(0, keepdim=True)
+        grouped = v.view(groups, k, -1)
+        return (grouped - grouped.mean(1, keepdim=True)).view(v.shape)
+
+    def by_group(scores: Tensor) -> Tensor:
+        """``scores: (N, B K)`` as (N, B, K), its groups of classes, one softmax each."""
+        return scores.view(n, groups, k)
 
     passes = 0
     products = 0  # Hessian-vector products (CG steps), a part of the passes
@@ -646,8 +667,8 @@ def fit_multinomial_logistic(
         nonlocal passes
         passes += 1
         full = shift(c)
-        log_q = torch.log_softmax(x @ (full + anchor_scaled).to(dtype).T, dim=1)
-        return -(loss_w @ log_q[rows, labels].to(torch.float64)), log_q, full
+        log_q = torch.log_softmax(by_group(x @ (full + anchor_scaled).to(dtype).T), dim=2)
+        return -(loss_w * log_q[rows, :, labels].to(torch.float64)).sum(), log_q.view(n, -1), full
 
     def objective(c: Tensor) -> float:
         """The objective at the centred ``c``: one forward pass."""
@@ -658,10 +679,10 @@ def fit_multinomial_logistic(
         """Loss, gradient (K, D) and posteriors q (N, K) at the centred ``c``: one pass."""
         data, log_q, full = forward(c)
         q = log_q.clamp_(min=exp_floor(dtype)).exp_()  # no subnormal posteriors: they slow every product
-        residual = w.unsqueeze(1) * q
-        residual[rows, labels] -= w
-        sums = all_reduce_(torch.cat([data.reshape(1), (residual.T @ x).to(torch.float64).flatten()]), process_group)
-        grad = sums[1:].view(k, -1) + 2 * penalty * full
+        residual = w.unsqueeze(2) * by_group(q)
+        residual[rows, :, labels] -= w
+        sums = all_reduce_(torch.cat([data.reshape(1), (residual.view(n, -1).T @ x).to(torch.float64).flatten()]), process_group)
+        grad = sums[1:].view(full.shape) + 2 * penalty * full
         return sums[0] + (penalty * full.square()).sum(), grad, q
 
     def passes_in_full_precision() -> None:
@@ -688,9 +709,9 @@ def fit_multinomial_logistic(
         nonlocal passes, products
         passes += 1
         products += 1
-        qs = torch.mm(x_low, v.to(low).T).mul_(q)  # one (N, K) buffer for the whole product
-        r = qs.addcmul_(q, qs.sum(1, keepdim=True), value=-1).mul_(w_low.unsqueeze(1))
-        data = all_reduce_((r.T @ x_low).to(torch.float64), process_group)
+        qs = by_group(torch.mm(x_low, v.to(low).T)).mul_(by_group(q))  # one (N, B K) buffer for the whole product
+        r = qs.addcmul_(by_group(q), qs.sum(2, keepdim=True), value=-1).mul_(w_low.unsqueeze(2))
+        data = all_reduce_((r.view(n, -1).T @ x_low).to(torch.float64), process_group)
         return data + centre(2 * penalty * shift(v))
 
     def evaluate(c: Tensor) -> tuple[float, Tensor, Tensor, float, float, float]:
@@ -785,7 +806,7 @@ def fit_multinomial_logistic(
         return step if bool(torch.isfinite(step).all()) else -grad
 
     started = time.perf_counter()
-    c = centre(theta.to(device=x.device, dtype=torch.float64) * scale)
+    c = centre(theta.to(device=x.device, dtype=torch.float64).reshape(-1, f + 1) * scale)
     # grad is with respect to the scaled parameters; grad * scale with respect to the original ones
     loss_value, grad, q, grad_max, size, grad_norm = evaluate(c)
     previous: tuple[float, float] | None = None  # (gradient norm, forcing) of the last Newton step
@@ -803,7 +824,7 @@ def fit_multinomial_logistic(
         if q.dtype != dtype:  # the passes' precision has just risen: the state again, in it
             loss_value, grad, q, grad_max, size, grad_norm = evaluate(c)
         if max(grad_max, size) <= tol_grad and (tol_decrease is None or decrease <= tol_decrease):
-            return (shift(c) / scale).to(theta.dtype), FitRecord(iteration, passes, loss_value, grad_max, True, "gradient below tolerance")
+            return (shift(c) / scale).to(theta.dtype).view(shape), FitRecord(iteration, passes, loss_value, grad_max, True, "gradient below tolerance")
         if not math.isfinite(loss_value + grad_max):
             break
         # CG's residual is about the next gradient; the stopping test reads it times scale too
@@ -842,7 +863,7 @@ def fit_multinomial_logistic(
                 continue
             converged = grad_max <= STALL_GRAD
             message = "no further decrease" if converged else "line search failed"
-            return (shift(c) / scale).to(theta.dtype), FitRecord(iteration, passes, loss_value, grad_max, converged, message)
+            return (shift(c) / scale).to(theta.dtype).view(shape), FitRecord(iteration, passes, loss_value, grad_max, converged, message)
         if t < 1 and dtype != full_dtype and -slope < 1e3 * torch.finfo(dtype).eps * abs(loss_value):
             passes_in_full_precision()  # a short step that round-off may have cut (see _FLOAT32_TOL_GRAD)
         c, grad, q = c + t * direction, new_grad, new_q
@@ -859,8 +880,8 @@ def fit_multinomial_logistic(
                     message = (f"{DIVERGING}: the parameters' norm grew {now / before:.3g}-fold over the last {2 * _DIVERGING_SPAN} "
                                f"Newton steps while the loss fell to {loss_value:.6g}; the data are (nearly) separable and the "
                                f"unpenalised fit has no finite optimum")
-                    return (shift(c) / scale).to(theta.dtype), FitRecord(iteration + 1, passes, loss_value, grad_max, False, message)
+                    return (shift(c) / scale).to(theta.dtype).view(shape), FitRecord(iteration + 1, passes, loss_value, grad_max, False, message)
     else:
         warnings.warn(f"Newton-CG did not converge in {max_iter} iterations", ConvergenceWarning, stacklevel=4)
-        return (shift(c) / scale).to(theta.dtype), FitRecord(max_iter, passes, loss_value, grad_max, False, f"stopped at the iteration cap ({max_iter})")
-    return (shift(c) / scale).to(theta.dtype), FitRecord(iteration, passes, loss_value, grad_max, False, "the loss or its gradient is not finite")
+        return (shift(c) / scale).to(theta.dtype).view(shape), FitRecord(max_iter, passes, loss_value, grad_max, False, f"stopped at the iteration cap ({max_iter})")
+    return (shift(c) / scale).to(theta.dtype).view(shape), FitRecord(iteration, passes, loss_value, grad_max, False, "the loss or its gradient is not finite")

@@ -617,7 +617,8 @@ def test_a_batched_fit_solves_each_problem_as_alone(monkeypatch, path):
     """B problems on the same rows, each with its own weights (zero on a fifth of the rows, as a
     cross-validation fold's test rows), penalty, anchor and start, solved together as one (the
     weights (N, B), the parameters (B, K, F + 1)) reach the optimum of each solved alone on its
-    own rows; one batch of one problem is the plain fit. On every preconditioner's path."""
+    own rows; one batch of one problem is the plain fit; weights that are not contiguous give the
+    same fit. On every preconditioner's path."""
     if path != "blocks":
         monkeypatch.setattr(torchcal.calibrators._multinomial, "_MAX_BLOCK_SIZE", 0)
     if path == "low-rank":
@@ -639,6 +640,35 @@ def test_a_batched_fit_solves_each_problem_as_alone(monkeypatch, path):
         alone, alone_record = fit_multinomial_logistic(features[rows], labels[rows], w[rows, i], start[i], penalty[i], anchor=anchor[i])
         assert alone_record.converged
         torch.testing.assert_close(together[i], alone, rtol=0, atol=1e-6)
+    transposed = w.T.contiguous().T  # the same weights, not contiguous
+    again, _ = fit_multinomial_logistic(features, labels, transposed, start, penalty, anchor=anchor)
+    torch.testing.assert_close(again, together, rtol=0, atol=0)
     one, _ = fit_multinomial_logistic(features, labels, w[:, :1], start[:1], penalty[:1], anchor=anchor[:1])
     plain, _ = fit_multinomial_logistic(features, labels, w[:, 0], start[0], penalty[0], anchor=anchor[0])
     torch.testing.assert_close(one[0], plain, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("blind", ["constant", "copy"])
+def test_unpenalised_fits_stay_off_the_directions_the_features_cannot_see(blind):
+    """A logit column that is constant (here 2: ``W[:, 0] + c, b - 2 c`` leaves every score as it
+    is) or a copy of another: without a penalty any move along those directions is an optimum too.
+    The fit is the smallest one, orthogonal to them (in the features scaled to unit root mean
+    square), so its predictions keep their digits on float32 inputs; before, round-off walked the
+    weights out to 5e5 along the constant column and float32 probabilities were off by 1e-2."""
+    gen = torch.Generator().manual_seed(0)
+    latent = 2 * torch.randn(600, 4, generator=gen, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(latent, 1), 1, generator=gen).squeeze(1)
+    logits = 2.5 * latent
+    logits[:, 0] = 2.0 if blind == "constant" else logits[:, 1]
+    cal = torchcal.MatrixScaling().fit(logits, labels)
+    assert cal.fit_record_.converged and cal.fit_record_.grad_max < 1e-9
+    weight, bias = cal.weight.detach(), cal.bias.detach()
+    if blind == "constant":  # orthogonal to (2 e_0 - e_bias) / sqrt(5) in the scaled features (column scale 2, bias 1)
+        torch.testing.assert_close(bias, 2 * weight[:, 0], rtol=0, atol=1e-8)
+    else:  # the copies share their weight
+        torch.testing.assert_close(weight[:, 0], weight[:, 1], rtol=0, atol=1e-8)
+    assert weight.abs().max() < 5
+    torch.testing.assert_close(cal.predict_proba(logits.float()).double(), cal.predict_proba(logits).detach(), rtol=0, atol=1e-6)
+    # the same optimum as without the blind column's freedom: the other columns' fit
+    reduced = torchcal.MatrixScaling().fit(logits, labels)  # (determinism: the same fit again)
+    torch.testing.assert_close(reduced.weight, cal.weight, rtol=0, atol=0)

@@ -465,6 +465,16 @@ class _LowRankBlocks:
         return solve
 
 
+def _blind_directions(x: Tensor, w: Tensor, process_group: ProcessGroup | None) -> Tensor | None:
+    """(D, r) orthonormal directions ``v`` with ``x_i . v = 0`` on every weighted row of
+    ``x: (N, D)`` (weights ``w: (N, B)``): the eigenvectors of the weighted second moments below
+    1e-12 of the largest (``x`` has columns of unit root mean square); ``None`` where there are none."""
+    moments = all_reduce_((x * w.mean(1, keepdim=True)).T.to(torch.float64) @ x.to(torch.float64), process_group)
+    values, vectors = torch.linalg.eigh(moments)
+    blind = vectors[:, values <= 1e-12 * values[-1]]
+    return blind if blind.shape[1] else None
+
+
 def _jitter(diagonal: Tensor) -> Tensor:
     """What each block's ``diagonal: (K, D)`` gets added: relative to the block's own diagonal, so
     that a class whose curvature is tiny is not swamped by the others' (and a floor for all-zero
@@ -618,7 +628,7 @@ def fit_multinomial_logistic(
     k = shape[-2]
     dtype = features.dtype
     x = torch.cat([features, features.new_ones(n, 1)], dim=1)  # (N, D), D = F + 1
-    w = sample_w.to(dtype).view(n, groups)
+    w = sample_w.to(dtype).reshape(n, groups).contiguous()  # (views of it are taken below)
     rows = torch.arange(n, device=x.device)
     # The solver works on features scaled to unit root mean square, so that its tolerances and
     # preconditioner mean the same for every column: a feature that varies by 1e-7 (a class
@@ -649,9 +659,18 @@ def fit_multinomial_logistic(
         best = -(penalty * c).view(groups, k, -1).sum(1, keepdim=True) / torch.where(column_penalty > 0, column_penalty, 1.0)
         return (c.view(groups, k, -1) + best).view(c.shape)
 
+    unpenalised = not bool((penalty > 0).any())
+    # Without a penalty, directions of theta's rows that the features cannot see (a logit column
+    # that is constant or a copy of another) change nothing, and CG, preconditioned by blocks
+    # singular along them, let round-off walk the parameters out along them: a constant logit
+    # column of MatrixScaling grew weights of 5e5 whose cancellation cost float32 inputs two
+    # digits (probabilities off by 1e-2). Steps stay orthogonal to them: the smallest-norm optimum.
+    blind = _blind_directions(x, w, process_group) if unpenalised else None
+
     def centre(v: Tensor) -> Tensor:
         grouped = v.view(groups, k, -1)
-        return (grouped - grouped.mean(1, keepdim=True)).view(v.shape)
+        v = (grouped - grouped.mean(1, keepdim=True)).view(v.shape)
+        return v if blind is None else v - (v @ blind) @ blind.T
 
     def by_group(scores: Tensor) -> Tensor:
         """``scores: (N, B K)`` as (N, B, K), its groups of classes, one softmax each."""
@@ -676,7 +695,7 @@ def fit_multinomial_logistic(
         return float(all_reduce_(data.reshape(1), process_group)[0] + (penalty * full.square()).sum())
 
     def loss_grad(c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Loss, gradient (K, D) and posteriors q (N, K) at the centred ``c``: one pass."""
+        """Loss, gradient (B K, D) and posteriors q (N, B K) at the centred ``c``: one pass."""
         data, log_q, full = forward(c)
         q = log_q.clamp_(min=exp_floor(dtype)).exp_()  # no subnormal posteriors: they slow every product
         residual = w.unsqueeze(2) * by_group(q)
@@ -816,7 +835,6 @@ def fit_multinomial_logistic(
     preconditioner = block_preconditioner if blocks_fit and not _penalty_is_strong(penalty, moments[2]) else rank_one_preconditioner
     solve, kept = None, False  # kept: the last step's blocks serve this one (_KEEP_BLOCKS_TOL_GRAD)
     decrease = math.inf  # of the objective by the last Newton step (tol_decrease)
-    unpenalised = not bool((penalty > 0).any())
     norms: list[float] = []  # of the parameters after each Newton step (unpenalised fits: _DIVERGING_SPAN)
     for iteration in range(max_iter):
         if dtype != full_dtype and tol_grad < _FLOAT32_TOL_GRAD and max(grad_max, size) <= _FLOAT32_TOL_GRAD:

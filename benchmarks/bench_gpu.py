@@ -21,7 +21,8 @@ by the recipe of ``bench_common.make_data``: latent ``z ~ 3 N(0, 1)``, labels dr
   the CPU: time, host syncs, chosen lambda, the CV / fixed-lambda ratio.
 - ``folds``: the default cross-validated Dir-ODIR and MS-ODIR fits with each grid point's folds
   fitted together as one batched problem (``cv_together=True``, the default on a GPU) and one by
-  one, on the real CIFAR-100 logits and (Dir-ODIR) on 100,000 x 1,000 over ``--reg-grid``: time,
+  one, on the real CIFAR-100 logits and (Dir-ODIR) on synthetic N x K (``--folds-synthetic``,
+  100,000 x 1,000 by default) over ``--reg-grid``: time,
   host syncs, Newton-CG passes, the chosen lambda, the largest parameter difference.
 - ``metrics``: cross-entropy + Brier + ECE streamed over 1,000,000 x 1,000 in batches of 10,000
   and of 100,000 rows: torchcal's fused ``PosteriorQuality`` against torchmetrics' ``MulticlassCalibrationError``.
@@ -289,8 +290,10 @@ def section_folds(args) -> None:
                 logits, labels = torch.from_numpy(d["logits"]).float().to(DEVICE), torch.from_numpy(d["labels"]).long().to(DEVICE)
             problems += [(f"{file} {family}", cls, logits, labels, DEFAULT_REG_GRID) for family, cls in
                          (("Dir-ODIR", torchcal.DirichletCalibration), ("MS-ODIR", torchcal.MatrixScaling))]
-    n = int(100_000 * args.scale)
-    problems.append((f"synthetic {n:,} x 1,000 Dir-ODIR", torchcal.DirichletCalibration, *make_data(n, 1000), args.reg_grid or DEFAULT_REG_GRID))
+    for size in args.folds_synthetic:
+        n, k = (int(v) for v in size.split("x"))
+        n = int(n * args.scale)
+        problems.append((f"synthetic {n:,} x {k:,} Dir-ODIR", torchcal.DirichletCalibration, *make_data(n, k), args.reg_grid or DEFAULT_REG_GRID))
     torchcal.DirichletCalibration(reg="odir", cv_together=True).fit(*problems[0][2:4])  # warm-up: kernels' first calls
     rows = []
     for name, cls, logits, labels, grid in problems:
@@ -441,6 +444,7 @@ def main() -> None:
     parser.add_argument("--families", nargs="+", default=["Dir-ODIR", "MS-ODIR", "SVS", "SMS"], help="families of the real section")
     parser.add_argument("--structured-k", nargs="+", type=int, default=[10, 100, 1000], help="K of the structured section")
     parser.add_argument("--reg-grid", nargs="+", type=float, help="lambdas of the dirichlet-cv and folds sections (default: the default grid)")
+    parser.add_argument("--folds-synthetic", nargs="+", default=["100000x1000"], help="N x K of the folds section's synthetic problems")
     parser.add_argument("--verbose", action="store_true", help="log the regularisation paths and Newton steps")
     args = parser.parse_args()
     if args.verbose:

@@ -14,7 +14,6 @@ from torch import Tensor
 
 from torchcal._validation import check_folds, stacklevel_outside_package
 from torchcal.calibrators._multinomial import (
-    _MAX_BLOCK_SIZE,
     DIVERGING,
     MAX_NEWTON_STEPS,
     SELECTION_TOLERANCES,
@@ -23,9 +22,9 @@ from torchcal.calibrators._multinomial import (
 )
 from torchcal.calibrators.base import Calibrator, sample_weights
 from torchcal.calibrators.temperature import inverse_temperature_start
-from torchcal.distributed import all_reduce_
+from torchcal.distributed import ProcessGroup, all_reduce_
 from torchcal.fit import ConvergenceWarning, FitRecord, cross_validate_warm_path, fold_indices
-from torchcal.functional.scoring import PER_SAMPLE_SCORES, weighted_mean
+from torchcal.functional.scoring import PER_SAMPLE_SCORES, weighted_terms
 
 __all__ = ["DEFAULT_REG_GRID", "DirichletCalibration", "MatrixScaling"]
 
@@ -41,6 +40,13 @@ DEFAULT_REG_GRID: tuple[float, ...] = tuple(10.0**e for e in range(-4, 6))
 #: and tie: as SMS's (structured._TOL_CHANGE). Their log-loss starts use SELECTION_TOLERANCES and
 #: TIE_TOLERANCES; the final fit is tight.
 _NONCONVEX_TOL_CHANGE = {"selection": 1e-8, "tie": 1e-11}
+#: On a GPU the cross-validation fits each grid point's folds together (``cv_together=None``) while
+#: one product of a pass over the data, N (K + 1) K multiply-adds, is at most this. The default
+#: cross-validated Dir-ODIR fit on an H100, one by one against together (benchmarks/README.md):
+#: 1.3-2.9x faster together on the CIFAR-100 logits (10,000 x 100, 1e8) and 1.36x on synthetic
+#: 100,000 x 100 (1e9); even at 100,000 x 255 (6.5e9); slower at 1,000,000 x 100 and 10,000 x
+#: 1,000 (1e10: 0.83x, 0.63x) and 100,000 x 1,000 (1e11: 0.26x, and 3.3x the memory).
+_TOGETHER_MAX_PRODUCT = 2e9
 
 
 class MatrixScaling(Calibrator):
@@ -62,14 +68,12 @@ class MatrixScaling(Calibrator):
         cv_together: fit the folds of each grid point together, as one batched problem
             (:func:`~torchcal.calibrators._multinomial.fit_multinomial_logistic`): one pass does
             every fold's arithmetic, and the solver's decisions are read back once for all of them.
-            ``None`` (the default): on a GPU up to K = 255, where the fits are bound by launches
-            and read-backs, not arithmetic (the default cross-validated fits on the CIFAR-100
-            logits of ../shared/data/real, an H100: 1.4-2.7x faster). Elsewhere the folds one by
-            one are faster: a point that trails the best on its first folds is abandoned there
+            ``None`` (the default): on a GPU where the fits are bound by launches and read-backs,
+            not arithmetic (``_TOGETHER_MAX_PRODUCT``). Elsewhere the folds one by one are
+            faster: a point that trails the best on its first folds is abandoned there
             (:func:`~torchcal.fit.cross_validate_path`), while a batched pass does every fold's
-            arithmetic, and the test rows' too (synthetic 100,000 x 1,000 on the H100: 17.0 s
-            and 53 GB together, 4.5 s and 16 GB one by one; on a CPU 2-2.5x slower at K = 100).
-            Log-loss fits in one process only.
+            arithmetic, and the test rows' too (on a CPU 2-2.5x slower at K = 100). Both select
+            by the same rules. Log-loss fits in one process only.
         tol: the log-loss fit has converged when the largest absolute entry of the gradient of the
             penalised mean loss is below ``tol``. The default, 1e-9, leaves the parameters within
             round-off of the optimum even in the flat directions of a weak penalty; 1e-6 takes
@@ -237,7 +241,7 @@ class MatrixScaling(Calibrator):
             return self._fit_nonconvex(features, labels, weights, loss, max_iter, process_group, tol_grad, tol_decrease, tol_change)
         k = features.shape[1]
         sample_w = sample_weights(labels, weights, process_group)
-        self._unheld = all_reduce_(torch.zeros(k, dtype=sample_w.dtype, device=labels.device).index_add_(0, labels, sample_w), process_group) == 0
+        self._unheld = _unheld(labels, sample_w, k, process_group)
         anchor = self._penalty_anchor(k).to(features.device)
         theta, record = fit_multinomial_logistic(
             features, labels, sample_w, self._theta() - anchor, self._penalty_weights(k),
@@ -278,19 +282,23 @@ class MatrixScaling(Calibrator):
             trains.append(train)
             folds.append((features[train], labels[train], features[test], labels[test], copy.deepcopy(self)))
 
+        def test_loss(fold: int) -> Tensor:
+            """The (weighted) loss of the fold's model on each of its test samples."""
+            _, _, test_x, test_y, model = folds[fold]
+            with torch.no_grad():
+                return weighted_terms(per_sample(torch.log_softmax(model._scores(test_x), dim=1), test_y), test_y, weights)
+
         def fit_fold(point: int, fold: int, start: Tensor | None, tight: bool) -> tuple[Tensor, Tensor]:
-            train_x, train_y, test_x, test_y, model = folds[fold]
+            train_x, train_y, _, _, model = folds[fold]
             model.reg_lambda_, model.reg_mu_ = self.reg_grid[point]
             if start is not None:
                 model._set_theta(start)
             tolerances = TIE_TOLERANCES if tight else SELECTION_TOLERANCES
             tol_change = _NONCONVEX_TOL_CHANGE["tie" if tight else "selection"]
             model._fit_fixed_penalty(train_x, train_y, weights, loss, max_iter, process_group, **tolerances, tol_change=tol_change)
-            with torch.no_grad():
-                log_probs = torch.log_softmax(model._scores(test_x), dim=1)
-                return weighted_mean(per_sample(log_probs, test_y), test_y, weights) * test_y.numel(), model._theta()
+            return test_loss(fold), model._theta()
 
-        def fit_folds(point: int, starts: list[Tensor | None], tight: bool) -> tuple[Tensor, list[Tensor]]:
+        def fit_folds(point: int, starts: list[Tensor | None], tight: bool) -> tuple[list[Tensor], list[Tensor]]:
             """Every fold's fit at once: one batched problem on all the rows, each fold's weights
             zero on its test rows. Where it does not converge, the folds one by one."""
             thetas, penalties, anchors = [], [], []
@@ -300,7 +308,7 @@ class MatrixScaling(Calibrator):
                 if start is not None:
                     model._set_theta(start)
                 fold_w[train, fold] = sample_weights(train_y, weights)
-                model._unheld = torch.zeros(k, dtype=torch.float64, device=labels.device).index_add_(0, train_y, fold_w[train, fold]) == 0
+                model._unheld = _unheld(train_y, fold_w[train, fold], k)
                 anchors.append(model._penalty_anchor(k).to(features.device))
                 thetas.append(model._theta() - anchors[-1])
                 penalties.append(model._penalty_weights(k))
@@ -312,17 +320,16 @@ class MatrixScaling(Calibrator):
             )
             if not record.converged:
                 results = [fit_fold(point, fold, starts[fold], tight) for fold in range(len(folds))]
-                return torch.stack([loss for loss, _ in results]), [theta for _, theta in results]
-            losses = []
-            for (_, _, test_x, test_y, model), fitted in zip(folds, theta + anchor):
+                return [loss for loss, _ in results], [theta for _, theta in results]
+            for (*_, model), fitted in zip(folds, theta + anchor):
                 model._set_theta(fitted)
-                with torch.no_grad():
-                    log_probs = torch.log_softmax(model._scores(test_x), dim=1)
-                    losses.append(weighted_mean(per_sample(log_probs, test_y), test_y, weights) * test_y.numel())
-            return torch.stack(losses), [model._theta() for *_, model in folds]
+            return [test_loss(fold) for fold in range(len(folds))], [model._theta() for *_, model in folds]
 
         k = features.shape[1]
-        together = features.device.type != "cpu" and k + 1 <= _MAX_BLOCK_SIZE if self.cv_together is None else self.cv_together
+        if self.cv_together is None:
+            together = features.device.type != "cpu" and features.shape[0] * (k + 1) * k <= _TOGETHER_MAX_PRODUCT
+        else:
+            together = self.cv_together
         together = together and loss == "log" and process_group is None
         names = [f"{type(self).__name__} lambda = {lam:g}, mu = {mu:g}" for lam, mu in self.reg_grid]
         # The path stops once the loss has risen at two points in a row: right along one strength,
@@ -346,6 +353,12 @@ class MatrixScaling(Calibrator):
     def extra_repr(self) -> str:
         reg = f"reg={self.reg!r}" + (f", lambda={self.reg_lambda_:g}, mu={self.reg_mu_:g}" if self.reg_lambda_ is not None else "")
         return reg + ", " + super().extra_repr()
+
+
+def _unheld(labels: Tensor, sample_w: Tensor, num_classes: int, process_group: ProcessGroup | None = None) -> Tensor:
+    """(K,) the classes without weight in the data being fitted (see ``_penalty_weights``)."""
+    held = torch.zeros(num_classes, dtype=sample_w.dtype, device=labels.device).index_add_(0, labels, sample_w)
+    return all_reduce_(held, process_group) == 0
 
 
 class DirichletCalibration(MatrixScaling):

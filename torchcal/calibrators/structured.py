@@ -54,7 +54,7 @@ from torchcal.calibrators.base import Calibrator, sample_weights, total_samples
 from torchcal.calibrators.temperature import fit_inverse_temperature
 from torchcal.distributed import ProcessGroup, all_reduce_, world_size
 from torchcal.fit import ConvergenceWarning, FitRecord, cross_validate_warm_path, fold_indices, minimize
-from torchcal.functional.scoring import PER_SAMPLE_SCORES, weighted_mean
+from torchcal.functional.scoring import PER_SAMPLE_SCORES, weighted_terms
 
 __all__ = ["DEFAULT_LAMBDA_GRID", "QuadraticScaling", "StructuredMatrixScaling", "StructuredVectorScaling"]
 
@@ -341,7 +341,7 @@ class _StructuredScaling(Calibrator):
                            "tie" if tight else "selection")
             with torch.no_grad():
                 log_q = torch.log_softmax(model._map_theta(design_test, model._theta()), dim=1)
-                return weighted_mean(per_sample(log_q, y_test), y_test, weights) * y_test.numel(), model._theta().detach()
+                return weighted_terms(per_sample(log_q, y_test), y_test, weights), model._theta().detach()
 
         order = sorted(range(len(self.reg_grid)), key=lambda i: -self.reg_grid[i])
         names = [f"{type(self).__name__} lambda = {lam:g}" for lam in self.reg_grid]

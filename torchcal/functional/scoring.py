@@ -127,11 +127,17 @@ def weighted_mean(per_sample: Tensor, labels: Tensor, weights: Tensor | None) ->
 
     Samples of weight 0 contribute 0 even when their score is infinite.
     """
+    return weighted_terms(per_sample, labels, weights).mean()
+
+
+def weighted_terms(per_sample: Tensor, labels: Tensor, weights: Tensor | None) -> Tensor:
+    """The terms (N,) float64 whose mean is :func:`weighted_mean`: each sample's score times its
+    class's weight (0 where that is 0, even for an infinite score)."""
     per_sample = per_sample.to(torch.float64)
     if weights is None:
-        return per_sample.mean()
+        return per_sample
     w = weights[labels]
-    return torch.where(w > 0, w * per_sample, torch.zeros_like(per_sample)).sum() / per_sample.shape[0]
+    return torch.where(w > 0, w * per_sample, torch.zeros_like(per_sample))
 
 
 def class_sums(per_sample: Tensor, labels: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:

@@ -208,6 +208,10 @@ def test_the_path_races_a_point_behind_the_best_on_the_same_folds(caplog):
     small = fold_losses(20, {**behind, 2: [0.5] * 5})
     losses = cross_validate_path([0, 2, 3, 1], 5, small, 100, patience=5)
     assert losses[2] == pytest.approx(2.5)
+    # behind by the same on every sample: no spread, infinitely many standard errors
+    with caplog.at_level(logging.INFO, logger="torchcal.fit"):
+        losses = cross_validate_path([0, 1], 5, lambda point, fold: torch.full((100,), 1.0 + 0.5 * point, dtype=torch.float64), 500)
+    assert losses[1] == math.inf and "behind the best by inf standard errors" in caplog.text
 
 
 def test_the_path_walks_on_over_a_plateau_within_the_loose_fits_error():

@@ -128,6 +128,29 @@ def test_svs_at_the_weakest_penalty_of_the_grid_converges():
     assert objective("svs", fitted_deviation("svs", model), x, y, weights)[0] <= best + 1e-12
 
 
+def test_svs_is_finished_by_newton_to_its_optimum_on_real_logits(real):
+    """On the SST-2 GPT-2 4-shot logits (K = 2, lambda = 4^-4: the weights near 16, badly
+    conditioned) L-BFGS stopped at a gradient of 6e-7 with the weights 3.7e-4 from the optimum, and
+    a fit from another start (the cross-validation's) elsewhere; Newton's method with the exact
+    Hessian finishes the fit: both starts reach the same parameters, at SciPy's optimum."""
+    d = real("sst2_gpt2-4shot_ferrer")
+    logits, labels = torch.from_numpy(d["logits"]).double(), torch.from_numpy(d["labels"]).long()
+    cold = torchcal.StructuredVectorScaling(reg_lambda=4.0**-4).fit(logits, labels)
+    warm = torchcal.StructuredVectorScaling(reg_lambda=4.0**-4)
+    warm.load_state_dict(cold.state_dict())
+    with torch.no_grad():
+        warm.weight.mul_(1.01)
+    warm.fit(logits, labels, warm_start=True)
+    assert cold.fit_record_.converged and cold.fit_record_.grad_max < 1e-10 and "then Newton" in cold.fit_record_.message
+    torch.testing.assert_close(warm.weight, cold.weight, rtol=0, atol=1e-8)
+    torch.testing.assert_close(warm.bias, cold.bias, rtol=0, atol=1e-8)
+    z, y = logits.numpy(), labels.numpy()
+    _, x = ts_mix_features(z, y)
+    weights = penalty_weights("svs", 2, len(y), 4.0**-4)
+    best, _ = scipy_fit("svs", x, y, weights)
+    assert objective("svs", fitted_deviation("svs", cold), x, y, weights)[0] <= best + 1e-12
+
+
 def test_sms_hands_over_to_lbfgs_where_newton_cg_stops_short(monkeypatch):
     """SMS fits the log-loss by Newton-CG, without L-BFGS; a Newton-CG fit capped at one step
     (unconverged) hands over to the preconditioned L-BFGS, which reaches SciPy's optimum too."""

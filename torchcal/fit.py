@@ -566,7 +566,7 @@ def cross_validate_path(
                 spread = math.sqrt(max(second - first * first / paired, 0.0))  # sqrt(n) times the standard error
                 if paired >= _RACE_MIN_SAMPLES and first > race * spread:
                     _log.info("regularisation path: %s abandoned after %d of %d folds (behind the best by %.1f standard errors on them)",
-                              names[point], fold + 1, num_folds, first / spread)
+                              names[point], fold + 1, num_folds, first / spread if spread > 0 else math.inf)
                     break
         else:
             losses[point] = mean

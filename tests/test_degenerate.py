@@ -319,3 +319,33 @@ def test_failed_fit_leaves_the_calibrator_as_it_was(name, monkeypatch):
     assert all(torch.equal(after[key], value) and after[key].dtype == value.dtype for key, value in before.items())
     assert all(a is b for a, b in zip(cal._tensors(), tensors)) and cal.fit_record_ is record
     assert torch.equal(cal(logits), output)
+
+
+@pytest.mark.parametrize("make, unbounded", [
+    (lambda: torchcal.MatrixScaling(), True),
+    (lambda: torchcal.DirichletCalibration(), True),
+    (lambda: torchcal.VectorScaling(), True),
+    (lambda: torchcal.AffineCalibration(), True),
+    (lambda: torchcal.AffineCalibration(bias=False), False),
+    (lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=1e-2), False),
+    (lambda: torchcal.TemperatureScaling(), False),
+    (lambda: torchcal.StructuredVectorScaling(reg_lambda=1.0), False),
+], ids=["matrix", "dirichlet", "vector", "affine", "affine-no-bias", "dirichlet-odir", "temperature", "svs"])
+def test_a_class_without_samples_and_a_free_bias_has_no_finite_optimum(make, unbounded):
+    """A class absent from the calibration data, fitted with a free, unpenalised bias: the loss
+    falls without bound as that class's scores do, and the solvers stopped where its gradient fell
+    below their tolerance, reporting convergence with the class's probability near 0 (1e-9 after
+    matrix scaling, 1e-16 after vector scaling). Such fits now say there is no finite optimum and
+    name a regularised calibrator; penalised ones, and those without a per-class bias, converge."""
+    gen = torch.Generator().manual_seed(8)
+    latent = 2 * torch.randn(1000, 4, generator=gen, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(latent, 1), 1, generator=gen).squeeze(1)
+    keep = labels != 3
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cal = make().fit(2.5 * latent[keep], labels[keep])
+    messages = [str(w.message) for w in caught]
+    assert any("classes [3] have no sample in the calibration data" in m for m in messages)
+    assert any("without a penalty drives them towards 0 (no finite optimum): use a regularised calibrator" in m for m in messages) == unbounded
+    assert cal.fit_record_.converged != unbounded
+    assert cal.fit_record_.message.startswith("no finite optimum: classes [3] have no sample") == unbounded

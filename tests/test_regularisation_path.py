@@ -306,3 +306,39 @@ def test_the_race_keeps_the_eventual_best_on_real_cifar100_logits(real):
     path = _check_same_selection(lambda lam: torchcal.MatrixScaling(reg="odir", reg_lambda=lam), logits[keep][:, :10], labels[keep],
                                  loose_rtol=_TIE)
     assert path.reg_lambda_ == 0.1
+
+
+def test_the_race_leaves_near_ties_to_the_tight_refits():
+    """A point 1e-5 (relative) behind the best on every sample is many standard errors behind on
+    2,000 samples, but well inside the loose fits' error (``tie``): it is not raced, its tight refit
+    puts it ahead, and it wins; a point 1 % behind is raced."""
+    from torchcal.fit import cross_validate_path
+
+    gen = torch.Generator().manual_seed(0)
+    base = -torch.log(torch.rand(2000, generator=gen, dtype=torch.float64))
+    split = torch.arange(2000).chunk(5)
+    loose = {0: base, 1: base * (1 + 1e-5), 2: base * 1.01}
+    tight = {0: base, 1: base * (1 - 1e-5), 2: base * 1.01}
+    losses = cross_validate_path([0, 1, 2], 5, lambda p, f: loose[p][split[f]], 2000, refine=lambda p, f: tight[p][split[f]])
+    assert min(range(3), key=losses.__getitem__) == 1 and losses[2] == math.inf
+    assert losses[1] == pytest.approx(float(tight[1].mean()), rel=1e-12)
+
+
+def test_losses_that_are_not_finite_count_as_rises():
+    """A point whose loss is infinite (a test sample given probability 0) or NaN is no new best and
+    no near-tie: past a finite best it counts toward patience; before one, the path walks on (it
+    had reset the count at every point, and refitted every one of them as a near-tie of inf)."""
+    from torchcal.fit import cross_validate_path
+
+    curve = [math.inf, math.nan, 1.0, 0.9, math.inf, math.nan, 0.5]
+    refits = []
+
+    def refine(point, fold):
+        refits.append(point)
+        return torch.tensor([curve[point]], dtype=torch.float64)
+
+    losses = cross_validate_path(range(len(curve)), 1, lambda point, fold: torch.tensor([curve[point]], dtype=torch.float64), 1, refine=refine)
+    assert losses[3] == 0.9 and losses[6] == math.inf and refits == []  # two rises after 0.9: stopped before 0.5
+    assert losses[1] == losses[5] == math.inf  # NaN: no loss (as the first point, it would have won every min())
+    losses = cross_validate_path(range(2), 1, lambda point, fold: torch.tensor([math.inf], dtype=torch.float64), 1, refine=refine)
+    assert losses == [math.inf, math.inf] and refits == []

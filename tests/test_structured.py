@@ -151,6 +151,17 @@ def test_svs_is_finished_by_newton_to_its_optimum_on_real_logits(real):
     assert objective("svs", fitted_deviation("svs", cold), x, y, weights)[0] <= best + 1e-12
 
 
+def test_svs_keeps_to_the_iteration_cap_newton_included(real):
+    """``max_iter`` caps L-BFGS and the Newton steps that finish the fit together: at 3, L-BFGS
+    takes them all and the fit says it stopped there (Newton had gone on to 7 iterations, converged,
+    beside L-BFGS's warning)."""
+    d = real("sst2_gpt2-4shot_ferrer")
+    logits, labels = torch.from_numpy(d["logits"]).double(), torch.from_numpy(d["labels"]).long()
+    with pytest.warns(torchcal.ConvergenceWarning, match="iteration cap"):
+        model = torchcal.StructuredVectorScaling(reg_lambda=4.0**-4).fit(logits, labels, max_iter=3)
+    assert model.fit_record_.iterations <= 3 and not model.fit_record_.converged
+
+
 def test_sms_hands_over_to_lbfgs_where_newton_cg_stops_short(monkeypatch):
     """SMS fits the log-loss by Newton-CG, without L-BFGS; a Newton-CG fit capped at one step
     (unconverged) hands over to the preconditioned L-BFGS, which reaches SciPy's optimum too."""

@@ -521,10 +521,11 @@ def cross_validate_path(
     already sum past the best total cannot win (losses are non-negative), and its other folds are
     not fitted. With ``race``, neither are those of a point that trails the best point on the test
     samples of the folds fitted so far by more than ``race`` standard errors of the mean of their
-    paired differences (from ``_RACE_MIN_SAMPLES`` samples on). Once the loss has risen at
-    ``patience`` consecutive points past its best, by more than ``tie`` (relative; a loose fit's
-    error is no rise), the path stops: weaker penalties only over-fit further. All three leave
-    ``inf`` for the point.
+    paired differences (from ``_RACE_MIN_SAMPLES`` samples on), and by more than ``tie`` of the
+    best's loss on them (relative): the tight refits settle the near-ties. Once the loss has risen
+    at ``patience`` consecutive points past its best, by more than ``tie`` (relative; a loose
+    fit's error is no rise), the path stops: weaker penalties only over-fit further. All three
+    leave ``inf`` for the point.
 
     Args:
         order: grid indices in the order to visit them; the returned list is indexed like the grid,
@@ -561,26 +562,32 @@ def cross_validate_path(
                 _log.info("regularisation path: %s abandoned after %d of %d folds (cannot beat %.6f)", names[point], fold + 1, num_folds, best)
                 break
             if not last and race is not None and math.isfinite(best):
-                difference = so_far - best_terms[: so_far.numel()]  # paired: the same test samples
-                first, second, paired = summed(difference.sum(), difference.square().sum(), difference.new_tensor(float(difference.numel())))
+                best_so_far = best_terms[: so_far.numel()]
+                difference = so_far - best_so_far  # paired: the same test samples
+                first, second, paired, level = summed(difference.sum(), difference.square().sum(),
+                                                      difference.new_tensor(float(difference.numel())), best_so_far.sum())
                 spread = math.sqrt(max(second - first * first / paired, 0.0))  # sqrt(n) times the standard error
-                if paired >= _RACE_MIN_SAMPLES and first > race * spread:
+                # (a near-tie is never raced: many samples make even a difference far below the
+                # loose fits' error significant, and the tight refits must settle it)
+                if paired >= _RACE_MIN_SAMPLES and first > race * spread and first > tie * abs(level):
                     _log.info("regularisation path: %s abandoned after %d of %d folds (behind the best by %.1f standard errors on them)",
                               names[point], fold + 1, num_folds, first / spread if spread > 0 else math.inf)
                     break
         else:
-            losses[point] = mean
+            losses[point] = mean if not math.isnan(mean) else math.inf  # (NaN would confuse every min())
             _log.info("regularisation path: %s, out-of-fold loss %.6f", names[point], mean)
         if losses[point] < best:
             best, best_terms, rises = losses[point], torch.cat(terms), 0
-        elif losses[point] > best + tie * abs(best):
-            rises += 1
-        else:  # within the loose fits' error of the best: not a rise
+        elif not math.isfinite(best):  # no finite loss yet to rise from
+            pass
+        elif losses[point] <= best + tie * abs(best):  # within the loose fits' error: no rise
             rises = 0
+        else:  # (abandoned, or a loss that is not finite)
+            rises += 1
         if rises >= patience:
             _log.info("regularisation path: the loss rose at %d points in a row; weaker penalties are not tried", patience)
             break
-    contenders = [point for point, loss in enumerate(losses) if loss <= best + tie * abs(best)]
+    contenders = [point for point, loss in enumerate(losses) if math.isfinite(best) and loss <= best + tie * abs(best)]
     if refine is not None and len(contenders) > 1:
         for point in contenders:
             refined = torch.cat([refine(point, fold).to(torch.float64).flatten() for fold in range(num_folds)])

@@ -48,6 +48,9 @@ class AffineCalibration(Calibrator):
         super().__init__()
         self.bias = bias
 
+    def _unbounded_without_samples(self) -> bool:
+        return self.bias
+
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
         params = {"log_alpha": torch.zeros(())}
         if self.bias:
@@ -148,6 +151,9 @@ class VectorScaling(Calibrator):
 
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
         return {"weight": torch.ones(num_classes), "bias": torch.zeros(num_classes)}
+
+    def _unbounded_without_samples(self) -> bool:
+        return True
 
     def _scores(self, features: Tensor) -> Tensor:
         return features * self.weight.to(features.dtype) + self.bias.to(features.dtype)

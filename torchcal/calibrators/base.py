@@ -67,6 +67,11 @@ class Calibrator(nn.Module):
     #: whether the fit is a sum over samples, and so can run data-parallel.
     _supports_process_group: bool = True
 
+    def _unbounded_without_samples(self) -> bool:
+        """Whether a class without calibration samples leaves the fit without a finite optimum: a
+        free per-class bias, unpenalised, drives that class's scores down without bound."""
+        return False
+
     def __init__(self) -> None:
         super().__init__()
         self.num_classes: int = 0
@@ -138,10 +143,15 @@ class Calibrator(nn.Module):
         check_count(max_iter, "max_iter")
         counts = all_reduce_(torch.bincount(labels, minlength=num_classes), process_group)
         missing = counts == 0
+        unbounded = bool(missing.any()) and self._unbounded_without_samples()
         if bool(missing.any()):
             warnings.warn(
                 f"classes {missing.nonzero().flatten().tolist()} have no sample in the calibration "
-                f"data; the fit cannot learn anything about their posteriors.",
+                f"data; the fit cannot learn anything about their posteriors"
+                + (f"; {type(self).__name__} without a penalty drives them towards 0 (no finite optimum): use a regularised "
+                   "calibrator (reg='odir' for MatrixScaling or DirichletCalibration, StructuredVectorScaling, "
+                   "TemperatureScaling)." if unbounded else "."),
+                ConvergenceWarning if unbounded else UserWarning,
                 stacklevel=2,
             )
         # Fitting needs autograd even under Lightning's inference_mode; the clone makes the
@@ -169,6 +179,12 @@ class Calibrator(nn.Module):
                 for name, p in self.named_parameters():
                     p.requires_grad_(name not in frozen)
         record = self.fit_record_
+        if unbounded:
+            # (the solver stops where the gradient of those scores falls below its tolerance: K = 4,
+            # 800 samples without class 3, its probability on its test samples about 1e-9 after
+            # MatrixScaling or DirichletCalibration, 1e-16 after VectorScaling)
+            record = self.fit_record_ = dataclasses.replace(
+                record, converged=False, message=f"no finite optimum: classes {missing.nonzero().flatten().tolist()} have no sample ({record.message})")
         if loss == "log" and record.converged and record.loss < _SEPARATED_LOSS:
             warnings.warn(
                 f"the calibration data are perfectly separated by the fitted {type(self).__name__} (mean log-loss "

@@ -158,6 +158,9 @@ class MatrixScaling(Calibrator):
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
         return {"weight": torch.eye(num_classes), "bias": torch.zeros(num_classes)}
 
+    def _unbounded_without_samples(self) -> bool:
+        return self.reg is None
+
     def _scores(self, features: Tensor) -> Tensor:
         return features @ self.weight.to(features.dtype).T + self.bias.to(features.dtype)
 

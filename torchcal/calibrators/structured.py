@@ -406,14 +406,17 @@ class StructuredVectorScaling(_StructuredScaling):
         k = x.shape[1]
         polish = loss == "log" and accuracy == "final" and reg_lambda > 0 and k <= _NEWTON_POLISH_CLASSES
         record = super()._fit_map(x, labels, weights, loss, max_iter, reg_lambda, process_group, "selection" if polish else accuracy)
-        if not polish:
+        if not polish or record.iterations >= max_iter:  # (the iteration cap counts both)
             return record
         n_total = float(total_samples(labels, process_group))
         penalty = self._penalty_weights(k, n_total, reg_lambda).to(x.device).flatten()
         theta, polished = fit_linear_newton(_VectorAboutIdentity(), self._design(x).detach(), labels, weights,
-                                            self._theta().detach().flatten(), penalty, process_group=process_group)
+                                            self._theta().detach().flatten(), penalty, max_iter=max_iter - record.iterations,
+                                            process_group=process_group)
         if not polished.converged:  # (L-BFGS on to the final tolerance)
-            return super()._fit_map(x, labels, weights, loss, max_iter, reg_lambda, process_group, accuracy)
+            rest = super()._fit_map(x, labels, weights, loss, max_iter, reg_lambda, process_group, accuracy)
+            return FitRecord(record.iterations + polished.iterations + rest.iterations, record.evaluations + polished.evaluations + rest.evaluations,
+                             rest.loss, rest.grad_max, rest.converged, f"{rest.message} (after Newton: {polished.message})")
         with torch.no_grad():
             self._set_theta(theta.view(2, k))
         return FitRecord(record.iterations + polished.iterations, record.evaluations + polished.evaluations, polished.loss,

@@ -468,11 +468,13 @@ class _LowRankBlocks:
 def _blind_projections(x: Tensor, w: Tensor, groups: Tensor, process_group: ProcessGroup | None) -> Tensor | None:
     """(B, D, D) float64: for each of the ``groups: (B,)`` marked (the unpenalised ones), the
     projection onto the directions of its parameters' rows that the features ``x: (N, D)`` (the
-    last column the bias's) cannot see on the rows its weights ``w[:, b]`` count: ``x_j e_bias -
-    c_j e_j``... for each feature column ``j`` that is constant there, ``c_j`` (exactly: its largest
-    and smallest value agree), zero for the other groups; ``None`` where there are none. (Found by
-    thresholding the second moments' eigenvalues instead, a column varying by 1e-8 of its size,
-    which still carries information, was taken for blind: a loss of 0.980 where 0.651 is reached.)"""
+    last column the bias's, of value ``u``) cannot see on the rows its weights ``w[:, b]`` count:
+    ``u e_j - c_j e_bias`` for each feature column ``j`` that is constant there, at ``c_j``
+    (exactly: its largest and smallest value agree); zero for the other groups, ``None`` where
+    there are none. (Found by thresholding the second moments' eigenvalues instead, a column
+    varying by 1e-8 of its size, which still carries information, was taken for blind: a loss of
+    0.980 where 0.651 is reached. Columns that copy one another are left alone: their weights
+    drift, but mildly.)"""
     projections = x.new_zeros(len(groups), x.shape[1], x.shape[1], dtype=torch.float64)
     for b in groups.nonzero().flatten().tolist():
         counted = x[w[:, b] > 0].to(torch.float64)
@@ -678,7 +680,7 @@ def fit_multinomial_logistic(
     group_unpenalised = ~(penalty.view(groups, k, -1) > 0).flatten(1).any(1)  # (B,)
     unpenalised = bool(group_unpenalised.all())
     # Without a penalty, directions of theta's rows that the features cannot see (a logit column
-    # that is constant or a copy of another) change nothing, and CG, preconditioned by blocks
+    # that is constant) change nothing, and CG, preconditioned by blocks
     # singular along them, let round-off walk the parameters out along them: a constant logit
     # column of MatrixScaling grew weights of 5e5 whose cancellation cost float32 inputs two
     # digits (probabilities off by 1e-2). Steps stay orthogonal to them: the smallest-norm optimum.

@@ -85,6 +85,15 @@ def fitted_deviation(name: str, model) -> np.ndarray:
     return np.c_[weight - np.eye(len(bias)), bias]
 
 
+def assert_at_the_svs_optimum(model, logits: torch.Tensor, labels: torch.Tensor, reg_lambda: float) -> None:
+    """The fitted SVS's objective is at most SciPy's optimum of the same objective (+ 1e-12)."""
+    z, y = logits.numpy(), labels.numpy()
+    _, x = ts_mix_features(z, y)
+    weights = penalty_weights("svs", z.shape[1], len(y), reg_lambda)
+    best, _ = scipy_fit("svs", x, y, weights)
+    assert objective("svs", fitted_deviation("svs", model), x, y, weights)[0] <= best + 1e-12
+
+
 @pytest.mark.parametrize("reg_lambda", [1.0, 0.02])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_reaches_the_optimum_of_an_independent_scipy_fit(name, reg_lambda):
@@ -121,11 +130,7 @@ def test_svs_at_the_weakest_penalty_of_the_grid_converges():
         warnings.simplefilter("error", torchcal.ConvergenceWarning)
         model = torchcal.StructuredVectorScaling(reg_lambda=4.0**-6).fit(logits, labels)
     assert model.fit_record_.converged and model.fit_record_.iterations < 50
-    z, y = logits.numpy(), labels.numpy()
-    _, x = ts_mix_features(z, y)
-    weights = penalty_weights("svs", 5, len(y), 4.0**-6)
-    best, _ = scipy_fit("svs", x, y, weights)
-    assert objective("svs", fitted_deviation("svs", model), x, y, weights)[0] <= best + 1e-12
+    assert_at_the_svs_optimum(model, logits, labels, 4.0**-6)
 
 
 def test_svs_is_finished_by_newton_to_its_optimum_on_real_logits(real):
@@ -144,11 +149,7 @@ def test_svs_is_finished_by_newton_to_its_optimum_on_real_logits(real):
     assert cold.fit_record_.converged and cold.fit_record_.grad_max < 1e-10 and "then Newton" in cold.fit_record_.message
     torch.testing.assert_close(warm.weight, cold.weight, rtol=0, atol=1e-8)
     torch.testing.assert_close(warm.bias, cold.bias, rtol=0, atol=1e-8)
-    z, y = logits.numpy(), labels.numpy()
-    _, x = ts_mix_features(z, y)
-    weights = penalty_weights("svs", 2, len(y), 4.0**-4)
-    best, _ = scipy_fit("svs", x, y, weights)
-    assert objective("svs", fitted_deviation("svs", cold), x, y, weights)[0] <= best + 1e-12
+    assert_at_the_svs_optimum(cold, logits, labels, 4.0**-4)
 
 
 def test_svs_keeps_to_the_iteration_cap_newton_included(real):

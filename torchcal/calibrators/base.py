@@ -142,11 +142,11 @@ class Calibrator(nn.Module):
             raise ValueError(f"loss must be one of {sorted(PER_SAMPLE_SCORES)}, got {loss!r}.")
         check_count(max_iter, "max_iter")
         counts = all_reduce_(torch.bincount(labels, minlength=num_classes), process_group)
-        missing = counts == 0
-        unbounded = bool(missing.any()) and self._unbounded_without_samples()
-        if bool(missing.any()):
+        missing = (counts == 0).nonzero().flatten().tolist()
+        unbounded = bool(missing) and self._unbounded_without_samples()
+        if missing:
             warnings.warn(
-                f"classes {missing.nonzero().flatten().tolist()} have no sample in the calibration "
+                f"classes {missing} have no sample in the calibration "
                 f"data; the fit cannot learn anything about their posteriors"
                 + (f"; {type(self).__name__} without a penalty drives them towards 0 (no finite optimum): use a regularised "
                    "calibrator (reg='odir' for MatrixScaling or DirichletCalibration, StructuredVectorScaling, "
@@ -184,7 +184,7 @@ class Calibrator(nn.Module):
             # 800 samples without class 3, its probability on its test samples about 1e-9 after
             # MatrixScaling or DirichletCalibration, 1e-16 after VectorScaling)
             record = self.fit_record_ = dataclasses.replace(
-                record, converged=False, message=f"no finite optimum: classes {missing.nonzero().flatten().tolist()} have no sample ({record.message})")
+                record, converged=False, message=f"no finite optimum: classes {missing} have no sample ({record.message})")
         if loss == "log" and record.converged and record.loss < _SEPARATED_LOSS:
             warnings.warn(
                 f"the calibration data are perfectly separated by the fitted {type(self).__name__} (mean log-loss "

@@ -871,3 +871,24 @@ def test_calibration_loss_metric_refuses_what_is_no_calibrator():
 
 def test_smoothed_priors_of_a_list():
     assert torch.allclose(torchcal.label_shift.smoothed_priors(P3, 100), torchcal.label_shift.smoothed_priors(torch.tensor(P3), 100).double())
+
+
+@pytest.mark.parametrize(
+    "fit",
+    [
+        lambda x, y: torchcal.MatrixScaling(reg="odir", reg_lambda=1e-3).fit(x, y, max_iter=1),  # Newton-CG's cap
+        lambda x, y: torchcal.DirichletCalibration(reg="odir", reg_lambda=1e-3).fit(x, y, loss="brier", max_iter=2),  # L-BFGS's
+        lambda x, y: torchcal.AffineCalibration().fit(x, y, max_iter=1),  # Newton's
+        lambda x, y: torchcal.MatrixScaling().fit(x[:10], y[:10]),  # too few samples for its parameters
+    ],
+    ids=["newton-cg", "lbfgs", "newton", "matrix-few-samples"],
+)
+def test_solver_warnings_point_at_the_callers_line(fit):
+    """The solvers' warnings are raised several calls deep (fit, the calibrator's _fit, the driver),
+    at depths that differ by path: they name the user's line, not one inside torchcal."""
+    logits, labels = good_data()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(3 * logits, labels)
+    assert caught, "expected a warning"
+    assert all(w.filename == __file__ for w in caught), [(w.filename, str(w.message)) for w in caught]

@@ -330,13 +330,27 @@ def test_failed_fit_leaves_the_calibrator_as_it_was(name, monkeypatch):
     (lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=1e-2), False),
     (lambda: torchcal.TemperatureScaling(), False),
     (lambda: torchcal.StructuredVectorScaling(reg_lambda=1.0), False),
-], ids=["matrix", "dirichlet", "vector", "affine", "affine-no-bias", "dirichlet-odir", "temperature", "svs"])
+    # penalised, but not the bias (or, on log-posteriors, not W's row either)
+    (lambda: torchcal.MatrixScaling(reg="odir", reg_lambda=1e-2, reg_mu=0.0), True),
+    (lambda: torchcal.MatrixScaling(reg="odir", reg_grid=[(1e-2, 0.0)]), True),
+    (lambda: torchcal.MatrixScaling(reg="l2", reg_lambda=0.0), True),
+    (lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=0.0, reg_mu=1e-2), True),
+    (lambda: torchcal.MatrixScaling(reg="odir", reg_lambda=0.0, reg_mu=1e-2), False),
+    (lambda: torchcal.StructuredVectorScaling(reg_lambda=0.0), True),
+    (lambda: torchcal.StructuredMatrixScaling(reg_lambda=0.0), True),
+], ids=["matrix", "dirichlet", "vector", "affine", "affine-no-bias", "dirichlet-odir", "temperature", "svs",
+        "matrix-odir-mu-0", "matrix-odir-cv-mu-0", "matrix-l2-0", "dirichlet-odir-lambda-0", "matrix-odir-lambda-0",
+        "svs-0", "sms-0"])
 def test_a_class_without_samples_and_a_free_bias_has_no_finite_optimum(make, unbounded):
     """A class absent from the calibration data, fitted with a free, unpenalised bias: the loss
     falls without bound as that class's scores do, and the solvers stopped where its gradient fell
     below their tolerance, reporting convergence with the class's probability near 0 (1e-9 after
     matrix scaling, 1e-16 after vector scaling). Such fits now say there is no finite optimum and
-    name a regularised calibrator; penalised ones, and those without a per-class bias, converge."""
+    name a regularised calibrator; penalised ones, and those without a per-class bias, converge.
+    A penalty that leaves the bias free (ODIR's mu = 0, L2's lambda = 0, SVS / SMS at lambda = 0,
+    also when cross-validation chose it) or, for Dirichlet calibration, W's row (ODIR's lambda = 0:
+    log-posteriors are all negative) is no penalty for this; matrix scaling's W at lambda = 0 alone
+    leaves no such direction on logits of every sign."""
     gen = torch.Generator().manual_seed(8)
     latent = 2 * torch.randn(1000, 4, generator=gen, dtype=torch.float64)
     labels = torch.multinomial(torch.softmax(latent, 1), 1, generator=gen).squeeze(1)
@@ -346,6 +360,6 @@ def test_a_class_without_samples_and_a_free_bias_has_no_finite_optimum(make, unb
         cal = make().fit(2.5 * latent[keep], labels[keep])
     messages = [str(w.message) for w in caught]
     assert any("classes [3] have no sample in the calibration data" in m for m in messages)
-    assert any("without a penalty drives them towards 0 (no finite optimum): use a regularised calibrator" in m for m in messages) == unbounded
+    assert any("unpenalised: the fit drives them towards 0 (no finite optimum). Use a regularised calibrator" in m for m in messages) == unbounded
     assert cal.fit_record_.converged != unbounded
     assert cal.fit_record_.message.startswith("no finite optimum: classes [3] have no sample") == unbounded

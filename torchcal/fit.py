@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from torchcal._validation import check_folds, check_logits_and_labels
+from torchcal._validation import check_folds, check_logits_and_labels, stacklevel_outside_package
 from torchcal.distributed import ProcessGroup, all_reduce_, validate_together
 
 if TYPE_CHECKING:
@@ -197,7 +197,7 @@ def minimize(
     converged = finite and (grad_max <= tol_grad or (stalled and settled))
     if not finite:
         message = "the loss or its gradient is not finite: the scores are too large for this fit; kept the starting parameters"
-        warnings.warn(f"L-BFGS failed: {message}", ConvergenceWarning, stacklevel=3)
+        warnings.warn(f"L-BFGS failed: {message}", ConvergenceWarning, stacklevel=stacklevel_outside_package())
         with torch.no_grad():
             for p, p0 in zip(params, start):
                 p.copy_(p0)
@@ -216,7 +216,7 @@ def minimize(
         else:
             message = (f"no progress after {iterations} iteration{'s' * (iterations != 1)} (the line search's loss or step change fell below "
                        f"{tol_change:g}) with gradient {grad_max:.2e}; the problem may be badly scaled")
-        warnings.warn(f"L-BFGS did not converge: {message}", ConvergenceWarning, stacklevel=3)
+        warnings.warn(f"L-BFGS did not converge: {message}", ConvergenceWarning, stacklevel=stacklevel_outside_package())
     for p in params:
         p.grad = None
     return FitRecord(iterations, evaluations, float(loss.detach()), grad_max, converged, message)
@@ -342,7 +342,7 @@ def newton(
         # (host floats only: the log adds no synchronisation)
         _log.debug("Newton (%d parameters) step %d: loss %.10f, max gradient %.1e, step length %g, %d evaluations",
                    theta.numel(), iteration + 1, loss_value, grad_max, t, evaluations)
-    warnings.warn(f"Newton did not converge in {max_iter} iterations", ConvergenceWarning, stacklevel=4)
+    warnings.warn(f"Newton did not converge in {max_iter} iterations", ConvergenceWarning, stacklevel=stacklevel_outside_package())
     return theta, FitRecord(max_iter, evaluations, loss_value, grad_max, False, f"stopped at the iteration cap ({max_iter})")
 
 

@@ -56,6 +56,7 @@ import torch
 from torch import Tensor
 
 from torchcal._fast_exp import exp_floor
+from torchcal._validation import stacklevel_outside_package
 from torchcal.distributed import ProcessGroup, all_reduce_, world_size
 from torchcal.fit import STALL_GRAD, ConvergenceWarning, FitRecord
 
@@ -919,6 +920,6 @@ def fit_multinomial_logistic(
                                f"unpenalised fit has no finite optimum")
                     return (shift(c) / scale).to(theta.dtype).view(shape), FitRecord(iteration + 1, passes, loss_value, grad_max, False, message)
     else:
-        warnings.warn(f"Newton-CG did not converge in {max_iter} iterations", ConvergenceWarning, stacklevel=4)
+        warnings.warn(f"Newton-CG did not converge in {max_iter} iterations", ConvergenceWarning, stacklevel=stacklevel_outside_package())
         return (shift(c) / scale).to(theta.dtype).view(shape), FitRecord(max_iter, passes, loss_value, grad_max, False, f"stopped at the iteration cap ({max_iter})")
     return (shift(c) / scale).to(theta.dtype).view(shape), FitRecord(iteration, passes, loss_value, grad_max, False, "the loss or its gradient is not finite")

@@ -68,8 +68,9 @@ class Calibrator(nn.Module):
     _supports_process_group: bool = True
 
     def _unbounded_without_samples(self) -> bool:
-        """Whether a class without calibration samples leaves the fit without a finite optimum: a
-        free per-class bias, unpenalised, drives that class's scores down without bound."""
+        """Whether a class without calibration samples leaves the fit (with the strengths it was
+        fitted with) without a finite optimum: a free per-class bias, unpenalised, drives that
+        class's scores down without bound."""
         return False
 
     def __init__(self) -> None:
@@ -143,17 +144,9 @@ class Calibrator(nn.Module):
         check_count(max_iter, "max_iter")
         counts = all_reduce_(torch.bincount(labels, minlength=num_classes), process_group)
         missing = (counts == 0).nonzero().flatten().tolist()
-        unbounded = bool(missing) and self._unbounded_without_samples()
         if missing:
-            warnings.warn(
-                f"classes {missing} have no sample in the calibration "
-                f"data; the fit cannot learn anything about their posteriors"
-                + (f"; {type(self).__name__} without a penalty drives them towards 0 (no finite optimum): use a regularised "
-                   "calibrator (reg='odir' for MatrixScaling or DirichletCalibration, StructuredVectorScaling, "
-                   "TemperatureScaling)." if unbounded else "."),
-                ConvergenceWarning if unbounded else UserWarning,
-                stacklevel=2,
-            )
+            warnings.warn(f"classes {missing} have no sample in the calibration data; the fit cannot learn anything "
+                          "about their posteriors.", UserWarning, stacklevel=2)
         # Fitting needs autograd even under Lightning's inference_mode; the clone makes the
         # data ordinary tensors and guarantees the caller's tensors are never touched.
         with self._restored_on_error(), torch.inference_mode(False), torch.enable_grad():
@@ -179,10 +172,19 @@ class Calibrator(nn.Module):
                 for name, p in self.named_parameters():
                     p.requires_grad_(name not in frozen)
         record = self.fit_record_
-        if unbounded:
+        # judged after the fit, with the penalty strengths it used (cross-validated ones included)
+        if missing and self._unbounded_without_samples():
             # (the solver stops where the gradient of those scores falls below its tolerance: K = 4,
             # 800 samples without class 3, its probability on its test samples about 1e-9 after
             # MatrixScaling or DirichletCalibration, 1e-16 after VectorScaling)
+            warnings.warn(
+                f"{type(self).__name__} leaves the scores of classes {missing}, which have no calibration sample, "
+                "unpenalised: the fit drives them towards 0 (no finite optimum). Use a regularised calibrator "
+                "(reg='odir' for MatrixScaling or DirichletCalibration, with reg_lambda and reg_mu > 0; "
+                "StructuredVectorScaling; TemperatureScaling).",
+                ConvergenceWarning,
+                stacklevel=2,
+            )
             record = self.fit_record_ = dataclasses.replace(
                 record, converged=False, message=f"no finite optimum: classes {missing} have no sample ({record.message})")
         if loss == "log" and record.converged and record.loss < _SEPARATED_LOSS:

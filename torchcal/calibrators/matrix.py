@@ -159,7 +159,8 @@ class MatrixScaling(Calibrator):
         return {"weight": torch.eye(num_classes), "bias": torch.zeros(num_classes)}
 
     def _unbounded_without_samples(self) -> bool:
-        return self.reg is None
+        # the bias is free without a penalty on it (ODIR's mu, L2's lambda)
+        return self.reg is None or (self.reg_mu_ if self.reg == "odir" else self.reg_lambda_) == 0
 
     def _scores(self, features: Tensor) -> Tensor:
         return features @ self.weight.to(features.dtype).T + self.bias.to(features.dtype)
@@ -221,7 +222,7 @@ class MatrixScaling(Calibrator):
             warnings.warn(
                 f"{features.shape[0]} samples for {k * (k + 1)} unregularised parameters: the fit "
                 f"will over-fit; use reg='odir'.",
-                stacklevel=3,
+                stacklevel=stacklevel_outside_package(),
             )
         if self._at_identity():
             with torch.no_grad():
@@ -380,6 +381,11 @@ class DirichletCalibration(MatrixScaling):
         >>> cal.reg_lambda_ in [lam for lam, mu in cal.reg_grid]
         True
     """
+
+    def _unbounded_without_samples(self) -> bool:
+        # also ODIR without lambda: the class's row of W, free, times log-posteriors (all negative)
+        # drives its scores down on every sample
+        return super()._unbounded_without_samples() or (self.reg == "odir" and self.reg_lambda_ == 0)
 
     def _features(self, logits: Tensor) -> Tensor:
         return torch.log_softmax(logits, dim=1)

@@ -175,6 +175,9 @@ class _StructuredScaling(Calibrator):
         self.reg_lambda_: float | None = None
         self.cv_losses_: list[float] | None = None
 
+    def _unbounded_without_samples(self) -> bool:
+        return self.reg_lambda_ == 0  # (the bias's penalty too)
+
     # --------------------------------------------------------------- the map, per subclass
     def _map_identity(self, num_classes: int) -> dict[str, Tensor]:
         raise NotImplementedError

@@ -250,7 +250,7 @@ def fit_inverse_temperature(
         if abs(candidate - beta) <= rtol * beta:
             return converged(candidate, iteration, value, grad)
         beta = candidate
-    warnings.warn("temperature fit did not converge", ConvergenceWarning, stacklevel=4)
+    warnings.warn("temperature fit did not converge", ConvergenceWarning, stacklevel=stacklevel_outside_package())
     return beta / unit, FitRecord(max_iter, evaluations, value, abs(grad) * unit, False, f"stopped at the iteration cap ({max_iter})")
 
 

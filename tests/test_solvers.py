@@ -3,6 +3,7 @@ scaling) reach the optimum of the generic L-BFGS fit of the same objective."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from functools import partial
 
@@ -233,11 +234,31 @@ def test_newton_on_a_quadratic_takes_one_step():
 
     def derivatives(theta):
         d = theta - target
-        return 0.5 * d @ a @ d, a @ d, a
+        return 0.5 * d @ a @ d, a @ d, a.diagonal(), lambda: a
 
     theta, record = torchcal.fit.newton(derivatives, lambda t: derivatives(t)[0], torch.zeros(3, dtype=torch.float64))
     torch.testing.assert_close(theta, target)
     assert record.converged and record.iterations == 1
+
+
+def test_newton_forms_the_hessian_only_where_a_step_needs_it(monkeypatch):
+    """Vector scaling's fit (Newton, exact (2K)^2 Hessian): no Hessian at the last point, and in
+    the quadratic regime (a full step that shrank the gradient 100-fold) the last factorised one
+    serves again; the fit ends where Newton with a fresh Hessian at every step ends."""
+    logits, labels = _data(n=3000)
+    formed = []
+    hessian = torchcal.calibrators._linear.VectorDesign.hessian
+    monkeypatch.setattr(torchcal.calibrators._linear.VectorDesign, "hessian", lambda self, *a: formed.append(1) or hessian(self, *a))
+    reused = torchcal.VectorScaling().fit(logits, labels)
+    steps, reused_formed = reused.fit_record_.iterations, len(formed)
+    formed.clear()
+    monkeypatch.setattr(torchcal.fit, "_REUSE_SHRINK", math.inf)
+    fresh = torchcal.VectorScaling().fit(logits, labels)
+    assert reused.fit_record_.converged and fresh.fit_record_.converged
+    assert len(formed) == fresh.fit_record_.iterations  # one per step, none at the last point
+    assert reused_formed < steps
+    torch.testing.assert_close(reused.weight, fresh.weight, atol=1e-9, rtol=0)
+    torch.testing.assert_close(reused.bias, fresh.bias, atol=1e-9, rtol=0)
 
 
 def _logistic_objective(dtype: torch.dtype, weight: torch.Tensor, counts: list[int]):

@@ -22,6 +22,8 @@ within a relative 1e-6 of itself (:meth:`AffineDesign.hessian`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -64,6 +66,10 @@ class LinearDesign:
         projected = self.project(q, x)
         return self.gram(w.unsqueeze(1) * q, x) - projected.T @ (w.unsqueeze(1) * projected)
 
+    def hessian_diagonal(self, q: Tensor, w: Tensor, x: Tensor) -> Tensor:
+        """The diagonal (P,) of :meth:`hessian`; designs whose Hessian is costly form it alone."""
+        return self.hessian(q, w, x).diagonal()
+
 
 class AffineDesign(LinearDesign):
     """``s = a * x + b``: ``theta = [a, b_1 .. b_K]``."""
@@ -102,6 +108,11 @@ class AffineDesign(LinearDesign):
         biases = torch.diag(m.sum(1)) - m
         return torch.cat([torch.cat([corner.reshape(1, 1), edge.unsqueeze(0)], dim=1), torch.cat([edge.unsqueeze(1), biases], dim=1)])
 
+    def hessian_diagonal(self, q: Tensor, w: Tensor, x: Tensor) -> Tensor:
+        mean_x = torch.linalg.vecdot(q, x)
+        corner = torch.dot((w.unsqueeze(1) * q).flatten(), x.square().flatten()) - torch.dot(w * mean_x, mean_x)
+        return torch.cat([corner.reshape(1), (w.unsqueeze(1) * q * (1 - q)).sum(0)])
+
 
 class VectorDesign(LinearDesign):
     """``s = w * x + b``: ``theta = [w_1 .. w_K, b_1 .. b_K]``."""
@@ -123,6 +134,20 @@ class VectorDesign(LinearDesign):
         vx = v * x
         d_ww, d_wb, d_bb = torch.diag((vx * x).sum(0)), torch.diag(vx.sum(0)), torch.diag(v.sum(0))
         return torch.cat([torch.cat([d_ww, d_wb], dim=1), torch.cat([d_wb, d_bb], dim=1)])
+
+    def hessian(self, q: Tensor, w: Tensor, x: Tensor) -> Tensor:
+        """The rank part ``sum_i w_i u_i u_i^T`` of ``u_i = [q_i x_i, q_i]`` as its three distinct
+        K x K blocks (three quarters of the products of the (2K)^2 one)."""
+        qx, wq = q * x, w.unsqueeze(1) * q
+        wqx = wq * x
+        d_ww, d_wb, d_bb = torch.diag((wqx * x).sum(0)), torch.diag(wqx.sum(0)), torch.diag(wq.sum(0))
+        ww, wb, bb = d_ww - wqx.T @ qx, d_wb - wqx.T @ q, d_bb - wq.T @ q
+        return torch.cat([torch.cat([ww, wb], dim=1), torch.cat([wb.T, bb], dim=1)])
+
+    def hessian_diagonal(self, q: Tensor, w: Tensor, x: Tensor) -> Tensor:
+        c = torch.addcmul(q, q, q, value=-1)  # q (1 - q), one buffer for all of it
+        biases = w @ c
+        return torch.cat([w @ c.mul_(x).mul_(x), biases])
 
 
 class FullDesign(LinearDesign):
@@ -149,6 +174,9 @@ class FullDesign(LinearDesign):
     def gram(self, v: Tensor, x: Tensor) -> Tensor:
         xa = self._augmented(x)
         return torch.block_diag(*torch.einsum("nk,na,nb->kab", v, xa, xa))
+
+    def hessian_diagonal(self, q: Tensor, w: Tensor, x: Tensor) -> Tensor:
+        return ((w.unsqueeze(1) * q * (1 - q)).T @ self._augmented(x).square()).flatten()
 
 
 def fit_linear_newton(
@@ -186,18 +214,27 @@ def fit_linear_newton(
         design.project_sum(sample_w[c].unsqueeze(1) * F.one_hot(labels[c], k).to(features.dtype), features[c]) for c in chunks
     )
 
-    def derivatives(theta: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def derivatives(theta: Tensor) -> tuple[Tensor, Tensor, Tensor, Callable[[], Tensor]]:
         loss = (penalty * theta.square()).sum()
         grad = 2 * penalty * theta - label_part
-        hess = torch.diag(2 * penalty)
+        curvature = 2 * penalty
+        posteriors = []
         for c in chunks:
             x, w = features[c], sample_w[c]
             log_q = torch.log_softmax(design.scores(x, theta), dim=1)
             loss -= w @ log_q.gather(1, labels[c].unsqueeze(1)).squeeze(1)
             q = log_q.exp_()
             grad += design.project_sum(w.unsqueeze(1) * q, x)
-            hess += design.hessian(q, w, x)
-        return loss, grad, (hess + hess.T) / 2
+            curvature = curvature + design.hessian_diagonal(q, w, x)
+            posteriors.append(q)
+
+        def hessian() -> Tensor:
+            hess = torch.diag(2 * penalty)
+            for c, q in zip(chunks, posteriors):
+                hess += design.hessian(q, sample_w[c], features[c])
+            return (hess + hess.T) / 2
+
+        return loss, grad, curvature, hessian
 
     def objective(theta: Tensor) -> Tensor:
         loss = (penalty * theta.square()).sum()

@@ -24,6 +24,9 @@ by the recipe of ``bench_common.make_data``: latent ``z ~ 3 N(0, 1)``, labels dr
   one, on the real CIFAR-100 logits and (Dir-ODIR) on synthetic N x K (``--folds-synthetic``,
   100,000 x 1,000 by default) over ``--reg-grid``: time,
   host syncs, Newton-CG passes, the chosen lambda, the largest parameter difference.
+- ``svs-newton``: SVS on the GPU with its log-loss fits by Newton's method alone (the default
+  there) against L-BFGS finished by Newton, at lambda = 1 on 10,000 x K (``--structured-k``),
+  cross-validated there for K >= 1,000 and on the real CIFAR-10 / CIFAR-100 logits.
 - ``metrics``: cross-entropy + Brier + ECE streamed over 1,000,000 x 1,000 in batches of 10,000
   and of 100,000 rows: torchcal's fused ``PosteriorQuality`` against torchmetrics' ``MulticlassCalibrationError``.
 - ``syncs``: host synchronisations per solver iteration and per metric update, counted by
@@ -355,6 +358,47 @@ def section_structured(args) -> None:
           ["problem", "row", "median s", "x torchcal GPU time", "objective", "max |grad|"], rows)
 
 
+def section_svs_newton(args) -> None:
+    """SVS on the GPU with every log-loss fit by Newton's method alone (the default up to
+    ``_NEWTON_DEVICE_CLASSES`` classes, forced here for every K) against L-BFGS finished by Newton
+    (the CPU's path above ``_NEWTON_CPU_CLASSES``; L-BFGS alone above ``_NEWTON_POLISH_CLASSES``):
+    lambda = 1 on the seeded 10,000 x K data of ``bench_structured.py`` (and the default
+    cross-validated fit there for K >= 1,000), and the default cross-validated fit on the real
+    logits; time, host syncs, the chosen lambda and the largest parameter difference."""
+    import numpy as np
+    from bench_common import make_data as make_cpu_data
+    from bench_structured import REAL as real
+
+    import torchcal.calibrators.structured as structured
+
+    problems = [(f"10,000 x {k}, lambda = 1", *make_cpu_data(10_000, k), 1.0) for k in args.structured_k]
+    problems += [(f"10,000 x {k}, default CV", *make_cpu_data(10_000, k), None) for k in args.structured_k if k >= 1000]
+    for file in ("cifar10_resnet110_kangsepp", "cifar100_resnet20_ferrer", "cifar100_vgg19bn_ferrer",
+                 "cifar100_repvgg-a2_ferrer", "cifar100_lenet5_netcal"):
+        if (real / f"{file}.npz").exists():
+            with np.load(real / f"{file}.npz") as d:
+                problems.append((f"{file}, default CV", torch.from_numpy(d["logits"]).float(), torch.from_numpy(d["labels"]).long(), None))
+    default = structured._NEWTON_DEVICE_CLASSES
+    rows = []
+    for name, cpu_logits, cpu_labels, reg_lambda in problems:
+        logits, labels = cpu_logits.to(DEVICE), cpu_labels.to(DEVICE)
+        fitted = {}
+        for path, classes in (("Newton alone", 1 << 30), ("L-BFGS, then Newton", 0)):
+            structured._NEWTON_DEVICE_CLASSES = classes
+            try:
+                torchcal.StructuredVectorScaling(reg_lambda=1.0).fit(logits, labels)  # warm-up
+                fitted[path] = fit_counted(lambda: torchcal.StructuredVectorScaling(reg_lambda=reg_lambda), logits, labels)
+            finally:
+                structured._NEWTON_DEVICE_CLASSES = default
+        (newton_s, newton_syncs, newton), (lbfgs_s, lbfgs_syncs, lbfgs) = fitted.values()
+        diff = max((a - b).abs().max().item() for a, b in zip(newton.parameters(), lbfgs.parameters()))
+        rows.append([name, f"{newton_s:.3f} ({newton_syncs})", f"{lbfgs_s:.3f} ({lbfgs_syncs})", f"{lbfgs_s / newton_s:.1f}x",
+                     f"{newton.reg_lambda_:g} / {lbfgs.reg_lambda_:g}", f"{diff:.1e}"])
+        print(rows[-1], flush=True)
+    table("SVS on the GPU: Newton alone against L-BFGS finished by Newton",
+          ["problem", "Newton alone: s (host syncs)", "L-BFGS, then Newton: s (host syncs)", "ratio", "lambda", "max |param diff|"], rows)
+
+
 def section_metrics(args, ceiling: float) -> None:
     n, k = int(1_000_000 * args.scale), 1000
     logits, labels = make_data(n, k)
@@ -440,7 +484,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of the default sizes")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--sections", nargs="+", default=["copy", "temperature", "metrics", "syncs", "fits", "dirichlet", "structured", "real", "dirichlet-cv", "folds"])
+    parser.add_argument("--sections", nargs="+", default=["copy", "temperature", "metrics", "syncs", "fits", "dirichlet", "structured", "svs-newton", "real", "dirichlet-cv", "folds"])
     parser.add_argument("--families", nargs="+", default=["Dir-ODIR", "MS-ODIR", "SVS", "SMS"], help="families of the real section")
     parser.add_argument("--structured-k", nargs="+", type=int, default=[10, 100, 1000], help="K of the structured section")
     parser.add_argument("--reg-grid", nargs="+", type=float, help="lambdas of the dirichlet-cv and folds sections (default: the default grid)")
@@ -470,6 +514,8 @@ def main() -> None:
             section_folds(args)
         elif name == "structured":
             section_structured(args)
+        elif name == "svs-newton":
+            section_svs_newton(args)
         elif name == "fits":
             section_fits(args)
         elif name == "metrics":

@@ -5,6 +5,7 @@ on real logits, cross-validation against a cold-started grid, and the calibrator
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import types
 import warnings
@@ -146,21 +147,48 @@ def test_svs_is_finished_by_newton_to_its_optimum_on_real_logits(real):
     with torch.no_grad():
         warm.weight.mul_(1.01)
     warm.fit(logits, labels, warm_start=True)
-    assert cold.fit_record_.converged and cold.fit_record_.grad_max < 1e-10 and "then Newton" in cold.fit_record_.message
+    assert cold.fit_record_.converged and cold.fit_record_.grad_max < 1e-10 and "Newton" in cold.fit_record_.message
     torch.testing.assert_close(warm.weight, cold.weight, rtol=0, atol=1e-8)
     torch.testing.assert_close(warm.bias, cold.bias, rtol=0, atol=1e-8)
     assert_at_the_svs_optimum(cold, logits, labels, 4.0**-4)
 
 
-def test_svs_keeps_to_the_iteration_cap_newton_included(real):
+@pytest.mark.parametrize("k", [4, 30])
+def test_svs_by_newton_alone_fits_and_selects_as_lbfgs_does(k, monkeypatch):
+    """SVS's log-loss fits, cross-validation's included, by Newton's method from their start (the
+    GPU's path, and a CPU's up to _NEWTON_CPU_CLASSES) or by L-BFGS finished by Newton: the same
+    out-of-fold losses within the selection fits' tolerance, the same lambda, the same final fit."""
+    logits, labels = _data(n=1500, k=k, seed=3)
+    module = torchcal.calibrators.structured
+    fits = {}
+    for newton_classes in (0, 1000):
+        monkeypatch.setattr(module, "_NEWTON_CPU_CLASSES", newton_classes)
+        fixed = torchcal.StructuredVectorScaling(reg_lambda=0.25).fit(logits, labels)
+        chosen = torchcal.StructuredVectorScaling().fit(logits, labels)
+        assert fixed.fit_record_.converged and chosen.fit_record_.converged
+        assert fixed.fit_record_.message.startswith("Newton") == (newton_classes > 0)
+        fits[newton_classes] = fixed, chosen
+    (fixed_a, chosen_a), (fixed_b, chosen_b) = fits[0], fits[1000]
+    for a, b in ((fixed_a, fixed_b), (chosen_a, chosen_b)):
+        torch.testing.assert_close(a.weight, b.weight, atol=1e-7, rtol=0)
+        torch.testing.assert_close(a.bias, b.bias, atol=1e-7, rtol=0)
+    assert chosen_a.reg_lambda_ == chosen_b.reg_lambda_
+    finite = [i for i, v in enumerate(chosen_a.cv_losses_) if math.isfinite(v) and math.isfinite(chosen_b.cv_losses_[i])]
+    assert chosen_a.reg_grid.index(chosen_a.reg_lambda_) in finite
+    np.testing.assert_allclose([chosen_a.cv_losses_[i] for i in finite], [chosen_b.cv_losses_[i] for i in finite], rtol=1e-5)
+
+
+def test_svs_keeps_to_the_iteration_cap_newton_included(real, monkeypatch):
     """``max_iter`` caps L-BFGS and the Newton steps that finish the fit together: at 3, L-BFGS
     takes them all and the fit says it stopped there (Newton had gone on to 7 iterations, converged,
     beside L-BFGS's warning)."""
     d = real("sst2_gpt2-4shot_ferrer")
     logits, labels = torch.from_numpy(d["logits"]).double(), torch.from_numpy(d["labels"]).long()
-    with pytest.warns(torchcal.ConvergenceWarning, match="iteration cap"):
-        model = torchcal.StructuredVectorScaling(reg_lambda=4.0**-4).fit(logits, labels, max_iter=3)
-    assert model.fit_record_.iterations <= 3 and not model.fit_record_.converged
+    for newton_classes in (0, 16):  # L-BFGS, then Newton; Newton alone (K = 2)
+        monkeypatch.setattr(torchcal.calibrators.structured, "_NEWTON_CPU_CLASSES", newton_classes)
+        with pytest.warns(torchcal.ConvergenceWarning, match="iteration cap|did not converge in 3 iterations"):
+            model = torchcal.StructuredVectorScaling(reg_lambda=4.0**-4).fit(logits, labels, max_iter=3)
+        assert model.fit_record_.iterations <= 3 and not model.fit_record_.converged
 
 
 def test_sms_hands_over_to_lbfgs_where_newton_cg_stops_short(monkeypatch):

@@ -880,8 +880,10 @@ def test_smoothed_priors_of_a_list():
         lambda x, y: torchcal.DirichletCalibration(reg="odir", reg_lambda=1e-3).fit(x, y, loss="brier", max_iter=2),  # L-BFGS's
         lambda x, y: torchcal.AffineCalibration().fit(x, y, max_iter=1),  # Newton's
         lambda x, y: torchcal.MatrixScaling().fit(x[:10], y[:10]),  # too few samples for its parameters
+        # a class without samples, through torchcal's own cross-validation
+        lambda x, y: torchcal.fit.cross_validate(torchcal.VectorScaling(), x[y != 2], y[y != 2], folds=2),
     ],
-    ids=["newton-cg", "lbfgs", "newton", "matrix-few-samples"],
+    ids=["newton-cg", "lbfgs", "newton", "matrix-few-samples", "cross-validate-missing-class"],
 )
 def test_solver_warnings_point_at_the_callers_line(fit):
     """The solvers' warnings are raised several calls deep (fit, the calibrator's _fit, the driver),

@@ -363,3 +363,21 @@ def test_a_class_without_samples_and_a_free_bias_has_no_finite_optimum(make, unb
     assert any("unpenalised: the fit drives them towards 0 (no finite optimum). Use a regularised calibrator" in m for m in messages) == unbounded
     assert cal.fit_record_.converged != unbounded
     assert cal.fit_record_.message.startswith("no finite optimum: classes [3] have no sample") == unbounded
+
+
+def test_a_free_row_of_w_that_lowers_a_missing_class_everywhere_has_no_finite_optimum(real):
+    """MatrixScaling with ODIR at lambda = 0 leaves the rows of W free. On the logits above they
+    surround the origin and a missing class's row has a finite optimum; on the CIFAR-10 ResNet-110
+    logits (3,000 rows, class 3 left out) a direction d with d . x < 0 on every sample exists (a
+    linear program finds it), the row ran off along it (norm 9,570, class 3's probability 1.5e-9 on
+    its own samples) and the fit had reported convergence."""
+    from scipy.optimize import linprog
+
+    d = real("cifar10_resnet110_kangsepp")
+    logits, labels = torch.from_numpy(d["logits"][:3000]).double(), torch.from_numpy(d["labels"][:3000]).long()
+    keep = labels != 3
+    escape = linprog(np.zeros(10), A_ub=logits[keep].numpy(), b_ub=-np.ones(int(keep.sum())), bounds=[(None, None)] * 10)
+    assert escape.status == 0  # (the independent check that this row has no finite optimum)
+    with pytest.warns(torchcal.ConvergenceWarning, match="no finite optimum"):
+        cal = torchcal.MatrixScaling(reg="odir", reg_lambda=0.0, reg_mu=1e-2).fit(logits[keep], labels[keep])
+    assert not cal.fit_record_.converged and cal.fit_record_.message.startswith("no finite optimum: classes [3]")

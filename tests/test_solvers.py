@@ -261,6 +261,23 @@ def test_newton_forms_the_hessian_only_where_a_step_needs_it(monkeypatch):
     torch.testing.assert_close(reused.bias, fresh.bias, atol=1e-9, rtol=0)
 
 
+@pytest.mark.parametrize("make", [torchcal.VectorScaling, lambda: torchcal.StructuredVectorScaling(reg_lambda=4.0**-6)],
+                         ids=["vector", "svs"])
+def test_newton_converged_at_its_cap_is_converged(make):
+    """A cap of exactly the steps Newton needs: its last step reaches the tolerance, so the fit is
+    converged, with no warning (it was reported as stopped at the cap, and vector scaling's fallback
+    to L-BFGS then finished 0.26 nats above the optimum)."""
+    g = torch.Generator().manual_seed(9)
+    latent = 4 * torch.randn(2000, 8, generator=g, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(latent, 1), 1, generator=g).squeeze(1)
+    free = make().fit(latent, labels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        capped = make().fit(latent, labels, max_iter=free.fit_record_.iterations)
+    assert capped.fit_record_ == free.fit_record_
+    assert torch.equal(capped.weight, free.weight) and torch.equal(capped.bias, free.bias)
+
+
 def _logistic_objective(dtype: torch.dtype, weight: torch.Tensor, counts: list[int]):
     """Mean multinomial log-loss of ``x @ weight.T`` plus a ridge, its data held in ``dtype``."""
     logits, labels = _data(n=5000)

@@ -178,6 +178,32 @@ def test_svs_by_newton_alone_fits_and_selects_as_lbfgs_does(k, monkeypatch):
     np.testing.assert_allclose([chosen_a.cv_losses_[i] for i in finite], [chosen_b.cv_losses_[i] for i in finite], rtol=1e-5)
 
 
+def test_svs_capped_between_lbfgs_and_newton_names_the_fits_cap():
+    """Past L-BFGS's iterations, Newton has what is left of max_iter; where it stops there, the
+    record and the warning name the fit's cap and both stages (they named Newton's share, 2 of 7)."""
+    logits, labels = _data(n=2000, k=20, seed=5)
+    free = torchcal.StructuredVectorScaling(reg_lambda=4.0**-6).fit(logits, labels)
+    assert free.fit_record_.converged and free.fit_record_.message.startswith("no further decrease")  # (L-BFGS, then Newton)
+    cap = free.fit_record_.iterations - 1
+    with pytest.warns(torchcal.ConvergenceWarning, match=rf"StructuredVectorScaling stopped at the iteration cap \({cap}: \d+ L-BFGS"):
+        capped = torchcal.StructuredVectorScaling(reg_lambda=4.0**-6).fit(logits, labels, max_iter=cap)
+    assert capped.fit_record_.iterations == cap and not capped.fit_record_.converged
+    assert capped.fit_record_.message.startswith(f"stopped at the iteration cap ({cap}: ")
+
+
+def test_ts_mix_without_mixing_stays_finite():
+    """ts-mix at eps = 0 (no fit sets it; a state can): posteriors that underflow give the floor's
+    log, not -inf (whose products with a zero weight would be NaN)."""
+    model = torchcal.StructuredVectorScaling(reg_lambda=1.0).fit(*_data())
+    with torch.no_grad():
+        model.mix.zero_()
+    log_probs = torch.log_softmax(torch.tensor([[0.0, -5000.0, 5.0]], dtype=torch.float64), 1)
+    out = model._ts_mix(log_probs)
+    assert torch.isfinite(out).all()
+    expected = torch.log_softmax(model.inverse_temperature * log_probs, 1)  # (eps = 0: temperature scaling)
+    torch.testing.assert_close(out[0, [0, 2]], expected[0, [0, 2]], atol=1e-12, rtol=0)
+
+
 def test_svs_keeps_to_the_iteration_cap_newton_included(real, monkeypatch):
     """``max_iter`` caps L-BFGS and the Newton steps that finish the fit together: at 3, L-BFGS
     takes them all and the fit says it stopped there (Newton had gone on to 7 iterations, converged,

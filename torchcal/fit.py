@@ -366,6 +366,8 @@ def newton(
         # (host floats only: the log adds no synchronisation)
         _log.debug("Newton (%d parameters) step %d: loss %.10f, max gradient %.1e, step length %g, %d evaluations",
                    theta.numel(), iteration + 1, loss_value, grad_max, t, evaluations)
+    if size <= tol_grad:  # (the cap's last step got there)
+        return theta, FitRecord(max_iter, evaluations, loss_value, grad_max, True, "gradient below tolerance")
     warnings.warn(f"Newton did not converge in {max_iter} iterations", ConvergenceWarning, stacklevel=stacklevel_outside_package())
     return theta, FitRecord(max_iter, evaluations, loss_value, grad_max, False, f"stopped at the iteration cap ({max_iter})")
 

@@ -48,7 +48,7 @@ class AffineCalibration(Calibrator):
         super().__init__()
         self.bias = bias
 
-    def _unbounded_without_samples(self) -> bool:
+    def _unbounded_without_samples(self, features: Tensor, missing: list[int]) -> bool:
         return self.bias
 
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
@@ -152,7 +152,7 @@ class VectorScaling(Calibrator):
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
         return {"weight": torch.ones(num_classes), "bias": torch.zeros(num_classes)}
 
-    def _unbounded_without_samples(self) -> bool:
+    def _unbounded_without_samples(self, features: Tensor, missing: list[int]) -> bool:
         return True
 
     def _scores(self, features: Tensor) -> Tensor:

@@ -37,7 +37,13 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from torchcal._validation import check_count, check_logits, check_logits_and_labels, compute_dtype
+from torchcal._validation import (
+    check_count,
+    check_logits,
+    check_logits_and_labels,
+    compute_dtype,
+    stacklevel_outside_package,
+)
 from torchcal.distributed import ProcessGroup, all_reduce_, validate_together, world_size
 from torchcal.fit import ConvergenceWarning, FitRecord, minimize
 from torchcal.functional.scoring import PER_SAMPLE_SCORES, class_weights_from_counts
@@ -67,10 +73,10 @@ class Calibrator(nn.Module):
     #: whether the fit is a sum over samples, and so can run data-parallel.
     _supports_process_group: bool = True
 
-    def _unbounded_without_samples(self) -> bool:
-        """Whether a class without calibration samples leaves the fit (with the strengths it was
-        fitted with) without a finite optimum: a free per-class bias, unpenalised, drives that
-        class's scores down without bound."""
+    def _unbounded_without_samples(self, features: Tensor, missing: list[int]) -> bool:
+        """Whether the classes ``missing``, without calibration samples, leave the fit (with the
+        strengths it was fitted with, on its ``features: (N, F)``) without a finite optimum: a
+        free per-class bias, unpenalised, drives those classes' scores down without bound."""
         return False
 
     def __init__(self) -> None:
@@ -146,7 +152,7 @@ class Calibrator(nn.Module):
         missing = (counts == 0).nonzero().flatten().tolist()
         if missing:
             warnings.warn(f"classes {missing} have no sample in the calibration data; the fit cannot learn anything "
-                          "about their posteriors.", UserWarning, stacklevel=2)
+                          "about their posteriors.", UserWarning, stacklevel=stacklevel_outside_package())
         # Fitting needs autograd even under Lightning's inference_mode; the clone makes the
         # data ordinary tensors and guarantees the caller's tensors are never touched.
         with self._restored_on_error(), torch.inference_mode(False), torch.enable_grad():
@@ -173,7 +179,7 @@ class Calibrator(nn.Module):
                     p.requires_grad_(name not in frozen)
         record = self.fit_record_
         # judged after the fit, with the penalty strengths it used (cross-validated ones included)
-        if missing and self._unbounded_without_samples():
+        if missing and self._unbounded_without_samples(features, missing):
             # (the solver stops where the gradient of those scores falls below its tolerance: K = 4,
             # 800 samples without class 3, its probability on its test samples about 1e-9 after
             # MatrixScaling or DirichletCalibration, 1e-16 after VectorScaling)
@@ -183,7 +189,7 @@ class Calibrator(nn.Module):
                 "(reg='odir' for MatrixScaling or DirichletCalibration, with reg_lambda and reg_mu > 0; "
                 "StructuredVectorScaling; TemperatureScaling).",
                 ConvergenceWarning,
-                stacklevel=2,
+                stacklevel=stacklevel_outside_package(),
             )
             record = self.fit_record_ = dataclasses.replace(
                 record, converged=False, message=f"no finite optimum: classes {missing} have no sample ({record.message})")
@@ -193,7 +199,7 @@ class Calibrator(nn.Module):
                 f"{record.loss:.1e}): the optimum is at infinity, and the parameters are as large as the solver's "
                 f"tolerance let them grow. A penalty (reg_lambda) or more calibration data give a defined fit.",
                 ConvergenceWarning,
-                stacklevel=2,
+                stacklevel=stacklevel_outside_package(),
             )
             self.fit_record_ = dataclasses.replace(record, converged=False, message=f"separable data ({record.message})")
         return self

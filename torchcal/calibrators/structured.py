@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from torchcal._fast_exp import exp_floor
-from torchcal._validation import check_folds
+from torchcal._validation import check_folds, stacklevel_outside_package
 from torchcal.calibrators._linear import LinearDesign, VectorDesign, fit_linear_newton
 from torchcal.calibrators._multinomial import (
     MAX_NEWTON_STEPS,
@@ -186,7 +186,7 @@ class _StructuredScaling(Calibrator):
         self.reg_lambda_: float | None = None
         self.cv_losses_: list[float] | None = None
 
-    def _unbounded_without_samples(self) -> bool:
+    def _unbounded_without_samples(self, features: Tensor, missing: list[int]) -> bool:
         return self.reg_lambda_ == 0  # (the bias's penalty too)
 
     # --------------------------------------------------------------- the map, per subclass
@@ -244,8 +244,11 @@ class _StructuredScaling(Calibrator):
         dtype = log_probs.dtype
         beta, eps = self.inverse_temperature.to(dtype), self.mix.to(dtype)
         # as written, in one buffer: where softmax's relative round-off could show (posteriors near
-        # or below eps / K), eps / K dominates the sum; a logaddexp form took twice the passes
-        return torch.softmax(beta * log_probs, dim=1).mul_(1 - eps).add_(eps / log_probs.shape[1]).log_()
+        # or below eps / K), eps / K dominates the sum; a logaddexp form took twice the passes. (The
+        # floor only binds at eps = 0, which no fit sets: there posteriors that underflow would be
+        # log(0) = -inf.)
+        mixed = torch.softmax(beta * log_probs, dim=1).mul_(1 - eps).add_(eps / log_probs.shape[1])
+        return mixed.clamp_(min=torch.finfo(dtype).tiny).log_()
 
     def _scores(self, features: Tensor) -> Tensor:
         return self._map_theta(self._design(self._ts_mix(features)), self._theta().to(features.dtype))
@@ -432,14 +435,19 @@ class StructuredVectorScaling(_StructuredScaling):
         before = record or FitRecord(0, 0, math.nan, math.nan, True, "")
         n_total = float(total_samples(labels, process_group))
         penalty = self._penalty_weights(k, n_total, reg_lambda).to(x.device).flatten()
-        theta, polished = fit_linear_newton(_VectorAboutIdentity(), self._design(x).detach(), labels, weights,
-                                            self._theta().detach().flatten(), penalty, max_iter=max_iter - before.iterations,
-                                            tol_grad=_NEWTON_TOL_GRAD[accuracy], process_group=process_group)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)  # (its cap's, of what was left: the fit's cap is below)
+            theta, polished = fit_linear_newton(_VectorAboutIdentity(), self._design(x).detach(), labels, weights,
+                                                self._theta().detach().flatten(), penalty, max_iter=max_iter - before.iterations,
+                                                tol_grad=_NEWTON_TOL_GRAD[accuracy], process_group=process_group)
         used = before.iterations + polished.iterations
         if not polished.converged and used >= max_iter:  # (where Newton stopped: its best point)
             with torch.no_grad():
                 self._set_theta(theta.view(2, k))
-            return dataclasses.replace(polished, iterations=used, evaluations=before.evaluations + polished.evaluations)
+            stages = "Newton" if record is None else f"{record.iterations} L-BFGS iterations ({record.message}), then Newton"
+            message = f"stopped at the iteration cap ({max_iter}: {stages})"
+            warnings.warn(f"{type(self).__name__} {message}", ConvergenceWarning, stacklevel=stacklevel_outside_package())
+            return dataclasses.replace(polished, iterations=used, evaluations=before.evaluations + polished.evaluations, message=message)
         if not polished.converged:  # (L-BFGS on to the accuracy asked, within the cap)
             rest = super()._fit_map(x, labels, weights, loss, max_iter - used, reg_lambda, process_group, accuracy)
             return FitRecord(before.iterations + polished.iterations + rest.iterations, before.evaluations + polished.evaluations + rest.evaluations,

@@ -381,3 +381,21 @@ def test_a_free_row_of_w_that_lowers_a_missing_class_everywhere_has_no_finite_op
     with pytest.warns(torchcal.ConvergenceWarning, match="no finite optimum"):
         cal = torchcal.MatrixScaling(reg="odir", reg_lambda=0.0, reg_mu=1e-2).fit(logits[keep], labels[keep])
     assert not cal.fit_record_.converged and cal.fit_record_.message.startswith("no finite optimum: classes [3]")
+
+
+def test_samples_that_priors_weigh_zero_do_not_hold_a_free_row():
+    """The samples of a class that the priors weigh zero count for nothing in the fit: here they
+    surround the origin, the others have positive logits, so a missing class's free row runs off
+    along -1 (without the priors it has a finite optimum). The check had counted them too."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(600, 4)), rng.integers(0, 3, 600)
+    x[y != 0] = np.abs(x[y != 0]) + 0.1
+    logits, labels = torch.from_numpy(x), torch.from_numpy(y).long()
+    make = partial(torchcal.MatrixScaling, reg="odir", reg_lambda=0.0, reg_mu=1e-2)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "classes .* have no sample")
+        warnings.simplefilter("error", torchcal.ConvergenceWarning)
+        assert make().fit(logits, labels).fit_record_.converged
+    with pytest.warns(torchcal.ConvergenceWarning, match="no finite optimum"):
+        cal = make().fit(logits, labels, priors=torch.tensor([0.0, 0.5, 0.5, 0.0], dtype=torch.float64))
+    assert not cal.fit_record_.converged

@@ -266,16 +266,33 @@ def test_newton_forms_the_hessian_only_where_a_step_needs_it(monkeypatch):
 def test_newton_converged_at_its_cap_is_converged(make):
     """A cap of exactly the steps Newton needs: its last step reaches the tolerance, so the fit is
     converged, with no warning (it was reported as stopped at the cap, and vector scaling's fallback
-    to L-BFGS then finished 0.26 nats above the optimum)."""
+    to L-BFGS then finished 0.26 nats above the optimum). One step fewer: Newton's point is kept
+    (L-BFGS had started again from the identity within the same cap, 0.04-0.06 nats off), the
+    record counts its steps and says it stopped at the cap."""
     g = torch.Generator().manual_seed(9)
     latent = 4 * torch.randn(2000, 8, generator=g, dtype=torch.float64)
     labels = torch.multinomial(torch.softmax(latent, 1), 1, generator=g).squeeze(1)
     free = make().fit(latent, labels)
+    steps = free.fit_record_.iterations
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        capped = make().fit(latent, labels, max_iter=free.fit_record_.iterations)
+        capped = make().fit(latent, labels, max_iter=steps)
     assert capped.fit_record_ == free.fit_record_
     assert torch.equal(capped.weight, free.weight) and torch.equal(capped.bias, free.bias)
+    with pytest.warns(torchcal.ConvergenceWarning, match="iteration cap|did not converge in") as caught:
+        short = make().fit(latent, labels, max_iter=steps - 1)
+    assert len(caught) == 1 and short.fit_record_.iterations == steps - 1 and not short.fit_record_.converged
+    assert short.fit_record_.loss - free.fit_record_.loss < 1e-4
+
+
+def test_lbfgs_cap_counts_both_precisions():
+    """L-BFGS on float32 passes first, then on float64 ones: max_iter caps both together; the
+    second stage had at least one iteration more (cap 3: 4 iterations)."""
+    logits, labels = _data(n=2000)
+    for cap in (1, 2, 3, 5):
+        with pytest.warns(torchcal.ConvergenceWarning, match=rf"iteration cap \({cap}\)"):
+            model = torchcal.StructuredMatrixScaling(reg_lambda=1e-2).fit(logits, labels, loss="brier", max_iter=cap)
+        assert model.fit_record_.iterations == cap and not model.fit_record_.converged
 
 
 def _logistic_objective(dtype: torch.dtype, weight: torch.Tensor, counts: list[int]):

@@ -176,10 +176,14 @@ def minimize(
             group["tolerance_change"] = tol_change
             group["max_iter"] = max(1, max_iter - int(optimizer.state[params[0]].get("n_iter", 0)))
         rough_evaluations = int(optimizer.state[params[0]].get("func_evals", 0))
-        optimizer.step(closure)
-        evaluations = int(optimizer.state[params[0]].get("func_evals", 0))
+        capped = rough_objective is not None and int(optimizer.state[params[0]].get("n_iter", 0)) >= max_iter
+        if capped:  # the rough stage used the whole cap: the objective itself where it stopped
+            closure()
+        else:
+            optimizer.step(closure)
+        evaluations = int(optimizer.state[params[0]].get("func_evals", 0)) + capped
         # each step() has its own evaluation budget (max_eval)
-        out_of_evaluations = evaluations - rough_evaluations >= max_eval
+        out_of_evaluations = not capped and evaluations - rough_evaluations >= max_eval
         # The line search usually accepts the point it evaluated last; if not, evaluate the result.
         if not all(torch.equal(p, at) for p, at in zip(params, last[0])):
             closure()

@@ -84,7 +84,7 @@ class AffineCalibration(Calibrator):
         theta, record = fit_linear_newton(
             AffineDesign(), features, labels, weights, start, max_iter=min(max_iter, 100), process_group=process_group
         )
-        if not (theta[0] > 0 and record.converged):
+        if not (theta[0] > 0 and (record.converged or record.iterations >= max_iter)):
             # The unconstrained optimum flips the scores, or Newton stalled: L-BFGS on log(alpha),
             # which can only approach the boundary alpha = 0 (the prior-only posteriors), so that
             # is tried as well.
@@ -168,7 +168,8 @@ class VectorScaling(Calibrator):
         theta, record = fit_linear_newton(
             VectorDesign(), features, labels, weights, start, max_iter=min(max_iter, 100), process_group=process_group
         )
-        if not record.converged:  # Newton stalled (degenerate curvature): the L-BFGS driver
+        # Newton stalled (degenerate curvature): the L-BFGS driver; stopped at the fit's cap: its point
+        if not (record.converged or record.iterations >= max_iter):
             return super()._fit(features, labels, weights, loss, max_iter, process_group)
         with torch.no_grad():
             self.weight.copy_(theta[:k])

@@ -179,7 +179,8 @@ class Calibrator(nn.Module):
                     p.requires_grad_(name not in frozen)
         record = self.fit_record_
         # judged after the fit, with the penalty strengths it used (cross-validated ones included)
-        if missing and self._unbounded_without_samples(features, missing):
+        # (samples that priors weigh zero count for nothing)
+        if missing and self._unbounded_without_samples(features if weights is None else features[weights[labels] > 0], missing):
             # (the solver stops where the gradient of those scores falls below its tolerance: K = 4,
             # 800 samples without class 3, its probability on its test samples about 1e-9 after
             # MatrixScaling or DirichletCalibration, 1e-16 after VectorScaling)

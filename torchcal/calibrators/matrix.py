@@ -172,7 +172,11 @@ class MatrixScaling(Calibrator):
         loss falls along ``d`` for ever. Logits need not allow it (where they surround the origin);
         the fitted row's departure from the identity is tested as ``d``. At a finite optimum it
         cannot pass (moving along ``d`` would lower the loss); where the fit ran off to infinity it
-        is the way it ran (CIFAR-10 ResNet-110 logits without class 3: the row's norm 9,570)."""
+        is the way it ran (CIFAR-10 ResNet-110 logits without class 3: the row's norm 9,570; every
+        class of six real sets left out in turn, 54 fits, all found). A sufficient test: on a few
+        samples the row can run off along a direction with ``d . x_i = 0`` on some of them while
+        its own departure points elsewhere (8 samples of 4 classes: missed; a linear program finds
+        those, and torchcal does not depend on one)."""
         x = features.to(self.weight.dtype)
         rows = self.weight[missing].detach() - torch.eye(self.weight.shape[0], dtype=x.dtype, device=x.device)[missing]
         reach = x @ rows.T  # (N, missing)

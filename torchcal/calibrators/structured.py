@@ -710,7 +710,8 @@ class QuadraticScaling(Calibrator):
             _QuadraticDesign(), features, labels, weights, self.coefficients.detach(),
             max_iter=min(max_iter, 100), process_group=process_group,
         )
-        if not (record.converged and math.isfinite(record.loss)):  # Newton stalled: the L-BFGS driver
+        # Newton stalled: the L-BFGS driver; stopped at the fit's cap: its point
+        if not ((record.converged or record.iterations >= max_iter) and math.isfinite(record.loss)):
             return super()._fit(features, labels, weights, loss, max_iter, process_group)
         with torch.no_grad():
             self.coefficients.copy_(theta)

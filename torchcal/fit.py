@@ -314,15 +314,14 @@ def newton(
         scaled = torch.where(curvature > 0, grad.abs() / curvature.clamp_min(1e-300).sqrt(), grad.abs())
         return torch.maximum(grad.abs().max(), scaled.max())
 
-    def factorise(hess: Tensor) -> Callable[[Tensor], Tensor] | None:
-        """``g -> H^-1 g`` for the Hessian scaled to a unit diagonal plus a tiny ridge; ``None``
-        where it has no usable curvature (e.g. saturated scores)."""
+    def factorise(hess: Tensor) -> Callable[[Tensor], Tensor]:
+        """``g -> H^-1 g`` for the Hessian scaled to a unit diagonal plus a tiny ridge. Where it
+        has no usable curvature (e.g. saturated scores) the solves are not finite, and the step is
+        steepest descent (read with the step's other numbers: no synchronisation of its own)."""
         curvature = hess.diagonal().abs()
         scale = torch.where(curvature > 0, curvature, curvature.max()).rsqrt()
         eye = torch.eye(hess.shape[0], dtype=hess.dtype, device=hess.device)
-        factors, pivots, info = torch.linalg.lu_factor_ex(scale.unsqueeze(1) * hess * scale + 1e-12 * eye)
-        if bool(info.any()):
-            return None
+        factors, pivots, _ = torch.linalg.lu_factor_ex(scale.unsqueeze(1) * hess * scale + 1e-12 * eye)
         return lambda g: scale * torch.linalg.lu_solve(factors, pivots, (scale * g).unsqueeze(1)).squeeze(1)
 
     loss, grad, curvature, hessian = reduced_derivatives(theta)
@@ -335,7 +334,7 @@ def newton(
             return theta, FitRecord(iteration, evaluations, loss_value, grad_max, True, "gradient below tolerance")
         if not (reuse and solve is not None):
             solve = factorise(hessian())
-        step = -grad if solve is None else solve(-grad)
+        step = solve(-grad)
         step = torch.where(torch.isfinite(step).all(), step, -grad)  # no usable curvature
         new_loss, new_grad, new_curvature, new_hessian = reduced_derivatives(theta + step)
         evaluations += 1

@@ -21,14 +21,14 @@ from a one-process fit's on the same data.
 SMS's log-loss fit is multinomial logistic regression on ``[x, 1]`` about the identity, solved by
 the Newton-CG solver of Dirichlet calibration (:mod:`torchcal.calibrators._multinomial`). SVS's
 log-loss fits up to 256 classes end with Newton's method on the exact (2K)^2 Hessian; on a GPU
-(and on a CPU up to 16 classes) they are Newton's from their start. The other fits are L-BFGS in coordinates in which the curvature is close to the identity: exact 2 x 2
-blocks per class for SVS; for SMS (other losses) the Kronecker-factored curvature of a softmax
-layer (class covariance x feature second moments, as K-FAC; two K x K eigendecompositions) plus
-the exact per-class blocks of the diagonal and the bias, whose penalty is K - 1 times weaker than
-that of the off-diagonal entries. The ts-mix features share a large negative offset (every
-unlikely class sits near ``log(eps / K)``), which makes plain L-BFGS crawl along that direction;
-the feature factor takes it out. Measured at K = 100: about 30 passes over the data instead of
-500 (Newton-CG: 16).
+(and on a CPU up to 16 classes) they are Newton's from their start. The other fits are L-BFGS in
+coordinates in which the curvature is close to the identity: exact 2 x 2 blocks per class for
+SVS; for SMS (other losses) the Kronecker-factored curvature of a softmax layer (class covariance x
+feature second moments, as K-FAC; two K x K eigendecompositions) plus the exact per-class blocks
+of the diagonal and the bias, whose penalty is K - 1 times weaker than that of the off-diagonal
+entries. The ts-mix features share a large negative offset (every unlikely class sits near
+``log(eps / K)``), which makes plain L-BFGS crawl along that direction; the feature factor takes
+it out. Measured at K = 100: about 30 passes over the data instead of 500 (Newton-CG: 16).
 """
 
 from __future__ import annotations

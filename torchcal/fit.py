@@ -578,14 +578,18 @@ def cross_validate_path(
         """Scalars (float64, on the losses' device, which the backend needs) summed over the process group."""
         return all_reduce_(torch.stack(values), process_group).tolist()
 
+    def mean_of(terms: Tensor) -> float:
+        """The mean loss over every test sample of the process group, from this process's ``terms``."""
+        total, samples = summed(terms.sum(), terms.new_tensor(float(num_samples)))
+        return total / samples
+
     best, best_terms, rises = math.inf, torch.empty(0), 0
     for point in order:
         terms: list[Tensor] = []  # per fold: the loss of each of its test samples
         for fold in range(num_folds):
             terms.append(fold_loss(point, fold).to(torch.float64).flatten())
             so_far = torch.cat(terms)
-            total, samples = summed(so_far.sum(), so_far.new_tensor(float(num_samples)))
-            mean = total / samples
+            mean = mean_of(so_far)
             last = fold + 1 == num_folds
             if not last and mean > best:
                 _log.info("regularisation path: %s abandoned after %d of %d folds (cannot beat %.6f)", names[point], fold + 1, num_folds, best)
@@ -619,9 +623,7 @@ def cross_validate_path(
     contenders = [point for point, loss in enumerate(losses) if math.isfinite(best) and loss <= best + tie * abs(best)]
     if refine is not None and len(contenders) > 1:
         for point in contenders:
-            refined = torch.cat([refine(point, fold).to(torch.float64).flatten() for fold in range(num_folds)])
-            total, samples = summed(refined.sum(), refined.new_tensor(float(num_samples)))
-            losses[point] = total / samples
+            losses[point] = mean_of(torch.cat([refine(point, fold).to(torch.float64).flatten() for fold in range(num_folds)]))
             _log.info("regularisation path: %s within %g of the best, fitted again tightly: out-of-fold loss %.6f", names[point], tie, losses[point])
     return losses
 

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from torchcal._tempered_moments import TEMPERED_LOSSES
-from torchcal.calibrators._linear import AffineDesign, VectorDesign, fit_linear_newton
+from torchcal.calibrators._linear import AffineDesign, VectorDesign, fit_linear_newton, newton_stalled
 from torchcal.calibrators.base import Calibrator, sample_weights
 from torchcal.calibrators.temperature import fit_inverse_temperature, inverse_temperature_start
 from torchcal.distributed import all_reduce_
@@ -84,7 +84,7 @@ class AffineCalibration(Calibrator):
         theta, record = fit_linear_newton(
             AffineDesign(), features, labels, weights, start, max_iter=min(max_iter, 100), process_group=process_group
         )
-        if not (theta[0] > 0 and (record.converged or record.iterations >= max_iter)):
+        if not (theta[0] > 0 and not newton_stalled(record, max_iter)):
             # The unconstrained optimum flips the scores, or Newton stalled: L-BFGS on log(alpha),
             # which can only approach the boundary alpha = 0 (the prior-only posteriors), so that
             # is tried as well.
@@ -168,8 +168,7 @@ class VectorScaling(Calibrator):
         theta, record = fit_linear_newton(
             VectorDesign(), features, labels, weights, start, max_iter=min(max_iter, 100), process_group=process_group
         )
-        # Newton stalled (degenerate curvature): the L-BFGS driver; stopped at the fit's cap: its point
-        if not (record.converged or record.iterations >= max_iter):
+        if newton_stalled(record, max_iter):  # (degenerate curvature): the L-BFGS driver
             return super()._fit(features, labels, weights, loss, max_iter, process_group)
         with torch.no_grad():
             self.weight.copy_(theta[:k])

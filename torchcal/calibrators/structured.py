@@ -45,7 +45,7 @@ from torch import Tensor
 
 from torchcal._fast_exp import exp_floor
 from torchcal._validation import check_folds, stacklevel_outside_package
-from torchcal.calibrators._linear import LinearDesign, VectorDesign, fit_linear_newton
+from torchcal.calibrators._linear import LinearDesign, VectorDesign, fit_linear_newton, newton_stalled
 from torchcal.calibrators._multinomial import (
     MAX_NEWTON_STEPS,
     SELECTION_TOLERANCES,
@@ -440,23 +440,20 @@ class StructuredVectorScaling(_StructuredScaling):
             theta, polished = fit_linear_newton(_VectorAboutIdentity(), self._design(x).detach(), labels, weights,
                                                 self._theta().detach().flatten(), penalty, max_iter=max_iter - before.iterations,
                                                 tol_grad=_NEWTON_TOL_GRAD[accuracy], process_group=process_group)
-        used = before.iterations + polished.iterations
-        if not polished.converged and used >= max_iter:  # (where Newton stopped: its best point)
-            with torch.no_grad():
-                self._set_theta(theta.view(2, k))
+        used, evaluations = before.iterations + polished.iterations, before.evaluations + polished.evaluations
+        if newton_stalled(polished, max_iter - before.iterations):  # (L-BFGS on to the accuracy asked, within the cap)
+            rest = super()._fit_map(x, labels, weights, loss, max_iter - used, reg_lambda, process_group, accuracy)
+            return FitRecord(used + rest.iterations, evaluations + rest.evaluations, rest.loss, rest.grad_max, rest.converged,
+                             f"{rest.message} (after Newton: {polished.message})")
+        with torch.no_grad():  # (converged, or stopped at the cap: Newton's point, its best)
+            self._set_theta(theta.view(2, k))
+        if not polished.converged:
             stages = "Newton" if record is None else f"{record.iterations} L-BFGS iterations ({record.message}), then Newton"
             message = f"stopped at the iteration cap ({max_iter}: {stages})"
             warnings.warn(f"{type(self).__name__} {message}", ConvergenceWarning, stacklevel=stacklevel_outside_package())
-            return dataclasses.replace(polished, iterations=used, evaluations=before.evaluations + polished.evaluations, message=message)
-        if not polished.converged:  # (L-BFGS on to the accuracy asked, within the cap)
-            rest = super()._fit_map(x, labels, weights, loss, max_iter - used, reg_lambda, process_group, accuracy)
-            return FitRecord(before.iterations + polished.iterations + rest.iterations, before.evaluations + polished.evaluations + rest.evaluations,
-                             rest.loss, rest.grad_max, rest.converged, f"{rest.message} (after Newton: {polished.message})")
-        with torch.no_grad():
-            self._set_theta(theta.view(2, k))
+            return dataclasses.replace(polished, iterations=used, evaluations=evaluations, message=message)
         message = f"Newton: {polished.message}" if record is None else f"{record.message}; then Newton: {polished.message}"
-        return FitRecord(before.iterations + polished.iterations, before.evaluations + polished.evaluations, polished.loss,
-                         polished.grad_max, True, message)
+        return FitRecord(used, evaluations, polished.loss, polished.grad_max, True, message)
 
     @staticmethod
     def _map_theta(design: Tensor, theta: Tensor) -> Tensor:
@@ -710,8 +707,7 @@ class QuadraticScaling(Calibrator):
             _QuadraticDesign(), features, labels, weights, self.coefficients.detach(),
             max_iter=min(max_iter, 100), process_group=process_group,
         )
-        # Newton stalled: the L-BFGS driver; stopped at the fit's cap: its point
-        if not ((record.converged or record.iterations >= max_iter) and math.isfinite(record.loss)):
+        if newton_stalled(record, max_iter) or not math.isfinite(record.loss):  # the L-BFGS driver
             return super()._fit(features, labels, weights, loss, max_iter, process_group)
         with torch.no_grad():
             self.coefficients.copy_(theta)

@@ -411,3 +411,53 @@ def test_a_stop_at_the_optimum_of_a_badly_scaled_fit_is_converged(real):
         warnings.simplefilter("error", torchcal.fit.ConvergenceWarning)
         record = torchcal.BetaCalibration().fit(logits, labels).fit_record_
     assert record.converged and record.grad_max > 1e-6 and record.loss == pytest.approx(0.420464058272, abs=1e-9)
+
+
+_STALLING = {  # calibrator, the module that calls fit_linear_newton, its parameters as Newton's theta
+    "affine": (torchcal.AffineCalibration, "affine", lambda m: torch.cat([m.log_alpha.exp().reshape(1), m.beta])),
+    "vector": (torchcal.VectorScaling, "affine", lambda m: torch.cat([m.weight, m.bias])),
+    "quadratic": (torchcal.QuadraticScaling, "structured", lambda m: m.coefficients.clone()),
+    "svs": (partial(torchcal.StructuredVectorScaling, reg_lambda=0.1), "structured", lambda m: m._theta().flatten()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_STALLING))
+def test_lbfgs_goes_on_from_where_newton_stalled(monkeypatch, name):
+    """A Newton fit that stops unconverged short of the cap (degenerate curvature; here, made to
+    stop after 2 iterations) hands over to L-BFGS at Newton's point, not at the fit's start, with
+    what is left of the cap, and the record counts both stages."""
+    make, where, as_theta = _STALLING[name]
+    logits, labels = _data(n=3000, k=2 if name == "quadratic" else 5)
+    logits = logits.double()
+    reference = make().fit(logits, labels)
+    module = getattr(torchcal.calibrators, where)
+    real_newton, stalled_at, lbfgs_starts = module.fit_linear_newton, [], []
+
+    def two_newton_steps(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torchcal.ConvergenceWarning)
+            theta, record = real_newton(*args, **{**kwargs, "max_iter": 2})
+        stalled_at.append(theta)
+        return theta, record
+
+    def recording(original):
+        def lbfgs(self, *args, **kwargs):
+            lbfgs_starts.append(as_theta(self).detach().clone())
+            return original(self, *args, **kwargs)
+        return lbfgs
+
+    monkeypatch.setattr(module, "fit_linear_newton", two_newton_steps)
+    if name == "svs":
+        monkeypatch.setattr(module._StructuredScaling, "_fit_map", recording(module._StructuredScaling._fit_map))
+    else:
+        monkeypatch.setattr(base.Calibrator, "_fit_lbfgs", recording(base.Calibrator._fit_lbfgs))
+    handed_over = make().fit(logits, labels)
+    assert len(stalled_at) == len(lbfgs_starts) == 1
+    start, newton_point = lbfgs_starts[0], stalled_at[0].reshape(-1)
+    if name in ("affine", "vector", "svs"):  # (biases are stored centred)
+        k = logits.shape[1]
+        newton_point = torch.cat([newton_point[:-k], newton_point[-k:] - newton_point[-k:].mean()])
+    torch.testing.assert_close(start, newton_point, rtol=1e-12, atol=1e-12)
+    record = handed_over.fit_record_
+    assert record.converged and "after Newton" in record.message and record.iterations > 2
+    assert record.loss == pytest.approx(reference.fit_record_.loss, rel=1e-9)

@@ -32,7 +32,7 @@ from torchcal.calibrators.base import sample_weights
 from torchcal.distributed import ProcessGroup, world_size
 from torchcal.fit import FitRecord, newton
 
-__all__ = ["AffineDesign", "FullDesign", "LinearDesign", "VectorDesign", "fit_linear_newton", "newton_stalled"]
+__all__ = ["AffineDesign", "FullDesign", "LinearDesign", "VectorDesign", "after_newton", "fit_linear_newton", "newton_stalled"]
 
 # Rows per chunk are chosen so that the (rows, max(P, K)) temporaries stay below this many elements.
 _CHUNK_ELEMENTS = 1 << 21
@@ -256,7 +256,13 @@ def fit_linear_newton(
 
 def newton_stalled(record: FitRecord, max_iter: int) -> bool:
     """Whether a :func:`fit_linear_newton` fit stopped unconverged short of the fit's ``max_iter``
-    (degenerate curvature, or Newton's own cap of fewer iterations): the L-BFGS driver takes over.
-    One that used up ``max_iter`` keeps its point: L-BFGS would start again from the identity
-    within the same cap (vector scaling one step short: 0.04-0.06 nats off)."""
+    (degenerate curvature, or Newton's own cap of fewer iterations): the L-BFGS driver takes over
+    from Newton's point, with what is left of the cap (:func:`after_newton`). One that used up
+    ``max_iter`` keeps its point."""
     return not record.converged and record.iterations < max_iter
+
+
+def after_newton(newton_record: FitRecord, rest: FitRecord) -> FitRecord:
+    """The record of a fit that L-BFGS finished (``rest``) from where Newton stalled."""
+    return FitRecord(newton_record.iterations + rest.iterations, newton_record.evaluations + rest.evaluations, rest.loss,
+                     rest.grad_max, rest.converged, f"{rest.message} (after Newton: {newton_record.message})")

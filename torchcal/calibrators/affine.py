@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from torchcal._tempered_moments import TEMPERED_LOSSES
-from torchcal.calibrators._linear import AffineDesign, VectorDesign, fit_linear_newton, newton_stalled
+from torchcal.calibrators._linear import AffineDesign, VectorDesign, after_newton, fit_linear_newton, newton_stalled
 from torchcal.calibrators.base import Calibrator, sample_weights
 from torchcal.calibrators.temperature import fit_inverse_temperature, inverse_temperature_start
 from torchcal.distributed import all_reduce_
@@ -84,15 +84,17 @@ class AffineCalibration(Calibrator):
         theta, record = fit_linear_newton(
             AffineDesign(), features, labels, weights, start, max_iter=min(max_iter, 100), process_group=process_group
         )
-        if not (theta[0] > 0 and not newton_stalled(record, max_iter)):
-            # The unconstrained optimum flips the scores, or Newton stalled: L-BFGS on log(alpha),
-            # which can only approach the boundary alpha = 0 (the prior-only posteriors), so that
-            # is tried as well.
+        if not theta[0] > 0:
+            # The unconstrained optimum flips the scores: L-BFGS on log(alpha), which can only
+            # approach the boundary alpha = 0 (the prior-only posteriors), so that is tried as well.
             record = super()._fit(features, labels, weights, loss, max_iter, process_group)
             return self._prior_only_if_better(labels, weights, record, process_group)
         with torch.no_grad():
             self.log_alpha.copy_(theta[0].log())
             self.beta.copy_(theta[1:] - theta[1:].mean())  # softmax ignores a common shift: fix it
+        if newton_stalled(record, max_iter):  # (degenerate curvature): L-BFGS on from Newton's point
+            rest = super()._fit(features, labels, weights, loss, max_iter - record.iterations, process_group)
+            return self._prior_only_if_better(labels, weights, after_newton(record, rest), process_group)
         return record
 
     def _prior_only_if_better(self, labels: Tensor, weights: Tensor | None, record: FitRecord, process_group) -> FitRecord:
@@ -168,9 +170,9 @@ class VectorScaling(Calibrator):
         theta, record = fit_linear_newton(
             VectorDesign(), features, labels, weights, start, max_iter=min(max_iter, 100), process_group=process_group
         )
-        if newton_stalled(record, max_iter):  # (degenerate curvature): the L-BFGS driver
-            return super()._fit(features, labels, weights, loss, max_iter, process_group)
         with torch.no_grad():
             self.weight.copy_(theta[:k])
             self.bias.copy_(theta[k:] - theta[k:].mean())  # softmax ignores a common shift: fix it
+        if newton_stalled(record, max_iter):  # (degenerate curvature): L-BFGS on from Newton's point
+            return after_newton(record, super()._fit(features, labels, weights, loss, max_iter - record.iterations, process_group))
         return record

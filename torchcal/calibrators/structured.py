@@ -45,7 +45,7 @@ from torch import Tensor
 
 from torchcal._fast_exp import exp_floor
 from torchcal._validation import check_folds, stacklevel_outside_package
-from torchcal.calibrators._linear import LinearDesign, VectorDesign, fit_linear_newton, newton_stalled
+from torchcal.calibrators._linear import LinearDesign, VectorDesign, after_newton, fit_linear_newton, newton_stalled
 from torchcal.calibrators._multinomial import (
     MAX_NEWTON_STEPS,
     SELECTION_TOLERANCES,
@@ -441,12 +441,11 @@ class StructuredVectorScaling(_StructuredScaling):
                                                 self._theta().detach().flatten(), penalty, max_iter=max_iter - before.iterations,
                                                 tol_grad=_NEWTON_TOL_GRAD[accuracy], process_group=process_group)
         used, evaluations = before.iterations + polished.iterations, before.evaluations + polished.evaluations
+        with torch.no_grad():  # (Newton's point, its best)
+            self._set_theta(theta.view(2, k))
         if newton_stalled(polished, max_iter - before.iterations):  # (L-BFGS on to the accuracy asked, within the cap)
             rest = super()._fit_map(x, labels, weights, loss, max_iter - used, reg_lambda, process_group, accuracy)
-            return FitRecord(used + rest.iterations, evaluations + rest.evaluations, rest.loss, rest.grad_max, rest.converged,
-                             f"{rest.message} (after Newton: {polished.message})")
-        with torch.no_grad():  # (converged, or stopped at the cap: Newton's point, its best)
-            self._set_theta(theta.view(2, k))
+            return after_newton(dataclasses.replace(polished, iterations=used, evaluations=evaluations), rest)
         if not polished.converged:
             stages = "Newton" if record is None else f"{record.iterations} L-BFGS iterations ({record.message}), then Newton"
             message = f"stopped at the iteration cap ({max_iter}: {stages})"
@@ -707,8 +706,10 @@ class QuadraticScaling(Calibrator):
             _QuadraticDesign(), features, labels, weights, self.coefficients.detach(),
             max_iter=min(max_iter, 100), process_group=process_group,
         )
-        if newton_stalled(record, max_iter) or not math.isfinite(record.loss):  # the L-BFGS driver
+        if not math.isfinite(record.loss):  # the L-BFGS driver, from the start
             return super()._fit(features, labels, weights, loss, max_iter, process_group)
         with torch.no_grad():
             self.coefficients.copy_(theta)
+        if newton_stalled(record, max_iter):  # (degenerate curvature): L-BFGS on from Newton's point
+            return after_newton(record, super()._fit(features, labels, weights, loss, max_iter - record.iterations, process_group))
         return record

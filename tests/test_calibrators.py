@@ -525,6 +525,19 @@ def test_histogram_binning_never_outputs_zero_and_fills_empty_bins_with_the_base
     assert values[0] == pytest.approx((0 + base_rate) / (3 + 1))
 
 
+def test_histogram_binning_state_restores_its_bins(data):
+    """The bins travel with the state: loaded into a default instance, a 5-bin quantile state
+    reported 15 uniform bins and refitted with them."""
+    logits, labels = data
+    hb = torchcal.HistogramBinning(n_bins=5, strategy="quantile").fit(logits, labels)
+    fresh = torchcal.HistogramBinning()
+    fresh.load_state_dict(hb.state_dict())
+    assert (fresh.n_bins, fresh.strategy) == (5, "quantile")
+    torch.testing.assert_close(fresh(logits), hb(logits), rtol=0, atol=0)
+    refit = fresh.fit(logits, labels, warm_start=True)
+    assert refit.values.shape[1] == 5 and refit.edges.shape[1] == 6
+
+
 def test_cross_validate_is_out_of_fold(data):
     logits, labels = data
     out = torchcal.cross_validate(torchcal.AffineCalibration(), logits, labels, folds=3, seed=4)

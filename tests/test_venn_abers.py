@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import warnings
 
 import numpy as np
@@ -193,6 +194,13 @@ def test_deployment_priors_are_bayes_rule_from_the_class_frequencies(toy):
     fresh = VennAbersCalibration()
     fresh.load_state_dict(weighted.state_dict())
     torch.testing.assert_close(fresh(logits), weighted(logits), rtol=0, atol=0)
+    # a prior of 0 leaves its class at exp(-708), a finite log-posterior (log(0) = -inf was refused
+    # by every metric, and by the command line with a message blaming the user's logits)
+    absent = torch.tensor([0.0, 0.4, 0.6], dtype=torch.float64)
+    out = VennAbersCalibration().fit(logits, labels, priors=absent)(logits)
+    assert bool(torch.isfinite(out).all()) and float(out[:, 0].max()) < -700
+    torch.testing.assert_close(out[:, 1:].exp(), adapt_to_priors(plain(logits), frequencies, absent)[:, 1:].exp(), rtol=0, atol=1e-12)
+    assert math.isfinite(float(cross_entropy(out, labels, priors=absent)))
 
 
 def test_binary_head(toy):
@@ -210,10 +218,17 @@ def test_binary_head(toy):
         torch.testing.assert_close(exported(logits[:16]), direct[:16], rtol=0, atol=0)
 
 
-def test_head_checkpoint_restores_the_options(toy, tmp_path):
+@pytest.mark.parametrize("num_classes", [3, 4])
+def test_head_checkpoint_restores_the_options(num_classes, tmp_path):
     """``from_checkpoint`` builds the stored class with its defaults: the pairwise 3-fold head
-    must come back as itself (K = 3: its tables have the one-vs-rest shapes)."""
-    logits, labels = toy
+    must come back as itself. At K = 3 its tables have the one-vs-rest shapes; at K = 4 (6 pairs)
+    the defaults' shapes refused the state as "inconsistent" before its options were read."""
+    gen = torch.Generator().manual_seed(1)
+    logits = 2.5 * torch.randn(800, num_classes, generator=gen, dtype=torch.float64)
+    labels = torch.distributions.Categorical(logits=logits / 2).sample()
+    fresh = VennAbersCalibration()
+    fresh.load_state_dict(VennAbersCalibration(multiclass="pairwise").fit(logits, labels).state_dict())
+    assert fresh.multiclass == "pairwise" and fresh.grid.shape[0] == num_classes * (num_classes - 1) // 2
     head = CalibratedModel(nn.Identity(), VennAbersCalibration(folds=3, multiclass="pairwise")).fit([(logits, labels)])
     torch.save({"state_dict": {}, CHECKPOINT_KEY: head_checkpoint(head.calibrator)}, tmp_path / "head.ckpt")
     loaded = CalibratedModel.from_checkpoint(tmp_path / "head.ckpt", nn.Identity(), load_weights=False)

@@ -447,9 +447,9 @@ def _load_head_state(calibrator: Calibrator, entry: Mapping[str, Any], remedy: s
     described = repr(calibrator)  # its options, before the failed load changes it
     try:
         calibrator.load_state_dict(entry["state_dict"])
-    except RuntimeError as error:
+    except (RuntimeError, ValueError) as error:
         details = " ".join(str(error).split()).rstrip(".")
-        raise RuntimeError(f"the stored head does not fit {described}, built with other options ({details}): {remedy}.") from error
+        raise type(error)(f"the stored head does not fit {described}, built with other options ({details}): {remedy}.") from error
 
 
 def _class_path(calibrator: Calibrator) -> str:

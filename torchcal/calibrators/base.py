@@ -353,12 +353,19 @@ class Calibrator(nn.Module):
         return {"num_classes": self.num_classes}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
+        self._set_stored_options(state)
         self.num_classes = int(state["num_classes"])
 
+    def _set_stored_options(self, state: dict[str, Any]) -> None:
+        """Set the constructor options a stored state records (by ``get_extra_state``): those that
+        shape the fitted tensors (Venn-Abers' multiclass scheme, histogram bins) are set before the
+        tensors are shaped for loading, so a state loads into an instance built with defaults."""
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        # Fitted tensors' shapes depend on K: give them the stored shapes before loading.
+        # Fitted tensors' shapes depend on K (and on some options): give them the stored shapes before loading.
         extra = state_dict.get(prefix + "_extra_state")
         if extra is not None and int(extra["num_classes"]) > 0:
+            self._set_stored_options(extra)
             device = next((t.device for t in self._tensors()), None)
             self._materialize(int(extra["num_classes"]), device)
             for name, tensor in list(self._parameters.items()) + list(self._buffers.items()):

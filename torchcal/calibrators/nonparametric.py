@@ -7,7 +7,7 @@ Neither ever outputs a probability of exactly 0 or 1, so the log-loss stays fini
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -117,6 +117,16 @@ class HistogramBinning(_OneVsRest):
             values[i] = (positives + base_rate) / (count + 1)
         self.edges, self.values = edges, values
         return FitRecord(0, 1, float("nan"), 0.0, True, "closed form")
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {**super().get_extra_state(), "n_bins": self.n_bins, "strategy": self.strategy}
+
+    def _set_stored_options(self, state: dict[str, Any]) -> None:
+        self.n_bins = int(state.get("n_bins", self.n_bins))
+        self.strategy = str(state.get("strategy", self.strategy))
+        check_count(self.n_bins, "stored n_bins")
+        if self.strategy not in ("uniform", "quantile"):
+            raise ValueError(f"stored strategy must be 'uniform' or 'quantile', got {self.strategy!r}.")
 
     def extra_repr(self) -> str:
         return f"n_bins={self.n_bins}, strategy={self.strategy!r}, " + super().extra_repr()

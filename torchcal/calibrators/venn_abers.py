@@ -284,8 +284,10 @@ class VennAbersCalibration(Calibrator):
                 self.grid[c, f, : len(grid)] = grid
                 self.p0[c, f, : len(p0)], self.p0[c, f, len(p0) :] = p0, p0[-1]
                 self.p1[c, f, : len(p1)], self.p1[c, f, len(p1) :] = p1, p1[-1]
-        # deployment priors: Bayes' rule from the data's class frequencies, log(priors / frequencies)
-        self.log_prior_ratio = torch.zeros(self.num_classes, dtype=torch.float64, device=device) if weights is None else weights.log()
+        # deployment priors: Bayes' rule from the data's class frequencies, log(priors / frequencies);
+        # a prior of 0 leaves its class at exp(-708), not at log(0) = -inf: log-posteriors stay finite
+        self.log_prior_ratio = (torch.zeros(self.num_classes, dtype=torch.float64, device=device) if weights is None
+                                else weights.to(torch.float64).clamp(min=torch.finfo(torch.float64).tiny).log())
         self.loss = loss
         return FitRecord(0, 1, float("nan"), 0.0, True, "closed form")
 
@@ -341,10 +343,9 @@ class VennAbersCalibration(Calibrator):
     def get_extra_state(self) -> dict[str, Any]:
         return {**super().get_extra_state(), "loss": self.loss, "folds": self.folds, "multiclass": self.multiclass}
 
-    def set_extra_state(self, state: dict[str, Any]) -> None:
+    def _set_stored_options(self, state: dict[str, Any]) -> None:
         """Restores the folds and the multiclass scheme with the tables: they say how to read them
         (a state loaded into an instance built with other options must not be misread)."""
-        super().set_extra_state(state)
         self.loss = str(state.get("loss", "log"))
         if self.loss not in PER_SAMPLE_SCORES:
             raise ValueError(f"stored loss must be one of {sorted(PER_SAMPLE_SCORES)}, got {self.loss!r}.")
@@ -352,6 +353,9 @@ class VennAbersCalibration(Calibrator):
         self.multiclass = str(state.get("multiclass", self.multiclass))
         if self.multiclass not in _MULTICLASS:
             raise ValueError(f"stored multiclass must be one of {_MULTICLASS}, got {self.multiclass!r}.")
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        super().set_extra_state(state)
         if self.is_fitted and self.grid.shape[:2] != (len(self._pairs(self.num_classes)), self.folds):
             raise ValueError(
                 f"the stored tables {tuple(self.grid.shape[:2])} do not match {self.folds} folds of "

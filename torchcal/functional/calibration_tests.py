@@ -100,13 +100,14 @@ def hosmer_lemeshow_test(
       own null distribution given the posteriors, from ``num_resamples`` = L sets of labels drawn
       from them (``consistency_resampling.resample_labels``, seeded by ``seed``; the groups and
       ``E`` depend on the posteriors alone, so a resample only recounts ``O``): p-value
-      ``(1 + #{C_l >= C}) / (L + 1)``, at least ``1 / (L + 1)`` (0 where ``C`` is infinite). Both chi-square approximations
-      need about 5 expected samples per cell, which confident posteriors leave far behind: on
-      the CIFAR-10 ResNet-110 test logits (tempered by 1/2.4, labels drawn from them) 14 of the
-      100 cells expect fewer than 5 and 6 fewer than 1, and the rare sample that lands in such a
-      cell adds ``1 / E_mj`` to ``C``. The chi-square of ``C``'s mean and Gaussian variance
-      (Satterthwaite's, this test's null before) put its variance at 34 against an actual 143
-      and rejected 4.2 % of such calibrated label sets at the 0.1 % level, 3.3 % at K = 5.
+      ``(1 + #{C_l >= C}) / (L + 1)``, at least ``1 / (L + 1)`` (0 where ``C`` is infinite).
+      Both chi-square approximations need about 5 expected samples per cell, which confident
+      posteriors leave far behind: on the CIFAR-10 ResNet-110 test logits (tempered by 1/2.4,
+      labels drawn from them) 14 of the 100 cells expect fewer than 5 and 6 fewer than 1, and
+      the rare sample that lands in such a cell adds ``1 / E_mj`` to ``C``. The chi-square of
+      ``C``'s mean and Gaussian variance (Satterthwaite's, this test's null before) put its
+      variance at 34 against an actual 143 and rejected 4.2 % of such calibrated label sets at
+      the 0.1 % level (3.3 % of synthetic ones at K = 5).
 
     ``"external"`` costs L draws of N labels, ``O(L N log K)``.
 

@@ -190,12 +190,12 @@ def test_matrix_brier_cross_validation_fits_the_folds_loosely(synthetic, monkeyp
     selection tolerances, only the final fit is tight. (Before, every fold fit was as tight as the
     final one: on 10,000 x 10 logits 100 CPU s against 0.8 s with log-loss, an L-BFGS
     iteration-cap warning per fold fit; the same lambda either way, in the commit's numbers.)"""
-    from torchcal.calibrators import base, matrix
+    from torchcal.calibrators import matrix
 
     scores, y = synthetic(5, 2000, seed=4)
     logits, labels = torch.from_numpy(scores), torch.from_numpy(y)
     newton_tols, lbfgs_tols = [], []
-    newton, lbfgs = matrix.fit_multinomial_logistic, base.Calibrator._fit_lbfgs
+    newton, lbfgs = matrix.fit_multinomial_logistic, matrix.MatrixScaling._fit_lbfgs
 
     def spy_newton(*args, **kwargs):
         newton_tols.append(kwargs["tol_grad"])
@@ -206,7 +206,7 @@ def test_matrix_brier_cross_validation_fits_the_folds_loosely(synthetic, monkeyp
         return lbfgs(self, *args)
 
     monkeypatch.setattr(matrix, "fit_multinomial_logistic", spy_newton)
-    monkeypatch.setattr(base.Calibrator, "_fit_lbfgs", spy_lbfgs)
+    monkeypatch.setattr(matrix.MatrixScaling, "_fit_lbfgs", spy_lbfgs)
     with warnings.catch_warnings():
         warnings.simplefilter("error", torchcal.ConvergenceWarning)
         torchcal.DirichletCalibration(reg="odir", reg_grid=[100.0, 1.0]).fit(logits, labels, loss="brier")

@@ -276,10 +276,8 @@ class Calibrator(nn.Module):
                         loose=tol_change is not None, process_group=process_group)
 
     def _data_term(self, features: Tensor, labels: Tensor, sample_w: Tensor, loss: str) -> Tensor:
-        """This process's weighted sum of the per-sample ``loss`` (float64 scalar); samples of
-        weight 0 count 0 even where their score is infinite."""
-        scores = PER_SAMPLE_SCORES[loss](torch.log_softmax(self._scores(features), dim=1), labels).to(torch.float64)
-        return torch.where(sample_w > 0, sample_w * scores, torch.zeros_like(scores)).sum()
+        """This process's weighted sum of the per-sample ``loss`` (float64 scalar)."""
+        return weighted_loss_sum(self._scores(features), labels, sample_w, loss)
 
     def _fit_log_loss(self, features, labels, weights, max_iter, process_group=None, tol_grad=None, tol_decrease=None) -> FitRecord:
         """The log-loss fit :meth:`_fit_nonconvex` starts from (a subclass with a penalised or
@@ -410,6 +408,13 @@ def _drop_extra_state_in_legacy_onnx_export(module: nn.Module, state_dict: dict[
 def total_samples(labels: Tensor, process_group: ProcessGroup | None = None) -> Tensor:
     """The number of samples over the group's processes, a float64 scalar on ``labels``' device."""
     return all_reduce_(torch.tensor(float(labels.shape[0]), dtype=torch.float64, device=labels.device), process_group)
+
+
+def weighted_loss_sum(scores: Tensor, labels: Tensor, sample_w: Tensor, loss: str) -> Tensor:
+    """``sum_i w_i loss(softmax(scores_i), y_i)`` (float64 scalar) for ``scores: (N, K)``; samples of
+    weight 0 count 0 even where their score is infinite."""
+    per_sample = PER_SAMPLE_SCORES[loss](torch.log_softmax(scores, dim=1), labels).to(torch.float64)
+    return torch.where(sample_w > 0, sample_w * per_sample, torch.zeros_like(per_sample)).sum()
 
 
 def sample_weights(labels: Tensor, weights: Tensor | None, process_group: ProcessGroup | None = None) -> Tensor:

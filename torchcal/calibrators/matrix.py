@@ -20,10 +20,10 @@ from torchcal.calibrators._multinomial import (
     TIE_TOLERANCES,
     fit_multinomial_logistic,
 )
-from torchcal.calibrators.base import Calibrator, sample_weights
+from torchcal.calibrators.base import Calibrator, sample_weights, weighted_loss_sum
 from torchcal.calibrators.temperature import inverse_temperature_start
-from torchcal.distributed import ProcessGroup, all_reduce_
-from torchcal.fit import ConvergenceWarning, FitRecord, cross_validate_warm_path, fold_indices
+from torchcal.distributed import ProcessGroup, all_reduce_, world_size
+from torchcal.fit import ConvergenceWarning, FitRecord, cross_validate_warm_path, fold_indices, minimize
 from torchcal.functional.scoring import PER_SAMPLE_SCORES, weighted_terms
 
 __all__ = ["DEFAULT_REG_GRID", "DirichletCalibration", "MatrixScaling"]
@@ -287,6 +287,37 @@ class MatrixScaling(Calibrator):
     def _fit_log_loss(self, features, labels, weights, max_iter, process_group=None, tol_grad=None, tol_decrease=None) -> FitRecord:
         return self._fit_fixed_penalty(features, labels, weights, "log", max_iter, process_group, tol_grad, tol_decrease)
 
+    def _fit_lbfgs(self, features, labels, weights, loss, max_iter, process_group=None, tol_change=None) -> FitRecord:
+        """:meth:`Calibrator._fit_lbfgs` (the Brier fits, and Newton-CG's fallback) in coordinates
+        scaled by the square root of each entry's curvature at the start: the (Gauss-Newton)
+        diagonal of the data term's Hessian plus the penalty's. Unscaled, a strong ODIR penalty
+        (lambda / (K (K - 1)) on each off-diagonal weight, the diagonal free) stopped the selection
+        fits on a small change of the loss far from their optimum: Brier on 2,000 rows of the
+        CIFAR-10 ResNet-20 logits, lambda = 1e5, 1e-3 above it, the out-of-fold scores 1.4 % low,
+        and lambda = 1e5 chosen where converged fits choose 1e3; the final fits at lambda >= 1e4
+        ran to the 1,000-iteration cap at gradients of 1e-3."""
+        k = features.shape[1]
+        sample_w = sample_weights(labels, weights, process_group)
+        penalty, anchor = self._penalty_weights(k).to(features.device), self._penalty_anchor(k).to(features.device)
+        with torch.no_grad():
+            q = torch.softmax(self._scores(features), dim=1).to(torch.float64)
+            curvature = all_reduce_(_curvature_diagonal(q, sample_w, features.to(torch.float64), loss), process_group) + 2 * penalty
+            finite = torch.isfinite(curvature)  # (not where features of 1e200 overflow: unscaled there)
+            floor = 1e-12 * torch.where(finite, curvature, 0.0).amax() + torch.finfo(torch.float64).tiny
+            scale = torch.where(finite, torch.maximum(curvature, floor), 1.0).sqrt()
+        phi = (self._theta().to(torch.float64) * scale).requires_grad_(True)
+        penalty_share = 1.0 / world_size(process_group)
+
+        def objective() -> Tensor:
+            theta = phi / scale
+            scores = torch.addmm(theta[:, k].to(features.dtype), features, theta[:, :k].to(features.dtype).T)
+            return weighted_loss_sum(scores, labels, sample_w, loss) + penalty_share * (penalty * (theta - anchor).square()).sum()
+
+        record = minimize(objective, [phi], max_iter=max_iter, tol_change=1e-12 if tol_change is None else tol_change,
+                          loose=tol_change is not None, process_group=process_group)
+        self._set_theta(phi.detach() / scale)
+        return record
+
     def _cross_validate_grid(self, features, labels, weights, loss, max_iter, process_group=None) -> tuple[list[float], Tensor]:
         """Out-of-fold loss of every grid point along the warm-started path of
         :func:`~torchcal.fit.cross_validate_warm_path` (``inf`` for the points it abandoned), and
@@ -377,6 +408,19 @@ class MatrixScaling(Calibrator):
     def extra_repr(self) -> str:
         reg = f"reg={self.reg!r}" + (f", lambda={self.reg_lambda_:g}, mu={self.reg_mu_:g}" if self.reg_lambda_ is not None else "")
         return reg + ", " + super().extra_repr()
+
+
+def _curvature_diagonal(q: Tensor, sample_w: Tensor, features: Tensor, loss: str) -> Tensor:
+    """The diagonal (K, K + 1) in ``[W | b]`` of the weighted data term's Hessian under the log
+    loss, or its Gauss-Newton part ``2 J^T J`` under the Brier score (``J = dq/ds``), at the
+    posteriors ``q: (N, K)`` of ``features: (N, K)``."""
+    if loss == "log":
+        per_class = q * (1 - q)
+    else:  # (J^T J)_kk = sum_c q_c^2 (delta_ck - q_k)^2
+        squares = q.square()
+        per_class = 2 * squares * ((1 - q).square() + squares.sum(1, keepdim=True) - squares)
+    augmented = torch.cat([features, features.new_ones(features.shape[0], 1)], dim=1)
+    return (sample_w.unsqueeze(1) * per_class).T @ augmented.square()
 
 
 def _unheld(labels: Tensor, sample_w: Tensor, num_classes: int, process_group: ProcessGroup | None = None) -> Tensor:

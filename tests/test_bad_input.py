@@ -598,8 +598,23 @@ def test_fold_counts_and_groups():
         torchcal.cross_validate(torchcal.AffineCalibration(), logits, labels, folds=3, groups=torch.arange(N) % 2)
     with pytest.raises(ValueError, match=r"groups must have shape \(12,\)"):
         torchcal.cross_validate(torchcal.AffineCalibration(), logits, labels, folds=3, groups=torch.arange(5))
-    with pytest.warns(UserWarning, match="a class has only 2 samples, fewer than the 3 folds"):
-        torchcal.fit.fold_indices(torch.tensor([0, 0, 1, 1, 1, 1, 1]), folds=3)
+    with pytest.warns(UserWarning, match=r"class\(es\) \[0\] have a single sample: the training part of its fold will miss it"):
+        torchcal.fit.fold_indices(torch.tensor([0, 1, 1, 1, 1, 1, 1]), folds=3)
+    with warnings.catch_warnings():  # two samples in different folds: every training part has one
+        warnings.simplefilter("error")
+        folds = torchcal.fit.fold_indices(torch.tensor([0, 0, 1, 1, 1, 1, 1]), folds=5)
+    assert all(bool((torch.tensor([0, 0, 1, 1, 1, 1, 1])[torch.tensor([i for i in range(7) if i not in f])] == 0).any()) for f in folds)
+    for labels, pattern in [(torch.tensor([0.0, 1.0, 1.0]), "labels must be an integer tensor of class indices, got dtype torch.float32"),
+                            (torch.tensor([0, -1, 1]), r"labels must lie in \[0, 2\)"), ([[0, 1], [1, 0]], r"labels must have shape \(N,\)")]:
+        with pytest.raises(ValueError, match=pattern):
+            torchcal.fit.fold_indices(labels, folds=2)
+    # with priors, a training part without a sample of a class: the error names the fold
+    one_of_class_2 = torch.tensor([0, 1] * 5 + [2])
+    with pytest.raises(ValueError, match=r"the training part of fold \d has no sample of class\(es\) \[2\]"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            torchcal.cross_validate(torchcal.TemperatureScaling(), torch.randn(11, 3), one_of_class_2, folds=3,
+                                    priors=torch.tensor([0.4, 0.4, 0.2]))
 
 
 # --------------------------------------------------------------------------- options

@@ -181,7 +181,7 @@ def test_single_sample_per_class(name):
 def test_single_sample_per_class_in_cross_validation():
     logits = torch.randn(3, 3, dtype=torch.float64)
     labels = torch.arange(3)
-    with pytest.warns(UserWarning, match="a class has only 1 samples, fewer than the 3 folds"):
+    with pytest.warns(UserWarning, match="have a single sample: the training part of its fold will miss it"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", torchcal.ConvergenceWarning)
             warnings.filterwarnings("ignore", "classes .* have no sample")  # each training fold misses one

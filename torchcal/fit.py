@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from torchcal._validation import check_folds, check_logits_and_labels, stacklevel_outside_package
+from torchcal._validation import (
+    as_tensor,
+    check_folds,
+    check_labels,
+    check_logits_and_labels,
+    stacklevel_outside_package,
+)
 from torchcal.distributed import ProcessGroup, all_reduce_, validate_together
 
 if TYPE_CHECKING:
@@ -399,6 +405,12 @@ def fold_indices(
     the others waiting in their next collective).
     """
     check_folds(folds, seed)
+    labels = as_tensor(labels, "labels")
+    if scores is not None:
+        num_classes = scores.shape[1]
+    else:  # (any bound: the indices' type, shape and sign are what is checked)
+        num_classes = int(labels.max()) + 1 if labels.numel() and not torch.is_floating_point(labels) else 1
+    labels = check_labels(labels, labels.shape[0] if labels.ndim else 1, num_classes)
     n = labels.shape[0]
     if process_group is None and n < folds:
         raise ValueError(f"cross-validation with {folds} folds needs at least {folds} samples, got N = {n}.")
@@ -434,12 +446,11 @@ def fold_indices(
             members = members[torch.randperm(members.numel(), generator=gen)]
             assignment[members] = (torch.arange(members.numel()) + offset) % folds
             offset += members.numel()
-        small = torch.bincount(labels)
-        small = small[small > 0].min()
-        if small < folds:
+        counts = torch.bincount(labels)
+        if bool((counts == 1).any()):  # (a class of 2 or more samples has them in different folds)
             warnings.warn(
-                f"a class has only {int(small)} samples, fewer than the {folds} folds: some training "
-                f"folds will miss it.",
+                f"class(es) {(counts == 1).nonzero().flatten().tolist()} have a single sample: the "
+                f"training part of its fold will miss it.",
                 stacklevel=2,
             )
     else:
@@ -518,7 +529,14 @@ def cross_validate(
         test = test.to(logits.device)
         train = torch.ones(labels.shape[0], dtype=torch.bool, device=logits.device)
         train[test] = False
-        fold_model = copy.deepcopy(calibrator).fit(logits[train], labels[train], **fit_options)
+        try:
+            fold_model = copy.deepcopy(calibrator).fit(logits[train], labels[train], **fit_options)
+        except ValueError as error:
+            missing = sorted(set(range(logits.shape[1])) - set(labels[train].unique().tolist()))
+            if not missing:
+                raise
+            raise ValueError(f"the training part of fold {fold} has no sample of class(es) {missing} (with fewer samples "
+                             f"than the {folds} folds, a class can miss a training part; use fewer folds): {error}") from error
         with torch.no_grad():
             calibrated = fold_model(logits[test])
         if out is None:

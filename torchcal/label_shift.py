@@ -107,7 +107,8 @@ def adapt_to_priors(logits: Tensor, source_priors: Tensor, target_priors: Tensor
     Args:
         logits: (N, K) calibrated scores (any unnormalised log-posteriors).
         source_priors: (K,) priors the posteriors are calibrated for (all positive).
-        target_priors: (K,) deployment priors.
+        target_priors: (K,) deployment priors; a class at 0 ends at about ``exp(-708)``, not at
+            probability 0 (whose log, -inf, torchcal's metrics refuse).
 
     Returns:
         (N, K) log-posteriors ``log_softmax(logits + log(target / source))``, in the input's compute
@@ -127,9 +128,12 @@ def adapt_to_priors(logits: Tensor, source_priors: Tensor, target_priors: Tensor
 
 
 def _shift(logits: Tensor, source: Tensor, target: Tensor) -> Tensor:
-    """``log_softmax(logits + log(target / source))`` in the compute dtype, without input checks."""
+    """``log_softmax(logits + log(target / source))`` in the compute dtype, without input checks;
+    a target prior of 0 counts as float64's smallest normal number (its class at about exp(-708)):
+    log-posteriors stay finite, as torchcal's metrics need."""
     dtype = compute_dtype(logits.dtype)
-    return torch.log_softmax(logits.to(dtype) + (target.log() - source.log()).to(dtype), dim=1)
+    target = target.to(torch.float64).clamp(min=torch.finfo(torch.float64).tiny)
+    return torch.log_softmax(logits.to(dtype) + (target.log() - source.to(torch.float64).log()).to(dtype), dim=1)
 
 
 def smoothed_priors(priors: Any, num_samples: float | Tensor, pseudocount: float = 0.5) -> Tensor:

@@ -154,6 +154,20 @@ def test_calibration_loss_with_a_fitted_calibrator(calibration_data, score):
     assert metric.compute().item() == pytest.approx(expected.relative.item(), rel=1e-10)
 
 
+def test_calibration_loss_holds_no_trainable_parameters(calibration_data):
+    """A metric has no parameters to train: the fitted calibrator's, registered as the metric's
+    submodule, reached a LightningModule's optimiser, and DDP stopped on them ("parameters that
+    were not used in producing the loss"). The metric holds a frozen copy; the user's calibrator
+    stays as it was."""
+    logits, labels, fitted = calibration_data
+    metric = CalibrationLoss(fitted, num_classes=3)
+    assert not any(p.requires_grad for p in metric.parameters())
+    assert all(p.requires_grad for p in fitted.parameters())
+    module = torch.nn.Module()
+    module.metric = metric
+    assert not [name for name, p in module.named_parameters() if p.requires_grad]
+
+
 def test_calibration_loss_cross_validates_an_unfitted_calibrator(calibration_data):
     logits, labels, _ = calibration_data
     metric = CalibrationLoss(torchcal.TemperatureScaling(), num_classes=3, folds=4, seed=2)

@@ -13,6 +13,7 @@ Two modes, chosen by whether the calibrator is fitted:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -96,7 +97,9 @@ class CalibrationLoss(ScoreMetric):
             )
         super().__init__(num_classes, **kwargs)
         self.relative = relative
-        self.calibrator = calibrator
+        # a copy, frozen: a fitted calibrator's trainable parameters in a LightningModule's metric
+        # reached its optimiser, and DDP stopped on them as parameters no loss used
+        self.calibrator = copy.deepcopy(calibrator).requires_grad_(False)
         self.score = score
         self.score_options = {} if priors is None else {"priors": check_priors(priors, num_classes)}
         check_folds(folds, seed)

@@ -811,6 +811,15 @@ def test_ddp_spawn_returns_the_head_to_the_main_process(tmp_path):
     assert worker["count"] == 151  # per process: 301 padded to 302
     assert callback.calibrator.is_fitted and callback.report_ is not None
     assert all(torch.equal(v, worker["head"][k]) for k, v in callback.calibrator.state_dict().items() if k != "_extra_state")
+    # trainer.test(ckpt_path=...) runs in the workers too: neither that checkpoint's weights nor its
+    # head come back (its head used to, leaving the main process with it on the final weights)
+    other = torch.load(tmp_path / "final.ckpt", weights_only=False)
+    for entry in other[CHECKPOINT_KEY].values():
+        entry["state_dict"]["values"] = 1 - entry["state_dict"]["values"]
+    torch.save(other, tmp_path / "other.ckpt")
+    head = {k: v.clone() for k, v in callback.calibrator.state_dict().items() if k != "_extra_state"}
+    trainer.test(trainer.lightning_module, DataLoader(make_data(100, seed=3), batch_size=50), ckpt_path=tmp_path / "other.ckpt", verbose=False)
+    assert all(torch.equal(v, head[k]) for k, v in callback.calibrator.state_dict().items() if k != "_extra_state")
     model = trainer.lightning_module  # the trained weights come back too
     test = make_data(100, seed=3)
     tester = Trainer(**TRAINER_DEFAULTS, callbacks=[callback])

@@ -198,7 +198,12 @@ class CalibrationCallback(Callback):
     gathering all outputs on every process. A ``DistributedSampler`` that pads the validation set
     (its size is not a multiple of the number of processes) repeats samples, which changes the head:
     the callback warns. With ``ddp_spawn`` (and ``ddp_fork``) the fitted head and the report come
-    back to the main process.
+    back to the main process after ``trainer.fit`` (as the weights do; not after ``trainer.test``
+    and the like, whose ``ckpt_path`` weights stay in the workers too). A weights-only checkpoint
+    that the main process saves after such a fit (``trainer.save_checkpoint(path,
+    weights_only=True)``) has no head: Lightning calls only the module's hook there, which the
+    workers wrapped (see **Checkpoints**); save a full checkpoint there, or let ``ModelCheckpoint``
+    save during the fit.
 
     **Test and predict.** While ``trainer.test`` / ``trainer.predict`` run, the LightningModule's
     ``forward`` returns calibrated outputs of the same kind and structure as its own (see
@@ -536,7 +541,10 @@ class CalibrationCallback(Callback):
             self._hook.remove()
             self._hook = None
         launched = isinstance(trainer.strategy.launcher, _MultiProcessingLauncher) and os.getpid() != self._owner_pid
-        if launched and trainer.global_rank == 0 and self._calibrator.is_fitted:
+        # Only a fit hands its head back, as Lightning hands back only a fit's weights: after
+        # trainer.test(ckpt_path=...) the main process would hold that checkpoint's head on the
+        # final weights.
+        if launched and stage == "fit" and trainer.global_rank == 0 and self._calibrator.is_fitted:
             torch.save({"calibrator": self._calibrator.state_dict(), "report": self._report}, self._handoff_path)
 
     def _receive_handoff(self) -> None:

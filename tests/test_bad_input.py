@@ -526,7 +526,7 @@ def test_decisions_outside_the_cost_matrix():
         F.expected_cost(torch.full((N,), 3), labels, F.zero_one_costs(K))
     with pytest.raises(ValueError, match="decisions must be an integer"):
         F.expected_cost(torch.zeros(N), labels, F.zero_one_costs(K))
-    with pytest.raises(ValueError, match="abstain must be a non-negative cost"):
+    with pytest.raises(ValueError, match="abstain must be a finite, non-negative cost"):
         F.zero_one_costs(3, abstain=-0.5)
     with pytest.raises(ValueError, match="num_classes must be an integer >= 2, got 1"):
         F.zero_one_costs(1)

@@ -60,8 +60,9 @@ def test_zero_one_costs():
     assert with_abstain.shape == (3, 4) and torch.all(with_abstain[:, 3] == 0.25)
     with pytest.raises(ValueError, match="num_classes"):
         zero_one_costs(1)
-    with pytest.raises(ValueError, match="abstain"):
-        zero_one_costs(2, abstain=-1.0)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="abstain must be a finite, non-negative cost"):
+            zero_one_costs(2, abstain=bad)
 
 
 # --------------------------------------------------------------------------- Bayes decisions

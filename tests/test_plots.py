@@ -131,6 +131,30 @@ def test_bayes_risk_curves_panels_and_errors(synthetic):
         bayes_risk_sweep(logits, labels, class_index=3)
 
 
+def test_the_sweep_breaks_exact_ties_as_bayes_decisions_do():
+    """A tie goes to the lower class index, as ``bayes_decisions``: at the 0-1 point the sweep is
+    the error rate (it sent every tie to the best other class: 1.0 against 0.0 for K = 3, and for
+    K = 2 the sweep of class 0 at t was not the sweep of class 1 at -t)."""
+    logits, labels = torch.tensor([[0.0, 1, 1], [0, 1, 1], [2, 0, 0], [0, 0, 2]]), torch.tensor([1, 1, 0, 2])
+    at_zero_one = bayes_risk_sweep(logits, labels, class_index=1, log_odds=torch.tensor([0.0]))[1]
+    assert float(at_zero_one) == float(bayes_risk(logits, labels, torch.ones(3, 3) - torch.eye(3), normalize=True)) == 0.0
+    logits, labels = torch.tensor([[0.0, 0], [1, 0], [0, 1], [0, 1]]), torch.tensor([0, 0, 1, 1])
+    t = torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64)
+    torch.testing.assert_close(bayes_risk_sweep(logits, labels, class_index=0, log_odds=t)[1],
+                               bayes_risk_sweep(logits, labels, class_index=1, log_odds=-t)[1])
+    assert float(bayes_risk_sweep(logits, labels, class_index=0, log_odds=torch.tensor([0.0]))[1]) == float(error_rate(logits, labels))
+
+
+def test_bayes_risk_curve_draws_given_operating_points_in_order(synthetic):
+    logits, labels = (torch.from_numpy(x) for x in synthetic(2, 400, seed=3))
+    t = torch.tensor([2.0, -2, 0, 1, -1], dtype=torch.float64)
+    fig, ax = bayes_risk_curve(logits, labels, log_odds=t)
+    x, y = ax.get_lines()[0].get_data()
+    expected = bayes_risk_sweep(logits, labels, log_odds=t.sort().values)[1]
+    assert ax.get_xlim() == (-2.0, 2.0) and list(x) == [-2.0, -1.0, 0.0, 1.0, 2.0]
+    np.testing.assert_allclose(y, expected.numpy(), rtol=0, atol=0)
+
+
 def test_the_zero_one_point_is_on_every_default_curve_and_named_only_when_drawn():
     """A class of 8 samples in 1,600 has its 0-1 point at log(8 / 1592) = -5.29, below the measurable
     range's -log(1592 / 10) = -5.07: the legend named a line the axes did not show (the report's

@@ -337,7 +337,8 @@ def bayes_risk_sweep(
     best_other_score, best_other = others.max(dim=1)
     margin = logits[:, class_index].to(torch.float64) - best_other_score.to(torch.float64)
     threshold = math.log(p[class_index] / (1 - p[class_index])) - t  # (T, 1)
-    decide_k = margin.unsqueeze(0) > threshold  # (T, N)
+    # (a tie goes to the lower class index, as in bayes_decisions: at 0-1 costs, the error rate's)
+    decide_k = (margin.unsqueeze(0) > threshold) | ((margin.unsqueeze(0) == threshold) & (best_other > class_index))  # (T, N)
     is_k = labels == class_index
     wrong = torch.where(decide_k, ~is_k, best_other != labels).to(torch.float64)
     counts = torch.zeros(num_classes, dtype=torch.float64, device=labels.device).index_add_(0, labels, torch.ones_like(margin))
@@ -389,14 +390,15 @@ def bayes_risk_curve(
     top = 1.0
     for name, scores in systems.items():
         t, nec = bayes_risk_sweep(scores, labels, class_index, log_odds, priors)
-        ax.plot(t.cpu().numpy(), nec.cpu().numpy(), color=colors[name], linewidth=1.5, label=name or None)
+        order = t.argsort()  # (given operating points may come in any order)
+        ax.plot(t[order].cpu().numpy(), nec[order].cpu().numpy(), color=colors[name], linewidth=1.5, label=name or None)
         top = max(top, float(nec.max()))
     p = class_frequencies(labels, num_classes) if priors is None else check_priors(priors, num_classes)
     ax.axhline(1.0, color="0.6", linestyle="--", linewidth=1, label="prior-only system")
     zero_one = _zero_one_log_odds(p, class_index)
     if float(t.min()) <= zero_one <= float(t.max()):  # (given operating points may leave it out)
         ax.axvline(zero_one, color="0.6", linestyle=":", linewidth=1, label="0-1 costs")
-    ax.set(xlim=(float(t[0]), float(t[-1])), ylim=(0, min(top * 1.05, 2.0)),
+    ax.set(xlim=(float(t.min()), float(t.max())), ylim=(0, min(top * 1.05, 2.0)),
            xlabel=f"prior log-odds of class {class_index} (operating point)", ylabel="normalised expected cost")
     ax.set_title(f"Bayes risk, effective prior of class {class_index}", fontsize="medium")
     ax.legend(loc="best", fontsize="small", frameon=False)

@@ -68,8 +68,8 @@ def zero_one_costs(num_classes: int, abstain: float | None = None) -> Tensor:
     costs = 1 - torch.eye(num_classes, dtype=torch.float64)
     if abstain is None:
         return costs
-    if not abstain >= 0:
-        raise ValueError(f"abstain must be a non-negative cost, got {abstain}.")
+    if not 0 <= abstain < math.inf:
+        raise ValueError(f"abstain must be a finite, non-negative cost, got {abstain}.")
     return torch.cat([costs, torch.full((num_classes, 1), float(abstain), dtype=torch.float64)], dim=1)
 
 

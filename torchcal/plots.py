@@ -338,7 +338,8 @@ def bayes_risk_sweep(
     margin = logits[:, class_index].to(torch.float64) - best_other_score.to(torch.float64)
     threshold = math.log(p[class_index] / (1 - p[class_index])) - t  # (T, 1)
     # (a tie goes to the lower class index, as in bayes_decisions: at 0-1 costs, the error rate's)
-    decide_k = (margin.unsqueeze(0) > threshold) | ((margin.unsqueeze(0) == threshold) & (best_other > class_index))  # (T, N)
+    margins = margin.unsqueeze(0)
+    decide_k = (margins > threshold) | ((margins == threshold) & (best_other > class_index))  # (T, N)
     is_k = labels == class_index
     wrong = torch.where(decide_k, ~is_k, best_other != labels).to(torch.float64)
     counts = torch.zeros(num_classes, dtype=torch.float64, device=labels.device).index_add_(0, labels, torch.ones_like(margin))

@@ -3,10 +3,10 @@
 The classifier answers the fraction ``k / N`` of the samples it is most confident about (the
 top-label probability) and abstains on the rest; the selective risk at that coverage is the error
 rate of the answered samples. AURC is the mean of the risk over the coverages ``1/N, ..., N/N``.
-Samples with equal confidence (to a relative 1.5e-11 in its log, so that rows of the same logits in
-another order tie) are answered together or in random order, so at positions inside a group of ties the
-number of errors is its expectation over the orders of the group: the curve and AURC do not
-depend on the order of the rows. The answers are ``error_rate``'s decisions.
+Samples with equal confidence (to a relative 1.5e-11 in its log, so that rows of the same logits
+in another order tie) are answered together or in random order, so at positions inside a group of
+ties the number of errors is its expectation over the orders of the group: the curve and AURC do
+not depend on the order of the rows. The answers are ``error_rate``'s decisions.
 """
 
 from __future__ import annotations

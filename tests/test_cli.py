@@ -119,7 +119,7 @@ def test_config_and_overrides(scores_file, capsys, tmp_path):
     assert code == 2 and "unknown config keys ['folds']" in err
 
 
-def test_config_options_for_a_method_not_run_are_named(scores_file, capsys, tmp_path):
+def test_config_options_for_a_method_not_run_are_named(scores_file, capsys, tmp_path, synthetic):
     """Options of a method the config does not run warn (they were ignored silently); with --method
     choosing some of the config's methods, leaving the others' options unused is the point."""
     config = tmp_path / "c.yaml"
@@ -130,6 +130,15 @@ def test_config_options_for_a_method_not_run_are_named(scores_file, capsys, tmp_
                                  f"methods run (temperature); add it to methods.\n")
     code, _, err = run(capsys, "evaluate", scores_file, *common, "--method", "temperature")
     assert code == 0 and err == ""
+    # a config's cv where the calibrators are fitted on separate data (the demo's preset ran silently
+    # on the example's validation split, its "3-fold cross-validation" ignored)
+    config.write_text("methods: [temperature]\ncv: 3\n")
+    separate = tmp_path / "cal.npz"
+    logits, labels = synthetic(3, 300, seed=5)
+    np.savez(separate, logits=logits.astype(np.float32), labels=labels)
+    code, _, err = run(capsys, "evaluate", scores_file, *common, "--calibration", separate)
+    assert code == 0 and err == (f"torchcal: warning: {config}: cv is not used: the calibrators are fitted on separate "
+                                 f"calibration data ({separate}).\n")
 
 
 def test_priors_costs_and_inputs(tmp_path, capsys):
@@ -222,6 +231,35 @@ def test_apply_to_labels_of_one_class_writes_and_reports_the_cross_entropy(score
     code, out, err = run(capsys, "apply", head, tmp_path / "batch.npz", "--out", tmp_path / "cal.npz")
     assert code == 0 and err == "" and (tmp_path / "cal.npz").is_file()
     assert "every label is class 1: no NCE, which needs two classes" in out and "; cross-entropy " in out
+
+
+def test_apply_reads_new_scores_as_the_fit_declared_them(capsys, tmp_path, synthetic):
+    """Rounded probabilities, declared at the fit with --input probs: apply read new ones of the
+    same kind as logits (NCE 0.663 -> 0.948 in the review's CIFAR-10 case) and said nothing. The
+    head remembers the declaration, and apply says how it read the scores."""
+    logits, labels = synthetic(3, 1200, seed=0)
+    probs = np.round(torch.softmax(torch.from_numpy(logits).double(), 1).numpy(), 3)
+    for name, rows in (("val", slice(0, 600)), ("test", slice(600, None))):
+        np.savetxt(tmp_path / f"{name}.csv", np.column_stack([probs[rows], labels[rows]]), delimiter=",",
+                   header="p0,p1,p2,label", comments="", fmt=["%.3f"] * 3 + ["%d"])
+    head = tmp_path / "head.pt"
+    assert run(capsys, "calibrate", tmp_path / "val.csv", "--input", "probs", "--method", "temperature", "--save", head, "--quiet")[0] == 0
+    code, out, _ = run(capsys, "apply", head, tmp_path / "test.csv", "--out", tmp_path / "declared.npz")
+    assert code == 0 and "(scores read as --input probs, saved with the calibrator)" in out
+    code, out, _ = run(capsys, "apply", head, tmp_path / "test.csv", "--input", "probs", "--out", tmp_path / "explicit.npz")
+    assert code == 0
+    declared, explicit = (np.load(tmp_path / f"{name}.npz")["logits"] for name in ("declared", "explicit"))
+    np.testing.assert_array_equal(declared, explicit)
+    before, after = (float(x) for x in re.search(r"NCE (\d\.\d+) -> (\d\.\d+)", out).groups())
+    assert after < before
+
+
+def test_an_upper_case_npz_keeps_its_validation_split(capsys, tmp_path, synthetic):
+    logits, labels = synthetic(3, 400, seed=0)
+    with open(tmp_path / "RES.NPZ", "wb") as f:  # (np.savez appends ".npz" to a path of another case)
+        np.savez(f, logits_val=logits[:150], labels_val=labels[:150], logits_test=logits[150:], labels_test=labels[150:])
+    code, _, err = run(capsys, "calibrate", tmp_path / "RES.NPZ", "--method", "temperature", "--save", tmp_path / "h.pt")
+    assert code == 0 and "on 150 samples" in err, err
 
 
 def test_apply_reads_the_saved_head_once(scores_file, capsys, tmp_path, monkeypatch):

@@ -369,7 +369,7 @@ def test_csv_written_by_pandas_with_its_index(tmp_path):
     frame.to_csv(tmp_path / "without_index.csv", index=False)
     with_index, without = load_scores(tmp_path / "with_index.csv"), load_scores(tmp_path / "without_index.csv")
     assert with_index.num_classes == 10 and with_index.logits.equal(without.logits)
-    assert with_index.read_as == without.read_as + "; the first column (no name, distinct whole numbers) is a row index as pandas writes it, left out"
+    assert with_index.read_as == without.read_as + "; the first column (no name, whole numbers) is a row index as pandas writes it, left out"
     assert _nll(with_index.logits, with_index.labels) == pytest.approx(-np.log(probs[np.arange(300), labels]).mean(), rel=1e-8)
     # the index of a slice or a shuffled frame, and a file with Excel's byte-order mark, too
     frame.iloc[100:].to_csv(tmp_path / "slice.csv")
@@ -386,13 +386,18 @@ def test_csv_written_by_pandas_with_its_index(tmp_path):
     shuffled.rename_axis("id").to_csv(tmp_path / "id.csv")
     read = load_scores(tmp_path / "id.csv")
     assert read.num_classes == 10 and read.labels.tolist() == shuffled["label"].tolist()
-    assert read.read_as.endswith("; the first column ('id', distinct whole numbers) is a row index as pandas writes it, left out")
+    assert read.read_as.endswith("; the first column ('id', whole numbers) is a row index as pandas writes it, left out")
     frame.rename_axis("row_number").to_csv(tmp_path / "range.csv")
     read = load_scores(tmp_path / "range.csv")
     assert read.logits.equal(without.logits) and read.read_as.endswith("('row_number', the row numbers 0..N-1) is a row index as pandas writes it, left out")
-    # any other first column of repeated, fractional, or shuffled values under a name is data
+    # an unnamed index of repeated values (frames concatenated: 0..4999 twice) and a shuffled
+    # index named "image_id" were read as an 11th class: an empty header and a name ending in
+    # "_id" are never a class's, whatever whole numbers they hold
     frame.set_index(frame.index // 2).to_csv(tmp_path / "repeated.csv")
-    assert load_scores(tmp_path / "repeated.csv").num_classes == 11
+    assert load_scores(tmp_path / "repeated.csv").logits.equal(without.logits)
+    shuffled.rename_axis("image_id").to_csv(tmp_path / "image_id.csv")
+    assert load_scores(tmp_path / "image_id.csv").num_classes == 10
+    # any other first column of shuffled or fractional values under a name is data
     shuffled.rename_axis("p_extra").to_csv(tmp_path / "named.csv")
     assert load_scores(tmp_path / "named.csv").num_classes == 11
 
@@ -408,3 +413,11 @@ def test_tests_use_the_bundled_file_without_the_shared_folder(tmp_path, monkeypa
         conftest.load_real("cifar10_resnet20_ferrer")
     with pytest.raises(pytest.skip.Exception, match="cifar10_resnet110_kangsepp.npz not found"):
         conftest.load_real("cifar10_resnet110_kangsepp", bundled=False)
+
+
+def test_a_torch_file_of_numpy_arrays_says_what_to_save_instead(tmp_path):
+    """torch.load(weights_only=True) refuses NumPy arrays; its message (cut to its first line, with
+    terminal escape codes) listed no remedy."""
+    torch.save({"logits": np.zeros((4, 3)), "labels": np.array([0, 1, 2, 0])}, tmp_path / "numpy.pt")
+    with pytest.raises(ValueError, match=r"unpickles nothing else \(e\.g\. NumPy arrays.*save tensors \(torch\.from_numpy\), or use \.npz"):
+        load_scores(tmp_path / "numpy.pt")

@@ -300,7 +300,7 @@ def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | 
         calibration = load_scores(scores_path, input=args.input, split="val", priors=scores.llr_priors)  # the file's own held-out split
     costs, costs_name = parse_costs(settings.get("costs"), k, _where(args, "costs"))
     methods = _methods(settings.get("methods", default_methods), k)
-    _warn_of_unused_options(args, settings, methods)
+    _warn_of_unused_options(args, settings, methods, separate=calibration is not None)
     report = evaluate(
         scores,
         methods,
@@ -327,13 +327,18 @@ def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | 
     return 0
 
 
-def _warn_of_unused_options(args: argparse.Namespace, settings: dict[str, Any], methods: list[str]) -> None:
+def _warn_of_unused_options(args: argparse.Namespace, settings: dict[str, Any], methods: list[str], separate: bool) -> None:
     """Warn of config options for a method that is not run, unless ``--method`` chose the methods
-    (then leaving some of the config's out is the point)."""
+    (then leaving some of the config's out is the point), and of a config's ``cv`` where the
+    calibrators are fitted on ``separate`` calibration data (``--calibration``, the demo's split)."""
     unused = [m for m in settings.get("options") or {} if m not in methods]
     if unused and args.methods is None:
         warnings.warn(f"{args.config}: the options for {', '.join(unused)} are not used: not among the methods run "
                       f"({', '.join(methods)}); add {'it' if len(unused) == 1 else 'them'} to methods.", stacklevel=2)
+    if separate and settings.get("cv") is not None:
+        source = "the example's validation split" if args.calibration is None else args.calibration
+        warnings.warn(f"{args.config}: cv is not used: the calibrators are fitted on separate calibration data ({source}).",
+                      stacklevel=2)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -439,7 +444,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     label_shift = None if shift is None else _estimate_target_priors(args, *shift, calibrator, method)
     if args.save is None:
         return 0
-    save_calibrator(args.save, method, calibrator, options, label_shift, scores.llr_priors)
+    save_calibrator(args.save, method, calibrator, options, label_shift, scores.llr_priors,
+                    None if args.input == "auto" else args.input)
     if not args.quiet:
         with torch.no_grad():
             after = cross_entropy(calibrator(scores.logits), labels, priors=priors, normalize=True)
@@ -497,7 +503,10 @@ def cmd_apply(args: argparse.Namespace) -> int:
         raise UsageError(f"--out {args.out}: unsupported extension {out_path.suffix or '(none)'!r}; use "
                          f"{', '.join(APPLY_FORMATS)}.")
     _check_output("--out", args.out, folder=False)
-    method, calibrator, saved_label_shift, llr_priors = load_saved_calibrator(args.head)
+    method, calibrator, saved_label_shift, llr_priors, input_kind = load_saved_calibrator(args.head)
+    declared = args.input == "auto" and input_kind is not None  # (as at the fit: e.g. rounded probabilities)
+    if declared:
+        args.input = input_kind
     scores = _load(args.scores, args, require_labels=False, priors=llr_priors)  # LLRs: as at the fit
     if scores.num_classes != calibrator.num_classes:
         raise ValueError(f"{args.scores}: {scores.num_classes} classes, but the calibrator was fitted on {calibrator.num_classes}.")
@@ -515,7 +524,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
             before, after = (float(cross_entropy(x, scores.labels, normalize=not one_class)) for x in (scores.logits, calibrated))
             note += (f"; cross-entropy {before:.4f} -> {after:.4f} nats (every label is class {int(present[0])}: "
                      f"no NCE, which needs two classes)" if one_class else f"; NCE {before:.3f} -> {after:.3f}")
-        print(f"applied {method} to {scores.num_samples} samples{note}; wrote "
+        read = f"--input {input_kind}, saved with the calibrator" if declared else scores.read_as
+        print(f"applied {method} to {scores.num_samples} samples (scores read as {read}){note}; wrote "
               f"{APPLY_FORMATS[out_path.suffix.lower()]} to {args.out}")
     return 0
 

@@ -753,17 +753,22 @@ _FORMAT = "torchcal-calibrator/1"
 def save_calibrator(
     path: str | Path, method: str, calibrator: Calibrator, options: Mapping[str, Any] | None = None,
     label_shift: Mapping[str, torch.Tensor] | None = None, llr_priors: torch.Tensor | None = None,
+    input_kind: str | None = None,
 ) -> Path:
     """Save a fitted calibrator with what is needed to rebuild it: ``torch.save`` of a dict with the
     method name, its constructor options and the ``state_dict``; ``label_shift``, if given (the
-    ``source_priors``, estimated ``target_priors`` and their ``stderr``), under that key; and
+    ``source_priors``, estimated ``target_priors`` and their ``stderr``), under that key;
     ``llr_priors``, if given: the priors that turned the binary LLRs it was fitted on into
-    posteriors (``Scores.llr_priors``), which new LLRs need too."""
+    posteriors (``Scores.llr_priors``), which new LLRs need too; and ``input_kind``, if given: how
+    its scores were declared (``--input``: ``"probs"``, ``"log_probs"``, ``"llr"``, ``"logits"``),
+    how new scores are read too unless declared otherwise."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     extra: dict[str, Any] = {} if label_shift is None else {"label_shift": dict(label_shift)}
     if llr_priors is not None:
         extra["llr_priors"] = llr_priors
+    if input_kind is not None:
+        extra["input"] = input_kind
     torch.save({"format": _FORMAT, "method": method, "options": dict(options or {}),
                 "state_dict": calibrator.state_dict(), **extra}, path)
     return path
@@ -792,6 +797,7 @@ class SavedCalibrator(NamedTuple):
     calibrator: Calibrator  #: rebuilt and frozen for inference (``eval()``, no gradients)
     label_shift: dict[str, torch.Tensor] | None  #: ``source_priors``, ``target_priors``, ``stderr``
     llr_priors: torch.Tensor | None  #: (2,) priors that turned the binary LLRs it was fitted on into posteriors
+    input_kind: str | None = None  #: how its scores were declared at the fit (``--input``), if they were
 
 
 def load_saved_calibrator(path: str | Path) -> SavedCalibrator:
@@ -811,7 +817,8 @@ def load_saved_calibrator(path: str | Path) -> SavedCalibrator:
     calibrator = make_calibrator(saved["method"], **saved["options"])
     calibrator.load_state_dict(saved["state_dict"])
     return SavedCalibrator(
-        saved["method"], calibrator.eval().requires_grad_(False), saved.get("label_shift"), saved.get("llr_priors")
+        saved["method"], calibrator.eval().requires_grad_(False), saved.get("label_shift"), saved.get("llr_priors"),
+        saved.get("input"),
     )
 
 

@@ -15,9 +15,10 @@ Supported files:
   attached to autograd, or in half precision (bfloat16, float16: read as float32).
 - ``.csv``: a header row, one column named ``label`` (or ``labels``, ``target``, ``y``); every
   other column is a class score, in order. A first column that is the row index pandas writes
-  (``df.to_csv()``) is dropped, and the note says so: distinct whole numbers under an empty header
-  or an index-like one (``id``, ``index``, ... :data:`CSV_INDEX_NAMES`; also the index of a slice or
-  a shuffled frame), or the row numbers 0..N-1 in order under any header (a named ``RangeIndex``).
+  (``df.to_csv()``) is dropped, and the note says so: whole numbers under an empty header, an
+  index-like one (``id``, ``index``, ... :data:`CSV_INDEX_NAMES`) or one ending in ``_id`` (also
+  the index of a slice, of a shuffled frame, or of frames concatenated, which repeats values), or
+  the row numbers 0..N-1 in order under any header (a named ``RangeIndex``).
 
 Scores are read as logits in the wide sense (any unnormalised log-posteriors) unless the caller
 says otherwise (``input="probs"`` / ``"log_probs"`` / ``"llr"``), the file says so (key ``probs`` /
@@ -232,7 +233,7 @@ def has_split(path: str | Path, split: Literal["val"] = "val") -> bool:
         ValueError: the file stores half a split, its scores without its labels or the reverse.
     """
     path = Path(path)
-    if path.suffix != ".npz" or not path.is_file():
+    if path.suffix.lower() != ".npz" or not path.is_file():
         return False
     try:
         with np.load(path, allow_pickle=False) as f:
@@ -323,6 +324,9 @@ def _torch_load(path: Path) -> Any:
             warnings.simplefilter("ignore")
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises many exception types for a bad file
+        if "Weights only load failed" in str(err):  # (objects other than tensors: not unpickled, it is unsafe)
+            raise ValueError("not a readable torch file of tensors: torchcal unpickles nothing else (e.g. NumPy arrays: "
+                             "unpickling could run code); save tensors (torch.from_numpy), or use .npz.") from None
         first_line = (str(err).strip().splitlines() or [""])[0]  # some span many lines
         raise ValueError(f"not a readable torch file ({type(err).__name__}: {first_line}).") from None
 
@@ -431,8 +435,9 @@ def _sibling_labels(path: Path) -> tuple[Path | None, str]:
 #: Reading a CSV file builds Python objects for every cell: about this many bytes per byte of text.
 CSV_EXPANSION = 10
 
-#: Headers of a first CSV column that, over distinct whole numbers, name a row index, not a class
-#: (compared in lower case; "unnamed: 0" is how pandas reads back an index it wrote without a name).
+#: Headers of a first CSV column that, over whole numbers, name a row index, not a class (so does
+#: any header ending in "_id"; compared in lower case; "unnamed: 0" is how pandas reads back an
+#: index it wrote without a name).
 CSV_INDEX_NAMES = ("", "id", "ids", "idx", "index", "row", "sample", "sample_id", "unnamed: 0")
 
 
@@ -475,10 +480,10 @@ def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None, str]:
 def _row_index(name: str, values: np.ndarray) -> str | None:
     """Why the first CSV column, headed ``name``, is a row index rather than class scores (see the
     module docstring), or None if it is not one."""
-    if not (bool((values == np.round(values)).all()) and np.unique(values).size == values.size):
+    if not bool((values == np.round(values)).all()):
         return None
-    if name.lower() in CSV_INDEX_NAMES:
-        return f"{f'{name!r}' if name else 'no name'}, distinct whole numbers"
+    if name.lower() in CSV_INDEX_NAMES or name.lower().endswith("_id"):  # (never a class's name)
+        return f"{f'{name!r}' if name else 'no name'}, whole numbers"
     if np.array_equal(values, np.arange(values.size)):
         return f"{name!r}, the row numbers 0..N-1"
     return None

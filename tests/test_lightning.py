@@ -682,6 +682,14 @@ def test_warnings_when_test_outputs_are_not_calibrated(trained):
         Trainer(**TRAINER_DEFAULTS, callbacks=[callback]).test(bypass, test, verbose=False)
 
 
+def test_a_fit_without_validation_says_it_fitted_no_head():
+    """It ended silently with no head; the first word came only from trainer.test."""
+    callback = CalibrationCallback()
+    with pytest.warns(UserWarning, match="no validation epoch ran in trainer.fit"):
+        Trainer(**TRAINER_DEFAULTS, max_epochs=1, callbacks=[callback]).fit(Classifier(), loader(100, 0))
+    assert not callback.calibrator.is_fitted
+
+
 def test_argument_errors():
     with pytest.raises(TypeError, match="torchcal calibrator"):
         CalibrationCallback(nn.Identity())

@@ -601,6 +601,10 @@ class CalibrationCallback(Callback):
     # ---------------------------------------------------------------------- before / after
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._latest is None:
+            if not self._calibrator.is_fitted:  # (said here, not first at trainer.test)
+                self._warn_once("no-validation", "CalibrationCallback: no validation epoch ran in trainer.fit, so there "
+                                "were no outputs to fit the calibration head on; give trainer.fit val_dataloaders "
+                                "(and limit_val_batches > 0).")
             return
         scores, labels, group = self._latest
         if not self._head_is_current:

@@ -43,6 +43,13 @@ def floored_log(probs: Tensor) -> Tensor:
     return probs.to(torch.promote_types(probs.dtype, torch.float32)).clamp_min(PROBABILITY_FLOOR).log().to(probs.dtype)
 
 
+def finite_log(x: Tensor) -> Tensor:
+    """``log(x)`` in float64 with 0 raised to float64's smallest normal number (log about -708):
+    a prior of 0 leaves its class finite log-posteriors, which torchcal's metrics need, and every
+    positive prior is left as it is (:func:`floored_log`'s floor would move priors below 1e-20)."""
+    return x.to(torch.float64).clamp(min=torch.finfo(torch.float64).tiny).log()
+
+
 def as_tensor(x: Any, name: str) -> Tensor:
     """Return ``x`` as a tensor without copying when it already is one (NumPy arrays are wrapped)."""
     if isinstance(x, Tensor):

@@ -49,6 +49,7 @@ from torchcal._validation import (
     check_logits_and_labels,
     check_priors,
     compute_dtype,
+    finite_log,
     stacklevel_outside_package,
 )
 from torchcal.calibrators.affine import AffineCalibration
@@ -129,11 +130,9 @@ def adapt_to_priors(logits: Tensor, source_priors: Tensor, target_priors: Tensor
 
 def _shift(logits: Tensor, source: Tensor, target: Tensor) -> Tensor:
     """``log_softmax(logits + log(target / source))`` in the compute dtype, without input checks;
-    a target prior of 0 counts as float64's smallest normal number (its class at about exp(-708)):
-    log-posteriors stay finite, as torchcal's metrics need."""
+    a target prior of 0 leaves its class at about exp(-708) (:func:`finite_log`)."""
     dtype = compute_dtype(logits.dtype)
-    target = target.to(torch.float64).clamp(min=torch.finfo(torch.float64).tiny)
-    return torch.log_softmax(logits.to(dtype) + (target.log() - source.to(torch.float64).log()).to(dtype), dim=1)
+    return torch.log_softmax(logits.to(dtype) + (finite_log(target) - source.to(torch.float64).log()).to(dtype), dim=1)
 
 
 def smoothed_priors(priors: Any, num_samples: float | Tensor, pseudocount: float = 0.5) -> Tensor:

@@ -180,8 +180,12 @@ class FullDesign(LinearDesign):
         xa = self._augmented(x)
         return torch.block_diag(*torch.einsum("nk,na,nb->kab", v, xa, xa))
 
+    def gram_diagonal(self, v: Tensor, x: Tensor) -> Tensor:
+        """The diagonal of :meth:`gram`, ``sum_i v_ik [x_i, 1]_a^2``, as (K, K + 1)."""
+        return v.T @ self._augmented(x).square()
+
     def hessian_diagonal(self, q: Tensor, w: Tensor, x: Tensor) -> Tensor:
-        return ((w.unsqueeze(1) * q * (1 - q)).T @ self._augmented(x).square()).flatten()
+        return self.gram_diagonal(w.unsqueeze(1) * q * (1 - q), x).flatten()
 
 
 def fit_linear_newton(

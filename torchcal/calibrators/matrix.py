@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from torchcal._validation import check_folds, stacklevel_outside_package
+from torchcal.calibrators._linear import FullDesign
 from torchcal.calibrators._multinomial import (
     DIVERGING,
     MAX_NEWTON_STEPS,
@@ -415,12 +416,10 @@ def _curvature_diagonal(q: Tensor, sample_w: Tensor, features: Tensor, loss: str
     loss, or its Gauss-Newton part ``2 J^T J`` under the Brier score (``J = dq/ds``), at the
     posteriors ``q: (N, K)`` of ``features: (N, K)``."""
     if loss == "log":
-        per_class = q * (1 - q)
-    else:  # (J^T J)_kk = sum_c q_c^2 (delta_ck - q_k)^2
-        squares = q.square()
-        per_class = 2 * squares * ((1 - q).square() + squares.sum(1, keepdim=True) - squares)
-    augmented = torch.cat([features, features.new_ones(features.shape[0], 1)], dim=1)
-    return (sample_w.unsqueeze(1) * per_class).T @ augmented.square()
+        return FullDesign().hessian_diagonal(q, sample_w, features).view(q.shape[1], -1)
+    squares = q.square()  # (J^T J)_kk = sum_c q_c^2 (delta_ck - q_k)^2
+    per_class = 2 * squares * ((1 - q).square() + squares.sum(1, keepdim=True) - squares)
+    return FullDesign().gram_diagonal(sample_w.unsqueeze(1) * per_class, features)
 
 
 def _unheld(labels: Tensor, sample_w: Tensor, num_classes: int, process_group: ProcessGroup | None = None) -> Tensor:

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from torchcal._validation import compute_dtype
+from torchcal._validation import compute_dtype, finite_log
 from torchcal.calibrators.base import Calibrator
 from torchcal.fit import FitRecord
 from torchcal.functional.scoring import PER_SAMPLE_SCORES
@@ -284,10 +284,10 @@ class VennAbersCalibration(Calibrator):
                 self.grid[c, f, : len(grid)] = grid
                 self.p0[c, f, : len(p0)], self.p0[c, f, len(p0) :] = p0, p0[-1]
                 self.p1[c, f, : len(p1)], self.p1[c, f, len(p1) :] = p1, p1[-1]
-        # deployment priors: Bayes' rule from the data's class frequencies, log(priors / frequencies);
-        # a prior of 0 leaves its class at exp(-708), not at log(0) = -inf: log-posteriors stay finite
+        # deployment priors: Bayes' rule from the data's class frequencies, log(priors / frequencies)
+        # (finite_log: a prior of 0 leaves its class at exp(-708), not at log(0) = -inf)
         self.log_prior_ratio = (torch.zeros(self.num_classes, dtype=torch.float64, device=device) if weights is None
-                                else weights.to(torch.float64).clamp(min=torch.finfo(torch.float64).tiny).log())
+                                else finite_log(weights))
         self.loss = loss
         return FitRecord(0, 1, float("nan"), 0.0, True, "closed form")
 

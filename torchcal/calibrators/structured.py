@@ -464,8 +464,10 @@ class StructuredVectorScaling(_StructuredScaling):
 
     @staticmethod
     def _preconditioner(design, sample_w, theta, penalty, process_group):
-        q = torch.softmax(StructuredVectorScaling._map_theta(design, theta), dim=1)
-        to_theta, from_theta = _per_class_blocks(design, q, sample_w, penalty, process_group)
+        # in float32, as SMS's: a change of variables only has to be well conditioned, not exact
+        design32 = design.float()
+        q = torch.softmax(StructuredVectorScaling._map_theta(design32, theta.float()), dim=1)
+        to_theta, from_theta = _per_class_blocks(design32, q, sample_w.float(), penalty, process_group)
 
         def to_centred_theta(phi: Tensor) -> Tensor:
             # The softmax ignores a shift of every bias, which only the penalty holds (and sets to
@@ -485,9 +487,10 @@ def _per_class_blocks(
     (2, K) of the map ``(1 + v) * x + b`` at posteriors ``q: (n, K)``, cross-class terms dropped:
     ``B_k = sum_i w_i q_ik (1 - q_ik) [x_ik, 1]^T [x_ik, 1] + 2 diag(penalty[:, k])``. The sums
     are formed in the inputs' precision and factorised in ``penalty``'s."""
-    r = sample_w.unsqueeze(1) * q * (1 - q)
-    rx = r * x
-    sums = torch.stack([(rx * x).sum(0), rx.sum(0), rx.sum(0), r.sum(0)], dim=1).view(-1, 2, 2).to(penalty.dtype)
+    r = torch.addcmul(q, q, q, value=-1)  # q (1 - q), then times x, then x^2, in one buffer
+    bias = sample_w @ r
+    cross = sample_w @ r.mul_(x)
+    sums = torch.stack([sample_w @ r.mul_(x), cross, cross, bias], dim=1).view(-1, 2, 2).to(penalty.dtype)
     blocks = all_reduce_(sums, process_group) + torch.diag_embed(2 * penalty.T)
     jitter = 1e-12 * blocks.diagonal(dim1=1, dim2=2).amax() + torch.finfo(blocks.dtype).tiny
     chol = torch.linalg.cholesky(blocks + jitter * torch.eye(2, dtype=blocks.dtype, device=x.device))  # B_k = L_k L_k^T

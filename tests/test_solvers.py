@@ -461,3 +461,62 @@ def test_lbfgs_goes_on_from_where_newton_stalled(monkeypatch, name):
     record = handed_over.fit_record_
     assert record.converged and "after Newton" in record.message and record.iterations > 2
     assert record.loss == pytest.approx(reference.fit_record_.loss, rel=1e-9)
+
+
+def _rosenbrock_and_logistic(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(400, 6, generator=gen, dtype=torch.float64)
+    y = (x @ torch.randn(6, generator=gen, dtype=torch.float64) + 0.3 * torch.randn(400, generator=gen, dtype=torch.float64) > 0).double()
+    return [
+        (torch.tensor([-1.2, 1.0, 0.5], dtype=torch.float64),
+         lambda p: (100 * (p[1:] - p[:-1].square()).square() + (1 - p[:-1]).square()).sum()),
+        (torch.zeros(6, dtype=torch.float64), lambda w: torch.nn.functional.binary_cross_entropy_with_logits(x @ w, y)),
+    ]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lbfgs_takes_torch_optim_lbfgs_steps(seed):
+    """torchcal._lbfgs.LBFGS (no torch.optim.Optimizer, whose first construction imports
+    torch._dynamo) is torch.optim.LBFGS with a strong-Wolfe line search, bit for bit, also when a
+    second call goes on with other tolerances and the same memory."""
+    from torchcal._lbfgs import LBFGS
+
+    for start, f in _rosenbrock_and_logistic(seed):
+        ours, theirs = start.clone().requires_grad_(True), start.clone().requires_grad_(True)
+        mine = LBFGS([ours], max_iter=7, max_eval=20, tolerance_grad=1e-9, tolerance_change=1e-6, history_size=4)
+        reference = torch.optim.LBFGS([theirs], lr=1.0, max_iter=7, max_eval=20, tolerance_grad=1e-9, tolerance_change=1e-6,
+                                      history_size=4, line_search_fn="strong_wolfe")
+
+        def closure_of(p, optimizer):
+            def closure():
+                optimizer.zero_grad()
+                loss = f(p)
+                loss.backward()
+                return loss
+            return closure
+
+        for tolerance_change, max_iter, max_eval in ((1e-6, 7, 20), (1e-12, 100, 200)):
+            mine.tolerance_change, mine.max_iter, mine.max_eval = tolerance_change, max_iter, max_eval
+            reference.param_groups[0].update(tolerance_change=tolerance_change, max_iter=max_iter, max_eval=max_eval)
+            mine.step(closure_of(ours, mine))
+            reference.step(closure_of(theirs, reference))
+            state = reference.state[theirs]
+            assert torch.equal(ours, theirs)
+            assert (mine.state["n_iter"], mine.state["func_evals"]) == (state["n_iter"], state["func_evals"])
+            assert all(torch.equal(a, b) for a, b in zip(mine.state["old_stps"], state["old_stps"]))
+        assert float(f(ours)) < 1e-6 * float(f(start)) or ours.grad.abs().max() < 1e-6  # (it got somewhere)
+
+
+def test_an_lbfgs_fit_does_not_import_torch_dynamo():
+    """The first torch.optim.Optimizer in a process imports torch._dynamo (1.6 s); the L-BFGS fits
+    (SVS at K > 16, Beta calibration, the Brier fits) build none."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, torchcal; g = torch.Generator().manual_seed(0); x = 3 * torch.randn(500, 2, generator=g); "
+        "y = (x[:, 1] > x[:, 0]).long(); torchcal.BetaCalibration().fit(x, y); "
+        "torchcal.AffineCalibration().fit(x, y, loss='brier'); print('torch._dynamo' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["False"]

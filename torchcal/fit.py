@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from torchcal._lbfgs import LBFGS
 from torchcal._validation import (
     as_tensor,
     check_folds,
@@ -143,23 +144,15 @@ def minimize(
     """
     max_eval = 2 * max_iter
     params = list(params)
-    optimizer = torch.optim.LBFGS(
-        params,
-        lr=1.0,
-        max_iter=max_iter,
-        max_eval=max_eval,
-        tolerance_grad=tol_grad,
-        tolerance_change=tol_change,
-        history_size=history_size,
-        line_search_fn="strong_wolfe",
-    )
+    optimizer = LBFGS(params, max_iter=max_iter, max_eval=max_eval, tolerance_grad=tol_grad, tolerance_change=tol_change,
+                      history_size=history_size)
 
     start = [p.detach().clone() for p in params]
     last: list = [None, None]  # the point of the latest evaluation and its loss; p.grad holds its gradient
 
     def closure_of(objective: Callable[[], Tensor]) -> Callable[[], Tensor]:
         def closure() -> Tensor:
-            optimizer.zero_grad(set_to_none=False)
+            optimizer.zero_grad()
             loss = objective()
             loss.backward()
             if process_group is not None:
@@ -175,19 +168,18 @@ def minimize(
     closure = closure_of(objective)
     with torch.enable_grad():
         if rough_objective is not None:
-            group = optimizer.param_groups[0]
-            group["tolerance_change"] = rough_tol_change
+            optimizer.tolerance_change = rough_tol_change
             optimizer.step(closure_of(rough_objective))
             # the rest of the budget: max_iter caps both stages together
-            group["tolerance_change"] = tol_change
-            group["max_iter"] = max(1, max_iter - int(optimizer.state[params[0]].get("n_iter", 0)))
-        rough_evaluations = int(optimizer.state[params[0]].get("func_evals", 0))
-        capped = rough_objective is not None and int(optimizer.state[params[0]].get("n_iter", 0)) >= max_iter
+            optimizer.tolerance_change = tol_change
+            optimizer.max_iter = max(1, max_iter - optimizer.state["n_iter"])
+        rough_evaluations = optimizer.state["func_evals"]
+        capped = rough_objective is not None and optimizer.state["n_iter"] >= max_iter
         if capped:  # the rough stage used the whole cap: the objective itself where it stopped
             closure()
         else:
             optimizer.step(closure)
-        evaluations = int(optimizer.state[params[0]].get("func_evals", 0)) + capped
+        evaluations = optimizer.state["func_evals"] + capped
         # each step() has its own evaluation budget (max_eval)
         out_of_evaluations = not capped and evaluations - rough_evaluations >= max_eval
         # The line search usually accepts the point it evaluated last; if not, evaluate the result.
@@ -195,14 +187,14 @@ def minimize(
             closure()
             evaluations += 1
         loss = last[1]
-    iterations = int(optimizer.state[params[0]].get("n_iter", 0))
+    iterations = optimizer.state["n_iter"]
     grad_max = max(float(p.grad.abs().max()) for p in params if p.numel() and p.grad is not None)
     finite = math.isfinite(float(loss.detach())) and math.isfinite(grad_max)
     stalled = iterations < max_iter and not out_of_evaluations  # stopped by tol_change
     settled, remaining = loose or grad_max <= STALL_GRAD, math.inf
     if finite and stalled and not settled:
         flat_grad = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
-        remaining = _predicted_decrease(optimizer.state[params[0]], flat_grad)
+        remaining = _predicted_decrease(optimizer.state, flat_grad)
         settled = remaining <= _stall_decrease(tol_change, loss)
     converged = finite and (grad_max <= tol_grad or (stalled and settled))
     if not finite:

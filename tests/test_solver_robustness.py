@@ -263,3 +263,93 @@ def test_rescaled_temperature_fit_of_tiny_margins_keeps_a_masked_class_finite():
     beta32, record32 = fit_inverse_temperature(logits, labels)
     assert record32.converged and record64.converged
     assert beta32 == pytest.approx(beta64, rel=1e-8) and 0.5 < beta64 * 1e-6 < 2
+
+
+# ----------------------------------------------- review findings: preconditioned L-BFGS records
+def _brier_objective_gradient(cal, features, labels, penalty):
+    """Float64 autograd: the largest gradient entry of the mean Brier score plus ``penalty(W, b)``
+    in the map's own parameters ``[W | b]`` (an independent computation of the record's)."""
+    weight, bias = cal.weight.detach().clone().requires_grad_(True), cal.bias.detach().clone().requires_grad_(True)
+    q = torch.softmax(features @ weight.T + bias, 1)
+    value = (q - torch.nn.functional.one_hot(labels, q.shape[1])).square().sum(1).mean() + penalty(weight, bias)
+    return max(float(g.abs().max()) for g in torch.autograd.grad(value, [weight, bias]))
+
+
+@pytest.mark.parametrize("scale", [3.0, 30.0])
+def test_preconditioned_lbfgs_records_the_gradient_of_the_maps_own_parameters(scale):
+    """MatrixScaling's Brier fit runs L-BFGS in curvature-scaled coordinates; its record (and the
+    convergence test) reported their gradient, 5-20x below [W | b]'s at logits of scale 30."""
+    gen = torch.Generator().manual_seed(3)
+    logits = scale * torch.randn(2000, 5, generator=gen, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(2 * logits / scale, 1), 1, generator=gen).squeeze(1)
+    off = ~torch.eye(5, dtype=torch.bool)
+    for make, penalty in (
+        (torchcal.MatrixScaling, lambda w, b: 0.0),
+        (lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=10.0),
+         lambda w, b: 10.0 / 20 * w[off].square().sum() + 10.0 / 5 * b.square().sum()),
+    ):
+        cal = make().fit(logits, labels, loss="brier")
+        features = logits if type(cal) is torchcal.MatrixScaling else torch.log_softmax(logits, 1)
+        assert cal.fit_record_.grad_max == pytest.approx(_brier_objective_gradient(cal, features, labels, penalty), rel=1e-6)
+        assert f"{cal.fit_record_.grad_max:.2e}" in cal.fit_record_.message
+
+
+def test_matrix_newton_cg_hands_over_from_its_point_within_the_cap(monkeypatch):
+    """A Newton-CG fit stopped short (here its own step cap) hands over to L-BFGS from its point,
+    with the rest of the fit's cap, and without a warning where L-BFGS converges; capped by the
+    fit's max_iter it keeps its point, with one warning, and no L-BFGS. (L-BFGS restarted from the
+    starting point with the whole cap, after Newton-CG's warning.)"""
+    from torchcal.calibrators import matrix
+
+    gen = torch.Generator().manual_seed(4)
+    logits = 3 * torch.randn(1500, 6, generator=gen, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(logits / 2, 1), 1, generator=gen).squeeze(1)
+    reference = torchcal.DirichletCalibration(reg="odir", reg_lambda=0.1).fit(logits, labels)
+    starts = []
+    original = torchcal.calibrators.base.Calibrator._fit
+
+    def spy(self, *args, **kwargs):
+        starts.append(self._theta().clone())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torchcal.calibrators.base.Calibrator, "_fit", spy)
+    monkeypatch.setattr(matrix, "MAX_NEWTON_STEPS", 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchcal.ConvergenceWarning)
+        handed = torchcal.DirichletCalibration(reg="odir", reg_lambda=0.1).fit(logits, labels, max_iter=500)
+    record = handed.fit_record_
+    assert len(starts) == 1 and not torch.equal(starts[0], torch.eye(6, 7, dtype=torch.float64) * starts[0][0, 0])
+    assert record.converged and "after Newton: stopped at the iteration cap (2)" in record.message
+    assert record.iterations <= 500 and record.loss == pytest.approx(reference.fit_record_.loss, abs=1e-9)
+    starts.clear()
+    with pytest.warns(torchcal.ConvergenceWarning, match="DirichletCalibration did not converge") as caught:
+        capped = torchcal.DirichletCalibration(reg="odir", reg_lambda=0.1).fit(logits, labels, max_iter=2)
+    assert len(caught) == 1 and not starts and capped.fit_record_.iterations == 2
+
+
+@pytest.mark.parametrize("make", [torchcal.StructuredMatrixScaling, lambda: torchcal.DirichletCalibration(reg="odir")])
+def test_cross_validation_with_a_small_cap_warns_once_with_a_count(make):
+    gen = torch.Generator().manual_seed(5)
+    logits = 3 * torch.randn(600, 5, generator=gen, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(logits / 2, 1), 1, generator=gen).squeeze(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make().fit(logits, labels, max_iter=1)
+    messages = [str(w.message) for w in caught if issubclass(w.category, torchcal.ConvergenceWarning)]
+    summaries = [m for m in messages if "from the cross-validation's fits" in m]
+    assert len(summaries) == 1 and len(messages) <= 3, messages  # the summary, the final fit's (and its TS start's)
+    assert int(summaries[0].split()[0]) > 5
+
+
+def test_structured_lbfgs_records_the_gradient_of_the_maps_own_parameters():
+    """The same for SVS's Brier fit, whose L-BFGS runs in per-class-block coordinates."""
+    gen = torch.Generator().manual_seed(6)
+    logits = 4 * torch.randn(1500, 6, generator=gen, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(logits / 3, 1), 1, generator=gen).squeeze(1)
+    cal = torchcal.StructuredVectorScaling(reg_lambda=1.0).fit(logits, labels, loss="brier")
+    x = cal._ts_mix(torch.log_softmax(logits, 1))
+    weight, bias = cal.weight.detach().clone().requires_grad_(True), cal.bias.detach().clone().requires_grad_(True)
+    q = torch.softmax(weight * x + bias, 1)
+    value = (q - torch.nn.functional.one_hot(labels, 6)).square().sum(1).mean() + 6 / 1500 * ((weight - 1).square().sum() + bias.square().sum())
+    expected = max(float(g.abs().max()) for g in torch.autograd.grad(value, [weight, bias]))
+    assert cal.fit_record_.grad_max == pytest.approx(expected, rel=1e-6)

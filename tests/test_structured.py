@@ -219,7 +219,8 @@ def test_svs_keeps_to_the_iteration_cap_newton_included(real, monkeypatch):
 
 def test_sms_hands_over_to_lbfgs_where_newton_cg_stops_short(monkeypatch):
     """SMS fits the log-loss by Newton-CG, without L-BFGS; a Newton-CG fit capped at one step
-    (unconverged) hands over to the preconditioned L-BFGS, which reaches SciPy's optimum too."""
+    (unconverged) hands over to the preconditioned L-BFGS, which goes on from Newton-CG's point
+    within the rest of the cap, reaches SciPy's optimum too, and leaves no warning behind."""
     logits, labels = _data()
     z, y = logits.numpy(), labels.numpy()
     _, x = ts_mix_features(z, y)
@@ -230,10 +231,17 @@ def test_sms_hands_over_to_lbfgs_where_newton_cg_stops_short(monkeypatch):
     newton = torchcal.StructuredMatrixScaling(reg_lambda=0.02).fit(logits, labels)
     assert not calls and newton.fit_record_.loss == pytest.approx(best, abs=1e-10)
     monkeypatch.setattr(module, "MAX_NEWTON_STEPS", 1)
-    with pytest.warns(torchcal.fit.ConvergenceWarning, match="Newton-CG did not converge"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchcal.fit.ConvergenceWarning)
         handed_over = torchcal.StructuredMatrixScaling(reg_lambda=0.02).fit(logits, labels)
-    assert calls and handed_over.fit_record_.converged
-    assert handed_over.fit_record_.loss == pytest.approx(best, abs=1e-10)
+    record = handed_over.fit_record_
+    assert calls and record.converged and "after Newton: stopped at the iteration cap (1)" in record.message
+    assert record.loss == pytest.approx(best, abs=1e-10)
+    calls.clear()
+    with pytest.warns(torchcal.fit.ConvergenceWarning, match="StructuredMatrixScaling did not converge: stopped at the iteration cap") as caught:
+        capped = torchcal.StructuredMatrixScaling(reg_lambda=0.02).fit(logits, labels, max_iter=1)
+    assert len(caught) == 1 and capped.fit_record_.iterations == 1 and not capped.fit_record_.converged
+    assert not calls  # (no L-BFGS once Newton-CG used the whole cap)
 
 
 def test_quadratic_scaling_is_logistic_regression_on_llr_and_its_square():

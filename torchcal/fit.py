@@ -111,6 +111,7 @@ def minimize(
     rough_objective: Callable[[], Tensor] | None = None,
     rough_tol_change: float = 1e-6,
     loose: bool = False,
+    gradient: Callable[[], Tensor] | None = None,
 ) -> FitRecord:
     """Minimise ``objective()`` over ``params`` in place by full-batch L-BFGS (strong Wolfe).
 
@@ -135,6 +136,11 @@ def minimize(
         rough_tol_change: ``tol_change`` of the rough stage: about the rough objective's round-off.
         loose: ``tol_change`` is the accuracy of the loss the caller needs (a cross-validation's
             selection fits), so a stop for lack of progress counts as converged at any gradient.
+        gradient: where ``params`` are a change of variables of the problem's own parameters (a
+            preconditioned search), their gradient at the current ``params`` (this process's
+            share under ``process_group``). The record's gradient and the convergence test are
+            then the problem's, not the search's coordinates' (one more evaluation; skipped in a
+            ``loose`` fit, which does not test the gradient: its record keeps ``params``').
 
     Returns:
         A :class:`FitRecord` whose message says why the search stopped; a
@@ -189,6 +195,10 @@ def minimize(
         loss = last[1]
     iterations = optimizer.state["n_iter"]
     grad_max = max(float(p.grad.abs().max()) for p in params if p.numel() and p.grad is not None)
+    if gradient is not None and not loose and math.isfinite(grad_max):
+        with torch.enable_grad():
+            own = gradient().detach()
+        grad_max = float(all_reduce_(own.clone(), process_group).abs().max())
     finite = math.isfinite(float(loss.detach())) and math.isfinite(grad_max)
     stalled = iterations < max_iter and not out_of_evaluations  # stopped by tol_change
     settled, remaining = loose or grad_max <= STALL_GRAD, math.inf
@@ -700,7 +710,19 @@ def cross_validate_warm_path(
     if fit_folds is not None:
         fold_loss, refined_loss = functools.partial(fitted_together, tight=False), functools.partial(fitted_together, tight=True)
 
-    losses = cross_validate_path(order, num_folds, fold_loss, num_samples, process_group, patience, point_names, refined_loss, tie, race)
+    # The fits' own convergence warnings, one per fold and grid point (36 for SMS at max_iter=1),
+    # become one that says how many there were.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConvergenceWarning)
+        losses = cross_validate_path(order, num_folds, fold_loss, num_samples, process_group, patience, point_names, refined_loss, tie, race)
+    unconverged = [w for w in caught if issubclass(w.category, ConvergenceWarning)]
+    for w in caught:
+        if not issubclass(w.category, ConvergenceWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if unconverged:
+        warnings.warn(f"{len(unconverged)} convergence warning{'s' * (len(unconverged) > 1)} from the cross-validation's fits "
+                      f"(the first: {unconverged[0].message}); their out-of-fold losses, and the selection, may be off",
+                      ConvergenceWarning, stacklevel=stacklevel_outside_package())
     best = min(range(len(losses)), key=losses.__getitem__)
     return losses, torch.stack(list(fits[best].values())).mean(0)
 

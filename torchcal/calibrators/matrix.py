@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from torchcal._validation import check_folds, stacklevel_outside_package
-from torchcal.calibrators._linear import FullDesign
+from torchcal.calibrators._linear import FullDesign, after_newton, newton_stalled
 from torchcal.calibrators._multinomial import (
     DIVERGING,
     MAX_NEWTON_STEPS,
@@ -268,21 +268,36 @@ class MatrixScaling(Calibrator):
         sample_w = sample_weights(labels, weights, process_group)
         self._unheld = _unheld(labels, sample_w, k, process_group)
         anchor = self._penalty_anchor(k).to(features.device)
-        theta, record = fit_multinomial_logistic(
-            features, labels, sample_w, self._theta() - anchor, self._penalty_weights(k),
-            tol_grad=self.tol if tol_grad is None else tol_grad, tol_decrease=tol_decrease,
-            max_iter=min(max_iter, MAX_NEWTON_STEPS), process_group=process_group, anchor=anchor,
-        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)  # (its cap's: see below)
+            theta, record = fit_multinomial_logistic(
+                features, labels, sample_w, self._theta() - anchor, self._penalty_weights(k),
+                tol_grad=self.tol if tol_grad is None else tol_grad, tol_decrease=tol_decrease,
+                max_iter=min(max_iter, MAX_NEWTON_STEPS), process_group=process_group, anchor=anchor,
+            )
         theta = theta + anchor
-        # Newton-CG stalled (degenerate curvature): the L-BFGS driver. Not where the fit diverges
-        # (no finite optimum): L-BFGS would only run to its own cap.
+        # Newton-CG stalled (degenerate curvature) or at its own cap: the L-BFGS driver goes on from
+        # its point with the rest of the fit's cap. Not where the fit diverges (no finite optimum):
+        # L-BFGS would only run to its own cap.
         diverging = record.message.startswith(DIVERGING)
         if not record.converged and not diverging:
-            return Calibrator._fit(self, features, labels, weights, loss, max_iter, process_group)
+            return self._after_newton_cg(theta, record, features, labels, weights, loss, max_iter, process_group)
         if diverging:
             record = dataclasses.replace(record, message=f"{record.message}: use reg='odir' or reg='l2'")
             warnings.warn(f"Newton-CG stopped: {record.message}", ConvergenceWarning, stacklevel=stacklevel_outside_package())
         self._set_theta(theta)
+        return record
+
+    def _after_newton_cg(self, theta, record, features, labels, weights, loss, max_iter, process_group) -> FitRecord:
+        """An unconverged Newton-CG fit: L-BFGS (:meth:`Calibrator._fit`) from its point, the best it
+        found (unless not finite), with what is left of ``max_iter``; where Newton-CG used it all,
+        its point, with a warning."""
+        if bool(torch.isfinite(theta).all()):
+            self._set_theta(theta)
+        if newton_stalled(record, max_iter):
+            return after_newton(record, Calibrator._fit(self, features, labels, weights, loss, max_iter - record.iterations, process_group))
+        warnings.warn(f"{type(self).__name__} did not converge: {record.message}", ConvergenceWarning,
+                      stacklevel=stacklevel_outside_package())
         return record
 
     def _fit_log_loss(self, features, labels, weights, max_iter, process_group=None, tol_grad=None, tol_decrease=None) -> FitRecord:
@@ -309,13 +324,17 @@ class MatrixScaling(Calibrator):
         phi = (self._theta().to(torch.float64) * scale).requires_grad_(True)
         penalty_share = 1.0 / world_size(process_group)
 
-        def objective() -> Tensor:
-            theta = phi / scale
+        def objective_at(theta: Tensor) -> Tensor:
             scores = torch.addmm(theta[:, k].to(features.dtype), features, theta[:, :k].to(features.dtype).T)
             return weighted_loss_sum(scores, labels, sample_w, loss) + penalty_share * (penalty * (theta - anchor).square()).sum()
 
-        record = minimize(objective, [phi], max_iter=max_iter, tol_change=1e-12 if tol_change is None else tol_change,
-                          loose=tol_change is not None, process_group=process_group)
+        def gradient() -> Tensor:  # in [W | b], not in the scaled coordinates
+            theta = (phi.detach() / scale).requires_grad_(True)
+            return torch.autograd.grad(objective_at(theta), theta)[0]
+
+        record = minimize(lambda: objective_at(phi / scale), [phi], max_iter=max_iter,
+                          tol_change=1e-12 if tol_change is None else tol_change, loose=tol_change is not None,
+                          process_group=process_group, gradient=gradient)
         self._set_theta(phi.detach() / scale)
         return record
 

@@ -303,18 +303,20 @@ class _StructuredScaling(Calibrator):
         penalty_share = penalty / world_size(process_group)  # the group's sum counts it once
         phi = from_theta(theta).contiguous().requires_grad_(True)
 
+        def objective_at(theta: Tensor, design_d: Tensor, sample_w_d: Tensor) -> Tensor:
+            if loss == "log":
+                data = self._log_loss(design_d, theta, labels, sample_w_d)
+            else:
+                data = sample_w_d @ per_sample(torch.log_softmax(self._map_theta(design_d, theta), dim=1), labels)
+            return data.to(phi.dtype) + (penalty_share * theta.square()).sum()
+
         def objective_in(dtype: torch.dtype) -> Callable[[], Tensor]:
             design_d, sample_w_d = design.to(dtype), sample_w.to(dtype)
+            return lambda: objective_at(to_theta(phi.to(dtype)), design_d, sample_w_d)
 
-            def objective() -> Tensor:
-                theta = to_theta(phi.to(dtype))
-                if loss == "log":
-                    data = self._log_loss(design_d, theta, labels, sample_w_d)
-                else:
-                    data = sample_w_d @ per_sample(torch.log_softmax(self._map_theta(design_d, theta), dim=1), labels)
-                return data.to(phi.dtype) + (penalty_share * theta.square()).sum()
-
-            return objective
+        def gradient() -> Tensor:  # in theta, not in the preconditioned coordinates
+            theta = to_theta(phi.detach()).requires_grad_(True)
+            return torch.autograd.grad(objective_at(theta.to(design.dtype), design, sample_w.to(design.dtype)), theta)[0]
 
         # float32 passes are enough down to _FLOAT32_TOL_CHANGE; tighter, they start the fit
         float32_enough = tol_change >= _FLOAT32_TOL_CHANGE
@@ -328,6 +330,7 @@ class _StructuredScaling(Calibrator):
             rough_objective=rough,
             rough_tol_change=_FLOAT32_TOL_CHANGE,
             loose=accuracy != "final",
+            gradient=gradient,
         )
         with torch.no_grad():
             self._set_theta(to_theta(phi.detach()))
@@ -570,15 +573,23 @@ class StructuredMatrixScaling(_StructuredScaling):
         k = x.shape[1]
         n_total = float(total_samples(labels, process_group))
         tolerances = {"final": {}, "selection": SELECTION_TOLERANCES, "tie": TIE_TOLERANCES}[accuracy]
-        theta, record = fit_multinomial_logistic(
-            x.detach(), labels, sample_weights(labels, weights, process_group), self._theta().detach(),
-            self._penalty_weights(k, n_total, reg_lambda), max_iter=min(max_iter, MAX_NEWTON_STEPS),
-            process_group=process_group, anchor=torch.eye(k, k + 1, dtype=torch.float64), **tolerances,
-        )
-        if not record.converged:
-            return super()._fit_map(x, labels, weights, loss, max_iter, reg_lambda, process_group, accuracy)
-        with torch.no_grad():
-            self._set_theta(theta)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)  # (its cap's: see below)
+            theta, record = fit_multinomial_logistic(
+                x.detach(), labels, sample_weights(labels, weights, process_group), self._theta().detach(),
+                self._penalty_weights(k, n_total, reg_lambda), max_iter=min(max_iter, MAX_NEWTON_STEPS),
+                process_group=process_group, anchor=torch.eye(k, k + 1, dtype=torch.float64), **tolerances,
+            )
+        with torch.no_grad():  # (Newton-CG's point, its best, unless not finite)
+            if record.converged or bool(torch.isfinite(theta).all()):
+                self._set_theta(theta)
+        if record.converged:
+            return record
+        if newton_stalled(record, max_iter):  # (L-BFGS on from there, within the cap)
+            return after_newton(record, super()._fit_map(x, labels, weights, loss, max_iter - record.iterations, reg_lambda,
+                                                         process_group, accuracy))
+        warnings.warn(f"{type(self).__name__} did not converge: {record.message}", ConvergenceWarning,
+                      stacklevel=stacklevel_outside_package())
         return record
 
     @staticmethod

@@ -465,3 +465,39 @@ def test_binned_null_chunks_its_resamples_by_the_bins_too(monkeypatch):
     chunked = consistency_resampling_test(expected_calibration_error, logits, labels, 300, kind="classwise", n_bins=5)
     assert chunks == [7]  # CHUNK_ELEMENTS // (C M), not // N = 28
     torch.testing.assert_close(chunked.null_statistics, whole.null_statistics, rtol=0, atol=1e-15)
+
+
+def test_spiegelhalter_z_is_positive_for_over_and_negative_for_under_confidence():
+    """(The docstrings said positive for both; "greater" then misses an under-confident model.)"""
+    from torchcal.functional import spiegelhalter_test
+
+    g = torch.Generator().manual_seed(0)
+    truth = torch.where(torch.rand(5000, generator=g) < 0.5, 0.9, 0.1).double()
+    labels = torch.bernoulli(truth, generator=g).long()
+
+    def logits_of(p1):
+        return torch.stack([(1 - p1).log(), p1.log()], 1)
+
+    under = spiegelhalter_test(logits_of(torch.where(truth > 0.5, 0.6, 0.4).double()), labels)
+    over = spiegelhalter_test(logits_of(truth) * 3, labels)
+    assert float(under.statistic) < -10 and float(over.statistic) > 10 and float(under.p_value) < 1e-10
+    assert float(spiegelhalter_test(logits_of(torch.where(truth > 0.5, 0.6, 0.4).double()), labels, alternative="greater").p_value) > 0.99
+
+
+def test_binary_kind_with_more_classes_names_only_the_kinds_the_function_takes():
+    """The shared message said 'use kind="class" with class_index=j', which these refuse."""
+    from torchcal.functional import (
+        corp_decomposition,
+        kolmogorov_smirnov_test,
+        smooth_calibration_error,
+        spiegelhalter_test,
+    )
+    from torchcal.metrics import SpiegelhalterTest
+
+    logits, labels = torch.randn(20, 3), torch.randint(0, 3, (20,))
+    for function in (spiegelhalter_test, kolmogorov_smirnov_test, corp_decomposition, smooth_calibration_error):
+        with pytest.raises(ValueError, match='needs K = 2 classes, got K = 3; use kind="top-label"') as caught:
+            function(logits, labels, kind="binary")
+        assert "class_index" not in str(caught.value)
+    with pytest.raises(ValueError, match='got K = 3; use kind="top-label".$'):
+        SpiegelhalterTest(kind="binary").update(logits, labels)

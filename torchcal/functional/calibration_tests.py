@@ -210,9 +210,11 @@ def spiegelhalter_test(
 
     Z is the standardised Brier score (``sum_i (y_i - s_i)^2`` minus its expectation
     ``sum_i s_i (1 - s_i)`` under calibration): asymptotically standard normal under H0, positive
-    when the scores do worse than calibrated ones would (over- and under-confidence alike).
-    Undefined when every score is 0, 1/2 or 1 (Z's variance is 0). ``alternative``:
-    ``"two-sided"`` (default), ``"greater"`` (p = P(N(0,1) >= Z), MAPIE's p-value) or ``"less"``.
+    where the Brier score exceeds that expectation (typically over-confidence: scores further from
+    1/2 than the outcomes warrant) and negative where it falls below it (typically
+    under-confidence). Undefined when every score is 0, 1/2 or 1 (Z's variance is 0).
+    ``alternative``: ``"two-sided"`` (default; detects both), ``"greater"`` (p = P(N(0,1) >= Z),
+    MAPIE's p-value: over-confidence only, p near 1 for an under-confident model) or ``"less"``.
     Z is a function of sums, so it also streams: ``metrics.SpiegelhalterTest``.
 
     Example:

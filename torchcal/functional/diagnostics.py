@@ -26,7 +26,7 @@ sums are accumulated in float64.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import Literal, NamedTuple, get_args
@@ -116,8 +116,17 @@ def binary_problems(
         names = [f'"{name}"' for name in allowed]
         raise ValueError(f"kind must be {', '.join(names[:-1])} or {names[-1]}, got {kind!r}.")
     logits, labels = check_logits_and_labels(logits, labels)
+    check_binary_kind(kind, logits.shape[1], allowed)
     scores, targets = binning_scores(to_log_probs(logits), labels, kind)  # type: ignore[arg-type]
     return scores.to(torch.float64), targets.to(torch.float64)
+
+
+def check_binary_kind(kind: str, num_classes: int, allowed: Sequence[str]) -> None:
+    """Raise where ``kind="binary"`` meets K != 2 classes, naming the caller's ``allowed`` kinds
+    (:func:`binning_scores`'s message offers "class" and "classwise", which not every caller takes)."""
+    if kind == "binary" and num_classes != 2:
+        others = " or ".join(f'kind="{name}"' for name in allowed if name != "binary")
+        raise ValueError(f'kind="binary" needs K = 2 classes, got K = {num_classes}' + (f"; use {others}." if others else "."))
 
 
 def binning_scores(

@@ -5,7 +5,9 @@ Every class is named after its functional twin (``ExpectedCalibrationError`` /
 ``BrierDecomposition`` are aliases) and behaves as a torchmetrics citizen: ``compute()`` returns one
 float64 tensor (a scalar, or per-class values where asked), so it works with ``self.log``,
 ``MetricCollection`` (and its compute groups), ``BootStrapper`` (with ``quantile`` a float or a
-float64 tensor: ``torch.quantile`` wants the values' dtype), ``MetricTracker``,
+float64 tensor: ``torch.quantile`` wants the values' dtype; its quantiles pool every entry of a
+vector value, per-class ECEs or ``MurphyDecomposition``'s three terms, so take those from
+``raw=True`` along the first dimension, or use ``functional.bootstrap``), ``MetricTracker``,
 ``ClasswiseWrapper`` and ``MultitaskWrapper``; ``plot(val=None, ax=None)`` plots a value.
 ``PosteriorQuality`` is a ``MetricCollection`` whose members share one fused pass.
 

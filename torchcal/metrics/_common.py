@@ -48,7 +48,7 @@ import functools
 import hashlib
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple, TypeVar, get_args
 
 import torch
@@ -66,7 +66,7 @@ from torchcal._validation import (
     stacklevel_outside_package,
     total_may_be_of_probs,
 )
-from torchcal.functional.diagnostics import binning_scores
+from torchcal.functional.diagnostics import binning_scores, check_binary_kind
 from torchcal.functional.scoring import to_log_probs
 
 __all__ = ["BatchMetric", "InputKind", "ScoreMetric", "add_cat_state", "add_sum_state", "check_num_classes"]
@@ -309,14 +309,16 @@ class ScoreMetric(BatchMetric):
             scores = floored_log(scores)  # a probability of 0 would give log(0) = -inf
         return scores, labels.to(scores.device)
 
-    def _binary_problems(self, scores: Tensor, labels: Tensor) -> tuple[Tensor, Tensor] | None:
+    def _binary_problems(self, scores: Tensor, labels: Tensor, allowed: Sequence[str] | None = None) -> tuple[Tensor, Tensor] | None:
         """Scores (N, C) float64 and targets (N, C) bool of the binary problems of the metric's
         ``kind`` in a batch (see :func:`~torchcal.functional.diagnostics.binning_scores`), or
-        None when it is empty."""
+        None when it is empty; ``allowed``: the metric's kinds, if not all of them."""
         batch = self._scores(scores, labels)
         if batch is None:
             return None
         logits, labels = batch
+        if allowed is not None:
+            check_binary_kind(self.kind, logits.shape[1], allowed)  # type: ignore[arg-type]
         return binning_scores(to_log_probs(logits), labels, self.kind)  # type: ignore[arg-type]
 
     def _common_case_valid(self, scores: Tensor, labels: Tensor) -> bool:

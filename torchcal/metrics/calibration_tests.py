@@ -26,8 +26,8 @@ class SpiegelhalterTest(ScoreMetric):
     """Spiegelhalter's Z test of calibration, as ``functional.spiegelhalter_test``.
 
     ``compute()`` returns the statistic Z (a float64 scalar), not the p-value: Z is what the sums
-    give (the Brier score minus its expectation under calibration, standardised: positive when the
-    scores do worse than calibrated ones would, whether over- or under-confident), and it averages
+    give (the Brier score minus its expectation under calibration, standardised: typically positive
+    for over-confident scores and negative for under-confident ones), and it averages
     and bootstraps sensibly in torchmetrics' wrappers, where p-values do not. ``result()`` returns the ``CalibrationTestResult`` (Z and the p-value of
     ``alternative``) of the data accumulated on every process. Without any sample (no update, or
     every label ignored) both are NaN, as ``compute()`` is.
@@ -73,7 +73,7 @@ class SpiegelhalterTest(ScoreMetric):
 
     def update(self, scores: Tensor, labels: Tensor) -> None:
         """Accumulate ``scores: (N, K)`` or ``(N, K, d1, ...)`` and ``labels: (N,)`` or ``(N, d1, ...)``."""
-        problems = self._binary_problems(scores, labels)
+        problems = self._binary_problems(scores, labels, allowed=("top-label", "binary"))
         if problems is None:
             return
         scores, targets = problems

@@ -549,6 +549,25 @@ def test_cross_validate_is_out_of_fold(data):
     assert sorted(torch.cat(folds).tolist()) == list(range(600))
 
 
+def test_folds_of_rows_that_differ_by_a_constant_do_not_depend_on_the_row_order():
+    """x and x + c are the same posteriors (one content key) but different samples to matrix
+    scaling, whose fold split and lambda followed the row order (a review's reproducer: lambda 10
+    or 100 by order)."""
+    gen = torch.Generator().manual_seed(0)
+    base = 2 * torch.randn(300, 4, generator=gen, dtype=torch.float64)
+    logits = torch.cat([base, base + 5 * torch.rand(300, 1, generator=gen, dtype=torch.float64)])
+    labels = torch.randint(0, 4, (300,), generator=gen).repeat(2)
+    fold_of = torch.empty(600, dtype=torch.long)
+    for fold, test in enumerate(torchcal.fit.fold_indices(labels, 5, seed=1, scores=logits)):
+        fold_of[test] = fold
+    for seed in range(3):
+        order = torch.randperm(600, generator=torch.Generator().manual_seed(seed))
+        shuffled = torch.empty(600, dtype=torch.long)
+        for fold, test in enumerate(torchcal.fit.fold_indices(labels[order], 5, seed=1, scores=logits[order])):
+            shuffled[order[test]] = fold
+        assert torch.equal(shuffled, fold_of)
+
+
 def test_group_folds_keep_groups_together(data):
     _, labels = data
     groups = torch.arange(600) // 7

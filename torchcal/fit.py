@@ -475,8 +475,13 @@ def content_keys(scores: Tensor) -> Tensor:
 
 def _order_by_content(scores: Tensor, labels: Tensor) -> Tensor:
     """A permutation of the samples that depends on their values only: by label, then by their
-    :func:`content_keys` (identical samples are interchangeable)."""
-    order = torch.argsort(content_keys(scores), stable=True)
+    :func:`content_keys`, then by their mean score (rounded to float32): rows that differ by a
+    constant share a key, the same posteriors, but are different samples to a map of the raw
+    logits (matrix scaling), and were left in the order of the rows. Identical samples are
+    interchangeable."""
+    means = scores.detach().to(torch.float64).mean(1).to(torch.float32).cpu()
+    order = torch.argsort(means, stable=True)
+    order = order[torch.argsort(content_keys(scores)[order], stable=True)]
     return order[torch.argsort(labels[order], stable=True)]
 
 

@@ -279,3 +279,17 @@ def test_fits_and_predicts_on_the_logits_device(toy):
     assert out.device.type == "cuda"
     torch.testing.assert_close(out.cpu(), cpu(logits), rtol=0, atol=1e-12)
     torch.testing.assert_close(tuple(t.cpu() for t in gpu.predict_interval(logits.cuda())), cpu.predict_interval(logits))
+
+
+def test_scores_closer_than_the_tie_tolerance_are_one_group():
+    """Calibration scores 4 ulp apart, each within the look-up's tolerance of a test score between
+    them: p0 was read beside one and p1 beside the other, giving p0 = 0.5 > p1 = 0.25. As one tied
+    group they give sklearn's isotonic answer (which merges x within 1e-15): p0 = 0.2, p1 = 0.4."""
+    a = 1.0
+    b = float(np.nextafter(np.nextafter(np.nextafter(np.nextafter(a, 2), 2), 2), 2))
+    mid = float(np.nextafter(np.nextafter(a, 2), 2))
+    logits = torch.tensor([[0.0, a], [0.0, a], [0.0, a], [0.0, b]], dtype=torch.float64)
+    va = VennAbersCalibration().fit(logits, torch.tensor([0, 0, 0, 1]))
+    p0, p1 = va.predict_interval(torch.tensor([[0.0, a], [0.0, mid], [0.0, b]], dtype=torch.float64))
+    torch.testing.assert_close(p0.flatten(), torch.full((3,), 0.2, dtype=torch.float64))
+    torch.testing.assert_close(p1.flatten(), torch.full((3,), 0.4, dtype=torch.float64))

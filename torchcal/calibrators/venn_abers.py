@@ -132,7 +132,8 @@ def venn_abers_table(scores: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, T
 
     Returns:
         ``(grid, p0, p1)`` in float64 on the scores' device: ``grid: (k,)`` the distinct scores in
-        increasing order, ``p0, p1: (k + 1,)``. A test score ``s`` gets
+        increasing order (scores within twice ``_TIE_TOLERANCE`` of each other, relative, are one,
+        at their midpoint), ``p0, p1: (k + 1,)``. A test score ``s`` gets
         ``p0[searchsorted(grid, s, right=True)]`` and ``p1[searchsorted(grid, s, right=False)]``
         (a test score tied with calibration scores pools with them).
 
@@ -152,7 +153,19 @@ def venn_abers_table(scores: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, T
         raise ValueError(f"targets must be binary labels (bool, or 0 and 1), got values {targets.unique()[:5].tolist()}.")
     s = scores.detach().cpu().to(torch.float64).numpy()
     y = targets.detach().cpu().numpy().astype(np.int64)
-    grid, group = np.unique(s, return_inverse=True)
+    distinct, group = np.unique(s, return_inverse=True)
+    # Scores closer than twice the look-up's tie tolerance are one tied group (at its midpoint): a
+    # test score within the tolerance of two of them read p0 beside one and p1 beside the other, an
+    # interval with p0 > p1 (calibration scores 4 ulp apart).
+    close = np.diff(distinct) <= 2 * _TIE_TOLERANCE * np.maximum(np.abs(distinct[1:]), np.abs(distinct[:-1]))
+    starts = np.ones(distinct.size, dtype=bool)
+    starts[1:] = ~close
+    merged = np.cumsum(starts) - 1  # each distinct score's tied group
+    group = merged[group]
+    lowest, highest = np.full(int(starts.sum()), np.inf), np.full(int(starts.sum()), -np.inf)
+    np.minimum.at(lowest, merged, distinct)
+    np.maximum.at(highest, merged, distinct)
+    grid = np.where(lowest == highest, lowest, (lowest + highest) / 2)
     counts = np.bincount(group, minlength=len(grid))
     positives = np.bincount(group, weights=y, minlength=len(grid)).astype(np.int64)
     p1 = _upper_values(counts, positives)

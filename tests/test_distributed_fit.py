@@ -3,6 +3,7 @@ end with the parameters of one process fitted on the union."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -227,3 +228,77 @@ def test_the_cross_validated_strength_is_chosen_alike_on_every_process(tmp_path)
             other = ranks[1][name]["state"][key]
             assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, (name, key)
     assert ranks[0]["dirichlet-odir-cv"]["lambda"] == CV_MODELS["dirichlet-odir-cv"]().fit(logits, labels).reg_lambda_
+
+
+def _uneven_content_worker(rank: int, out: str) -> None:
+    """Shards that differ in content (rank 1 holds class 4 only) and shards that disagree."""
+    logits, labels = _data()
+    order = torch.argsort(labels, stable=True)
+    logits, labels = logits[order], labels[order]
+    mine = slice(0, 1500) if rank == 0 else slice(1500, None)
+    world = dist.group.WORLD
+    results: dict = {}
+    for name, make in (("temperature-brier", torchcal.TemperatureScaling), ("affine-no-bias-brier", lambda: torchcal.AffineCalibration(bias=False))):
+        results[name] = make().fit(logits[mine], labels[mine], loss="brier", process_group=world).state_dict()
+    # MatrixScaling's over-fitting warning counts every process's samples (980 + 20 >= 30 parameters)
+    few = slice(0, 980) if rank == 0 else slice(980, 1000)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torchcal.MatrixScaling().fit(logits[few], labels[few], process_group=world)
+    results["matrix-warnings"] = [str(w.message) for w in caught if "unregularised parameters" in str(w.message)]
+    # a class with no sample anywhere, ODIR's rows free (lambda = 0): the 'no finite optimum' test
+    # on every process's samples together
+    keep = labels != 4
+    kept_logits, kept_labels = logits[keep], labels[keep]
+    half = slice(0, 600) if rank == 0 else slice(600, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cal = torchcal.MatrixScaling(reg="odir", reg_lambda=0.0, reg_mu=1.0).fit(kept_logits[half], kept_labels[half], process_group=world)
+    results["escapes"] = cal.fit_record_.converged
+    errors = []
+    for spoil in ("classes", "dtype", "platt", "max_iter"):
+        x, y, make, options = logits[mine], labels[mine], torchcal.TemperatureScaling, {}
+        if spoil == "classes" and rank == 1:
+            x = x[:, :4]
+            y = y.clamp(max=3)
+        if spoil == "dtype" and rank == 1:
+            x = x.double()
+        if spoil == "platt":
+            make, x, y = torchcal.PlattScaling, (x[:, :2] if rank == 0 else x), (y.clamp(max=1) if rank == 0 else y)
+        if spoil == "max_iter" and rank == 1:
+            options = {"max_iter": 7}
+        try:
+            make().fit(x, y, process_group=world, **options)
+            errors.append(None)
+        except ValueError as err:
+            errors.append(str(err))
+    results["errors"] = errors
+    torch.save(results, Path(out) / f"uneven{rank}.pt")
+
+
+def test_shards_of_different_content_and_disagreeing_shards(tmp_path):
+    """From a review of the data-parallel fits: the Brier temperature search all-reduced a strided
+    view (a column of its grid), so only the first 14 of 41 values were summed: with one class on
+    one process the processes fitted different temperatures, or the group aborted. A K, a dtype or
+    a max_iter that differs between processes aborted the group, or left it waiting on the one
+    that refused its options; checks and warnings that read one process's samples differed
+    between processes."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    spawn_gloo(_uneven_content_worker, 2, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"uneven{r}.pt", weights_only=False) for r in range(2)]
+    logits, labels = _data()
+    for name, make in (("temperature-brier", torchcal.TemperatureScaling), ("affine-no-bias-brier", lambda: torchcal.AffineCalibration(bias=False))):
+        single = make().fit(logits, labels, loss="brier").state_dict()
+        for fitted in ranks:
+            for key, value in single.items():
+                if isinstance(value, torch.Tensor):
+                    torch.testing.assert_close(fitted[name][key], value, rtol=1e-7, atol=1e-9)
+    assert ranks[0]["matrix-warnings"] == ranks[1]["matrix-warnings"] == []
+    assert ranks[0]["escapes"] == ranks[1]["escapes"]
+    for rank in ranks:
+        assert all(message is not None for message in rank["errors"]), rank["errors"]
+    assert "differ in the number of classes K" in ranks[0]["errors"][0]
+    assert "differ in the scores' dtype" in ranks[0]["errors"][1]
+    assert "PlattScaling is for K = 2" in ranks[1]["errors"][2] and "another process" in ranks[0]["errors"][2]
+    assert "differ in max_iter" in ranks[0]["errors"][3]

@@ -15,7 +15,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import Tensor
 
-__all__ = ["ProcessGroup", "all_reduce_", "validate_together", "world_size"]
+__all__ = ["ProcessGroup", "agree_across", "all_reduce_", "validate_together", "world_size"]
 
 T = TypeVar("T")
 
@@ -42,8 +42,28 @@ def all_reduce_(tensor: Tensor, group: ProcessGroup | None, op: Literal["sum", "
             "a process_group was given but torch.distributed is not initialised: call "
             "torch.distributed.init_process_group first (Lightning and torchrun do this for you)."
         )
-    torch.distributed.all_reduce(tensor, op=getattr(torch.distributed.ReduceOp, _REDUCE_OPS[op]), group=group)
+    reduce_op = getattr(torch.distributed.ReduceOp, _REDUCE_OPS[op])
+    if tensor.is_contiguous():
+        torch.distributed.all_reduce(tensor, op=reduce_op, group=group)
+    else:  # a backend reads the storage as laid out: a strided view (m[:, 0]) summed other entries
+        dense = tensor.contiguous()
+        torch.distributed.all_reduce(dense, op=reduce_op, group=group)
+        tensor.copy_(dense)
     return tensor
+
+
+def agree_across(values: dict[str, float], group: ProcessGroup | None, device: torch.device | None = None) -> None:
+    """Raise ``ValueError`` on every process of ``group`` unless each of the named ``values`` is
+    the same on all of them (one collective; nothing without a group): a K or a dtype that differs
+    between processes gives collectives of mismatched sizes or different numbers of passes,
+    which abort the group or leave it waiting."""
+    if group is None:
+        return
+    own = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    extremes = all_reduce_(torch.cat([own, -own]), group, op="max")
+    differ = [name for name, high, low in zip(values, extremes[: own.numel()].tolist(), extremes[own.numel() :].tolist()) if high != -low]
+    if differ:
+        raise ValueError(f"the processes of the group differ in {', '.join(differ)}; every process must pass the same.")
 
 
 def world_size(group: ProcessGroup | None) -> int:

@@ -12,7 +12,7 @@ from torchcal._tempered_moments import TEMPERED_LOSSES
 from torchcal.calibrators._linear import AffineDesign, VectorDesign, after_newton, fit_linear_newton, newton_stalled
 from torchcal.calibrators.base import Calibrator, sample_weights
 from torchcal.calibrators.temperature import fit_inverse_temperature, inverse_temperature_start
-from torchcal.distributed import all_reduce_
+from torchcal.distributed import ProcessGroup, all_reduce_
 from torchcal.fit import FitRecord
 
 __all__ = ["AffineCalibration", "PlattScaling", "VectorScaling"]
@@ -48,7 +48,7 @@ class AffineCalibration(Calibrator):
         super().__init__()
         self.bias = bias
 
-    def _unbounded_without_samples(self, features: Tensor, missing: list[int]) -> bool:
+    def _unbounded_without_samples(self, features: Tensor, missing: list[int], process_group: ProcessGroup | None = None) -> bool:
         return self.bias
 
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
@@ -154,7 +154,7 @@ class VectorScaling(Calibrator):
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
         return {"weight": torch.ones(num_classes), "bias": torch.zeros(num_classes)}
 
-    def _unbounded_without_samples(self, features: Tensor, missing: list[int]) -> bool:
+    def _unbounded_without_samples(self, features: Tensor, missing: list[int], process_group: ProcessGroup | None = None) -> bool:
         return True
 
     def _scores(self, features: Tensor) -> Tensor:

@@ -41,10 +41,11 @@ from torchcal._validation import (
     check_count,
     check_logits,
     check_logits_and_labels,
+    check_priors,
     compute_dtype,
     stacklevel_outside_package,
 )
-from torchcal.distributed import ProcessGroup, all_reduce_, validate_together, world_size
+from torchcal.distributed import ProcessGroup, agree_across, all_reduce_, validate_together, world_size
 from torchcal.fit import ConvergenceWarning, FitRecord, minimize
 from torchcal.functional.scoring import PER_SAMPLE_SCORES, class_weights_from_counts
 
@@ -54,6 +55,11 @@ __all__ = ["Calibrator"]
 #: data: each sample it misclassified would add at least log(2) / N, so below 1e-6 that is none
 #: up to 700,000 samples, and the parameters grow until the solver's tolerance stops them.
 _SEPARATED_LOSS = 1e-6
+
+
+# The scores' dtypes as numbers that the processes of a data-parallel fit compare (temperature
+# scaling's passes, and their stopping rules, run in the scores' own precision).
+_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
 
 class Calibrator(nn.Module):
@@ -73,7 +79,7 @@ class Calibrator(nn.Module):
     #: whether the fit is a sum over samples, and so can run data-parallel.
     _supports_process_group: bool = True
 
-    def _unbounded_without_samples(self, features: Tensor, missing: list[int]) -> bool:
+    def _unbounded_without_samples(self, features: Tensor, missing: list[int], process_group: ProcessGroup | None = None) -> bool:
         """Whether the classes ``missing``, without calibration samples, leave the fit (with the
         strengths it was fitted with, on its ``features: (N, F)``) without a finite optimum: a
         free per-class bias, unpenalised, drives those classes' scores down without bound."""
@@ -138,16 +144,27 @@ class Calibrator(nn.Module):
         """
         if process_group is not None and not self._supports_process_group:
             raise NotImplementedError(f"{type(self).__name__} needs all the data in one process; fit it without process_group.")
-        logits, labels = validate_together(lambda: check_logits_and_labels(logits, labels), process_group, logits)
+
+        def check() -> tuple[Tensor, Tensor]:
+            checked = check_logits_and_labels(logits, labels)
+            k = checked[0].shape[1]
+            if self.supported_num_classes is not None and k != self.supported_num_classes:
+                raise ValueError(
+                    f"{type(self).__name__} is for K = {self.supported_num_classes} classes, got K = "
+                    f"{k}; use a multiclass calibrator such as AffineCalibration."
+                )
+            if loss not in PER_SAMPLE_SCORES:
+                raise ValueError(f"loss must be one of {sorted(PER_SAMPLE_SCORES)}, got {loss!r}.")
+            check_count(max_iter, "max_iter")
+            if priors is not None:
+                check_priors(priors, k)
+            return checked
+
+        # (every check on every process at once, then the shapes and dtypes the collectives need)
+        logits, labels = validate_together(check, process_group, logits)
         num_classes = logits.shape[1]
-        if self.supported_num_classes is not None and num_classes != self.supported_num_classes:
-            raise ValueError(
-                f"{type(self).__name__} is for K = {self.supported_num_classes} classes, got K = "
-                f"{num_classes}; use a multiclass calibrator such as AffineCalibration."
-            )
-        if loss not in PER_SAMPLE_SCORES:
-            raise ValueError(f"loss must be one of {sorted(PER_SAMPLE_SCORES)}, got {loss!r}.")
-        check_count(max_iter, "max_iter")
+        agree_across({"the number of classes K": num_classes, "the scores' dtype": _DTYPE_CODES.get(logits.dtype, 0),
+                      "max_iter": max_iter}, process_group, logits.device)
         counts = all_reduce_(torch.bincount(labels, minlength=num_classes), process_group)
         missing = (counts == 0).nonzero().flatten().tolist()
         if missing:
@@ -180,7 +197,8 @@ class Calibrator(nn.Module):
         record = self.fit_record_
         # judged after the fit, with the penalty strengths it used (cross-validated ones included)
         # (samples that priors weigh zero count for nothing)
-        if missing and self._unbounded_without_samples(features if weights is None else features[weights[labels] > 0], missing):
+        if missing and self._unbounded_without_samples(features if weights is None else features[weights[labels] > 0], missing,
+                                                       process_group):
             # (the solver stops where the gradient of those scores falls below its tolerance: K = 4,
             # 800 samples without class 3, its probability on its test samples about 1e-9 after
             # MatrixScaling or DirichletCalibration, 1e-16 after VectorScaling)

@@ -21,7 +21,7 @@ from torchcal.calibrators._multinomial import (
     TIE_TOLERANCES,
     fit_multinomial_logistic,
 )
-from torchcal.calibrators.base import Calibrator, sample_weights, weighted_loss_sum
+from torchcal.calibrators.base import Calibrator, sample_weights, total_samples, weighted_loss_sum
 from torchcal.calibrators.temperature import inverse_temperature_start
 from torchcal.distributed import ProcessGroup, all_reduce_, world_size
 from torchcal.fit import ConvergenceWarning, FitRecord, cross_validate_warm_path, fold_indices, minimize
@@ -159,15 +159,15 @@ class MatrixScaling(Calibrator):
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
         return {"weight": torch.eye(num_classes), "bias": torch.zeros(num_classes)}
 
-    def _unbounded_without_samples(self, features: Tensor, missing: list[int]) -> bool:
+    def _unbounded_without_samples(self, features: Tensor, missing: list[int], process_group: ProcessGroup | None = None) -> bool:
         # the bias is free without a penalty on it (ODIR's mu, L2's lambda)
         if self.reg is None or (self.reg_mu_ if self.reg == "odir" else self.reg_lambda_) == 0:
             return True
         if self.reg == "odir" and self.reg_lambda_ == 0:  # the classes' rows of W are free
-            return self._row_escapes(features, missing)
+            return self._row_escapes(features, missing, process_group)
         return False
 
-    def _row_escapes(self, features: Tensor, missing: list[int]) -> bool:
+    def _row_escapes(self, features: Tensor, missing: list[int], process_group: ProcessGroup | None = None) -> bool:
         """Whether a free row of W (ODIR at lambda = 0) of one of the ``missing`` classes can lower
         that class's scores on every sample, ``d . x_i <= 0`` for all i with some below: then the
         loss falls along ``d`` for ever. Logits need not allow it (where they surround the origin);
@@ -181,7 +181,9 @@ class MatrixScaling(Calibrator):
         x = features.to(self.weight.dtype)
         rows = self.weight[missing].detach() - torch.eye(self.weight.shape[0], dtype=x.dtype, device=x.device)[missing]
         reach = x @ rows.T  # (N, missing)
-        return bool(((reach <= 0).all(0) & (reach < 0).any(0)).any())
+        # over every process's samples: some above 0 anywhere, or some below 0 anywhere
+        above, below = all_reduce_(torch.stack([(reach > 0).any(0), (reach < 0).any(0)]).to(torch.float64), process_group, op="max")
+        return bool(((above == 0) & (below > 0)).any())
 
     def _scores(self, features: Tensor) -> Tensor:
         return features @ self.weight.to(features.dtype).T + self.bias.to(features.dtype)
@@ -239,9 +241,10 @@ class MatrixScaling(Calibrator):
 
     def _fit(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
         k = features.shape[1]
-        if self.reg is None and features.shape[0] < k * (k + 1):
+        n_total = int(total_samples(labels, process_group))
+        if self.reg is None and n_total < k * (k + 1):
             warnings.warn(
-                f"{features.shape[0]} samples for {k * (k + 1)} unregularised parameters: the fit "
+                f"{n_total} samples for {k * (k + 1)} unregularised parameters: the fit "
                 f"will over-fit; use reg='odir'.",
                 stacklevel=stacklevel_outside_package(),
             )
@@ -464,7 +467,7 @@ class DirichletCalibration(MatrixScaling):
         True
     """
 
-    def _row_escapes(self, features: Tensor, missing: list[int]) -> bool:
+    def _row_escapes(self, features: Tensor, missing: list[int], process_group: ProcessGroup | None = None) -> bool:
         # the class's row of W, free, times log-posteriors (all negative) drives its scores down
         # on every sample: W_k = t 1, t -> inf
         return True

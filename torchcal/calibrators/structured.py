@@ -186,7 +186,7 @@ class _StructuredScaling(Calibrator):
         self.reg_lambda_: float | None = None
         self.cv_losses_: list[float] | None = None
 
-    def _unbounded_without_samples(self, features: Tensor, missing: list[int]) -> bool:
+    def _unbounded_without_samples(self, features: Tensor, missing: list[int], process_group: ProcessGroup | None = None) -> bool:
         return self.reg_lambda_ == 0  # (the bias's penalty too)
 
     # --------------------------------------------------------------- the map, per subclass

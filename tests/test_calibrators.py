@@ -830,8 +830,11 @@ def test_a_given_mu_is_kept_through_the_cross_validation_and_the_state_dict(data
     torch.testing.assert_close(cal.weight, fixed.weight, rtol=0, atol=1e-6)
     fresh = torchcal.DirichletCalibration()
     fresh.load_state_dict(cal.state_dict())
-    assert (fresh.reg, fresh.reg_lambda_, fresh.reg_mu_, fresh.cv_losses_) == ("odir", cal.reg_lambda_, 0.0, cal.cv_losses_)
+    assert (fresh.reg_, fresh.reg_lambda_, fresh.reg_mu_, fresh.cv_losses_) == ("odir", cal.reg_lambda_, 0.0, cal.cv_losses_)
     assert repr(fresh) == repr(cal)
+    # the constructor's options stay as built, for a later fit (a loaded reg with the constructor's
+    # strengths made a combination the constructor refuses, reg=None with reg_lambda=5)
+    assert fresh.reg is None and torchcal.DirichletCalibration(reg="odir", reg_lambda=5.0).load_state_dict(cal.state_dict()) is not None
     structured = torchcal.StructuredVectorScaling(reg_grid=[0.25, 1.0, 4.0]).fit(logits, labels)
     fresh_structured = torchcal.StructuredVectorScaling()
     fresh_structured.load_state_dict(structured.state_dict())

@@ -389,3 +389,54 @@ def test_outputs_that_look_like_probabilities_as_the_metrics_define_it():
         warnings.simplefilter("error")
         for outputs in (logits, logits.log_softmax(1), logits[:0]):
             assert scores_from_outputs(outputs, "log_probs") is outputs
+
+
+@pytest.mark.parametrize("make", [lambda: torchcal.StructuredVectorScaling(reg_lambda=1.0), lambda: torchcal.StructuredMatrixScaling(reg_lambda=1.0)])
+def test_the_network_is_fine_tuned_through_a_structured_head(make):
+    """The ts-mix step computed in place on softmax's output, which its backward reads: a backward
+    pass through an SVS or SMS head raised."""
+    x, y = make_data(600)
+    net = make_net()
+    with torch.no_grad():
+        head = make().fit(net(x), y)
+    model = CalibratedModel(net, head)
+    torch.nn.functional.nll_loss(model(x), y).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0 for p in net.parameters())
+
+
+def test_a_state_loads_into_its_own_class_only():
+    """Dirichlet calibration and matrix scaling share their tensors' names: a state of one loaded
+    silently into the other, another map; a 4-class affine state loaded into Platt scaling."""
+    x, y = make_data(600)
+    x = x[:, :K]
+    dirichlet = torchcal.DirichletCalibration(reg="odir", reg_lambda=0.01).fit(x, y)
+    with pytest.raises(ValueError, match=r"holds a fitted DirichletCalibration; load it into DirichletCalibration\(\), not into MatrixScaling\(\)"):
+        torchcal.MatrixScaling().load_state_dict(dirichlet.state_dict())
+    with pytest.raises(ValueError, match="at 'calibrator' holds a fitted DirichletCalibration"):
+        CalibratedModel(make_net(), torchcal.MatrixScaling()).load_state_dict(CalibratedModel(make_net(), dirichlet).state_dict())
+    with pytest.raises(ValueError, match="holds a fitted AffineCalibration"):
+        torchcal.PlattScaling().load_state_dict(torchcal.AffineCalibration().fit(x, y).state_dict())
+    state = torchcal.AffineCalibration(bias=False).fit(x, y).state_dict()
+    fresh = torchcal.AffineCalibration()
+    fresh.load_state_dict(state)  # (bias=False is in the state, as a histogram's bins are)
+    assert fresh.bias is False and torch.equal(fresh(x), torchcal.AffineCalibration(bias=False).fit(x, y)(x))
+
+
+def test_loading_a_state_copies_into_the_parameters_that_are_there():
+    """Loading replaced the parameters: a head frozen by attach came back trainable, and an
+    optimizer built before the load (the usual resume) held tensors the model no longer used."""
+    x, y = make_data(600)
+    x = x[:, :K]
+    saved = torchcal.TemperatureScaling().fit(x, y).state_dict()
+    head = torchcal.TemperatureScaling().fit(x[:300], y[:300])
+    head.requires_grad_(False)
+    parameter = head.log_temperature
+    head.load_state_dict(saved)
+    assert head.log_temperature is parameter and not parameter.requires_grad
+    assert torch.equal(parameter.detach(), saved["log_temperature"])
+    trainable = torchcal.TemperatureScaling().fit(x[:300], y[:300])
+    optimizer = torch.optim.SGD(trainable.parameters(), lr=0.1)
+    trainable.load_state_dict(saved)
+    torch.nn.functional.nll_loss(trainable(x), y).backward()
+    optimizer.step()
+    assert not torch.equal(trainable.log_temperature.detach(), saved["log_temperature"])

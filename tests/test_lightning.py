@@ -329,23 +329,24 @@ def test_from_checkpoint_errors(trained, tmp_path):
         CalibratedModel.from_checkpoint(tmp_path / "plain.ckpt", Classifier())
 
 
-def test_a_head_of_other_options_says_to_build_the_calibrator_alike(trained, tmp_path):
+def test_a_head_of_other_options_loads_into_the_calibrator_built_with_defaults(trained, tmp_path):
     """A head without biases, loaded into the stored class built with its defaults (or a callback's
-    calibrator with biases), raised a bare "Missing key(s) in state_dict"."""
+    calibrator with biases), raised a bare "Missing key(s) in state_dict", then a message saying
+    to build the calibrator alike; its state now records ``bias``, as the histogram's records its
+    bins, and it loads."""
     _, model, _, root = trained
     data = make_data(300, seed=1)
     checkpoint = torch.load(root / "ckpt" / "last.ckpt", weights_only=True)
     no_bias = torchcal.AffineCalibration(bias=False).fit(raw_outputs(model, data), data.tensors[1])
     checkpoint[CHECKPOINT_KEY] = head_checkpoint(no_bias)
     torch.save(checkpoint, tmp_path / "no_bias.ckpt")
-    with pytest.raises(RuntimeError, match=r"does not fit AffineCalibration\(bias=True, not fitted\).*\"beta\".*pass calibrator= an unfitted AffineCalibration built with the same options"):
-        CalibratedModel.from_checkpoint(tmp_path / "no_bias.ckpt", Classifier())
-    loaded = CalibratedModel.from_checkpoint(tmp_path / "no_bias.ckpt", Classifier(), torchcal.AffineCalibration(bias=False))
-    torch.testing.assert_close(loaded.calibrator.state_dict(), no_bias.state_dict())
-    with pytest.raises(RuntimeError, match="build the callback's calibrator with the options of the one that saved the head"):
-        Trainer(**TRAINER_DEFAULTS, callbacks=[CalibrationCallback(torchcal.AffineCalibration())]).test(
-            Classifier(), loader(100, 3), ckpt_path=tmp_path / "no_bias.ckpt", verbose=False
-        )
+    for calibrator in (None, torchcal.AffineCalibration(bias=False), torchcal.AffineCalibration()):
+        loaded = CalibratedModel.from_checkpoint(tmp_path / "no_bias.ckpt", Classifier(), calibrator)
+        assert loaded.calibrator.bias is False
+        torch.testing.assert_close(loaded.calibrator.log_alpha, no_bias.log_alpha)
+    callback = CalibrationCallback(torchcal.AffineCalibration())
+    Trainer(**TRAINER_DEFAULTS, callbacks=[callback]).test(Classifier(), loader(100, 3), ckpt_path=tmp_path / "no_bias.ckpt", verbose=False)
+    assert callback.calibrator.bias is False
 
 
 def digits_loaders() -> dict[str, DataLoader]:

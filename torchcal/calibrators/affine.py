@@ -4,6 +4,7 @@ and vector scaling."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -50,6 +51,13 @@ class AffineCalibration(Calibrator):
 
     def _unbounded_without_samples(self, features: Tensor, missing: list[int], process_group: ProcessGroup | None = None) -> bool:
         return self.bias
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {**super().get_extra_state(), "bias": self.bias}
+
+    def _set_stored_options(self, state: dict[str, Any]) -> None:
+        """Restores ``bias``, which decides whether there is a ``beta`` to load."""
+        self.bias = bool(state.get("bias", self.bias))
 
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
         params = {"log_alpha": torch.zeros(())}

@@ -366,7 +366,7 @@ class Calibrator(nn.Module):
         return check_logits(logits, num_classes=self.num_classes)
 
     def get_extra_state(self) -> dict[str, Any]:
-        return {"num_classes": self.num_classes}
+        return {"num_classes": self.num_classes, "class": type(self).__name__}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         self._set_stored_options(state)
@@ -380,10 +380,25 @@ class Calibrator(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # Fitted tensors' shapes depend on K (and on some options): give them the stored shapes before loading.
         extra = state_dict.get(prefix + "_extra_state")
+        stored_class = extra.get("class", type(self).__name__) if isinstance(extra, dict) else type(self).__name__
+        if stored_class != type(self).__name__:  # (same tensor names, another map: Dirichlet and matrix scaling)
+            where = f"at {prefix[:-1]!r} " if prefix else ""
+            raise ValueError(f"the state_dict {where}holds a fitted {stored_class}; load it into {stored_class}(), "
+                             f"not into {type(self).__name__}().")
         if extra is not None and int(extra["num_classes"]) > 0:
+            k = int(extra["num_classes"])
+            if self.supported_num_classes is not None and k != self.supported_num_classes:
+                raise ValueError(f"the state_dict is for K = {k} classes; {type(self).__name__} is for K = {self.supported_num_classes}.")
             self._set_stored_options(extra)
             device = next((t.device for t in self._tensors()), None)
-            self._materialize(int(extra["num_classes"]), device)
+            # The parameters that are there already stay (the load copies into them, as nn.Linear's
+            # does): an optimizer built before the load holds them, and a frozen one stays frozen.
+            kept = dict(self._parameters)
+            self._materialize(k, device)
+            for name, fresh in list(self._parameters.items()):
+                old = kept.get(name)
+                if old is not None and fresh is not None and old.shape == fresh.shape:
+                    self._parameters[name] = old
             for name, tensor in list(self._parameters.items()) + list(self._buffers.items()):
                 stored = state_dict.get(prefix + name)
                 if tensor is not None and isinstance(stored, Tensor) and stored.shape != tensor.shape:

@@ -150,6 +150,7 @@ class MatrixScaling(Calibrator):
         self.cv_seed = cv_seed
         self.cv_together = cv_together
         self.tol = tol
+        self.reg_: str | None = None  # the regulariser of the fitted (or loaded) map
         self.reg_lambda_: float | None = None
         self.reg_mu_: float | None = None
         self.cv_losses_: list[float] | None = None
@@ -251,6 +252,7 @@ class MatrixScaling(Calibrator):
         if self._at_identity():
             with torch.no_grad():
                 self.weight.mul_(inverse_temperature_start(features, labels, weights, process_group))
+        self.reg_ = self.reg
         if self.reg is not None and self.reg_lambda is None:
             self.cv_losses_, start = self._cross_validate_grid(features, labels, weights, loss, max_iter, process_group)
             best = min(range(len(self.reg_grid)), key=self.cv_losses_.__getitem__)
@@ -419,17 +421,20 @@ class MatrixScaling(Calibrator):
                                         patience=patience, point_names=names, fit_folds=fit_folds if together else None)
 
     def get_extra_state(self):
-        return {**super().get_extra_state(), "reg": self.reg, "reg_lambda_": self.reg_lambda_, "reg_mu_": self.reg_mu_,
+        return {**super().get_extra_state(), "reg": self.reg_, "reg_lambda_": self.reg_lambda_, "reg_mu_": self.reg_mu_,
                 "cv_losses_": self.cv_losses_}
 
     def set_extra_state(self, state) -> None:
+        """The fitted regulariser and strengths; the constructor's options (``reg``, ``reg_lambda``,
+        ``reg_grid``), which a later ``fit`` uses, stay as built."""
         super().set_extra_state(state)
-        self.reg = state.get("reg", self.reg)
+        self.reg_ = state.get("reg")
         self.reg_lambda_, self.reg_mu_ = state.get("reg_lambda_"), state.get("reg_mu_")
         self.cv_losses_ = state.get("cv_losses_")
 
     def extra_repr(self) -> str:
-        reg = f"reg={self.reg!r}" + (f", lambda={self.reg_lambda_:g}, mu={self.reg_mu_:g}" if self.reg_lambda_ is not None else "")
+        strengths = f", lambda={self.reg_lambda_:g}, mu={self.reg_mu_:g}" if self.reg_lambda_ is not None else ""
+        reg = f"reg={self.reg_ if self.is_fitted else self.reg!r}" + strengths
         return reg + ", " + super().extra_repr()
 
 

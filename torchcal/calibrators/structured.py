@@ -243,12 +243,14 @@ class _StructuredScaling(Calibrator):
         """``log((1 - eps) softmax(beta * log_probs) + eps / K)`` for log-posteriors (n, K)."""
         dtype = log_probs.dtype
         beta, eps = self.inverse_temperature.to(dtype), self.mix.to(dtype)
-        # as written, in one buffer: where softmax's relative round-off could show (posteriors near
-        # or below eps / K), eps / K dominates the sum; a logaddexp form took twice the passes. (The
+        # as written: where softmax's relative round-off could show (posteriors near or below
+        # eps / K), eps / K dominates the sum; a logaddexp form took twice the passes. (The
         # floor only binds at eps = 0, which no fit sets: there posteriors that underflow would be
         # log(0) = -inf.)
-        mixed = torch.softmax(beta * log_probs, dim=1).mul_(1 - eps).add_(eps / log_probs.shape[1])
-        return mixed.clamp_(min=torch.finfo(dtype).tiny).log_()
+        # (Not in place on softmax's output, which its backward reads, nor under the log, whose
+        # backward reads its input: a network fine-tuned through the head raised in backward.)
+        mixed = torch.softmax(beta * log_probs, dim=1) * (1 - eps)
+        return mixed.add_(eps / self.num_classes).clamp_(min=torch.finfo(dtype).tiny).log()
 
     def _scores(self, features: Tensor) -> Tensor:
         return self._map_theta(self._design(self._ts_mix(features)), self._theta().to(features.dtype))

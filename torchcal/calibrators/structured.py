@@ -243,12 +243,11 @@ class _StructuredScaling(Calibrator):
         """``log((1 - eps) softmax(beta * log_probs) + eps / K)`` for log-posteriors (n, K)."""
         dtype = log_probs.dtype
         beta, eps = self.inverse_temperature.to(dtype), self.mix.to(dtype)
-        # as written: where softmax's relative round-off could show (posteriors near or below
-        # eps / K), eps / K dominates the sum; a logaddexp form took twice the passes. (The
-        # floor only binds at eps = 0, which no fit sets: there posteriors that underflow would be
-        # log(0) = -inf.)
-        # (Not in place on softmax's output, which its backward reads, nor under the log, whose
-        # backward reads its input: a network fine-tuned through the head raised in backward.)
+        # As written: where softmax's relative round-off could show (posteriors near or below
+        # eps / K), eps / K dominates the sum; a logaddexp form took twice the passes. Nothing in
+        # place on softmax's output or under the log, whose backward passes read them (a network
+        # fine-tuned through the head raised). The floor only binds at eps = 0, which no fit sets:
+        # there posteriors that underflow would be log(0) = -inf.
         mixed = torch.softmax(beta * log_probs, dim=1) * (1 - eps)
         return mixed.add_(eps / self.num_classes).clamp_(min=torch.finfo(dtype).tiny).log()
 

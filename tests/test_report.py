@@ -324,3 +324,28 @@ def test_progress_reaches_the_bootstrap(small, monkeypatch, progress):
     logits, labels = small
     evaluate((logits[:400], labels[:400]), ["temperature"], calibration=(logits[400:], labels[400:]), bootstrap=20, progress=progress)
     assert len(asked) >= 4 and set(asked) == {progress}
+
+
+def test_temperature_is_kept_only_where_it_improves_the_raw_posteriors():
+    """The fallback to temperature scaling (the lowest NCE not significantly below it) kept a
+    temperature that made the posteriors worse, and the verdict then said no method improves them,
+    though the lowest one did (a review's case: RCL -0.7 % against +0.1 %)."""
+    g = torch.Generator().manual_seed(2)
+    logits = 1.5 * torch.randn(300, 3, generator=g, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(logits + torch.tensor([0.15, 0.0, -0.15], dtype=torch.float64), 1), 1, generator=g).squeeze(1)
+    report = evaluate((logits, labels), ["temperature", "affine"], bootstrap=300, seed=0)
+    temperature, affine = report.methods
+    assert temperature.relative_calibration_loss <= 0 < affine.relative_calibration_loss
+    assert report.lowest_vs_temperature.upper >= 0  # not significantly better than temperature
+    assert report.best == "affine" and report.calibrator is not None
+    assert "It is not significantly better than temperature" in report.table()
+    assert "No method improves" not in report.table()
+
+
+def test_the_legend_says_which_numbers_the_priors_weigh():
+    g = torch.Generator().manual_seed(0)
+    logits = 2 * torch.randn(400, 3, generator=g, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(logits, 1), 1, generator=g).squeeze(1)
+    weighted = evaluate((logits, labels), ["temperature"], bootstrap=0, priors=torch.tensor([0.2, 0.3, 0.5]))
+    assert "ECE, smECE,\n     ECD and p cal do not" in weighted.table()
+    assert "ECD and p cal do not" not in evaluate((logits, labels), ["temperature"], bootstrap=0).table()

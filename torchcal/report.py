@@ -8,9 +8,11 @@ other than the samples it scores -- a separate calibration set, or cross-validat
 evaluated set -- and reports the same metrics after calibration, the calibration loss (absolute,
 in NCE units, and relative, in %) and ECE/ECD as diagnostics. The method with the lowest calibrated
 NCE wins, unless temperature scaling was also run and the winner is not significantly better than
-it (the paired-bootstrap interval of their NCE difference contains 0): then the simpler
-temperature scaling is kept, and the report says so. The winner is refitted on all the calibration
-data and returned for reuse.
+it (the paired-bootstrap interval of their NCE difference contains 0) and temperature scaling
+itself improves the raw posteriors: then the simpler temperature scaling is kept, and the report
+says so. The winner is refitted on all the calibration data and returned for reuse. The
+diagnostics (ECE, ECD, smooth ECE, the calibration test) describe the samples at their own class
+frequencies; the scores and the fits use the given priors.
 
 Long runs show a progress bar counting fits (every fold of every method), refreshed every second;
 a method's repeated solver warnings are collapsed into one line that names it.
@@ -196,12 +198,13 @@ class Quality:
     """Metrics of one set of posteriors on the evaluated samples.
 
     ``nce``/``nbs``: cross-entropy / Brier score divided by those of the prior-only system;
-    ``error_rate`` (prior-weighted under the evaluation's priors, as the others); ``nec``: normalised expected cost of the Bayes decisions for the cost matrix;
+    ``error_rate`` (prior-weighted under the evaluation's priors, as are NCE, NBS and NEC); ``nec``: normalised expected cost of the Bayes decisions for the cost matrix;
     ``ece``: top-label ECE in %, 15 equal-width bins; ``ecd``: entropic calibration difference
     (> 0 over-confident, < 0 under-confident); ``cross_entropy`` (nats) and ``brier`` (summed
     over classes, 0 to 2) unnormalised, in the units papers report; ``smooth_ece``: top-label smooth
     ECE in %; ``calibration_p_value``: p-value of the consistency-resampling test of calibration with
-    the top-label ECE (small: the posteriors are not calibrated); for K = 2 only, ``cllr`` and
+    the top-label ECE (small: the posteriors are not calibrated). The diagnostics (ECE, ECD, smooth
+    ECE, the test) describe the samples as they are, not reweighted to the priors; for K = 2 only, ``cllr`` and
     ``min_cllr`` in bits and the ROC-convex-hull ``eer`` in % (else None).
     """
 
@@ -428,6 +431,10 @@ def _legend(r: Report) -> list[str]:
         f"     same with NBS). ECE: top-label expected calibration error, {ECE_BINS} bins, in %; smECE: smooth ECE",
         "     (kernel-smoothed, no bins), in %. ECD > 0: over-confident. p cal: p-value of a test of calibration",
         "     (label resampling, ECE); small means miscalibrated.",
+        *([] if r.priors is None else [
+            "     Under the given priors NCE, NBS, error and NEC weigh each class's samples to its prior; ECE, smECE,",
+            "     ECD and p cal do not (they describe the samples at the data's own class frequencies).",
+        ]),
         "",
     ]
 
@@ -452,8 +459,10 @@ def _verdict(r: Report) -> list[str]:
     significance = ""
     if r.lowest_vs_temperature is not None and r.best == r.lowest:
         d = r.lowest_vs_temperature
-        significance = (f" It beats temperature significantly (NCE difference {d.value:+.4f}, 95 % paired-bootstrap "
-                        f"interval [{d.lower:+.4f}, {d.upper:+.4f}]).")
+        interval = f"NCE difference {d.value:+.4f}, 95 % paired-bootstrap interval [{d.lower:+.4f}, {d.upper:+.4f}]"
+        significance = (f" It beats temperature significantly ({interval})." if d.upper is not None and d.upper < 0 else
+                        f" It is not significantly better than temperature ({interval}), which does not improve the raw "
+                        f"posteriors.")
     return [*lines, f"{prefix}Best: {best.method}, {change}: RCL {best.relative_calibration_loss:.1f} % of the raw "
                     f"cross-entropy is miscalibration that {best.method} removes.{significance}"]
 
@@ -610,7 +619,8 @@ def evaluate(
     best, versus = lowest, None
     if bootstrap and lowest is not None and lowest != "temperature" and "temperature" in calibrated:
         versus = metrics.nce_difference(calibrated[lowest], calibrated["temperature"])
-        if versus.upper is not None and versus.upper >= 0:  # not significantly lower: the simpler method
+        temperature_helps = next(r for r in results if r.method == "temperature").relative_calibration_loss > 0
+        if versus.upper is not None and versus.upper >= 0 and temperature_helps:  # not significantly lower: the simpler method
             best = "temperature"
     is_zero_one = is_zero_one_costs(costs)
     return Report(

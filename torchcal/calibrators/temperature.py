@@ -32,6 +32,8 @@ _GRID_HALVINGS = 40
 # near 1 (exactly, by a power of 2): a float32 fit of logits of 1e19 overflowed, and one of 1e-20 took 37
 # steps of 4x.
 _RESCALE_OCTAVES = 16
+# Float32 logits beyond this magnitude are searched in float64 passes (see fit_inverse_temperature).
+_FLOAT32_EXTENT = 1e18
 # Grid values this close to the lowest are tied (a saturated Brier score of 0 came out as -6e-24)
 _GRID_TIE = 1e-12
 
@@ -149,6 +151,15 @@ def fit_inverse_temperature(
             stacklevel=stacklevel_outside_package(),
         )
         return 0.0, FitRecord(0, evaluations, uniform_value, abs(uniform_grad), True, "optimum at T = inf (beta = 0)")
+
+    if logits.dtype != torch.float64:
+        # A logit far from the others (a class masked at -1e30) overflows the curvature terms
+        # w^2 in float32 from |w| of about 1.8e19, whatever the typical margin: the derivatives came
+        # out NaN and inf, Newton's step 0, and a fit worse than the uniform posteriors converged.
+        low, high = torch.aminmax(logits)
+        extent = all_reduce_(torch.maximum(high, -low).to(torch.float64), process_group, op="max")
+        if float(extent) > _FLOAT32_EXTENT:
+            logits = logits.double()
 
     # At beta = 0 the posteriors are uniform, and the derivative is exactly 0 when every row is
     # constant (a constant classifier), in any precision: the centred logits are then exactly 0.

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.optimize import minimize as scipy_minimize
-from scipy.special import log_softmax
+from scipy.special import expit, log_softmax
 
 import torchcal
 from torchcal.calibrators._linear import FullDesign, fit_linear_newton
@@ -370,3 +370,33 @@ def test_a_masked_class_in_float32_logits_is_searched_in_float64():
     temperatures = [torchcal.TemperatureScaling().fit(logits[kept].to(dtype), labels[kept]).temperature
                     for dtype in (torch.float64, torch.float32)]
     assert temperatures[1] == pytest.approx(temperatures[0], rel=1e-5)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e5])
+def test_beta_calibration_reaches_scipys_optimum_at_any_scale_of_the_log_odds(scale):
+    """Beta's log-loss fit is Newton's method (logistic regression on [1, log q1, -log q0]),
+    started from temperature scaling: L-BFGS stopped 2 % above the optimum on log-odds of 1e5 and
+    reported converged. Against SciPy's optimum, also under a prior of 1e-6 (where L-BFGS stopped
+    at once on an absolute gradient tolerance, 4.5e-5 above it)."""
+    gen = torch.Generator().manual_seed(0)
+    llr = 2 * torch.randn(3000, generator=gen, dtype=torch.float64)
+    labels = torch.bernoulli(torch.sigmoid(0.6 * llr - 0.5), generator=gen).long()
+    logits = torch.stack([torch.zeros_like(llr), scale * llr], dim=1)
+    log_q = torch.log_softmax(logits, 1).numpy()
+    y = labels.numpy()
+    for priors in (None, torch.tensor([1e-6, 1 - 1e-6], dtype=torch.float64)):
+        counts = np.bincount(y, minlength=2) / len(y)
+        w = np.ones(2) if priors is None else priors.numpy() / counts
+
+        def objective(theta):
+            c, a, b = theta
+            z = a * log_q[:, 1] - b * log_q[:, 0] + c
+            per_sample = np.logaddexp(0, z) - y * z
+            residual = (expit(z) - y) * w[y] / len(y)
+            return float(np.mean(w[y] * per_sample)), np.array([residual.sum(), residual @ log_q[:, 1], -residual @ log_q[:, 0]])
+
+        reference = scipy_minimize(objective, np.array([0.0, 1 / scale, 1 / scale]), jac=True, method="BFGS", options={"gtol": 1e-14})
+        cal = torchcal.BetaCalibration().fit(logits, labels, priors=priors)
+        assert cal.fit_record_.converged
+        assert cal.fit_record_.loss == pytest.approx(reference.fun, rel=1e-9)
+        torch.testing.assert_close(torch.stack([cal.c, cal.a, cal.b]).detach(), torch.from_numpy(reference.x), rtol=1e-4, atol=1e-10)

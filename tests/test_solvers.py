@@ -391,26 +391,40 @@ def test_a_line_search_that_stalls_far_from_the_optimum_is_reported(real):
     assert not record.converged and record.iterations < 1000 and record.grad_max > 1e-3 and record.loss > platt.loss + 0.01
 
 
-def test_running_out_of_evaluations_is_reported(real):
-    """BetaCalibration's log-loss fit on logits of scale 100 with max_iter=8 spends its 16
+def _beta_by_lbfgs(monkeypatch):
+    """BetaCalibration's log-loss fit by the generic L-BFGS driver, as it was before it became
+    Newton's: a badly scaled problem on logits of scale 100 (features in the hundreds next to the
+    intercept's 1), for the L-BFGS driver's stopping rules."""
+    def generic(self, features, labels, weights, max_iter, process_group=None, tol_grad=None, tol_decrease=None):
+        return torchcal.calibrators.base.Calibrator._fit(self, features, labels, weights, "log", max_iter, process_group)
+
+    monkeypatch.setattr(torchcal.BetaCalibration, "_fit_log_loss", generic)
+
+
+def test_running_out_of_evaluations_is_reported(real, monkeypatch):
+    """The L-BFGS fit of Beta calibration on logits of scale 100 with max_iter=8 spends its 16
     evaluations in 3 iterations, at gradient 10: it was reported converged."""
     data = real("adrenalmnist3d_resnet50_ferrer")
     logits, labels = torch.from_numpy(data["logits"]) * 100, torch.from_numpy(data["labels"])
+    _beta_by_lbfgs(monkeypatch)
     with pytest.warns(torchcal.fit.ConvergenceWarning, match="ran out of objective evaluations"):
         record = torchcal.BetaCalibration().fit(logits, labels, max_iter=8).fit_record_
     assert not record.converged and record.iterations < 8 and record.grad_max > 1
 
 
-def test_a_stop_at_the_optimum_of_a_badly_scaled_fit_is_converged(real):
-    """BetaCalibration's log-loss fit on logits of scale 100 (features in the hundreds) stops for
-    lack of progress at gradient 2e-5, at the optimum: within 1e-12 of the loss Newton's method
-    reaches, and L-BFGS's model predicts as little."""
+def test_a_stop_at_the_optimum_of_a_badly_scaled_fit_is_converged(real, monkeypatch):
+    """The L-BFGS fit of Beta calibration on logits of scale 100 (features in the hundreds) stops
+    for lack of progress at gradient 2e-5, at the optimum: within 1e-12 of the loss Newton's method
+    (Beta's own fit now) reaches, and L-BFGS's model predicts as little."""
     data = real("adrenalmnist3d_resnet50_ferrer")
     logits, labels = torch.from_numpy(data["logits"]) * 100, torch.from_numpy(data["labels"])
+    newton = torchcal.BetaCalibration().fit(logits, labels).fit_record_
+    assert newton.converged and newton.grad_max < 1e-10 and newton.loss == pytest.approx(0.420464058272, abs=1e-9)
+    _beta_by_lbfgs(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error", torchcal.fit.ConvergenceWarning)
         record = torchcal.BetaCalibration().fit(logits, labels).fit_record_
-    assert record.converged and record.grad_max > 1e-6 and record.loss == pytest.approx(0.420464058272, abs=1e-9)
+    assert record.converged and record.grad_max > 1e-6 and record.loss == pytest.approx(newton.loss, abs=1e-9)
 
 
 _STALLING = {  # calibrator, the module that calls fit_linear_newton, its parameters as Newton's theta

@@ -32,7 +32,7 @@ from torchcal.calibrators.base import sample_weights
 from torchcal.distributed import ProcessGroup, world_size
 from torchcal.fit import FitRecord, newton
 
-__all__ = ["AffineDesign", "FullDesign", "LinearDesign", "VectorDesign", "after_newton", "fit_linear_newton", "newton_stalled"]
+__all__ = ["AffineDesign", "BinaryLogisticDesign", "FullDesign", "LinearDesign", "VectorDesign", "after_newton", "fit_linear_newton", "newton_stalled"]
 
 # Rows per chunk are chosen so that the (rows, max(P, K)) temporaries stay below this many elements.
 _CHUNK_ELEMENTS = 1 << 21
@@ -186,6 +186,33 @@ class FullDesign(LinearDesign):
 
     def hessian_diagonal(self, q: Tensor, w: Tensor, x: Tensor) -> Tensor:
         return self.gram_diagonal(w.unsqueeze(1) * q * (1 - q), x).flatten()
+
+
+class BinaryLogisticDesign(LinearDesign):
+    """Binary scores ``[0, theta_0 + x_1 theta_1 + x_2 theta_2]`` on two features ``x: (n, 2)``
+    (logistic regression with an intercept; two features, as ``fit_linear_newton`` one-hot
+    encodes the labels as wide as the features): quadratic scaling's ``[llr, llr^2]``, beta
+    calibration's ``[log q1, -log q0]``. ``theta = [intercept, coefficients]``."""
+
+    @staticmethod
+    def _basis(x: Tensor) -> Tensor:
+        return torch.cat([x.new_ones(x.shape[0], 1), x], dim=1)
+
+    def num_parameters(self, num_classes: int) -> int:
+        return 3
+
+    def scores(self, x: Tensor, theta: Tensor) -> Tensor:
+        return torch.stack([torch.zeros_like(x[:, 0]), self._basis(x) @ theta], dim=1)
+
+    def project(self, v: Tensor, x: Tensor) -> Tensor:
+        return v[:, 1:] * self._basis(x)
+
+    def project_sum(self, v: Tensor, x: Tensor) -> Tensor:
+        return v[:, 1] @ self._basis(x)
+
+    def gram(self, v: Tensor, x: Tensor) -> Tensor:
+        basis = self._basis(x)
+        return basis.T @ (v[:, 1:] * basis)
 
 
 def fit_linear_newton(

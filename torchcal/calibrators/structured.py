@@ -45,7 +45,13 @@ from torch import Tensor
 
 from torchcal._fast_exp import exp_floor
 from torchcal._validation import check_folds, stacklevel_outside_package
-from torchcal.calibrators._linear import LinearDesign, VectorDesign, after_newton, fit_linear_newton, newton_stalled
+from torchcal.calibrators._linear import (
+    BinaryLogisticDesign,
+    VectorDesign,
+    after_newton,
+    fit_linear_newton,
+    newton_stalled,
+)
 from torchcal.calibrators._multinomial import (
     MAX_NEWTON_STEPS,
     SELECTION_TOLERANCES,
@@ -655,31 +661,6 @@ class _VectorAboutIdentity(VectorDesign):
         return super().scores(x, theta) + x
 
 
-class _QuadraticDesign(LinearDesign):
-    """Binary scores ``[0, a + b * llr + c * llr^2]`` on features ``[llr, llr^2]``:
-    ``theta = [a, b, c]``."""
-
-    @staticmethod
-    def _basis(x: Tensor) -> Tensor:
-        return torch.cat([x.new_ones(x.shape[0], 1), x], dim=1)
-
-    def num_parameters(self, num_classes: int) -> int:
-        return 3
-
-    def scores(self, x: Tensor, theta: Tensor) -> Tensor:
-        return torch.stack([torch.zeros_like(x[:, 0]), self._basis(x) @ theta], dim=1)
-
-    def project(self, v: Tensor, x: Tensor) -> Tensor:
-        return v[:, 1:] * self._basis(x)
-
-    def project_sum(self, v: Tensor, x: Tensor) -> Tensor:
-        return v[:, 1] @ self._basis(x)
-
-    def gram(self, v: Tensor, x: Tensor) -> Tensor:
-        basis = self._basis(x)
-        return basis.T @ (v[:, 1:] * basis)
-
-
 class QuadraticScaling(Calibrator):
     """Quadratic scaling for K = 2: ``P(class 1) = sigmoid(a + b * llr + c * llr^2)``.
 
@@ -712,13 +693,13 @@ class QuadraticScaling(Calibrator):
         return torch.stack([llr, llr.square()], dim=1)
 
     def _scores(self, features: Tensor) -> Tensor:
-        return _QuadraticDesign().scores(features, self.coefficients.to(features.dtype))
+        return BinaryLogisticDesign().scores(features, self.coefficients.to(features.dtype))
 
     def _fit(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
         if loss != "log":
             return self._fit_nonconvex(features, labels, weights, loss, max_iter, process_group)
         theta, record = fit_linear_newton(
-            _QuadraticDesign(), features, labels, weights, self.coefficients.detach(),
+            BinaryLogisticDesign(), features, labels, weights, self.coefficients.detach(),
             max_iter=min(max_iter, 100), process_group=process_group,
         )
         if not math.isfinite(record.loss):  # the L-BFGS driver, from the start

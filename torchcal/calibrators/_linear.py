@@ -22,17 +22,23 @@ within a relative 1e-6 of itself (:meth:`AffineDesign.hessian`).
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from torchcal._validation import stacklevel_outside_package
 from torchcal.calibrators.base import sample_weights
 from torchcal.distributed import ProcessGroup, world_size
-from torchcal.fit import FitRecord, newton
+from torchcal.fit import ConvergenceWarning, FitRecord, newton
 
-__all__ = ["AffineDesign", "BinaryLogisticDesign", "FullDesign", "LinearDesign", "VectorDesign", "after_newton", "fit_linear_newton", "newton_stalled"]
+__all__ = [
+    "AffineDesign", "BinaryLogisticDesign", "FullDesign", "LinearDesign", "VectorDesign", "after_newton", "finish_newton",
+    "fit_linear_newton", "hand_over_to_lbfgs", "newton_stalled",
+]
 
 # Rows per chunk are chosen so that the (rows, max(P, K)) temporaries stay below this many elements.
 _CHUNK_ELEMENTS = 1 << 21
@@ -291,6 +297,28 @@ def newton_stalled(record: FitRecord, max_iter: int) -> bool:
     from Newton's point, with what is left of the cap (:func:`after_newton`). One that used up
     ``max_iter`` keeps its point."""
     return not record.converged and record.iterations < max_iter
+
+
+def finish_newton(record: FitRecord, keep_point: Callable[[], None], lbfgs: Callable[[int], FitRecord], max_iter: int) -> FitRecord:
+    """The end of a :func:`fit_linear_newton` fit that the L-BFGS driver backs up: where the loss is
+    not finite, ``lbfgs(max_iter)`` from the start; else Newton's point (``keep_point()``), and
+    where Newton stalled short of the cap (:func:`newton_stalled`), ``lbfgs`` on from it with the rest."""
+    if not math.isfinite(record.loss):
+        return lbfgs(max_iter)
+    keep_point()
+    if newton_stalled(record, max_iter):
+        return after_newton(record, lbfgs(max_iter - record.iterations))
+    return record
+
+
+def hand_over_to_lbfgs(record: FitRecord, lbfgs: Callable[[int], FitRecord], max_iter: int, name: str) -> FitRecord:
+    """An unconverged Newton(-CG) fit whose point the caller kept: ``lbfgs`` goes on from it with what
+    is left of ``max_iter`` where Newton stopped short of it; where Newton used it all, its record,
+    with a warning that names the calibrator."""
+    if newton_stalled(record, max_iter):
+        return after_newton(record, lbfgs(max_iter - record.iterations))
+    warnings.warn(f"{name} did not converge: {record.message}", ConvergenceWarning, stacklevel=stacklevel_outside_package())
+    return record
 
 
 def after_newton(newton_record: FitRecord, rest: FitRecord) -> FitRecord:

@@ -340,8 +340,11 @@ class Calibrator(nn.Module):
         return dataclasses.replace(record, message=record.message + note)
 
     def _at_identity(self) -> bool:
-        """Whether the fitted tensors hold the identity map (a fit that is not warm-started)."""
-        return all(torch.equal(getattr(self, name).cpu(), value.to(torch.float64)) for name, value in self._identity(self.num_classes).items())
+        """Whether the tensors being fitted hold the identity map (a fit that is not warm-started);
+        a parameter held fixed (``requires_grad`` off, as Beta calibration's refits hold a
+        coefficient at 0) does not count."""
+        return all(torch.equal(getattr(self, name).cpu(), value.to(torch.float64)) for name, value in self._identity(self.num_classes).items()
+                   if not (name in self._parameters and not getattr(self, name).requires_grad))
 
     def _materialize(self, num_classes: int, device: torch.device | None = None) -> None:
         """(Re)create the fitted tensors at the identity map for ``num_classes`` classes."""

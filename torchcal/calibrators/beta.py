@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from torchcal.calibrators._linear import BinaryLogisticDesign, after_newton, fit_linear_newton, newton_stalled
+from torchcal.calibrators._linear import BinaryLogisticDesign, finish_newton, fit_linear_newton
 from torchcal.calibrators.base import Calibrator
 from torchcal.calibrators.temperature import inverse_temperature_start
 from torchcal.fit import FitRecord
@@ -79,19 +77,18 @@ class BetaCalibration(Calibrator):
         x = torch.stack([features[:, 1] if self.a.requires_grad else torch.zeros_like(features[:, 1]),
                          -features[:, 0] if self.b.requires_grad else torch.zeros_like(features[:, 0])], dim=1)
         start = torch.stack([self.c, self.a, self.b]).detach()
-        free = [p.requires_grad for p in (self.a, self.b)]
-        if start[0] == 0 and all(value == 1 for value, fitted in zip(start[1:].tolist(), free) if fitted):
-            # At the identity, from temperature scaling of the log-odds, as the full maps start:
-            # log-odds of 1e5 saturate every row there, and Newton's first steps found no decrease.
+        if self._at_identity():
+            # From temperature scaling of the log-odds, as the full maps start: log-odds of 1e5
+            # saturate every row at the identity, and Newton's first steps found no decrease.
             beta = inverse_temperature_start(features, labels, weights, process_group)
-            start = start.new_tensor([0.0, beta * free[0], beta * free[1]])
+            start = start.new_tensor([0.0, beta * self.a.requires_grad, beta * self.b.requires_grad])
         theta, record = fit_linear_newton(BinaryLogisticDesign(), x, labels, weights, start, max_iter=min(max_iter, 100),
                                           process_group=process_group)
-        if not math.isfinite(record.loss):  # the L-BFGS driver, from the start
-            return Calibrator._fit(self, features, labels, weights, "log", max_iter, process_group)
-        with torch.no_grad():
-            for name, value in zip(("c", "a", "b"), theta):
-                getattr(self, name).copy_(value)
-        if newton_stalled(record, max_iter):  # (degenerate curvature): L-BFGS on from Newton's point
-            return after_newton(record, Calibrator._fit(self, features, labels, weights, "log", max_iter - record.iterations, process_group))
-        return record
+
+        def keep_point() -> None:
+            with torch.no_grad():
+                for name, value in zip(("c", "a", "b"), theta):
+                    getattr(self, name).copy_(value)
+
+        return finish_newton(record, keep_point, lambda cap: Calibrator._fit(self, features, labels, weights, "log", cap, process_group),
+                             max_iter)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from torchcal._validation import check_folds, stacklevel_outside_package
-from torchcal.calibrators._linear import FullDesign, after_newton, newton_stalled
+from torchcal.calibrators._linear import FullDesign, hand_over_to_lbfgs
 from torchcal.calibrators._multinomial import (
     DIVERGING,
     MAX_NEWTON_STEPS,
@@ -286,23 +286,14 @@ class MatrixScaling(Calibrator):
         # L-BFGS would only run to its own cap.
         diverging = record.message.startswith(DIVERGING)
         if not record.converged and not diverging:
-            return self._after_newton_cg(theta, record, features, labels, weights, loss, max_iter, process_group)
+            if bool(torch.isfinite(theta).all()):  # (Newton-CG's point, its best)
+                self._set_theta(theta)
+            return hand_over_to_lbfgs(record, lambda cap: Calibrator._fit(self, features, labels, weights, loss, cap, process_group),
+                                      max_iter, type(self).__name__)
         if diverging:
             record = dataclasses.replace(record, message=f"{record.message}: use reg='odir' or reg='l2'")
             warnings.warn(f"Newton-CG stopped: {record.message}", ConvergenceWarning, stacklevel=stacklevel_outside_package())
         self._set_theta(theta)
-        return record
-
-    def _after_newton_cg(self, theta, record, features, labels, weights, loss, max_iter, process_group) -> FitRecord:
-        """An unconverged Newton-CG fit: L-BFGS (:meth:`Calibrator._fit`) from its point, the best it
-        found (unless not finite), with what is left of ``max_iter``; where Newton-CG used it all,
-        its point, with a warning."""
-        if bool(torch.isfinite(theta).all()):
-            self._set_theta(theta)
-        if newton_stalled(record, max_iter):
-            return after_newton(record, Calibrator._fit(self, features, labels, weights, loss, max_iter - record.iterations, process_group))
-        warnings.warn(f"{type(self).__name__} did not converge: {record.message}", ConvergenceWarning,
-                      stacklevel=stacklevel_outside_package())
         return record
 
     def _fit_log_loss(self, features, labels, weights, max_iter, process_group=None, tol_grad=None, tol_decrease=None) -> FitRecord:

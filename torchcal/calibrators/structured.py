@@ -49,7 +49,9 @@ from torchcal.calibrators._linear import (
     BinaryLogisticDesign,
     VectorDesign,
     after_newton,
+    finish_newton,
     fit_linear_newton,
+    hand_over_to_lbfgs,
     newton_stalled,
 )
 from torchcal.calibrators._multinomial import (
@@ -592,12 +594,10 @@ class StructuredMatrixScaling(_StructuredScaling):
                 self._set_theta(theta)
         if record.converged:
             return record
-        if newton_stalled(record, max_iter):  # (L-BFGS on from there, within the cap)
-            return after_newton(record, super()._fit_map(x, labels, weights, loss, max_iter - record.iterations, reg_lambda,
-                                                         process_group, accuracy))
-        warnings.warn(f"{type(self).__name__} did not converge: {record.message}", ConvergenceWarning,
-                      stacklevel=stacklevel_outside_package())
-        return record
+        def lbfgs(cap: int) -> FitRecord:  # (the preconditioned L-BFGS of _StructuredScaling)
+            return super(StructuredMatrixScaling, self)._fit_map(x, labels, weights, loss, cap, reg_lambda, process_group, accuracy)
+
+        return hand_over_to_lbfgs(record, lbfgs, max_iter, type(self).__name__)
 
     @staticmethod
     def _penalty_weights(num_classes: int, num_samples: float, reg_lambda: float) -> Tensor:
@@ -702,10 +702,10 @@ class QuadraticScaling(Calibrator):
             BinaryLogisticDesign(), features, labels, weights, self.coefficients.detach(),
             max_iter=min(max_iter, 100), process_group=process_group,
         )
-        if not math.isfinite(record.loss):  # the L-BFGS driver, from the start
-            return super()._fit(features, labels, weights, loss, max_iter, process_group)
-        with torch.no_grad():
-            self.coefficients.copy_(theta)
-        if newton_stalled(record, max_iter):  # (degenerate curvature): L-BFGS on from Newton's point
-            return after_newton(record, super()._fit(features, labels, weights, loss, max_iter - record.iterations, process_group))
-        return record
+
+        def keep_point() -> None:
+            with torch.no_grad():
+                self.coefficients.copy_(theta)
+
+        return finish_newton(record, keep_point, lambda cap: Calibrator._fit(self, features, labels, weights, loss, cap, process_group),
+                             max_iter)

@@ -51,9 +51,10 @@ from torchcal.functional.scoring import PER_SAMPLE_SCORES, class_weights_from_co
 
 __all__ = ["Calibrator"]
 
-#: A converged log-loss fit whose mean loss is below this has (all but) separated the calibration
-#: data: each sample it misclassified would add at least log(2) / N, so below 1e-6 that is none
-#: up to 700,000 samples, and the parameters grow until the solver's tolerance stops them.
+#: A converged fit whose mean loss is below this has (all but) separated the calibration data: each
+#: sample it misclassified would add at least log(2) / N to the log-loss and 1 / (2 N) to the Brier
+#: score, so below 1e-6 that is none up to 500,000 samples, and the parameters grow until the
+#: solver's tolerance stops them (both scores fall towards 0 as the map's scale grows).
 _SEPARATED_LOSS = 1e-6
 
 
@@ -83,6 +84,11 @@ class Calibrator(nn.Module):
         """Whether the classes ``missing``, without calibration samples, leave the fit (with the
         strengths it was fitted with, on its ``features: (N, F)``) without a finite optimum: a
         free per-class bias, unpenalised, drives those classes' scores down without bound."""
+        return False
+
+    def _penalised_everywhere(self) -> bool:
+        """Whether the fit's penalty (with the strengths it was fitted with) curves every direction
+        of the parameters, so the fit has a finite optimum even on separable data."""
         return False
 
     def __init__(self) -> None:
@@ -212,11 +218,12 @@ class Calibrator(nn.Module):
             )
             record = self.fit_record_ = dataclasses.replace(
                 record, converged=False, message=f"no finite optimum: classes {missing} have no sample ({record.message})")
-        if loss == "log" and record.converged and record.loss < _SEPARATED_LOSS:
+        if record.converged and record.loss < _SEPARATED_LOSS and not self._penalised_everywhere():
             warnings.warn(
-                f"the calibration data are perfectly separated by the fitted {type(self).__name__} (mean log-loss "
+                f"the calibration data are perfectly separated by the fitted {type(self).__name__} (mean {loss} loss "
                 f"{record.loss:.1e}): the optimum is at infinity, and the parameters are as large as the solver's "
-                f"tolerance let them grow. A penalty (reg_lambda) or more calibration data give a defined fit.",
+                f"tolerance let them grow. A penalty on every parameter (reg='l2' with reg_lambda > 0, structured "
+                "scaling) or more calibration data give a defined fit.",
                 ConvergenceWarning,
                 stacklevel=stacklevel_outside_package(),
             )

@@ -168,6 +168,9 @@ class MatrixScaling(Calibrator):
             return self._row_escapes(features, missing, process_group)
         return False
 
+    def _penalised_everywhere(self) -> bool:
+        return self.reg == "l2" and bool(self.reg_lambda_)  # (ODIR leaves the diagonal free)
+
     def _row_escapes(self, features: Tensor, missing: list[int], process_group: ProcessGroup | None = None) -> bool:
         """Whether a free row of W (ODIR at lambda = 0) of one of the ``missing`` classes can lower
         that class's scores on every sample, ``d . x_i <= 0`` for all i with some below: then the

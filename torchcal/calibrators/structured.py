@@ -197,6 +197,9 @@ class _StructuredScaling(Calibrator):
     def _unbounded_without_samples(self, features: Tensor, missing: list[int], process_group: ProcessGroup | None = None) -> bool:
         return self.reg_lambda_ == 0  # (the bias's penalty too)
 
+    def _penalised_everywhere(self) -> bool:
+        return bool(self.reg_lambda_)
+
     # --------------------------------------------------------------- the map, per subclass
     def _map_identity(self, num_classes: int) -> dict[str, Tensor]:
         raise NotImplementedError

@@ -513,6 +513,53 @@ def test_isotonic_is_pav_and_matches_scikit_learn():
     np.testing.assert_allclose(np.clip(reference, 1e-12, 1 - 1e-12), ours, atol=1e-12)
 
 
+def test_isotonic_keeps_apart_scores_whose_probabilities_round_to_one():
+    """PAV on probabilities pooled every log-odds above 37 (float64 softmax gives 1.0): [-5, 38, 45,
+    60, 80] with labels [0, 0, 0, 1, 1] came out [0, .5, .5, .5, .5] (a review's reproducer). On the
+    log-odds it is scikit-learn's isotonic regression of them."""
+    sklearn_isotonic = pytest.importorskip("sklearn.isotonic")
+    llr = np.array([-5.0, 38.0, 45.0, 60.0, 80.0])
+    y = np.array([0, 0, 0, 1, 1])
+    logits = torch.from_numpy(np.stack([np.zeros(5), llr], axis=1))
+    ours = torchcal.IsotonicCalibration().fit(logits, torch.from_numpy(y))(logits).exp()[:, 1].numpy()
+    reference = sklearn_isotonic.IsotonicRegression(y_min=1e-7, y_max=1 - 1e-7).fit(llr, y).predict(llr)
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-15)
+
+
+def test_one_vs_rest_log_odds_are_exact_where_a_probability_rounds_to_one():
+    from torchcal.calibrators.nonparametric import one_vs_rest_log_odds
+    gen = torch.Generator().manual_seed(0)
+    z = 5 * torch.randn(200, 6, generator=gen, dtype=torch.float64)
+    z[:50, 2] += 60  # p rounds to 1 in these rows
+    z[50, :2] = 7.0  # a tie at the row maximum
+    expected = np.empty((200, 6))
+    zn = z.numpy()
+    for k in range(6):
+        rest = np.delete(zn, k, axis=1)
+        top = rest.max(1)
+        expected[:, k] = zn[:, k] - (top + np.log(np.exp(rest - top[:, None]).sum(1)))
+    np.testing.assert_allclose(one_vs_rest_log_odds(z).numpy(), expected, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(one_vs_rest_log_odds(z.float()).numpy(), one_vs_rest_log_odds(z.float().double()).numpy(), rtol=0, atol=0)
+
+
+def test_isotonic_state_keeps_eps_and_loads_states_with_thresholds_on_probabilities(data):
+    """``eps`` travels with the state (a loaded eps = 0.01 fit reported 1e-7 and refitted with it),
+    and a state saved when the thresholds were probabilities loads as the same map."""
+    logits, labels = data
+    iso = torchcal.IsotonicCalibration(eps=0.01).fit(logits, labels)
+    fresh = torchcal.IsotonicCalibration()
+    fresh.load_state_dict(iso.state_dict())
+    assert fresh.eps == 0.01
+    torch.testing.assert_close(fresh(logits), iso(logits), rtol=0, atol=0)
+
+    old = iso.state_dict()
+    old["_extra_state"] = {key: value for key, value in old["_extra_state"].items() if key not in ("eps", "thresholds_on")}
+    old["thresholds"] = torch.where(old["thresholds"].isinf(), old["thresholds"].clamp(0, 1), torch.sigmoid(old["thresholds"]))
+    legacy = torchcal.IsotonicCalibration(eps=0.01)
+    legacy.load_state_dict(old)
+    torch.testing.assert_close(legacy(logits), iso(logits), rtol=0, atol=1e-12)
+
+
 def test_histogram_binning_never_outputs_zero_and_fills_empty_bins_with_the_base_rate():
     p = torch.tensor([0.05, 0.06, 0.07, 0.95, 0.96], dtype=torch.float64)
     y = torch.tensor([0, 0, 0, 1, 1])

@@ -1,12 +1,15 @@
 """Non-parametric binary calibrators: histogram binning and isotonic regression (PAV).
 
-Both are binary maps of one probability. For K = 2 they calibrate ``P(class 1)``; for K > 2 they
-are applied one-vs-rest to every class column and the results renormalised to sum to one.
-Neither ever outputs a probability of exactly 0 or 1, so the log-loss stays finite.
+Both are binary maps of one class's score: histogram binning of its probability, isotonic
+regression of its log-odds (monotone in the probability, and distinct where probabilities round
+to 1). For K = 2 they calibrate ``P(class 1)``; for K > 2 they are applied one-vs-rest to every
+class column and the results renormalised to sum to one. Neither ever outputs a probability of
+exactly 0 or 1, so the log-loss stays finite.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import numpy as np
@@ -22,7 +25,7 @@ __all__ = ["HistogramBinning", "IsotonicCalibration"]
 
 
 class _OneVsRest(Calibrator):
-    """Shared plumbing: features are probabilities; one map per calibrated column."""
+    """Shared plumbing: one map per calibrated column of the features (probabilities here)."""
 
     _supports_process_group = False  # quantile bins and PAV need all the scores in one place
 
@@ -42,14 +45,14 @@ class _OneVsRest(Calibrator):
         return super().forward(logits).to(compute_dtype(logits.dtype))
 
     def _map_column(self, column: int, p: Tensor) -> Tensor:
-        """Calibrated probabilities for the ``column``-th calibrated column's scores ``p: (N,)``."""
+        """Calibrated probabilities for the ``column``-th calibrated column's features ``p: (N,)``."""
         raise NotImplementedError
 
-    def _scores(self, probs: Tensor) -> Tensor:
-        columns = self._columns(probs.shape[1])
-        mapped = torch.stack([self._map_column(i, probs[:, c]) for i, c in enumerate(columns)], dim=1)
-        mapped = mapped.to(probs.dtype)
-        if probs.shape[1] == 2:
+    def _scores(self, features: Tensor) -> Tensor:
+        columns = self._columns(features.shape[1])
+        mapped = torch.stack([self._map_column(i, features[:, c]) for i, c in enumerate(columns)], dim=1)
+        mapped = mapped.to(features.dtype)
+        if features.shape[1] == 2:
             mapped = torch.cat([1 - mapped, mapped], dim=1)
         return torch.log(mapped / mapped.sum(dim=1, keepdim=True))
 
@@ -132,8 +135,21 @@ class HistogramBinning(_OneVsRest):
         return f"n_bins={self.n_bins}, strategy={self.strategy!r}, " + super().extra_repr()
 
 
+def one_vs_rest_log_odds(logits: Tensor) -> Tensor:
+    """``log(p_k / (1 - p_k)) = z_k - logsumexp_{j != k} z_j`` of ``softmax(logits)`` (N, K) in
+    float64: exact also where ``p_k`` rounds to 1 (log-odds above 37), which only the row's
+    largest logit can reach; every other column has ``p_k <= 1/2``, where ``log1p`` is exact."""
+    z = logits.to(torch.float64)
+    log_p = torch.log_softmax(z, dim=1)
+    odds = log_p - torch.log1p(-log_p.exp())
+    top = z.argmax(dim=1, keepdim=True)
+    rest = z.scatter(1, top, -math.inf).logsumexp(dim=1, keepdim=True)
+    return odds.scatter(1, top, z.gather(1, top) - rest)
+
+
 class IsotonicCalibration(_OneVsRest):
-    """Isotonic regression by pool-adjacent-violators: the best non-decreasing step map.
+    """Isotonic regression by pool-adjacent-violators: the best non-decreasing step map of each
+    class's one-vs-rest log-odds (``thresholds`` are log-odds).
 
     On its own calibration data it attains the minimum of every proper scoring rule over all maps
     that keep the ranking of the scores (the "calp" rows of Ferrer & Ramos Table 2). Outputs are
@@ -155,16 +171,20 @@ class IsotonicCalibration(_OneVsRest):
         c = len(self._columns(num_classes))
         return {"thresholds": torch.zeros(c, 1), "values": torch.full((c, 1), 0.5)}
 
+    def _features(self, logits: Tensor) -> Tensor:
+        # (probabilities pooled every score whose float64 probability rounds to 1)
+        return one_vs_rest_log_odds(logits)
+
     def _map_column(self, column: int, p: Tensor) -> Tensor:
         thresholds = self.thresholds[column].to(p.dtype)
         # bucketize(right=True) is searchsorted(right=True), which has no ONNX function
         index = (torch.bucketize(p.contiguous(), thresholds, right=True) - 1).clamp_min(0)
         return self.values[column].to(p.dtype)[index]
 
-    def _fit(self, probs, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
-        columns = self._columns(probs.shape[1])
+    def _fit(self, log_odds, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
+        columns = self._columns(log_odds.shape[1])
         targets, sample_w = self._targets(labels, columns, weights)
-        scores, hits, w = probs[:, columns].cpu().numpy(), targets.cpu().numpy(), sample_w.cpu().numpy()
+        scores, hits, w = log_odds[:, columns].cpu().numpy(), targets.cpu().numpy(), sample_w.cpu().numpy()
         blocks = [pool_adjacent_violators(scores[:, i], hits[:, i], w) for i in range(len(columns))]
         length = max(len(b[0]) for b in blocks)
         thresholds = np.full((len(columns), length), np.inf)
@@ -173,10 +193,22 @@ class IsotonicCalibration(_OneVsRest):
             thresholds[i, : len(bx)] = bx
             values[i, : len(bv)] = bv
             values[i, len(bv):] = bv[-1]
-        device = probs.device
+        device = log_odds.device
         self.thresholds = torch.from_numpy(thresholds).to(device)
         self.values = torch.from_numpy(values).clip(self.eps, 1 - self.eps).to(device)
         return FitRecord(0, 1, float("nan"), 0.0, True, "closed form")
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {**super().get_extra_state(), "eps": self.eps, "thresholds_on": "log-odds"}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        super().set_extra_state(state)
+        self.eps = float(state.get("eps", self.eps))
+        if "thresholds_on" not in state and self.is_fitted:
+            # a state saved before the thresholds were log-odds holds probabilities: the same map
+            # (but where a probability rounded to 1)
+            t = self.thresholds
+            self.thresholds = torch.where(t.isinf(), t, torch.log(t) - torch.log1p(-t))
 
     def extra_repr(self) -> str:
         return f"eps={self.eps:g}, " + super().extra_repr()

@@ -92,6 +92,20 @@ def test_chunking_does_not_change_the_replicates(data, monkeypatch, metric_fn, k
     torch.testing.assert_close(chunked.replicates, whole.replicates, rtol=1e-14, atol=0)
 
 
+@pytest.mark.parametrize(
+    "metric_fn, kwargs",
+    [(cross_entropy, {}), (brier_score, {"priors": PRIORS}), (expected_calibration_error, {}), (smooth_calibration_error, {})],
+)
+def test_logits_that_require_grad_give_the_detached_interval(data, metric_fn, kwargs):
+    """A model's output without ``.detach()``: the same interval, without a graph (the fast paths'
+    in-place sums raised "a view was created in no_grad mode")."""
+    logits, labels = data
+    attached = bootstrap(metric_fn, logits.clone().requires_grad_(), labels, num_replicates=20, **kwargs)
+    detached = bootstrap(metric_fn, logits, labels, num_replicates=20, **kwargs)
+    for got, expected in zip(attached, detached):
+        assert not got.requires_grad and torch.equal(got, expected)
+
+
 def test_percentile_interval_and_seeds(data):
     logits, labels = data
     result = bootstrap(cross_entropy, logits, labels, num_replicates=500, confidence=0.9, seed=1)

@@ -213,6 +213,22 @@ def test_collect_scores_on_dict_batches_with_split_batch(val):
     assert torch.equal(labels, y_val)
 
 
+def test_collect_scores_names_the_batch_whose_number_of_classes_differs(val):
+    """A head swapped after the first batch: K + 1 classes in batch 1 (torch.cat raised its own error)."""
+
+    class Swapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.nets, self.calls = nn.ModuleList([make_net(), make_net(K + 1)]), 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return self.nets[min(self.calls, 2) - 1](x)
+
+    with pytest.raises(ValueError, match=r"batch 1: the model returned outputs of shape \(64, 5\) but those of batch 0 had shape \(64, 4\)"):
+        collect_scores(Swapped(), loader(*val))
+
+
 def test_gradients_flow_through_a_fitted_head(fitted_heads):
     head = fitted_heads["dirichlet"]
     x = make_data(8, seed=4)[0].requires_grad_()

@@ -113,6 +113,17 @@ def test_float32_precision():
     torch.testing.assert_close(fast["ece"], exact["ece"], rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_set_dtype_casts_the_terms_to_the_state(dtype):
+    """After torchmetrics' ``set_dtype`` the sums have another dtype; the per-sample terms follow."""
+    logits, labels = _data(10, n=500)
+    metric = PosteriorQuality(10).set_dtype(dtype)
+    result = _streamed(metric, logits, labels, batch=200)
+    for name, value in _reference(logits, labels).items():
+        assert result[name].dtype == dtype
+        torch.testing.assert_close(result[name], value.to(dtype), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 def test_state_size_independent_of_n_and_shared_by_the_members():
     metric = PosteriorQuality(10, n_bins=15)
     sizes = []

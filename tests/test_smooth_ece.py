@@ -78,6 +78,23 @@ def test_streaming_equals_functional_on_its_grid_and_relplot_when_bandwidth_is_l
     assert streamed == pytest.approx(relplot.smECE(f, y), abs=1e-6)
 
 
+def test_a_larger_grid_is_not_closer_to_relplot_where_confidences_crowd_near_one(real):
+    """The reflection counts the share of a score rounded onto the end point 1 once (relplot's as
+    well), and that share depends on G: on CIFAR-100's over-confident scores the value moves by
+    several % with G, away from relplot's, whose grid is the default G = 1001 here (module docs)."""
+    data = real("cifar100_resnet20_ferrer")
+    logits, labels = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
+    f, y = relplot.multiclass_logits_to_confidences(logits.double().numpy(), labels.numpy())
+    expected = relplot.smECE(f, y)
+    values = []
+    for grid_points in (1001, 4001, 16001):
+        metric = SmoothCalibrationError(100, grid_points=grid_points)
+        metric.update(logits, labels)
+        values.append(float(metric.compute()))
+    assert values[0] == pytest.approx(expected, abs=1e-12)
+    assert expected - values[1] > 0.02 * expected and values[1] - values[2] > 0.01 * expected
+
+
 def test_streaming_classwise_merges_states(synthetic):
     scores, y = synthetic(3, 600, seed=1)
     logits, labels = torch.from_numpy(scores), torch.from_numpy(y)

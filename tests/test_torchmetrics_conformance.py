@@ -11,6 +11,7 @@ import sys
 import warnings
 from functools import partial
 from importlib.resources import files
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -356,6 +357,64 @@ def test_compute_without_samples_is_nan(name):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torchmetrics: compute before update
             assert bool(metric.compute().isnan().all()), name
+
+
+def _fitted_temperature() -> torchcal.TemperatureScaling:
+    return torchcal.TemperatureScaling().fit(torch.randn(100, K), torch.arange(100) % K)
+
+
+# The README's names of the metrics that keep every sample -> (a configuration that does, one that keeps sums)
+KEEPS_EVERY_SAMPLE = {
+    "ExpectedCalibrationError": (lambda: M.ExpectedCalibrationError(K, strategy="quantile"), lambda: M.ExpectedCalibrationError(K)),
+    "MurphyDecomposition": (lambda: M.MurphyDecomposition(K, strategy="quantile"), lambda: M.MurphyDecomposition(K)),
+    "ECD": (lambda: M.ECD(K, n_bins=10, strategy="quantile"), lambda: M.ECD(K, strategy="quantile")),
+    "DebiasedCalibrationError": (lambda: M.DebiasedCalibrationError(K), lambda: M.DebiasedCalibrationError(K, strategy="uniform")),
+    "Cllr": (lambda: M.Cllr(), lambda: M.Cllr(PRIORS)),
+    "DetectionCost": (lambda: M.DetectionCost(0.1, 5.0), lambda: M.DetectionCost(0.1, 5.0, priors=PRIORS)),
+    "CalibrationLoss": (lambda: M.CalibrationLoss(torchcal.TemperatureScaling(), K), lambda: M.CalibrationLoss(_fitted_temperature(), K)),
+}
+
+
+def test_the_readme_names_the_metrics_that_keep_every_sample():
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    sentence = readme[readme.index("keep every sample") : readme.index("synchronises them")]
+    for name, (every_sample, sums) in KEEPS_EVERY_SAMPLE.items():
+        assert re.search(f"`{name}[`(]", sentence), name
+        assert any(isinstance(d, list) for d in every_sample()._defaults.values()), name
+        assert not any(isinstance(d, list) for d in sums()._defaults.values()), name
+    for name, (make, _) in ALL_CASES.items():  # the cases' options: lists only in the metrics named
+        metric = make()
+        if any(isinstance(d, list) for d in metric._defaults.values()):
+            assert re.search(f"`{type(metric).__name__}[`(]", sentence), name
+
+
+VECTOR_CASES = {  # vector-valued metric -> the shape of its value
+    "MurphyDecomposition": (lambda strategy: M.MurphyDecomposition(K, strategy=strategy), (3,)),
+    "ECD(10 bins)": (lambda strategy: M.EntropicCalibrationDifference(K, n_bins=10, strategy=strategy), (10,)),
+    "ECE(classwise, none)": (lambda strategy: M.ExpectedCalibrationError(K, strategy=strategy, kind="classwise", reduction="none"), (K,)),
+}
+
+
+@pytest.mark.parametrize("strategy", ["uniform", "quantile"])
+@pytest.mark.parametrize("name", list(VECTOR_CASES))
+def test_vector_values_without_samples_are_nan_of_their_shape(cifar, name, strategy):
+    """Equal-mass bins keep every sample (list states): before any, NaN of the usual shape too,
+    which ClasswiseWrapper and MetricTracker (an epoch without samples) need."""
+    make, shape = VECTOR_CASES[name]
+    logits, labels = cifar
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torchmetrics: compute before update
+        empty = make(strategy).compute()
+        assert empty.shape == shape and bool(empty.isnan().all()), name
+        if name.startswith("ECE"):
+            per_class = ClasswiseWrapper(make(strategy)).compute()
+            assert len(per_class) == K and all(bool(v.isnan()) for v in per_class.values())
+        tracker = MetricTracker(make(strategy), maximize=False)
+        tracker.increment()
+        tracker.update(logits, labels)
+        tracker.increment()  # an epoch without samples
+        history = tracker.compute_all()
+    assert history.shape == (2, *shape) and not bool(history[0].isnan().any()) and bool(history[1].isnan().all())
 
 
 UNDEFINED_ON_A_BATCH = {  # metric, the batch its value is undefined on

@@ -229,6 +229,12 @@ def collect_scores(
                         f"batch {index}: the model returned {rows} rows of outputs but the batch has {count} "
                         f"labels; they must describe the same samples (check split_batch and logits_key)."
                     )
+                if outputs[-1].shape[1:] != outputs[0].shape[1:]:
+                    raise ValueError(
+                        f"batch {index}: the model returned outputs of shape {tuple(outputs[-1].shape)} but those of "
+                        f"batch 0 had shape {tuple(outputs[0].shape)}; every batch must score the same K classes "
+                        f"(check logits_key)."
+                    )
     finally:
         for module, mode in modes:  # pre-order: parents first, so children end in their own mode
             module.train(mode)

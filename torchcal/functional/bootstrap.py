@@ -352,7 +352,8 @@ def bootstrap(
     check_seed(seed)
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must lie strictly between 0 and 1, got {confidence}.")
-    logits, labels = as_tensor(logits, "logits"), as_tensor(labels, "labels")
+    # An interval is not differentiable; the fast paths' in-place sums refuse inputs that require grad.
+    logits, labels = as_tensor(logits, "logits").detach(), as_tensor(labels, "labels")
     if logits.ndim == 0 or labels.ndim == 0 or logits.shape[0] != labels.shape[0]:
         raise ValueError(
             f"logits and labels must have the same number N of rows to resample, got shapes "

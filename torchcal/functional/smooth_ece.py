@@ -16,6 +16,14 @@ and the result is interpolated linearly onto the mesh. relplot picks
 density. Because the grid sums are sums over samples, they accumulate batch by batch and across
 processes (``torchcal.metrics.SmoothCalibrationError``), on a fixed grid of ``grid_points``.
 
+The value depends on G beyond round-off: the reflected kernel counts the share of a score rounded
+onto the end point 1 (or 0) once, as relplot's does, where a score just inside counts nearly
+twice (itself and its mirror image). On scores with many confidences near 1 a larger G moves the
+value by several % and away from relplot's (top-label smECE of a CIFAR-100 ResNet-20: 0.1082,
+0.1059, 0.1044 at G = 1001, 4001, 16001; relplot 0.1082). Without ``grid_points`` the result is
+relplot's to round-off (1e-16, top-label and classwise, on CIFAR-10/100, SST-2, AG News and
+FVCAUS scores).
+
 The C binary problems of ``"classwise"`` are computed together: the grids of all columns are
 smoothed in batches, and the fixed-point searches run side by side, each column with its own
 bracket, one batch per distinct bandwidth tried in a step.
@@ -355,7 +363,9 @@ def smooth_calibration_error(
             ``sigma = smECE(sigma)``, as the paper and relplot do.
         grid_points: size G of the grid the scores are rounded to; None (default) takes relplot's
             ``max(2000, round(20 / sigma)) // 2 + 1``, which the streaming metric cannot know in
-            advance: it uses a fixed G, and so does this function when given one.
+            advance: it uses a fixed G, and so does this function when given one. The value is
+            then relplot's only for bandwidths where relplot's grid has G points too (G = 1001:
+            sigma >= 0.01); a larger G is not closer to it (module docs).
 
     Example:
         >>> import torch

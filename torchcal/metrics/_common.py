@@ -54,6 +54,7 @@ from typing import Any, Literal, NamedTuple, TypeVar, get_args
 import torch
 from torch import Tensor
 from torchmetrics import Metric
+from torchmetrics.utilities import dim_zero_cat
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 from torchcal._validation import (
@@ -177,6 +178,16 @@ class BatchMetric(Metric):
                 return result()
         nan = torch.tensor(math.nan, dtype=torch.float64, device=self.sample_count.device)
         return result_type._make([nan] * len(result_type._fields))
+
+    def _cat(self, name: str) -> Tensor:
+        """A list state (``add_cat_state``) as one tensor: ``(0, *trailing)`` of its dtype before
+        any sample, where ``dim_zero_cat`` would raise (and ``compute()`` give a 0-d NaN, not NaN
+        in the metric's usual shape)."""
+        values = getattr(self, name)
+        if len(values):
+            return dim_zero_cat(values)
+        dtype, trailing = self._cat_states[name]
+        return torch.empty(0, *trailing, dtype=dtype, device=self.device)
 
     def _stamp_options_digest(self) -> None:
         """Write the digest of the class and of the options the update depends on (public

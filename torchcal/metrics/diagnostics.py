@@ -14,7 +14,6 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
-from torchmetrics.utilities import dim_zero_cat
 
 from torchcal.functional.diagnostics import (
     Norm,
@@ -47,6 +46,12 @@ __all__ = [
 def _check_strategy(strategy: str) -> None:
     if strategy not in ("uniform", "quantile"):
         raise ValueError(f'strategy must be "uniform" or "quantile", got {strategy!r}.')
+
+
+def _equal_mass_edges(scores: Tensor, n_bins: int) -> Tensor:
+    """``quantile_edges`` of ``scores: (N, C)``; without samples, which have no quantiles, the
+    equal-width edges: their empty bins give ``compute()`` its usual shape (NaN, ``_wrap_compute``)."""
+    return quantile_edges(scores, n_bins) if scores.shape[0] else uniform_edges(n_bins).to(scores.device)
 
 
 class ExpectedCalibrationError(ScoreMetric):
@@ -149,8 +154,8 @@ class ExpectedCalibrationError(ScoreMetric):
         """Edges, (M + 1,) or (C, M + 1), and the per-bin statistics (C, M)."""
         if self.strategy == "uniform":
             return self.edges, (self.counts, self.score_sums, self.target_sums)
-        scores, targets = dim_zero_cat(self.scores), dim_zero_cat(self.targets).bool()
-        edges = quantile_edges(scores, self.n_bins)
+        scores, targets = self._cat("scores"), self._cat("targets").bool()
+        edges = _equal_mass_edges(scores, self.n_bins)
         return edges, bin_statistics(scores, targets, edges)
 
     def compute(self) -> Tensor:
@@ -314,8 +319,8 @@ class EntropicCalibrationDifference(ScoreMetric):
     def compute(self) -> Tensor:
         """Mean ECD: a float64 scalar, or (n_bins,) per bin."""
         if self.n_bins is not None and self.strategy == "quantile":
-            scores, values = dim_zero_cat(self.scores), dim_zero_cat(self.values)
-            index = bin_indices(scores, quantile_edges(scores, self.n_bins)).squeeze(1)
+            scores, values = self._cat("scores"), self._cat("values")
+            index = bin_indices(scores, _equal_mass_edges(scores, self.n_bins)).squeeze(1)
             totals = torch.zeros(2, self.n_bins, dtype=torch.float64, device=values.device)
             totals[0].index_add_(0, index, values)
             totals[1].index_add_(0, index, torch.ones_like(values))

@@ -105,8 +105,10 @@ class PosteriorStatistic(ScoreMetric):
         log_loss, confidence = rows.log_loss, rows.confidence
         brier = (rows.norm * confidence).square_().add_(1).sub_(log_loss.neg().exp_(), alpha=2)
         # Rows 0-3 are the class sums (log-loss, Brier, correct, count), rows 2-4 the bin sums
-        # (correct, count, confidence): one stack, two index_add_ calls.
+        # (correct, count, confidence): one stack, two index_add_ calls. In the state's dtype, which
+        # set_dtype may have changed from float64.
         terms = torch.stack([log_loss, brier, rows.correct.to(torch.float64), torch.ones_like(confidence), confidence])
+        terms = terms.to(self.class_sums.dtype)
         self.class_sums.index_add_(1, labels, terms[:4])
         self.bin_sums.index_add_(1, uniform_bin_indices(confidence, self.n_bins, edge_tolerance(logits.dtype, confidence.dtype)), terms[2:])
 

@@ -932,3 +932,134 @@ def test_fit_does_not_depend_on_sample_order(data):
     for make in (torchcal.TemperatureScaling, torchcal.AffineCalibration):
         a, b = make().fit(logits, labels), make().fit(logits[perm], labels[perm])
         assert torch.allclose(a(logits), b(logits), atol=1e-6)
+
+
+# ---------------------------------------------- review findings: scale, offset and masked scores
+def _quadratic_problem(n: int = 2000) -> tuple[np.ndarray, np.ndarray, float]:
+    """Log-odds t, labels from a quadratic map of them, and SciPy's float64 log-loss optimum over
+    ``[1, t, t^2]`` (which any affine change of t leaves unchanged)."""
+    from scipy.optimize import minimize as scipy_minimize
+
+    rng = np.random.default_rng(0)
+    t = rng.normal(0, 1, n)
+    y = (rng.random(n) < 1 / (1 + np.exp(-(0.5 + 1.5 * t - 0.3 * t**2)))).astype(np.int64)
+    design = np.c_[np.ones(n), t, t**2]
+    optimum = scipy_minimize(lambda th: np.mean(np.logaddexp(0, -np.where(y == 1, 1, -1) * (design @ th))), np.zeros(3),
+                             method="BFGS", options={"gtol": 1e-10}).fun
+    return t, y, float(optimum)
+
+
+@pytest.mark.parametrize(("scale", "offset"), [(1e3, 0.0), (1e4, 0.0), (1e6, 0.0), (1.0, 100.0), (1.0, 1000.0)])
+def test_quadratic_scaling_reaches_the_optimum_whatever_the_scale_and_offset_of_the_log_odds(scale, offset):
+    """Newton from the identity on [1, llr, llr^2]: at log-odds x 1e3 it stopped 4 % above the
+    optimum, at offset 100 2 % above, both reported converged; x 1e4 diverged (a review helper's
+    reproducers). On the standardised log-odds it is SciPy's optimum, and float32 input gets the
+    float64 map (its features were squared in float32, which at offset 1e3 moved probabilities by
+    1e-2)."""
+    t, y, optimum = _quadratic_problem()
+    llr = scale * t + offset
+    logits = torch.from_numpy(np.c_[np.zeros_like(llr), llr])
+    labels = torch.from_numpy(y)
+    cal = torchcal.QuadraticScaling().fit(logits, labels)
+    assert cal.fit_record_.converged
+    assert _objective(cal, logits, labels) == pytest.approx(optimum, rel=1e-9, abs=1e-12)
+    if scale == 1.0:
+        with torch.no_grad():
+            np.testing.assert_allclose(cal(logits.float()).exp().numpy(), cal(logits.float().double()).exp().numpy(), rtol=0, atol=1e-6)
+
+
+def test_affine_brier_fit_starts_from_the_log_loss_fit():
+    """From the identity, logits x 1e5 left the Brier fit of affine calibration at alpha = 1 on a
+    plateau, reported converged, worse than temperature scaling (a review helper's reproducer: the
+    CIFAR-10 ResNet-110 validation logits x 1000); alpha absorbs the scale, so every scale gets the
+    same map."""
+    gen = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(3000, 4, generator=gen, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(logits / 2 + torch.tensor([0.5, 0.0, 0.0, -0.5], dtype=torch.float64), 1), 1,
+                               generator=gen).squeeze(1)
+    brier = [brier_score(torchcal.AffineCalibration().fit(s * logits, labels, loss="brier")(s * logits), labels).item()
+             for s in (1.0, 1e4, 1e5)]
+    assert brier[1:] == pytest.approx([brier[0]] * 2, rel=1e-9)
+    ts = torchcal.TemperatureScaling().fit(1e5 * logits, labels, loss="brier")
+    assert brier[2] < brier_score(ts(1e5 * logits), labels).item()
+
+
+def test_anti_informative_scores_give_alpha_zero_at_once_and_without_a_warning():
+    """Newton's unconstrained optimum flips the scores (alpha < 0). The objective is convex, so the
+    optimum over alpha >= 0 is alpha = 0, the class frequencies: L-BFGS crawled to that boundary
+    for its 1,000 iterations and warned, though the record said converged."""
+    gen = torch.Generator().manual_seed(37)
+    logits = 3 * torch.randn(300, 3, generator=gen, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(-logits, 1), 1, generator=gen).squeeze(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cal = torchcal.AffineCalibration().fit(logits, labels)
+    assert cal.alpha == 0.0 and cal.fit_record_.converged and cal.fit_record_.iterations < 20
+    frequencies = torch.bincount(labels, minlength=3).double() / 300
+    torch.testing.assert_close(cal(logits).exp(), frequencies.expand(300, 3), rtol=0, atol=1e-15)
+
+
+def test_newton_handing_over_to_lbfgs_does_not_warn():
+    """Beta calibration of log-odds of 1e-3 (a nearly flat direction: a - b against c) stops Newton
+    at its 100 steps and L-BFGS finishes, converged: Newton's cap warned twice all the same."""
+    t, y, _ = _quadratic_problem()
+    logits = torch.from_numpy(np.c_[np.zeros_like(t), 1e-3 * t])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cal = torchcal.BetaCalibration().fit(logits, torch.from_numpy(y))
+    assert cal.fit_record_.converged
+
+
+def test_fitted_properties_of_an_unfitted_calibrator_say_it_is_not_fitted():
+    for cal, name in ((torchcal.TemperatureScaling(), "temperature"), (torchcal.AffineCalibration(), "alpha"),
+                      (torchcal.PlattScaling(), "slope"), (torchcal.PlattScaling(), "intercept")):
+        with pytest.raises(RuntimeError, match="not fitted yet"):
+            getattr(cal, name)
+
+
+def test_alpha_zero_of_extreme_float32_scores_is_finite():
+    """alpha = 0 times a log-posterior that overflowed to -inf (float32 logits 6.8e38 apart) was NaN."""
+    cal = torchcal.PlattScaling().fit(torch.tensor([[0.0, 1.0], [0.0, -1.0], [0.0, 2.0], [0.0, -2.0]]), torch.tensor([0, 1, 0, 1]))
+    assert cal.alpha == 0.0
+    out = cal(torch.tensor([[3e38, -3e38]]))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, cal(torch.tensor([[0.0, 0.0]])))
+
+
+def _masked(n: int, seed: int, dtype=torch.float64, sharpness: float = 1 / 3):
+    """3-class logits whose class 2 is masked at finfo(float32).min on every row, labels in {0, 1}
+    drawn from ``softmax(sharpness * logits)`` of the other two."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = 3 * torch.randn(n, 3, generator=gen, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(sharpness * logits[:, :2], 1), 1, generator=gen).squeeze(1)
+    logits[:, 2] = torch.finfo(torch.float32).min
+    return logits.to(dtype), labels
+
+
+@pytest.mark.parametrize("make", [torchcal.MatrixScaling, torchcal.DirichletCalibration])
+def test_the_linear_maps_of_masked_logits_stay_finite_and_their_fit_warns(make):
+    """A class masked at finfo.min made every masked row one-hot after matrix scaling or Dirichlet
+    calibration (a log-loss of 1e36). The scores are floored at 708 below the row's maximum, as
+    dirichletcal clips, and the fit says that no linear map represents a masked class."""
+    logits, labels = _masked(2000, 0)
+    with pytest.warns(UserWarning, match="2000 rows .* masked"):
+        cal = make(reg="odir", reg_lambda=1e-2).fit(logits, labels)
+    out = cal(_masked(500, 1)[0])
+    assert torch.isfinite(out).all()
+    floored = _masked(500, 1)[0]
+    floored[:, 2] = floored.amax(1) + math.log(torch.finfo(torch.float64).tiny)
+    torch.testing.assert_close(out, cal(floored), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_masked_class_scaled_beyond_the_dtype_stays_finite(dtype):
+    """1 / T > 1 times a class masked at the dtype's lowest value overflowed to -inf in forward
+    (every row's output then refused by the library's own metrics)."""
+    logits, labels = _masked(500, 0, torch.float64, sharpness=3.0)
+    logits[:, 2] = torch.finfo(dtype).min
+    ts = torchcal.TemperatureScaling().fit(logits.to(dtype), labels)
+    assert ts.temperature < 1
+    out = ts(logits.to(dtype))
+    assert torch.isfinite(out).all() and (out[:, 2].exp() == 0).all()
+    in_float64 = ts(logits.to(dtype).double())  # (no overflow there)
+    torch.testing.assert_close(cross_entropy(out, labels).double(), cross_entropy(in_float64, labels), rtol=1e-2, atol=0)

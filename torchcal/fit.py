@@ -274,6 +274,7 @@ def newton(
     max_iter: int = 100,
     tol_grad: float = 1e-10,
     process_group: ProcessGroup | None = None,
+    warn: bool = True,
 ) -> tuple[Tensor, FitRecord]:
     """Minimise a smooth convex function of ``theta: (P,)`` by Newton's method with backtracking.
 
@@ -290,6 +291,7 @@ def newton(
         objective: ``theta -> loss``, used by the line search when a full step is rejected.
         theta: (P,) starting point, float64.
         tol_grad: converged when the largest absolute gradient entry is below this.
+        warn: warn when the iteration cap stops it (off for a caller that goes on from there).
         process_group: for data-parallel fits the callables return this process's share of the
             global mean; the shares are summed over the group, so every process takes the same
             steps (see :mod:`torchcal.distributed`).
@@ -379,7 +381,8 @@ def newton(
                    theta.numel(), iteration + 1, loss_value, grad_max, t, evaluations)
     if size <= tol_grad:  # (the cap's last step got there)
         return theta, FitRecord(max_iter, evaluations, loss_value, grad_max, True, "gradient below tolerance")
-    warnings.warn(f"Newton did not converge in {max_iter} iterations", ConvergenceWarning, stacklevel=stacklevel_outside_package())
+    if warn:
+        warnings.warn(f"Newton did not converge in {max_iter} iterations", ConvergenceWarning, stacklevel=stacklevel_outside_package())
     return theta, FitRecord(max_iter, evaluations, loss_value, grad_max, False, f"stopped at the iteration cap ({max_iter})")
 
 

@@ -37,7 +37,7 @@ from torchcal.fit import ConvergenceWarning, FitRecord, newton
 
 __all__ = [
     "AffineDesign", "BinaryLogisticDesign", "FullDesign", "LinearDesign", "VectorDesign", "after_newton", "finish_newton",
-    "fit_linear_newton", "hand_over_to_lbfgs", "newton_stalled",
+    "fit_linear_newton", "hand_over_to_lbfgs", "newton_stalled", "warn_unconverged",
 ]
 
 # Rows per chunk are chosen so that the (rows, max(P, K)) temporaries stay below this many elements.
@@ -243,7 +243,8 @@ def fit_linear_newton(
         process_group: data-parallel fit over a ``torch.distributed`` group.
 
     Returns:
-        The fitted ``theta`` (P,) and a :class:`FitRecord`.
+        The fitted ``theta`` (P,) and a :class:`FitRecord`. One that did not converge comes without
+        a warning: the caller goes on with L-BFGS from there, or warns (:func:`warn_unconverged`).
     """
     n, k = features.shape
     sample_w = sample_weights(labels, weights, process_group)
@@ -288,7 +289,7 @@ def fit_linear_newton(
             loss -= sample_w[c] @ log_q.gather(1, labels[c].unsqueeze(1)).squeeze(1)
         return loss
 
-    return newton(derivatives, objective, theta, max_iter=max_iter, tol_grad=tol_grad, process_group=process_group)
+    return newton(derivatives, objective, theta, max_iter=max_iter, tol_grad=tol_grad, process_group=process_group, warn=False)
 
 
 def newton_stalled(record: FitRecord, max_iter: int) -> bool:
@@ -299,25 +300,30 @@ def newton_stalled(record: FitRecord, max_iter: int) -> bool:
     return not record.converged and record.iterations < max_iter
 
 
-def finish_newton(record: FitRecord, keep_point: Callable[[], None], lbfgs: Callable[[int], FitRecord], max_iter: int) -> FitRecord:
+def finish_newton(record: FitRecord, keep_point: Callable[[], None], lbfgs: Callable[[int], FitRecord], max_iter: int,
+                  name: str) -> FitRecord:
     """The end of a :func:`fit_linear_newton` fit that the L-BFGS driver backs up: where the loss is
     not finite, ``lbfgs(max_iter)`` from the start; else Newton's point (``keep_point()``), and
-    where Newton stalled short of the cap (:func:`newton_stalled`), ``lbfgs`` on from it with the rest."""
+    :func:`hand_over_to_lbfgs`."""
     if not math.isfinite(record.loss):
         return lbfgs(max_iter)
     keep_point()
-    if newton_stalled(record, max_iter):
-        return after_newton(record, lbfgs(max_iter - record.iterations))
-    return record
+    return hand_over_to_lbfgs(record, lbfgs, max_iter, name)
 
 
 def hand_over_to_lbfgs(record: FitRecord, lbfgs: Callable[[int], FitRecord], max_iter: int, name: str) -> FitRecord:
-    """An unconverged Newton(-CG) fit whose point the caller kept: ``lbfgs`` goes on from it with what
-    is left of ``max_iter`` where Newton stopped short of it; where Newton used it all, its record,
-    with a warning that names the calibrator."""
+    """A Newton(-CG) fit whose point the caller kept: where it stopped unconverged short of
+    ``max_iter`` (:func:`newton_stalled`), ``lbfgs`` goes on from it with what is left; else its
+    record (:func:`warn_unconverged`)."""
     if newton_stalled(record, max_iter):
         return after_newton(record, lbfgs(max_iter - record.iterations))
-    warnings.warn(f"{name} did not converge: {record.message}", ConvergenceWarning, stacklevel=stacklevel_outside_package())
+    return warn_unconverged(record, name)
+
+
+def warn_unconverged(record: FitRecord, name: str) -> FitRecord:
+    """``record``, with a warning that names the calibrator where the fit did not converge."""
+    if not record.converged:
+        warnings.warn(f"{name} did not converge: {record.message}", ConvergenceWarning, stacklevel=stacklevel_outside_package())
     return record
 
 

@@ -3,29 +3,33 @@ and vector scaling."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from torchcal._tempered_moments import TEMPERED_LOSSES
-from torchcal.calibrators._linear import AffineDesign, VectorDesign, after_newton, fit_linear_newton, newton_stalled
+from torchcal.calibrators._linear import AffineDesign, VectorDesign, after_newton, fit_linear_newton, newton_stalled, warn_unconverged
 from torchcal.calibrators.base import Calibrator, sample_weights
 from torchcal.calibrators.temperature import fit_inverse_temperature, inverse_temperature_start
 from torchcal.distributed import ProcessGroup, all_reduce_
-from torchcal.fit import FitRecord
+from torchcal.fit import ConvergenceWarning, FitRecord
 
 __all__ = ["AffineCalibration", "PlattScaling", "VectorScaling"]
 
 
 class AffineCalibration(Calibrator):
-    """``softmax(alpha * log_softmax(logits) + beta)`` with scalar ``alpha > 0`` and ``beta: (K,)``.
+    """``softmax(alpha * log_softmax(logits) + beta)`` with scalar ``alpha >= 0`` and ``beta: (K,)``.
 
     The calibration Ferrer & Ramos recommend as the default: a multiclass logistic regression on
     the log-posteriors with one shared scale, so it fixes over/under-confidence and prior shifts
     with K + 1 parameters. ``alpha`` is stored as ``log_alpha``. With ``bias=False`` it is
-    temperature scaling (``T = 1/alpha``).
+    temperature scaling (``T = 1/alpha``). Where the scores are anti-informative (the unconstrained
+    optimum has ``alpha < 0``), the fit is ``alpha = 0`` (``log_alpha = -inf``): the class
+    frequencies alone, ``fit_record_.message`` says so.
 
     The log-loss fit is Newton's method on ``(alpha, beta)`` with the exact (K+1) x (K+1) Hessian
     (:mod:`torchcal.calibrators._linear`); L-BFGS crawls here because the shared scale and the K
@@ -67,10 +71,12 @@ class AffineCalibration(Calibrator):
 
     @property
     def alpha(self) -> float:
+        self._check_fitted()
         return math.exp(self.log_alpha.item())
 
     def _features(self, logits: Tensor) -> Tensor:
-        return torch.log_softmax(logits, dim=1)
+        # (float32 logits 6.8e38 apart overflow to a log-posterior of -inf, which alpha = 0 made NaN)
+        return torch.log_softmax(logits, dim=1).clamp(min=torch.finfo(logits.dtype).min)
 
     def _scores(self, features: Tensor) -> Tensor:
         scores = torch.exp(self.log_alpha.to(features.dtype)) * features
@@ -84,26 +90,38 @@ class AffineCalibration(Calibrator):
             with torch.no_grad():
                 self.log_alpha.fill_(math.log(alpha) if alpha > 0 else -math.inf)
             return record
-        if loss != "log":
-            return super()._fit(features, labels, weights, loss, max_iter, process_group)
+        if loss != "log":  # (from the identity, logits of 1e3 kept alpha = 1: a Brier plateau)
+            return self._fit_nonconvex(features, labels, weights, loss, max_iter, process_group)
         start = torch.cat([self.log_alpha.detach().exp().reshape(1), self.beta.detach()])
         if self._at_identity():
             start[0] = inverse_temperature_start(features.float(), labels, weights, process_group)
         theta, record = fit_linear_newton(
             AffineDesign(), features, labels, weights, start, max_iter=min(max_iter, 100), process_group=process_group
         )
+        name = type(self).__name__
         if not theta[0] > 0:
-            # The unconstrained optimum flips the scores: L-BFGS on log(alpha), which can only
-            # approach the boundary alpha = 0 (the prior-only posteriors), so that is tried as well.
-            record = super()._fit(features, labels, weights, loss, max_iter, process_group)
-            return self._prior_only_if_better(labels, weights, record, process_group)
+            # The unconstrained optimum flips the scores. The objective is convex, so where Newton
+            # found that optimum, the one over alpha >= 0 lies on the boundary alpha = 0: the
+            # priors alone (where every class has a sample). Else L-BFGS on log(alpha), which can
+            # only approach the boundary (it took its 1,000 iterations to, and warned), and the
+            # boundary if better.
+            if record.converged:
+                prior_only = self._prior_only_if_better(labels, weights, dataclasses.replace(record, loss=math.inf), process_group)
+                if prior_only.loss < math.inf:
+                    return prior_only
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ConvergenceWarning)  # (judged after the boundary)
+                record = super()._fit(features, labels, weights, loss, max_iter, process_group)
+            return warn_unconverged(self._prior_only_if_better(labels, weights, record, process_group), name)
         with torch.no_grad():
             self.log_alpha.copy_(theta[0].log())
             self.beta.copy_(theta[1:] - theta[1:].mean())  # softmax ignores a common shift: fix it
         if newton_stalled(record, max_iter):  # (degenerate curvature): L-BFGS on from Newton's point
-            rest = super()._fit(features, labels, weights, loss, max_iter - record.iterations, process_group)
-            return self._prior_only_if_better(labels, weights, after_newton(record, rest), process_group)
-        return record
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ConvergenceWarning)  # (judged after the boundary)
+                rest = super()._fit(features, labels, weights, loss, max_iter - record.iterations, process_group)
+            return warn_unconverged(self._prior_only_if_better(labels, weights, after_newton(record, rest), process_group), name)
+        return warn_unconverged(record, name)
 
     def _prior_only_if_better(self, labels: Tensor, weights: Tensor | None, record: FitRecord, process_group) -> FitRecord:
         """alpha = 0 with the (weighted) class frequencies as biases, if every class is present
@@ -129,7 +147,7 @@ class PlattScaling(AffineCalibration):
     """Platt scaling for K = 2: ``P(class 1) = sigmoid(slope * llr + intercept)``.
 
     ``llr`` is the log-odds of the input scores, ``logits[:, 1] - logits[:, 0]``. This is affine
-    calibration restricted to two classes; ``slope = alpha > 0`` and
+    calibration restricted to two classes; ``slope = alpha >= 0`` and
     ``intercept = beta[1] - beta[0]``.
     """
 
@@ -144,6 +162,7 @@ class PlattScaling(AffineCalibration):
 
     @property
     def intercept(self) -> float:
+        self._check_fitted()
         return (self.beta[1] - self.beta[0]).item()
 
 
@@ -183,4 +202,4 @@ class VectorScaling(Calibrator):
             self.bias.copy_(theta[k:] - theta[k:].mean())  # softmax ignores a common shift: fix it
         if newton_stalled(record, max_iter):  # (degenerate curvature): L-BFGS on from Newton's point
             return after_newton(record, super()._fit(features, labels, weights, loss, max_iter - record.iterations, process_group))
-        return record
+        return warn_unconverged(record, type(self).__name__)

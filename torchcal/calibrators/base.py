@@ -255,7 +255,11 @@ class Calibrator(nn.Module):
         ``fit`` takes)."""
         logits = self._check_input(logits)
         dtype = compute_dtype(logits.dtype)
-        return torch.log_softmax(self._scores(self._features(logits.to(dtype))), dim=1)
+        scores = self._scores(self._features(logits.to(dtype))).to(dtype)
+        # A scaled score beyond the dtype's range (a class masked at finfo.min, times 1 / T > 1) is
+        # its largest finite value: a probability of 0 whose log stays finite, as every score is.
+        finfo = torch.finfo(dtype)
+        return torch.log_softmax(scores.clamp(finfo.min, finfo.max), dim=1)
 
     def predict_proba(self, logits: Tensor) -> Tensor:
         """Calibrated posteriors (N, K): ``forward(logits).exp()``."""
@@ -362,13 +366,18 @@ class Calibrator(nn.Module):
             else:
                 self._parameters[name] = nn.Parameter(value)
 
-    def _check_input(self, logits: Tensor) -> Tensor:
-        """``logits`` validated for ``forward``, as a tensor."""
+    def _check_fitted(self) -> None:
+        """Raise a clear error before fitted state is read (a property's AttributeError would be
+        reported by ``nn.Module`` as the property missing)."""
         if not self.is_fitted:
             raise RuntimeError(
                 f"this {type(self).__name__} is not fitted yet: call .fit(logits, labels) on held-out "
                 f"data, or load a fitted state_dict."
             )
+
+    def _check_input(self, logits: Tensor) -> Tensor:
+        """``logits`` validated for ``forward``, as a tensor."""
+        self._check_fitted()
         if torch.compiler.is_compiling():
             if logits.ndim != 2 or logits.shape[1] != self.num_classes:
                 raise ValueError(f"expected logits of shape (N, {self.num_classes}), got {tuple(logits.shape)}")

@@ -91,4 +91,4 @@ class BetaCalibration(Calibrator):
                     getattr(self, name).copy_(value)
 
         return finish_newton(record, keep_point, lambda cap: Calibrator._fit(self, features, labels, weights, "log", cap, process_group),
-                             max_iter)
+                             max_iter, type(self).__name__)

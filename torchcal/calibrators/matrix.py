@@ -48,6 +48,13 @@ _NONCONVEX_TOL_CHANGE = {"selection": 1e-8, "tie": 1e-11}
 #: 100,000 x 100 (1e9); even at 100,000 x 255 (6.5e9); slower at 1,000,000 x 100 and 10,000 x
 #: 1,000 (1e10: 0.83x, 0.63x) and 100,000 x 1,000 (1e11: 0.26x, and 3.3x the memory).
 _TOGETHER_MAX_PRODUCT = 2e9
+#: The linear maps carry every feature into every class's score, so a class masked at -1e30 (or
+#: finfo.min) made all its rows one-hot. Logits more than this below their row's maximum (and
+#: log-posteriors below it) are raised to it, as dirichletcal clips its features (float64's
+#: smallest normal probability; the real logits of ../shared/data/real reach 57 below it), and a
+#: fit on scores that span more than _MASKED_SPAN warns: no linear map represents a masked class.
+_LOGIT_FLOOR = math.log(torch.finfo(torch.float64).tiny)  # -708.4
+_MASKED_SPAN = 700.0
 
 
 class MatrixScaling(Calibrator):
@@ -160,6 +167,9 @@ class MatrixScaling(Calibrator):
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
         return {"weight": torch.eye(num_classes), "bias": torch.zeros(num_classes)}
 
+    def _features(self, logits: Tensor) -> Tensor:
+        return torch.maximum(logits, logits.amax(dim=1, keepdim=True) + _LOGIT_FLOOR)
+
     def _unbounded_without_samples(self, features: Tensor, missing: list[int], process_group: ProcessGroup | None = None) -> bool:
         # the bias is free without a penalty on it (ODIR's mu, L2's lambda)
         if self.reg is None or (self.reg_mu_ if self.reg == "odir" else self.reg_lambda_) == 0:
@@ -246,6 +256,14 @@ class MatrixScaling(Calibrator):
     def _fit(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
         k = features.shape[1]
         n_total = int(total_samples(labels, process_group))
+        masked = int((features.amax(dim=1) - features.amin(dim=1) > _MASKED_SPAN).sum())
+        if masked:
+            warnings.warn(
+                f"{masked} rows of the calibration scores have a class more than {_MASKED_SPAN:.0f} below the row's "
+                f"maximum (masked?): {type(self).__name__}'s linear map carries it into every class's score, from a "
+                f"floor at {-_LOGIT_FLOOR:.0f} below. Calibrate without the masked classes, or mask after calibrating.",
+                stacklevel=stacklevel_outside_package(),
+            )
         if self.reg is None and n_total < k * (k + 1):
             warnings.warn(
                 f"{n_total} samples for {k * (k + 1)} unregularised parameters: the fit "
@@ -472,4 +490,4 @@ class DirichletCalibration(MatrixScaling):
         return True
 
     def _features(self, logits: Tensor) -> Tensor:
-        return torch.log_softmax(logits, dim=1)
+        return torch.log_softmax(logits, dim=1).clamp(min=_LOGIT_FLOOR)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from torchcal._validation import as_tensor, check_count, compute_dtype
+from torchcal._validation import check_count
 from torchcal.calibrators.base import Calibrator
 from torchcal.fit import FitRecord
 from torchcal.functional.isotonic import pool_adjacent_violators
@@ -37,12 +37,6 @@ class _OneVsRest(Calibrator):
         # float64 whatever the input: in float32 every probability within ~6e-8 of 1 rounds to 1.0
         # and lands on the top step, so float32 and float64 input would get different maps.
         return torch.softmax(logits.to(torch.float64), dim=1)
-
-    def forward(self, logits: Tensor) -> Tensor:
-        """Calibrated log-posteriors (N, K), the same map for every input dtype, returned in the
-        input's compute dtype."""
-        logits = as_tensor(logits, "logits")
-        return super().forward(logits).to(compute_dtype(logits.dtype))
 
     def _map_column(self, column: int, p: Tensor) -> Tensor:
         """Calibrated probabilities for the ``column``-th calibrated column's features ``p: (N,)``."""

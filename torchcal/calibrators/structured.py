@@ -450,11 +450,9 @@ class StructuredVectorScaling(_StructuredScaling):
         before = record or FitRecord(0, 0, math.nan, math.nan, True, "")
         n_total = float(total_samples(labels, process_group))
         penalty = self._penalty_weights(k, n_total, reg_lambda).to(x.device).flatten()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ConvergenceWarning)  # (its cap's, of what was left: the fit's cap is below)
-            theta, polished = fit_linear_newton(_VectorAboutIdentity(), self._design(x).detach(), labels, weights,
-                                                self._theta().detach().flatten(), penalty, max_iter=max_iter - before.iterations,
-                                                tol_grad=_NEWTON_TOL_GRAD[accuracy], process_group=process_group)
+        theta, polished = fit_linear_newton(_VectorAboutIdentity(), self._design(x).detach(), labels, weights,
+                                            self._theta().detach().flatten(), penalty, max_iter=max_iter - before.iterations,
+                                            tol_grad=_NEWTON_TOL_GRAD[accuracy], process_group=process_group)
         used, evaluations = before.iterations + polished.iterations, before.evaluations + polished.evaluations
         with torch.no_grad():  # (Newton's point, its best)
             self._set_theta(theta.view(2, k))
@@ -692,7 +690,10 @@ class QuadraticScaling(Calibrator):
         return {"coefficients": torch.tensor([0.0, 1.0, 0.0])}
 
     def _features(self, logits: Tensor) -> Tensor:
-        llr = logits[:, 1] - logits[:, 0]
+        # float64 whatever the input: the map's terms cancel (b llr against c llr^2 at log-odds
+        # offset by 1e3), which cost float32 input two digits of its probabilities, and the square
+        # of float32 log-odds above 1.8e19 overflowed
+        llr = logits[:, 1].to(torch.float64) - logits[:, 0].to(torch.float64)
         return torch.stack([llr, llr.square()], dim=1)
 
     def _scores(self, features: Tensor) -> Tensor:
@@ -701,14 +702,30 @@ class QuadraticScaling(Calibrator):
     def _fit(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
         if loss != "log":
             return self._fit_nonconvex(features, labels, weights, loss, max_iter, process_group)
-        theta, record = fit_linear_newton(
-            BinaryLogisticDesign(), features, labels, weights, self.coefficients.detach(),
+        # Newton on the standardised log-odds u = (llr - m) / s: [1, llr, llr^2] of log-odds of
+        # 1e3, or offset by 1e3, are nearly collinear (a 3 x 3 Hessian of condition 1e13), and the
+        # identity saturates every row there: the fit stopped 5 % above the optimum, reported
+        # converged. From all-zero coefficients in u (the prior), unless warm-started.
+        llr = features[:, 0]
+        w = sample_weights(labels, weights, process_group)
+        m = float(all_reduce_(w @ llr, process_group))
+        s = math.sqrt(float(all_reduce_(w @ (llr - m).square(), process_group))) or 1.0
+        u = (llr - m) / s
+        a, b, c = self.coefficients.detach().tolist()
+        start = torch.zeros(3, dtype=torch.float64, device=llr.device) if self._at_identity() else \
+            llr.new_tensor([a + b * m + c * m * m, s * (b + 2 * c * m), c * s * s])
+        theta_u, record = fit_linear_newton(
+            BinaryLogisticDesign(), torch.stack([u, u.square()], dim=1), labels, weights, start,
             max_iter=min(max_iter, 100), process_group=process_group,
         )
+        a_u, b_u, c_u = theta_u.tolist()
+        c = c_u / (s * s)
+        b = b_u / s - 2 * c * m
+        theta = llr.new_tensor([a_u - b * m - c * m * m, b, c])
 
         def keep_point() -> None:
             with torch.no_grad():
                 self.coefficients.copy_(theta)
 
         return finish_newton(record, keep_point, lambda cap: Calibrator._fit(self, features, labels, weights, loss, cap, process_group),
-                             max_iter)
+                             max_iter, type(self).__name__)

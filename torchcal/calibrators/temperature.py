@@ -64,6 +64,7 @@ class TemperatureScaling(Calibrator):
     @property
     def temperature(self) -> float:
         """The fitted temperature ``T`` (``inf`` when the scores carry no usable information)."""
+        self._check_fitted()
         return math.exp(self.log_temperature.item())
 
     def _scores(self, features: Tensor) -> Tensor:

@@ -2,11 +2,12 @@
 before and after temperature scaling fitted on the 5000 validation samples (T = 2.395, SOURCES.md).
 
 Binned ECEs use 15 bins; the tests are of top-label calibration except Hosmer–Lemeshow (the
-multinomial test, 10 groups, ``M (K - 1)`` degrees of freedom since the temperature was fitted on
-other data); the consistency-resampling test uses the top-label ECE with 999 label resamples.
+multinomial test, 10 groups; the temperature was fitted on other data, so its p-value is that of C
+under labels resampled from the posteriors, 999 resamples, not a chi-square's); the
+consistency-resampling test uses the top-label ECE with 999 label resamples (99 with ``--fast``).
 
     python recipes/calibration_statistics_resnet110.py
-    python recipes/calibration_statistics_resnet110.py --fast   # 99 label resamples, for CI
+    python recipes/calibration_statistics_resnet110.py --fast   # 99 consistency resamples, for CI
 """
 
 from __future__ import annotations

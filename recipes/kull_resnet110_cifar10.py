@@ -12,7 +12,7 @@ normalisation); its folds are drawn apart from the 5 whose models are averaged.
 Reported: test log-loss (nats), classwise ECE (sum over classes of the class-j ECE, 15 bins) and
 confidence ECE (15 bins).
 
-    python recipes/kull_resnet110_cifar10.py            # all five calibrators (about 20 s, one thread)
+    python recipes/kull_resnet110_cifar10.py            # all five calibrators (20-45 s, one thread)
     python recipes/kull_resnet110_cifar10.py --fast     # temperature and vector scaling, for CI
 """
 

@@ -909,3 +909,64 @@ def test_solver_warnings_point_at_the_callers_line(fit):
         fit(3 * logits, labels)
     assert caught, "expected a warning"
     assert all(w.filename == __file__ for w in caught), [(w.filename, str(w.message)) for w in caught]
+
+
+# ------------------------------------------------- review findings: arrays, priors, shapes, messages
+def test_numpy_views_and_byte_orders_torch_cannot_wrap_are_read_as_their_values():
+    """A reversed view (x[::-1], np.flip) and big-endian data raised torch's own errors."""
+    gen = np.random.default_rng(0)
+    logits, labels = gen.normal(size=(300, 4)), gen.integers(0, 4, 300)
+    expected = F.cross_entropy(torch.from_numpy(logits[::-1].copy()), torch.from_numpy(labels[::-1].copy()))
+    assert F.cross_entropy(logits[::-1], labels[::-1]) == expected
+    assert F.cross_entropy(np.flip(logits, 0), np.flip(labels, 0)) == expected
+    big_endian = F.cross_entropy(logits.astype(">f8"), labels.astype(">i8"))
+    assert big_endian == F.cross_entropy(torch.from_numpy(logits), torch.from_numpy(labels))
+
+
+@pytest.mark.parametrize(("logits", "labels", "message"), [
+    ([torch.randn(200, 4), torch.randn(100, 4)], torch.zeros(300, dtype=torch.long), r"list of 2 tensors.*torch.cat\(logits\)"),
+    (torch.randn(4, 4), np.array(list("abcd")), "labels must hold numbers, got a NumPy array of dtype <U1"),
+    ([[1.0, None, 0.0, 2.0]] * 4, torch.zeros(4, dtype=torch.long), r"logits must hold numbers.*None or mixed types"),
+    ([[1.0, 2.0], [1.0]], torch.zeros(2, dtype=torch.long), "logits cannot be read as one array"),
+])
+def test_inputs_that_are_not_arrays_of_numbers_are_named(logits, labels, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        F.cross_entropy(logits, labels)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_priors_are_checked_within_their_round_off(dtype):
+    """Uniform priors in float16 sum to 0.99976 (bfloat16 1.002): refused, and their own division by
+    their sum could not help."""
+    logits, labels = good_data()
+    k = logits.shape[1]
+    expected = F.cross_entropy(logits, labels, priors=torch.full((k,), 1 / k, dtype=torch.float64))
+    torch.testing.assert_close(F.cross_entropy(logits, labels, priors=torch.full((k,), 1 / k).to(dtype)), expected)
+    with pytest.raises(ValueError, match="must sum to one"):
+        check_priors(torch.tensor([0.5, 0.6]).to(dtype), 2)
+
+
+@pytest.mark.parametrize("labels_shape", [(3, 1, 6, 7), (3, 5, 7)])
+def test_segmentation_labels_of_the_wrong_shape_are_named(labels_shape):
+    """The message blamed the (valid) scores: "logits must have shape (N, K), got (3, 4, 6, 7)"."""
+    with pytest.raises(ValueError, match=r"need labels of shape \(N, d1, ...\) = \(3, 6, 7\).*got \(" + ", ".join(map(str, labels_shape))):
+        metrics.CrossEntropy(num_classes=4).update(torch.randn(3, 4, 6, 7), torch.zeros(labels_shape, dtype=torch.long))
+
+
+def test_errors_in_a_validation_split_name_the_split(tmp_path):
+    path = tmp_path / "scores.npz"
+    labels = np.arange(50) % 3
+    np.savez(path, logits=np.zeros((50, 3)), labels=labels, logits_val=np.zeros((50, 3)), labels_val=labels + 1)
+    with pytest.raises(ValueError, match=r"\(val split: logits_val, labels_val\): labels must lie in \[0, 3\)"):
+        load_scores(path, split="val")
+
+
+def test_report_takes_one_method_name_and_refuses_one_class():
+    from torchcal import report
+
+    logits, labels = good_data()
+    assert [result.method for result in report.evaluate((logits, labels), "temperature", bootstrap=0, folds=2).methods] == ["temperature"]
+    with pytest.raises(ValueError, match="every label is class 0.*need two classes"):
+        report.evaluate((logits, torch.zeros_like(labels)), bootstrap=0, folds=2)
+    with pytest.raises(ValueError, match=r"'dirichlet-odir' \(DirichletCalibration\): unknown 'reg_lamda'; it takes reg, reg_lambda"):
+        report.make_calibrator("dirichlet-odir", reg_lamda=0.01)

@@ -51,14 +51,27 @@ def finite_log(x: Tensor) -> Tensor:
 
 
 def as_tensor(x: Any, name: str) -> Tensor:
-    """Return ``x`` as a tensor without copying when it already is one (NumPy arrays are wrapped)."""
+    """Return ``x`` as a tensor without copying when it already is one (NumPy arrays are wrapped;
+    lists and tuples are read as NumPy reads them: float64, not torch's float32)."""
     if isinstance(x, Tensor):
         return x
+    if isinstance(x, (list, tuple)):
+        if x and all(isinstance(item, Tensor) and item.ndim > 0 for item in x):
+            raise TypeError(f"{name} is a {type(x).__name__} of {len(x)} tensors: concatenate the batches first, "
+                            f"torch.cat({name}).")
+        try:
+            x = np.asarray(x)
+        except ValueError as error:  # (ragged rows)
+            raise ValueError(f"{name} cannot be read as one array: {error}") from None
     if isinstance(x, np.ndarray):
+        if x.dtype.kind not in "biuf":
+            raise TypeError(f"{name} must hold numbers, got a NumPy array of dtype {x.dtype}"
+                            f"{' (None or mixed types)' if x.dtype == object else ''}.")
+        if not x.dtype.isnative:  # (big-endian data, which torch cannot wrap)
+            x = x.astype(x.dtype.newbyteorder("="))
+        if any(stride < 0 for stride in x.strides):  # (a reversed view, x[::-1] or np.flip)
+            x = np.ascontiguousarray(x)
         return torch.from_numpy(x)
-    if isinstance(x, (list, tuple)):  # as NumPy reads them: float64, not torch's float32
-        array = np.asarray(x)
-        return torch.from_numpy(array) if array.dtype != object else torch.as_tensor(x)
     raise TypeError(f"{name} must be a torch.Tensor or a NumPy array, got {type(x).__name__}")
 
 
@@ -269,8 +282,11 @@ def total_may_be_of_probs(total: float, rows: int, dtype: torch.dtype) -> bool:
 
 
 def check_priors(priors: Any, num_classes: int, device: torch.device | None = None) -> Tensor:
-    """Validate class priors: K non-negative numbers summing to one. Returned in float64."""
-    priors = as_tensor(priors, "priors").to(dtype=torch.float64, device=device)
+    """Validate class priors: K non-negative numbers summing to one (half-precision ones within
+    their round-off, then renormalised). Returned in float64."""
+    given = as_tensor(priors, "priors")
+    half = given.dtype in (torch.float16, torch.bfloat16)
+    priors = given.to(dtype=torch.float64, device=device)
     if priors.shape != (num_classes,):
         raise ValueError(
             f"priors must have shape ({num_classes},) for K = {num_classes} classes, got {tuple(priors.shape)}."
@@ -278,9 +294,9 @@ def check_priors(priors: Any, num_classes: int, device: torch.device | None = No
     if not bool(torch.isfinite(priors).all()) or bool((priors < 0).any()):
         raise ValueError("priors must be finite and non-negative.")
     total = float(priors.detach().sum())
-    if abs(total - 1) > 1e-6:
+    if abs(total - 1) > (num_classes * torch.finfo(given.dtype).eps if half else 1e-6):
         raise ValueError(f"priors must sum to one, got sum {total:.8g}; divide them by their sum.")
-    return priors
+    return priors / total if half else priors
 
 
 def check_costs(costs: Any, num_classes: int | None, device: torch.device | None = None) -> Tensor:

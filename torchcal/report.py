@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import sys
 import threading
@@ -144,8 +145,16 @@ def make_calibrator(method: str, **options: Any) -> Calibrator:
     """A fresh calibrator for a method name of :data:`METHODS`, with constructor ``options``."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}.")
+    make = METHODS[method]
+    # (the constructor's own TypeError can name a parent class: MatrixScaling for dirichlet-odir)
+    accepted = [name for name in inspect.signature(make).parameters if name not in ("self", "args", "kwargs")]
+    unknown = [name for name in options if name not in accepted]
+    if unknown:
+        built = getattr(make, "func", make)
+        raise ValueError(f"bad options for method {method!r} ({getattr(built, '__name__', built)}): unknown "
+                         f"{', '.join(map(repr, unknown))}; it takes {', '.join(accepted) or 'none'}.")
     try:
-        return METHODS[method](**options)
+        return make(**options)
     except TypeError as err:
         raise ValueError(f"bad options for method {method!r}: {err}.") from None
 
@@ -548,7 +557,10 @@ def evaluate(
     """
     logits, labels, source, read_as = _unpack(scores, "scores")
     num_classes = logits.shape[1]
-    methods = list(dict.fromkeys(methods))
+    if labels.unique().numel() < 2:
+        raise ValueError(f"every label is class {int(labels[0])}; the normalised scores (NCE, NBS, calibration loss), which "
+                         "compare with the naive system of the class priors, and calibration need two classes present.")
+    methods = list(dict.fromkeys([methods] if isinstance(methods, str) else methods))  # (a name is a sequence of letters)
     method_options = {name: dict(opts) for name, opts in (method_options or {}).items()}
     unknown = [name for name in method_options if name not in METHODS]
     if unknown:  # a misspelt name would leave its method on the default options, silently

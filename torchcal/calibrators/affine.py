@@ -12,7 +12,14 @@ import torch
 from torch import Tensor
 
 from torchcal._tempered_moments import TEMPERED_LOSSES
-from torchcal.calibrators._linear import AffineDesign, VectorDesign, after_newton, fit_linear_newton, newton_stalled, warn_unconverged
+from torchcal.calibrators._linear import (
+    AffineDesign,
+    VectorDesign,
+    after_newton,
+    fit_linear_newton,
+    newton_stalled,
+    warn_unconverged,
+)
 from torchcal.calibrators.base import Calibrator, sample_weights
 from torchcal.calibrators.temperature import fit_inverse_temperature, inverse_temperature_start
 from torchcal.distributed import ProcessGroup, all_reduce_

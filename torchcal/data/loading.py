@@ -204,6 +204,7 @@ def load_scores(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {path}")
+    where = str(path) if split == "test" else f"{path} ({split} split: logits_{split}, labels_{split})"
     try:
         raw, labels, hint, missing, note = _read(path, labels_path, split, input, labels_option)
         labels = None if labels is None else _as_labels(labels)
@@ -218,9 +219,9 @@ def load_scores(
         else:
             logits = check_logits(logits, warn_probs=False)
     except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
+        raise ValueError(f"{where}: {err}") from None
     except MemoryError as err:  # a format whose size cannot be checked before reading
-        raise ValueError(f"{path}: too large to load into memory ({err}).") from None
+        raise ValueError(f"{where}: too large to load into memory ({err}).") from None
     source = str(path) if split == "test" else f"{path} ({split} split)"
     return Scores(logits=logits, labels=labels, read_as=read_as, source=source, llr_priors=llr_priors)
 

@@ -247,6 +247,10 @@ class BatchMetric(Metric):
             # (N, K) labels stay as they are where K may be the classes' count (that is one-hot
             # labels, which validation rejects)
             preds, labels = preds.reshape(-1), labels.reshape(-1)
+        elif class_dim and preds.ndim >= 3 and labels.ndim >= 2:  # (a map of labels: else the later checks blame the scores)
+            expected = tuple(preds.shape[:1] + preds.shape[2:])
+            raise ValueError(f"segmentation scores of shape (N, K, d1, ...) = {tuple(preds.shape)} need labels of shape "
+                             f"(N, d1, ...) = {expected} (class indices, not one-hot), got {tuple(labels.shape)}.")
         if self.ignore_index is not None and labels.shape[:1] == preds.shape[:1]:
             kept = labels != self.ignore_index
             preds, labels = preds[kept], labels[kept]

@@ -944,9 +944,11 @@ def test_half_precision_priors_are_checked_within_their_round_off(dtype):
     torch.testing.assert_close(F.cross_entropy(logits, labels, priors=torch.full((k,), 1 / k).to(dtype)), expected)
     with pytest.raises(ValueError, match="must sum to one"):
         check_priors(torch.tensor([0.5, 0.6]).to(dtype), 2)
+    with pytest.raises(ValueError, match="must sum to one"):  # (a tolerance of K eps let 1.5 through at K = 100)
+        check_priors(torch.full((100,), 0.015).to(dtype), 100)
 
 
-@pytest.mark.parametrize("labels_shape", [(3, 1, 6, 7), (3, 5, 7)])
+@pytest.mark.parametrize("labels_shape", [(3, 1, 6, 7), (3, 5, 7), (3, 4, 6, 7)])
 def test_segmentation_labels_of_the_wrong_shape_are_named(labels_shape):
     """The message blamed the (valid) scores: "logits must have shape (N, K), got (3, 4, 6, 7)"."""
     with pytest.raises(ValueError, match=r"need labels of shape \(N, d1, ...\) = \(3, 6, 7\).*got \(" + ", ".join(map(str, labels_shape))):
@@ -970,3 +972,14 @@ def test_report_takes_one_method_name_and_refuses_one_class():
         report.evaluate((logits, torch.zeros_like(labels)), bootstrap=0, folds=2)
     with pytest.raises(ValueError, match=r"'dirichlet-odir' \(DirichletCalibration\): unknown 'reg_lamda'; it takes reg, reg_lambda"):
         report.make_calibrator("dirichlet-odir", reg_lamda=0.01)
+
+
+def test_a_method_whose_constructor_takes_any_keyword_gets_its_options(monkeypatch):
+    from torchcal import report
+
+    class Wrapped(torchcal.DirichletCalibration):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+
+    monkeypatch.setitem(report.METHODS, "wrapped", Wrapped)
+    assert report.make_calibrator("wrapped", reg="odir", reg_lambda=0.1).reg_lambda == 0.1

@@ -468,12 +468,15 @@ def content_keys(scores: Tensor) -> Tensor:
     the float32 roundings of its log-posteriors ``log_softmax(scores)`` (computed in float64, so
     that logits and log-posteriors, float32 or float64, give one key). Identical samples share a
     key; samples with different scores practically never do (samples of equal scores do: with
-    scores of a few distinct values, different samples share keys)."""
+    scores of a few distinct values, different samples share keys). Log-posteriors are floored at
+    float64's smallest normal probability: a class masked at -1e30 swamped every other term of the
+    projection, every sample shared one key, and the folds followed the order of the rows."""
     direction = torch.randn(scores.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     direction = direction.to(scores.device)
+    floor = math.log(torch.finfo(torch.float64).tiny)
     rows = max(1, (1 << 22) // scores.shape[1])  # float64 temporaries of 32 MB
-    return torch.cat([torch.log_softmax(chunk.detach().to(torch.float64), dim=1).to(torch.float32).to(torch.float64) @ direction
-                      for chunk in scores.split(rows)]).cpu()
+    return torch.cat([torch.log_softmax(chunk.detach().to(torch.float64), dim=1).clamp_(min=floor).to(torch.float32).to(torch.float64)
+                      @ direction for chunk in scores.split(rows)]).cpu()
 
 
 def _order_by_content(scores: Tensor, labels: Tensor) -> Tensor:

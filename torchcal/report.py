@@ -147,8 +147,10 @@ def make_calibrator(method: str, **options: Any) -> Calibrator:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}.")
     make = METHODS[method]
     # (the constructor's own TypeError can name a parent class: MatrixScaling for dirichlet-odir)
-    accepted = [name for name in inspect.signature(make).parameters if name not in ("self", "args", "kwargs")]
-    unknown = [name for name in options if name not in accepted]
+    parameters = inspect.signature(make).parameters
+    accepted = [name for name, p in parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in parameters.values())
+    unknown = [] if takes_any else [name for name in options if name not in accepted]
     if unknown:
         built = getattr(make, "func", make)
         raise ValueError(f"bad options for method {method!r} ({getattr(built, '__name__', built)}): unknown "

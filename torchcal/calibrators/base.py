@@ -258,8 +258,9 @@ class Calibrator(nn.Module):
         scores = self._scores(self._features(logits.to(dtype))).to(dtype)
         # A scaled score beyond the dtype's range (a class masked at finfo.min, times 1 / T > 1) is
         # its largest finite value: a probability of 0 whose log stays finite, as every score is.
+        # (In place: the scores are the maps' own output, which no backward pass reads.)
         finfo = torch.finfo(dtype)
-        return torch.log_softmax(scores.clamp(finfo.min, finfo.max), dim=1)
+        return torch.log_softmax(scores.clamp_(finfo.min, finfo.max), dim=1)
 
     def predict_proba(self, logits: Tensor) -> Tensor:
         """Calibrated posteriors (N, K): ``forward(logits).exp()``."""

@@ -48,13 +48,11 @@ _NONCONVEX_TOL_CHANGE = {"selection": 1e-8, "tie": 1e-11}
 #: 100,000 x 100 (1e9); even at 100,000 x 255 (6.5e9); slower at 1,000,000 x 100 and 10,000 x
 #: 1,000 (1e10: 0.83x, 0.63x) and 100,000 x 1,000 (1e11: 0.26x, and 3.3x the memory).
 _TOGETHER_MAX_PRODUCT = 2e9
-#: The linear maps carry every feature into every class's score, so a class masked at -1e30 (or
-#: finfo.min) made all its rows one-hot. Logits more than this below their row's maximum (and
-#: log-posteriors below it) are raised to it, as dirichletcal clips its features (float64's
-#: smallest normal probability; the real logits of ../shared/data/real reach 57 below it), and a
-#: fit on scores that span more than _MASKED_SPAN warns: no linear map represents a masked class.
-_LOGIT_FLOOR = math.log(torch.finfo(torch.float64).tiny)  # -708.4
-_MASKED_SPAN = 700.0
+#: Scores of this magnitude are sentinels (a class masked at -1e30 or finfo.min), not evidence:
+#: the linear maps carry every feature into every class's score, so each masked row came out
+#: one-hot. A fit on them warns (a floor would break the maps' scale equivariance: logits x 100 of
+#: a CIFAR-100 network span 5,000).
+_SENTINEL = 1e30
 
 
 class MatrixScaling(Calibrator):
@@ -71,6 +69,9 @@ class MatrixScaling(Calibrator):
             given ``reg_mu`` is kept at every grid point). ``reg_mu`` defaults to ``reg_lambda``
             (ODIR only). In a data-parallel fit (``process_group``) each process splits its own
             samples into the folds, so the chosen strengths can differ from a one-process fit's.
+            Copies of a sample land in different folds (:func:`torchcal.fit.fold_indices`), where
+            they favour weak penalties (CIFAR-10 ResNet-110's validation logits, each row twice:
+            Dir-ODIR's lambda 10 -> 1): remove duplicated rows first.
         reg_grid: candidate lambdas, or ``(lambda, mu)`` pairs, or ``{"lambda": [...], "mu": [...]}``
             for every pair of the two lists (Kull et al.'s ODIR search; readable in a config file).
         cv_together: fit the folds of each grid point together, as one batched problem
@@ -93,6 +94,11 @@ class MatrixScaling(Calibrator):
     ``fit(..., loss="brier")`` it is not: the Brier score of a full map has local optima. That fit
     starts from the better of the identity map and the log-loss fit and finds a local optimum
     near it by L-BFGS; ``fit_record_.message`` says so.
+
+    The map is linear in every score: a class masked in the logits (at -1e30 or
+    ``torch.finfo(dtype).min``) reaches every class's calibrated score, and masked rows get
+    meaningless posteriors (a fit on such rows warns). Calibrate the unmasked classes, or mask after
+    calibrating.
 
     After fitting, ``reg_lambda_`` / ``reg_mu_`` hold the strengths used and ``cv_losses_`` the
     cross-validated loss of every grid point; ``inf`` marks the points abandoned once they could no
@@ -166,9 +172,6 @@ class MatrixScaling(Calibrator):
 
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
         return {"weight": torch.eye(num_classes), "bias": torch.zeros(num_classes)}
-
-    def _features(self, logits: Tensor) -> Tensor:
-        return torch.maximum(logits, logits.amax(dim=1, keepdim=True) + _LOGIT_FLOOR)
 
     def _unbounded_without_samples(self, features: Tensor, missing: list[int], process_group: ProcessGroup | None = None) -> bool:
         # the bias is free without a penalty on it (ODIR's mu, L2's lambda)
@@ -256,12 +259,13 @@ class MatrixScaling(Calibrator):
     def _fit(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
         k = features.shape[1]
         n_total = int(total_samples(labels, process_group))
-        masked = int((features.amax(dim=1) - features.amin(dim=1) > _MASKED_SPAN).sum())
+        lowest, highest = torch.aminmax(features, dim=1)
+        masked = int(((lowest <= -_SENTINEL) | (highest >= _SENTINEL)).sum())
         if masked:
             warnings.warn(
-                f"{masked} rows of the calibration scores have a class more than {_MASKED_SPAN:.0f} below the row's "
-                f"maximum (masked?): {type(self).__name__}'s linear map carries it into every class's score, from a "
-                f"floor at {-_LOGIT_FLOOR:.0f} below. Calibrate without the masked classes, or mask after calibrating.",
+                f"{masked} rows of the calibration scores hold a score of magnitude {_SENTINEL:.0e} or more (a masked "
+                f"class?): {type(self).__name__}'s linear map carries it into every class's score, so such rows get "
+                "meaningless posteriors. Calibrate without the masked classes, or mask after calibrating.",
                 stacklevel=stacklevel_outside_package(),
             )
         if self.reg is None and n_total < k * (k + 1):
@@ -490,4 +494,4 @@ class DirichletCalibration(MatrixScaling):
         return True
 
     def _features(self, logits: Tensor) -> Tensor:
-        return torch.log_softmax(logits, dim=1).clamp(min=_LOGIT_FLOOR)
+        return torch.log_softmax(logits, dim=1)

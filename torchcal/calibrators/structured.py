@@ -16,7 +16,8 @@ entries are shrunk hardest, so SMS departs from SVS only as far as the data insi
 keeps matrix scaling from diverging at K = 100. lambda is cross-validated by default (the paper
 fixes lambda = 1, which ``reg_lambda=1.0`` reproduces); in a data-parallel fit (``process_group``)
 each process splits its own samples into the folds, so the chosen lambda, and the fit, can differ
-from a one-process fit's on the same data.
+from a one-process fit's on the same data. Copies of a sample land in different folds
+(:func:`torchcal.fit.fold_indices`), where they favour weak penalties: remove duplicated rows first.
 
 SMS's log-loss fit is multinomial logistic regression on ``[x, 1]`` about the identity, solved by
 the Newton-CG solver of Dirichlet calibration (:mod:`torchcal.calibrators._multinomial`). SVS's
@@ -700,32 +701,43 @@ class QuadraticScaling(Calibrator):
         return BinaryLogisticDesign().scores(features, self.coefficients.to(features.dtype))
 
     def _fit(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
-        if loss != "log":
-            return self._fit_nonconvex(features, labels, weights, loss, max_iter, process_group)
-        # Newton on the standardised log-odds u = (llr - m) / s: [1, llr, llr^2] of log-odds of
-        # 1e3, or offset by 1e3, are nearly collinear (a 3 x 3 Hessian of condition 1e13), and the
-        # identity saturates every row there: the fit stopped 5 % above the optimum, reported
-        # converged. From all-zero coefficients in u (the prior), unless warm-started.
+        # On the standardised log-odds u = (llr - m) / s, the coefficients converted there and
+        # back: [1, llr, llr^2] of log-odds of 1e3, or offset by 1e3, are nearly collinear (a 3 x 3
+        # Hessian of condition 1e13), and the identity saturates every row there: Newton stopped
+        # 5 % above the optimum, reported converged, and L-BFGS on the Brier score above it too.
+        # From all-zero coefficients in u (the prior), unless warm-started.
         llr = features[:, 0]
         w = sample_weights(labels, weights, process_group)
         m = float(all_reduce_(w @ llr, process_group))
-        s = math.sqrt(float(all_reduce_(w @ (llr - m).square(), process_group))) or 1.0
-        u = (llr - m) / s
+        s = math.sqrt(float(all_reduce_(w @ (llr - m).square(), process_group)))
+        if not s > 1e-12 * max(1.0, abs(m)):  # constant log-odds (s is their round-off): only a fits
+            u, s = torch.zeros_like(llr), 1.0
+        else:
+            u = (llr - m) / s
         a, b, c = self.coefficients.detach().tolist()
-        start = torch.zeros(3, dtype=torch.float64, device=llr.device) if self._at_identity() else \
-            llr.new_tensor([a + b * m + c * m * m, s * (b + 2 * c * m), c * s * s])
-        theta_u, record = fit_linear_newton(
-            BinaryLogisticDesign(), torch.stack([u, u.square()], dim=1), labels, weights, start,
-            max_iter=min(max_iter, 100), process_group=process_group,
-        )
-        a_u, b_u, c_u = theta_u.tolist()
-        c = c_u / (s * s)
-        b = b_u / s - 2 * c * m
-        theta = llr.new_tensor([a_u - b * m - c * m * m, b, c])
+        with torch.no_grad():
+            self.coefficients.copy_(self.coefficients.new_tensor([0.0, 0.0, 0.0] if self._at_identity() else
+                                                                 [a + b * m + c * m * m, s * (b + 2 * c * m), c * s * s]))
+        standardised = torch.stack([u, u.square()], dim=1)
+        try:
+            if loss == "log":
+                return self._fit_log_loss(standardised, labels, weights, max_iter, process_group)
+            return self._fit_nonconvex(standardised, labels, weights, loss, max_iter, process_group)
+        finally:
+            a_u, b_u, c_u = self.coefficients.detach().tolist()
+            c = c_u / (s * s)
+            b = b_u / s - 2 * c * m
+            with torch.no_grad():
+                self.coefficients.copy_(self.coefficients.new_tensor([a_u - b * m - c * m * m, b, c]))
+
+    def _fit_log_loss(self, features, labels, weights, max_iter, process_group=None, tol_grad=None, tol_decrease=None) -> FitRecord:
+        """Newton's method on the (standardised) ``features`` from the current coefficients."""
+        theta, record = fit_linear_newton(BinaryLogisticDesign(), features, labels, weights, self.coefficients.detach(),
+                                          max_iter=min(max_iter, 100), process_group=process_group)
 
         def keep_point() -> None:
             with torch.no_grad():
                 self.coefficients.copy_(theta)
 
-        return finish_newton(record, keep_point, lambda cap: Calibrator._fit(self, features, labels, weights, loss, cap, process_group),
+        return finish_newton(record, keep_point, lambda cap: Calibrator._fit(self, features, labels, weights, "log", cap, process_group),
                              max_iter, type(self).__name__)

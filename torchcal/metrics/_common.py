@@ -239,18 +239,21 @@ class BatchMetric(Metric):
         """
         self._stamp_options_digest()
         preds, labels = as_tensor(preds, "scores" if class_dim else "decisions"), as_tensor(labels, "labels")
+        binary_maps = preds.shape == labels.shape and getattr(self, "num_classes", None) in (None, 2)
         if class_dim and preds.ndim >= 3 and labels.shape == preds.shape[:1] + preds.shape[2:]:
             preds = preds.movedim(1, -1).reshape(-1, preds.shape[1])
             labels = labels.reshape(-1)
+        elif class_dim and preds.ndim >= 3 and labels.ndim >= 2 and not binary_maps:
+            # a map of labels that does not pair with the scores (one-hot labels among them: a map
+            # of binary scores needs K = 2); the later checks would blame the scores
+            raise ValueError(f"segmentation scores of shape (N, K, d1, ...) = {tuple(preds.shape)} need labels of shape "
+                             f"(N, d1, ...) = {tuple(preds.shape[:1] + preds.shape[2:])} (class indices, not one-hot), "
+                             f"got {tuple(labels.shape)}.")
         elif preds.shape == labels.shape and (preds.ndim >= 3 or (preds.ndim == 2 and not (class_dim and self._maybe_one_hot(preds)))):
             # same shapes: one decision, or one binary score, per element; (N, K) scores with
             # (N, K) labels stay as they are where K may be the classes' count (that is one-hot
             # labels, which validation rejects)
             preds, labels = preds.reshape(-1), labels.reshape(-1)
-        elif class_dim and preds.ndim >= 3 and labels.ndim >= 2:  # (a map of labels: else the later checks blame the scores)
-            expected = tuple(preds.shape[:1] + preds.shape[2:])
-            raise ValueError(f"segmentation scores of shape (N, K, d1, ...) = {tuple(preds.shape)} need labels of shape "
-                             f"(N, d1, ...) = {expected} (class indices, not one-hot), got {tuple(labels.shape)}.")
         if self.ignore_index is not None and labels.shape[:1] == preds.shape[:1]:
             kept = labels != self.ignore_index
             preds, labels = preds[kept], labels[kept]

@@ -276,7 +276,8 @@ class CalibratedModel(nn.Module):
     The state dict holds the network's weights under ``model.`` and the fitted head under
     ``calibrator.``; it loads into a fresh ``CalibratedModel(network, UnfittedCalibrator())``.
     Change the network's precision with ``head.model.half()``: ``head.half()`` would also round
-    the head's float64 parameters (the head computes in the network's output dtype anyway).
+    the head's float64 parameters (the head computes in the network's output dtype, float32 for
+    half precision, and returns that dtype).
 
     Example:
         >>> import torch

@@ -178,7 +178,7 @@ class Calibrator(nn.Module):
                           "about their posteriors.", UserWarning, stacklevel=stacklevel_outside_package())
         # Fitting needs autograd even under Lightning's inference_mode; the clone makes the
         # data ordinary tensors and guarantees the caller's tensors are never touched.
-        with self._restored_on_error(), torch.inference_mode(False), torch.enable_grad():
+        with self._restored_on_error(), torch.inference_mode(False), torch.enable_grad(), torch.autocast(logits.device.type, enabled=False):
             if self._fit_in_float64:
                 logits = logits.detach().to(torch.float64, copy=True)
             else:
@@ -255,7 +255,8 @@ class Calibrator(nn.Module):
         ``fit`` takes)."""
         logits = self._check_input(logits)
         dtype = compute_dtype(logits.dtype)
-        scores = self._scores(self._features(logits.to(dtype))).to(dtype)
+        with torch.autocast(logits.device.type, enabled=False):  # (a head under Lightning's bf16-mixed steps)
+            scores = self._scores(self._features(logits.to(dtype))).to(dtype)
         # A scaled score beyond the dtype's range (a class masked at finfo.min, times 1 / T > 1) is
         # its largest finite value: a probability of 0 whose log stays finite, as every score is.
         # (In place: the scores are the maps' own output, which no backward pass reads.)

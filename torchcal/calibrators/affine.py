@@ -82,8 +82,7 @@ class AffineCalibration(Calibrator):
         return math.exp(self.log_alpha.item())
 
     def _features(self, logits: Tensor) -> Tensor:
-        # (float32 logits 6.8e38 apart overflow to a log-posterior of -inf, which alpha = 0 made NaN)
-        return torch.log_softmax(logits, dim=1).clamp(min=torch.finfo(logits.dtype).min)
+        return torch.log_softmax(logits, dim=1)
 
     def _scores(self, features: Tensor) -> Tensor:
         scores = torch.exp(self.log_alpha.to(features.dtype)) * features
@@ -110,8 +109,8 @@ class AffineCalibration(Calibrator):
             # The unconstrained optimum flips the scores. The objective is convex, so where Newton
             # found that optimum, the one over alpha >= 0 lies on the boundary alpha = 0: the
             # priors alone (where every class has a sample). Else L-BFGS on log(alpha), which can
-            # only approach the boundary (it took its 1,000 iterations to, and warned), and the
-            # boundary if better.
+            # only approach the boundary (1,000 iterations and a warning where it alone went
+            # there), and the boundary if better.
             if record.converged:
                 prior_only = self._prior_only_if_better(labels, weights, dataclasses.replace(record, loss=math.inf), process_group)
                 if prior_only.loss < math.inf:

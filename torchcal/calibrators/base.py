@@ -256,12 +256,13 @@ class Calibrator(nn.Module):
         logits = self._check_input(logits)
         dtype = compute_dtype(logits.dtype)
         with torch.autocast(logits.device.type, enabled=False):  # (a head under Lightning's bf16-mixed steps)
-            scores = self._scores(self._features(logits.to(dtype))).to(dtype)
+            scores = self._scores(self._features(logits.to(dtype)))
         # A scaled score beyond the dtype's range (a class masked at finfo.min, times 1 / T > 1) is
         # its largest finite value: a probability of 0 whose log stays finite, as every score is.
-        # (In place: the scores are the maps' own output, which no backward pass reads.)
-        finfo = torch.finfo(dtype)
-        return torch.log_softmax(scores.clamp_(finfo.min, finfo.max), dim=1)
+        # (In place: the scores are the maps' own output, which no backward pass reads.) Maps that
+        # compute in float64 (the non-parametric ones, quadratic scaling) normalise there.
+        finfo = torch.finfo(scores.dtype)
+        return torch.log_softmax(scores.clamp_(finfo.min, finfo.max), dim=1).to(dtype)
 
     def predict_proba(self, logits: Tensor) -> Tensor:
         """Calibrated posteriors (N, K): ``forward(logits).exp()``."""

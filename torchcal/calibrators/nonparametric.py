@@ -141,6 +141,17 @@ def one_vs_rest_log_odds(logits: Tensor) -> Tensor:
     return odds.scatter(1, top, z.gather(1, top) - rest)
 
 
+def _probability_midpoint(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The log-odds of the mean of the probabilities of log-odds ``a`` and ``b``: held-out scores
+    between two steps go to the nearer in probability, as when the fit ran on probabilities,
+    ``log(s(a) + s(b)) - log(s(-a) + s(-b))`` with ``s`` the sigmoid, in logs (finite where both
+    probabilities round to 1)."""
+    def log_sigmoid(t: np.ndarray) -> np.ndarray:
+        return -np.logaddexp(0.0, -t)
+
+    return np.logaddexp(log_sigmoid(a), log_sigmoid(b)) - np.logaddexp(log_sigmoid(-a), log_sigmoid(-b))
+
+
 class IsotonicCalibration(_OneVsRest):
     """Isotonic regression by pool-adjacent-violators: the best non-decreasing step map of each
     class's one-vs-rest log-odds (``thresholds`` are log-odds).
@@ -179,7 +190,7 @@ class IsotonicCalibration(_OneVsRest):
         columns = self._columns(log_odds.shape[1])
         targets, sample_w = self._targets(labels, columns, weights)
         scores, hits, w = log_odds[:, columns].cpu().numpy(), targets.cpu().numpy(), sample_w.cpu().numpy()
-        blocks = [pool_adjacent_violators(scores[:, i], hits[:, i], w) for i in range(len(columns))]
+        blocks = [pool_adjacent_violators(scores[:, i], hits[:, i], w, _probability_midpoint) for i in range(len(columns))]
         length = max(len(b[0]) for b in blocks)
         thresholds = np.full((len(columns), length), np.inf)
         values = np.empty((len(columns), length))

@@ -6,18 +6,24 @@ It lives with the functional forms, which the calibrators build on, so that both
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 __all__ = ["pool_adjacent_violators"]
 
 
-def pool_adjacent_violators(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def pool_adjacent_violators(
+    x: np.ndarray, y: np.ndarray, w: np.ndarray, midpoint: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Weighted isotonic (non-decreasing) regression of ``y`` on ``x`` by PAV.
 
     Tied ``x`` are pooled first. Returns ``(boundaries, values)``: block ``j`` holds the scores
     ``s >= boundaries[j]`` (``searchsorted(boundaries, s, side="right") - 1``; ``-inf`` for the
-    first block; later boundaries lie halfway between neighbouring blocks, or on the upper block's
-    first score where the two are adjacent floats) and its fitted value ``values[j]``.
+    first block; later boundaries lie halfway between neighbouring blocks, ``midpoint(below,
+    above)`` of the lower block's last score and the upper block's first (their mean by default),
+    or on the upper block's first score where the two are adjacent floats) and its fitted value
+    ``values[j]``.
 
     Example:
         >>> boundaries, values = pool_adjacent_violators(np.array([0.5, np.nextafter(0.5, 1)]), np.array([0.0, 1.0]), np.ones(2))
@@ -46,7 +52,7 @@ def pool_adjacent_violators(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tupl
             block_sum[-1] += last_sum
             block_w[-1] += last_w
     below, above = np.asarray(highest[:-1]), np.asarray(lowest[1:])
-    middle = below / 2 + above / 2
+    middle = below / 2 + above / 2 if midpoint is None else midpoint(below, above)
     # Scores one ulp apart have no midpoint between them: it rounds to one of the two, and a
     # boundary on the lower block's last score would hand that score to the upper block.
     boundaries = np.r_[-np.inf, np.where(middle > below, middle, above)]

@@ -559,7 +559,7 @@ def test_float64_maps_of_float32_scores_normalise_in_float64(make):
 
 
 def test_one_vs_rest_log_odds_are_exact_where_a_probability_rounds_to_one():
-    from torchcal.calibrators.nonparametric import one_vs_rest_log_odds
+    from torchcal.functional.scoring import one_vs_rest_log_odds
     gen = torch.Generator().manual_seed(0)
     z = 5 * torch.randn(200, 6, generator=gen, dtype=torch.float64)
     z[:50, 2] += 60  # p rounds to 1 in these rows

@@ -188,3 +188,37 @@ def test_priors_with_a_zero_are_refused(priors):
                  lambda: Cllr(priors=torch.tensor(priors)), lambda: DetectionCost(priors=torch.tensor(priors))):
         with pytest.raises(ValueError, match="priors must both be positive"):
             call()
+
+
+@pytest.mark.parametrize("given_priors", [False, True])
+def test_an_llr_on_the_bayes_threshold_is_a_miss_however_it_rounds(given_priors):
+    """Posteriors of 1/2 at a target prior equal to the priors' P1: the LLR -log(P1 / P0) is the
+    threshold log((1 - P1) / P1), but the two formulas round apart, and round-off decided (for
+    27 of the 39 values P1 = n / 40 a miss, as documented, for the other 12 a hit)."""
+    for targets in range(1, 40):
+        labels = (torch.arange(40) < targets).long()
+        logits = torch.zeros(40, 2, dtype=torch.float64)
+        p1 = targets / 40
+        priors = torch.tensor([1 - p1, p1], dtype=torch.float64) if given_priors else None
+        # every target missed, no false alarm: Pmiss = 1, normalised by min(P1, 1 - P1)
+        expected = p1 / min(p1, 1 - p1)
+        assert float(detection_cost(logits, labels, target_prior=p1, priors=priors)) == pytest.approx(expected, rel=1e-12)
+        if given_priors:
+            metric = DetectionCost(target_prior=p1, priors=priors)
+            metric.update(logits, labels)
+            assert float(metric.compute()) == pytest.approx(expected, rel=1e-12)
+        assert float(bayes_risk_sweep(logits, labels, log_odds=math.log(p1 / (1 - p1)), priors=priors)[1][0]) == pytest.approx(
+            expected, rel=1e-12)
+
+
+def test_detection_metrics_take_num_classes_2_as_the_others_do():
+    """``Cllr(num_classes=2)`` raised TypeError: multiple values for argument 'num_classes'."""
+    logits, labels = torch.tensor([[0.0, 1.0], [0.0, -1.0], [0.0, 0.5]]), torch.tensor([1, 0, 0])
+    for cls in (Cllr, DetectionCost):
+        metric = cls(num_classes=2)
+        metric.update(logits, labels)
+        reference = cls()
+        reference.update(logits, labels)
+        assert float(metric.compute()) == float(reference.compute())
+        with pytest.raises(ValueError, match="binary metric.*num_classes must be 2, got 3"):
+            cls(num_classes=3)

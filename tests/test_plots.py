@@ -16,7 +16,10 @@ from torchcal.plots import (
     bayes_risk_curves,
     bayes_risk_sweep,
     classwise_reliability,
+    corp_reliability_diagram,
+    det_plot,
     reliability_diagram,
+    smooth_reliability_diagram,
 )
 
 pytest.importorskip("matplotlib")
@@ -292,3 +295,27 @@ def test_det_axes_reach_down_to_the_lowest_rate_drawn():
     assert ax.get_ylim()[0] == lower and lower < float(torch.special.ndtri(torch.tensor(lowest)))
     assert min(line.get_xdata().min(), line.get_ydata().min()) >= lower  # every point drawn is inside
     assert [t.get_text() for t in ax.get_xticklabels()][:3] == ["0.01", "0.1", "1"]  # 1e-4, 1e-3, 1e-2
+
+
+@pytest.mark.parametrize("draw", [reliability_diagram, classwise_reliability, bayes_risk_curves, corp_reliability_diagram,
+                                  det_plot, lambda logits, labels: smooth_reliability_diagram(logits, labels, num_replicates=5),
+                                  lambda logits, labels: bayes_risk_curve(logits, labels, class_index=1)])
+def test_every_plot_takes_a_calibrators_output_which_requires_grad(binary, draw):
+    """The smooth and CORP diagrams raised "Can't call numpy() on Tensor that requires grad" on the
+    module's own example, ``{"raw": logits, "tempered": calibrated}``."""
+    from torchcal import TemperatureScaling
+
+    logits, labels = binary
+    calibrated = TemperatureScaling().fit(logits, labels)(logits)
+    assert calibrated.requires_grad
+    draw({"raw": logits, "tempered": calibrated}, labels)
+
+
+def test_one_operating_point_given_as_a_number(binary):
+    """A float gave log-odds of shape () beside a (1,) cost, and the curve an IndexError."""
+    logits, labels = binary
+    t, nec = bayes_risk_sweep(logits, labels, log_odds=0.5)
+    assert t.shape == nec.shape == (1,)
+    _, expected = bayes_risk_sweep(logits, labels, log_odds=torch.tensor([0.5]))
+    assert float(nec[0]) == float(expected[0])
+    bayes_risk_curve(logits, labels, log_odds=0.5)

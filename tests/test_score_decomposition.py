@@ -7,7 +7,7 @@ import pytest
 import torch
 from sklearn.isotonic import IsotonicRegression, isotonic_regression
 
-from torchcal.functional import brier_score
+from torchcal.functional import brier_score, cross_entropy
 from torchcal.functional.score_decomposition import corp_decomposition, murphy_decomposition
 from torchcal.metrics.score_decomposition import MurphyDecomposition
 
@@ -53,6 +53,23 @@ def test_corp_takes_any_proper_score_and_ignores_row_order(synthetic):
     torch.testing.assert_close(torch.stack(list(result)), torch.stack(list(other)), rtol=1e-12, atol=1e-12)
     assert float(corp_decomposition(logits.float(), labels, kind="binary").miscalibration) == pytest.approx(
         float(corp_decomposition(logits, labels, kind="binary").miscalibration), rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["binary", "top-label"])
+def test_corp_log_score_is_exact_where_a_wrong_forecast_rounds_to_one(kind):
+    # log-odds of 40 against the truth: the probability rounds to 1 in float64, and 1 - p to 0
+    logits = torch.tensor([[0.0, 40.0], [0.0, -2.0], [0.0, 1.0], [0.0, -1.0], [0.0, 30.0], [30.0, 0.0]], dtype=torch.float64)
+    labels = torch.tensor([0, 0, 1, 1, 0, 1])
+    result = corp_decomposition(logits, labels, score="log", kind=kind)
+    # every forecast's log score from its exact log-odds t: log(1 + e^-t) where it came true, else log(1 + e^t)
+    t = logits[:, 1] - logits[:, 0] if kind == "binary" else (logits[:, 1] - logits[:, 0]).abs()
+    happened = labels == 1 if kind == "binary" else logits.argmax(1) == labels
+    expected = np.logaddexp(0.0, np.where(happened.numpy(), -t.numpy(), t.numpy())).mean()
+    assert float(result.score) == pytest.approx(expected, rel=1e-14)
+    if kind == "binary":
+        assert float(result.score) == pytest.approx(float(cross_entropy(logits, labels)), rel=1e-14)
+    assert float(result.score) == pytest.approx(float(result.miscalibration - result.discrimination + result.uncertainty), rel=1e-14)
+    assert float(corp_decomposition(logits.float(), labels, score="log", kind=kind).score) == pytest.approx(expected, rel=1e-7)
 
 
 def test_murphy_matches_numpy_and_equals_brier_for_binned_forecasts(real):

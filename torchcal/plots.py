@@ -79,6 +79,8 @@ def pyplot():
 
 def _systems(logits: BinnedSystems) -> dict[str, Any]:
     systems = dict(logits) if isinstance(logits, Mapping) else {"": logits}
+    # a calibrator's output requires grad, which NumPy refuses; a plot has no use for it
+    systems = {name: scores.detach() if isinstance(scores, Tensor) else scores for name, scores in systems.items()}
     if not systems:
         raise ValueError("no system to draw: pass (N, K) scores, or a mapping {name: scores} with at least one entry.")
     return systems
@@ -319,7 +321,7 @@ def bayes_risk_sweep(
     if log_odds is None:
         t = _measurable_log_odds(labels, class_index, _zero_one_log_odds(p, class_index))
     else:
-        t = torch.as_tensor(log_odds, dtype=torch.float64)
+        t = torch.atleast_1d(torch.as_tensor(log_odds, dtype=torch.float64))  # one operating point as a float too
         if t.ndim > 1:
             raise ValueError(f"log_odds must have shape (T,), one operating point each, got {tuple(t.shape)}; flatten them.")
     t = t.to(labels.device)
@@ -392,14 +394,16 @@ def bayes_risk_curve(
     for name, scores in systems.items():
         t, nec = bayes_risk_sweep(scores, labels, class_index, log_odds, priors)
         order = t.argsort()  # (given operating points may come in any order)
-        ax.plot(t[order].cpu().numpy(), nec[order].cpu().numpy(), color=colors[name], linewidth=1.5, label=name or None)
+        ax.plot(t[order].cpu().numpy(), nec[order].cpu().numpy(), color=colors[name], linewidth=1.5, label=name or None,
+                marker="o" if t.numel() == 1 else None)  # (one operating point: no line to draw)
         top = max(top, float(nec.max()))
     p = class_frequencies(labels, num_classes) if priors is None else check_priors(priors, num_classes)
     ax.axhline(1.0, color="0.6", linestyle="--", linewidth=1, label="prior-only system")
     zero_one = _zero_one_log_odds(p, class_index)
     if float(t.min()) <= zero_one <= float(t.max()):  # (given operating points may leave it out)
         ax.axvline(zero_one, color="0.6", linestyle=":", linewidth=1, label="0-1 costs")
-    ax.set(xlim=(float(t.min()), float(t.max())), ylim=(0, min(top * 1.05, 2.0)),
+    low, high = float(t.min()), float(t.max())
+    ax.set(xlim=(low, high) if low < high else (low - 1, high + 1), ylim=(0, min(top * 1.05, 2.0)),
            xlabel=f"prior log-odds of class {class_index} (operating point)", ylabel="normalised expected cost")
     ax.set_title(f"Bayes risk, effective prior of class {class_index}", fontsize="medium")
     ax.legend(loc="best", fontsize="small", frameon=False)

@@ -9,7 +9,6 @@ exactly 0 or 1, so the log-loss stays finite.
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar
 
 import numpy as np
@@ -20,6 +19,7 @@ from torchcal._validation import check_count
 from torchcal.calibrators.base import Calibrator
 from torchcal.fit import FitRecord
 from torchcal.functional.isotonic import pool_adjacent_violators
+from torchcal.functional.scoring import one_vs_rest_log_odds
 
 __all__ = ["HistogramBinning", "IsotonicCalibration"]
 
@@ -127,18 +127,6 @@ class HistogramBinning(_OneVsRest):
 
     def extra_repr(self) -> str:
         return f"n_bins={self.n_bins}, strategy={self.strategy!r}, " + super().extra_repr()
-
-
-def one_vs_rest_log_odds(logits: Tensor) -> Tensor:
-    """``log(p_k / (1 - p_k)) = z_k - logsumexp_{j != k} z_j`` of ``softmax(logits)`` (N, K) in
-    float64: exact also where ``p_k`` rounds to 1 (log-odds above 37), which only the row's
-    largest logit can reach; every other column has ``p_k <= 1/2``, where ``log1p`` is exact."""
-    z = logits.to(torch.float64)
-    log_p = torch.log_softmax(z, dim=1)
-    odds = log_p - torch.log1p(-log_p.exp())
-    top = z.argmax(dim=1, keepdim=True)
-    rest = z.scatter(1, top, -math.inf).logsumexp(dim=1, keepdim=True)
-    return odds.scatter(1, top, z.gather(1, top) - rest)
 
 
 def _probability_midpoint(a: np.ndarray, b: np.ndarray) -> np.ndarray:

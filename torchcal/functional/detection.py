@@ -43,6 +43,7 @@ from torchcal.functional.scoring import class_frequencies, class_sums, to_log_pr
 
 __all__ = [
     "DetectionCurve",
+    "bayes_accepts",
     "bayes_threshold",
     "cllr",
     "cllr_from_class_sums",
@@ -91,12 +92,19 @@ def log_likelihood_ratios(logits: Tensor, labels: Tensor, priors: Tensor | None 
     return _llrs_and_labels(logits, labels, priors)[0]
 
 
-def _llrs_and_labels(logits: Tensor, labels: Tensor, priors: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """``log_likelihood_ratios`` (N,) and the validated int64 labels (N,) on their device."""
+def _log_odds_and_labels(logits: Tensor, labels: Tensor, priors: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The posterior log-odds (N,), the priors' log-odds (a scalar; their difference is the LLR)
+    and the validated int64 labels (N,) on their device."""
     logits, labels = _binary(logits, labels)
     log_probs = to_log_probs(logits)
     p = class_frequencies(labels, 2) if priors is None else check_detection_priors(priors, device=logits.device)
-    return log_probs[:, 1] - log_probs[:, 0] - (p[1].log() - p[0].log()), labels
+    return log_probs[:, 1] - log_probs[:, 0], p[1].log() - p[0].log(), labels
+
+
+def _llrs_and_labels(logits: Tensor, labels: Tensor, priors: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``log_likelihood_ratios`` (N,) and the validated int64 labels (N,) on their device."""
+    log_odds, prior_log_odds, labels = _log_odds_and_labels(logits, labels, priors)
+    return log_odds - prior_log_odds, labels
 
 
 def check_detection_priors(priors: Any, device: torch.device | None = None) -> Tensor:
@@ -256,6 +264,21 @@ def bayes_threshold(target_prior: float, cost_miss: float, cost_false_alarm: flo
     return math.log(cost_false_alarm * (1 - target_prior) / (cost_miss * target_prior))
 
 
+def bayes_accepts(log_odds: Tensor, prior_log_odds: Tensor, threshold: float) -> Tensor:
+    """The Bayes decisions (N,) bool: accept where the LLR ``log_odds - prior_log_odds`` exceeds
+    ``threshold`` by more than the three terms' round-off. An LLR that equals the threshold is a
+    miss, as the module says, however the terms round: posteriors of 1/2 under a target prior
+    equal to the priors' ``P_1`` sit exactly on it.
+
+    Example:
+        >>> bool(bayes_accepts(torch.zeros(1, dtype=torch.float64), torch.tensor(math.log(4)), -math.log(4)))
+        False
+    """
+    eps = torch.finfo(torch.float64).eps
+    slack = 8 * eps * (1 + log_odds.abs() + prior_log_odds.abs() + abs(threshold))
+    return log_odds - prior_log_odds > threshold + slack
+
+
 def detection_cost_from_class_sums(
     errors: Tensor,
     counts: Tensor,
@@ -299,8 +322,8 @@ def detection_cost(
         1.0
     """
     threshold = bayes_threshold(target_prior, cost_miss, cost_false_alarm)
-    llr, labels = _llrs_and_labels(logits, labels, priors)
-    errors, counts = class_sums((llr > threshold) != (labels == 1), labels, 2)
+    log_odds, prior_log_odds, labels = _log_odds_and_labels(logits, labels, priors)
+    errors, counts = class_sums(bayes_accepts(log_odds, prior_log_odds, threshold) != (labels == 1), labels, 2)
     return detection_cost_from_class_sums(errors, counts, target_prior, cost_miss, cost_false_alarm, normalize)
 
 

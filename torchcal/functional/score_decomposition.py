@@ -22,9 +22,12 @@ from typing import Literal, NamedTuple
 import numpy as np
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 
+from torchcal._validation import as_tensor
 from torchcal.functional.diagnostics import Strategy, bin_statistics, binary_problems, binned_scores
 from torchcal.functional.isotonic import pool_adjacent_violators
+from torchcal.functional.scoring import one_vs_rest_log_odds
 
 __all__ = [
     "CorpDecomposition",
@@ -67,6 +70,14 @@ SCORES: dict[str, BinaryScore] = {"brier": _brier, "log": _log}
 def _binary_problem(logits: Tensor, labels: Tensor, kind: str) -> tuple[Tensor, Tensor]:
     scores, targets = binary_problems(logits, labels, kind)
     return scores[:, 0], targets[:, 0]
+
+
+def _log_score_of_logits(logits: Tensor, targets: Tensor, kind: str) -> Tensor:
+    """The mean log score of the event ``kind`` selects (the top label, or class 1), from its
+    one-vs-rest log-odds ``t``: ``-log sigmoid(t)`` where it happened, ``-log sigmoid(-t)`` where not."""
+    log_odds = one_vs_rest_log_odds(logits)
+    event = log_odds.max(dim=1).values if kind == "top-label" else log_odds[:, 1]
+    return F.softplus(torch.where(targets > 0, -event, event)).mean()
 
 
 def corp_recalibration(scores: Tensor, targets: Tensor) -> Tensor:
@@ -130,7 +141,9 @@ def corp_decomposition(
     x, y = _binary_problem(logits, labels, kind)
     recalibrated = corp_recalibration(x, y)
     climatology = y.mean().expand_as(y)
-    mean_score, recalibrated_score, uncertainty = (score(p, y).mean() for p in (x, recalibrated, climatology))
+    recalibrated_score, uncertainty = (score(p, y).mean() for p in (recalibrated, climatology))
+    # the log score from the exact log-odds: 1 - x loses digits, or all of them where x rounds to 1
+    mean_score = _log_score_of_logits(as_tensor(logits, "logits"), y, kind) if score is _log else score(x, y).mean()
     return CorpDecomposition(mean_score, mean_score - recalibrated_score, uncertainty - recalibrated_score, uncertainty)
 
 

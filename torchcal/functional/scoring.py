@@ -14,6 +14,7 @@ always outputs the priors: the prior entropy for cross-entropy, ``sum_k P_k (1 -
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
@@ -38,6 +39,7 @@ __all__ = [
     "log_loss_per_sample",
     "naive_brier_score",
     "naive_cross_entropy",
+    "one_vs_rest_log_odds",
     "prior_weighted_mean",
     "to_log_probs",
     "weighted_mean",
@@ -52,6 +54,18 @@ def to_log_probs(logits: Tensor) -> Tensor:
         tensor([[0.5000, 0.5000]], dtype=torch.float64)
     """
     return torch.log_softmax(logits, dim=1, dtype=torch.float64)
+
+
+def one_vs_rest_log_odds(logits: Tensor) -> Tensor:
+    """``log(p_k / (1 - p_k)) = z_k - logsumexp_{j != k} z_j`` of ``softmax(logits)`` (N, K) in
+    float64: exact also where ``p_k`` rounds to 1 (log-odds above 37), which only the row's
+    largest logit can reach; every other column has ``p_k <= 1/2``, where ``log1p`` is exact."""
+    z = logits.to(torch.float64)
+    log_p = torch.log_softmax(z, dim=1)
+    odds = log_p - torch.log1p(-log_p.exp())
+    top = z.argmax(dim=1, keepdim=True)
+    rest = z.scatter(1, top, -math.inf).logsumexp(dim=1, keepdim=True)
+    return odds.scatter(1, top, z.gather(1, top) - rest)
 
 
 def log_loss_per_sample(log_probs: Tensor, labels: Tensor) -> Tensor:

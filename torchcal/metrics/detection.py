@@ -18,6 +18,7 @@ from torch import Tensor
 from torchmetrics.utilities import dim_zero_cat
 
 from torchcal.functional.detection import (
+    bayes_accepts,
     bayes_threshold,
     check_detection_priors,
     cllr,
@@ -46,7 +47,9 @@ class _DetectionMetric(ScoreMetric):
     log_odds: list[Tensor]
     targets: list[Tensor]
 
-    def __init__(self, priors: Tensor | None = None, **kwargs: Any) -> None:
+    def __init__(self, priors: Tensor | None = None, *, num_classes: int = 2, **kwargs: Any) -> None:
+        if num_classes != 2:
+            raise ValueError(f"{type(self).__name__} is a binary metric (class 1 the target): num_classes must be 2, got {num_classes!r}.")
         super().__init__(2, **kwargs)
         self.register_buffer("priors", None if priors is None else check_detection_priors(priors), persistent=False)
         if priors is None:
@@ -56,8 +59,9 @@ class _DetectionMetric(ScoreMetric):
             add_sum_state(self, "class_sums", 2)
             add_sum_state(self, "class_counts", 2)
 
-    def _per_sample(self, llr: Tensor, labels: Tensor) -> Tensor:
-        """Each sample's term (N,) of the prior-weighted mean, given its LLR and label."""
+    def _per_sample(self, log_odds: Tensor, prior_log_odds: Tensor, labels: Tensor) -> Tensor:
+        """Each sample's term (N,) of the prior-weighted mean, given its posterior log-odds, the
+        priors' and its label (its LLR is their difference)."""
         raise NotImplementedError
 
     def _from_sums(self, sums: Tensor, counts: Tensor) -> Tensor:
@@ -80,8 +84,7 @@ class _DetectionMetric(ScoreMetric):
             self.log_odds.append(log_odds)
             self.targets.append(labels)
             return
-        llr = log_odds - (self.priors[1].log() - self.priors[0].log())
-        sums, counts = class_sums(self._per_sample(llr, labels), labels, 2)
+        sums, counts = class_sums(self._per_sample(log_odds, self.priors[1].log() - self.priors[0].log(), labels), labels, 2)
         self.class_sums += sums
         self.class_counts += counts
 
@@ -112,8 +115,8 @@ class Cllr(_DetectionMetric):
         0.7356
     """
 
-    def _per_sample(self, llr: Tensor, labels: Tensor) -> Tensor:
-        return cllr_per_sample(llr, labels)
+    def _per_sample(self, log_odds: Tensor, prior_log_odds: Tensor, labels: Tensor) -> Tensor:
+        return cllr_per_sample(log_odds - prior_log_odds, labels)
 
     def _from_sums(self, sums: Tensor, counts: Tensor) -> Tensor:
         return cllr_from_class_sums(sums, counts)
@@ -155,8 +158,8 @@ class DetectionCost(_DetectionMetric):
         self.target_prior, self.cost_miss, self.cost_false_alarm = target_prior, cost_miss, cost_false_alarm
         self.normalize = normalize
 
-    def _per_sample(self, llr: Tensor, labels: Tensor) -> Tensor:
-        return (llr > self.threshold) != (labels == 1)  # a false alarm or a miss
+    def _per_sample(self, log_odds: Tensor, prior_log_odds: Tensor, labels: Tensor) -> Tensor:
+        return bayes_accepts(log_odds, prior_log_odds, self.threshold) != (labels == 1)  # a false alarm or a miss
 
     def _from_sums(self, sums: Tensor, counts: Tensor) -> Tensor:
         return detection_cost_from_class_sums(

@@ -501,3 +501,39 @@ def test_binary_kind_with_more_classes_names_only_the_kinds_the_function_takes()
         assert "class_index" not in str(caught.value)
     with pytest.raises(ValueError, match='got K = 3; use kind="top-label".$'):
         SpiegelhalterTest(kind="binary").update(logits, labels)
+
+
+def test_numpy_integer_seeds_are_seeds_everywhere():
+    """``np.int64`` seeds raised "TypeError: an integer is required" in the label resampling, the
+    Hosmer-Lemeshow test, the consistency bands and the folds of the cross-validation; a seed out
+    of a generator's range came back wrapped as a failure on resampled labels."""
+    from torchcal.fit import fold_indices
+    from torchcal.functional.reliability_intervals import consistency_bands
+
+    gen = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(300, 3, generator=gen, dtype=torch.float64), torch.randint(0, 3, (300,), generator=gen)
+    calls = [
+        lambda seed: consistency_resampling_test(expected_calibration_error, logits, labels, 19, seed=seed).p_value,
+        lambda seed: consistency_resampling_test(smooth_calibration_error, logits, labels, 5, seed=seed).p_value,
+        lambda seed: hosmer_lemeshow_test(logits, labels, num_resamples=19, seed=seed).p_value,
+        lambda seed: consistency_bands(logits, labels, n_bins=4, num_resamples=19, seed=seed).upper,
+        lambda seed: torch.cat(fold_indices(labels, 5, seed)),
+    ]
+    for call in calls:
+        torch.testing.assert_close(call(np.int64(3)), call(3), rtol=0, atol=0, equal_nan=True)
+        with pytest.raises(ValueError, match="seed must"):
+            call(2**64)
+        with pytest.raises(ValueError, match="seed must be an integer"):
+            call(1.5)
+
+
+def test_a_bad_metric_option_is_the_metrics_own_error_not_a_resampling_failure():
+    logits, labels = torch.randn(200, 3, dtype=torch.float64), torch.randint(0, 3, (200,))
+    from torchcal.functional.debiased_ece import debiased_calibration_error
+
+    with pytest.raises(ValueError, match="n_bins must be a positive integer, got 0") as info:
+        consistency_resampling_test(debiased_calibration_error, logits, labels, 9, n_bins=0)
+    assert "resampled" not in str(info.value)
+    with pytest.raises(ValueError, match="binary") as info:
+        consistency_resampling_test(debiased_calibration_error, logits, labels, 9, kind="binary")
+    assert "resampled" not in str(info.value)

@@ -170,17 +170,26 @@ def check_logits(logits: Any, name: str = "logits", num_classes: int | None = No
 
 
 def check_count(value: Any, name: str, minimum: int = 1) -> int:
-    """``value`` as an int >= ``minimum`` (not a bool, not a float), or ``ValueError`` naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """``value`` as an int >= ``minimum`` (not a bool, not a float; NumPy's integers too), or
+    ``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
-    return value
+    return int(value)
 
 
 def check_seed(seed: Any, name: str = "seed") -> int:
-    """``seed`` as an int (not a bool, not a float), or ``ValueError`` naming it."""
+    """``seed`` as an int (not a bool, not a float; NumPy's integers too) in the range a
+    ``torch.Generator`` takes, or ``ValueError`` naming it."""
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise ValueError(f"{name} must be an integer, got {seed!r}.")
+    if not -(2**63) <= int(seed) < 2**64:
+        raise ValueError(f"{name} must lie in [-2**63, 2**64), the range of a torch.Generator's seed, got {int(seed)}.")
     return int(seed)
+
+
+def seeded_generator(seed: Any, name: str = "seed") -> torch.Generator:
+    """A CPU ``torch.Generator`` seeded with :func:`check_seed`'s ``seed``."""
+    return torch.Generator().manual_seed(check_seed(seed, name))
 
 
 def check_folds(folds: Any, seed: Any, folds_name: str = "folds", seed_name: str = "seed") -> None:

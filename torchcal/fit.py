@@ -26,6 +26,7 @@ from torchcal._validation import (
     check_folds,
     check_labels,
     check_logits_and_labels,
+    seeded_generator,
     stacklevel_outside_package,
 )
 from torchcal.distributed import ProcessGroup, all_reduce_, validate_together
@@ -424,7 +425,7 @@ def fold_indices(
         if fewest < folds:
             raise ValueError(f"cross-validation with {folds} folds needs at least {folds} samples on every process "
                              f"(the fewest: {int(fewest)}), got N = {n} here.")
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded_generator(seed)
     assignment = torch.empty(n, dtype=torch.long)
     labels = labels.cpu()
     canonical = torch.arange(n) if scores is None or groups is not None else _order_by_content(scores, labels)

@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from torchcal._validation import as_tensor, check_count, check_seed
+from torchcal._validation import as_tensor, check_count, check_seed, seeded_generator
 from torchcal.functional.decisions import (
     balanced_error_rate,
     balanced_error_rate_terms,
@@ -243,7 +243,7 @@ def resample_indices(num_samples: int, num_replicates: int, seed: int, strata: T
         >>> all(bool((strata[chunk] == 0).sum(1).eq(1).all()) for chunk in resample_indices(4, 50, 0, strata))
         True
     """
-    generator = torch.Generator().manual_seed(check_seed(seed))
+    generator = seeded_generator(seed)
     groups = None if strata is None else [(strata.cpu() == s).nonzero().flatten() for s in strata.cpu().unique()]
     chunk = max(1, CHUNK_ELEMENTS // num_samples)
     for start in range(0, num_replicates, chunk):

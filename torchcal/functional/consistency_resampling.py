@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from torchcal._validation import check_count, check_logits_and_labels
+from torchcal._validation import check_count, check_logits_and_labels, check_seed, seeded_generator
 from torchcal.functional.bootstrap import CHUNK_ELEMENTS, float64_metric_value, metric_decomposition
 from torchcal.functional.diagnostics import BinDecomposition, sums_by_key
 from torchcal.functional.scoring import SumDecomposition, to_log_probs
@@ -59,7 +59,7 @@ def resample_labels(log_probs: Tensor, num_resamples: int, seed: int, chunk: int
     n, k = log_probs.shape
     cumulative = log_probs.to(torch.float64).exp().cumsum(1)
     cumulative = cumulative / cumulative[:, -1:]  # the last edge is exactly 1
-    generator = torch.Generator().manual_seed(seed)
+    generator = seeded_generator(seed)
     chunk = chunk or max(1, CHUNK_ELEMENTS // n)
     for start in range(0, num_resamples, chunk):
         size = min(chunk, num_resamples - start)
@@ -98,23 +98,25 @@ def consistency_resampling_test(
         (True, torch.Size([199]))
     """
     check_count(num_resamples, "num_resamples")
+    seed = check_seed(seed)
     logits, labels = check_logits_and_labels(logits, labels)
     log_probs = to_log_probs(logits)
     terms = metric_decomposition(metric_fn, metric_kwargs)
     table = None
+    # on the observed labels, outside the try: an error here (a bad option) is the metric's own
     if terms is not None:
         observed = terms(logits, labels, **metric_kwargs)
+        statistic = observed.evaluate()
         if isinstance(observed, SumDecomposition):
             table = _label_table(terms, observed, logits, metric_kwargs, num_resamples)
+    else:
+        statistic = float64_metric_value(metric_fn(logits, labels, **metric_kwargs))
     try:
         if terms is not None and isinstance(observed, BinDecomposition):
-            statistic = observed.evaluate()
             null = _binned_null(observed, log_probs, num_resamples, seed)
-        elif terms is not None and table is not None:
-            statistic = observed.evaluate()
+        elif table is not None:
             null = _summed_null(table, log_probs, num_resamples, seed)
         else:
-            statistic = observed.evaluate() if terms is not None else float64_metric_value(metric_fn(logits, labels, **metric_kwargs))
             null = torch.stack(
                 [
                     float64_metric_value(metric_fn(logits, drawn, **metric_kwargs))

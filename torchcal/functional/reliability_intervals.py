@@ -18,7 +18,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from torchcal._validation import check_count
+from torchcal._validation import check_count, seeded_generator
 from torchcal.functional.bootstrap import resample_indices
 from torchcal.functional.diagnostics import ReliabilityBins, Strategy, bin_indices, binned_scores
 
@@ -227,7 +227,7 @@ def consistency_bands(
     index = bin_indices(binned.scores, binned.edges.reshape(-1, n_bins + 1)[:1], binned.tolerance)[:, 0]
     counts = torch.zeros(n_bins, dtype=torch.float64, device=scores.device).index_add_(0, index, torch.ones_like(scores))
     observed_mean = torch.zeros_like(counts).index_add_(0, index, scores) / counts.clamp_min(1)
-    generator = torch.Generator().manual_seed(seed)
+    generator = seeded_generator(seed)
     # NaN where a resample leaves the bin empty: a positive NaN, not 0 / 0's, whose sign bit CUDA's
     # sort puts before the numbers, against what nanquantile assumes (pytorch#190781; on an H200
     # with torch 2.11 a band's end moved from 1 to 0)

@@ -182,8 +182,12 @@ def _interpolate(mesh: Tensor, values: Tensor) -> Tensor:
     return values[..., index] * (1 - fraction) + values[..., index + 1] * fraction
 
 
+def _mesh_points(bandwidth: float) -> int:
+    return max(round(10 / bandwidth), 200)
+
+
 def _mesh(bandwidth: float, device: torch.device) -> Tensor:
-    return torch.linspace(0, 1, max(round(10 / bandwidth), 200), dtype=torch.float64, device=device)
+    return torch.linspace(0, 1, _mesh_points(bandwidth), dtype=torch.float64, device=device)
 
 
 def _smooth_ece_at(grid: Tensor, bandwidth: float) -> Tensor:
@@ -246,7 +250,8 @@ def _smooth_ece_columns(
 
     def at(columns: Tensor, sigma: float) -> Tensor:
         points = grid_points or grid_points_for_bandwidth(sigma)
-        chunk = max(1, COLUMN_CHUNK_ELEMENTS // (6 * points))  # the FFT holds about 2 x 3G values per column
+        # per column the FFT holds about 2 x 3G values, the mesh of a small bandwidth more than G
+        chunk = max(1, COLUMN_CHUNK_ELEMENTS // (6 * max(points, _mesh_points(sigma))))
         return torch.cat([_smooth_ece_at(grids(points, part), sigma) for part in columns.split(chunk)])
 
     columns = torch.arange(num_columns)
@@ -359,7 +364,7 @@ def smooth_calibration_error(
         kind: ``"top-label"`` (confidence vs correctness, relplot's multiclass reduction),
             ``"binary"`` (``q_1`` vs ``[y == 1]`` for K = 2) or ``"classwise"`` (the mean over
             classes of the one-vs-rest smECE, each at its own bandwidth).
-        bandwidth: the kernel bandwidth sigma in (0, 1]; None (default) takes the fixed point
+        bandwidth: the kernel bandwidth sigma in [1e-5, 1]; None (default) takes the fixed point
             ``sigma = smECE(sigma)``, as the paper and relplot do.
         grid_points: size G of the grid the scores are rounded to; None (default) takes relplot's
             ``max(2000, round(20 / sigma)) // 2 + 1``, which the streaming metric cannot know in
@@ -468,8 +473,10 @@ def smooth_reliability_curve(
 
     weights = torch.stack([torch.ones_like(scores), targets])
     density, frequency = smoothed(weights, None)
+    per_draw = 6 * max(points, mesh_points)  # each replicate's grid, FFT and mesh (a small bandwidth's grid is large)
     replicates = torch.cat(
-        [smoothed(weights, draws.to(scores.device))[1] for draws in resample_indices(scores.shape[0], num_replicates, seed)]
+        [smoothed(weights, part.to(scores.device))[1] for draws in resample_indices(scores.shape[0], num_replicates, seed)
+         for part in draws.split(max(1, COLUMN_CHUNK_ELEMENTS // per_draw))]
     )
     alpha = (1 - confidence) / 2
     levels = torch.tensor([alpha, 1 - alpha], dtype=torch.float64, device=scores.device)

@@ -639,7 +639,8 @@ def test_fold_counts_and_groups():
         (lambda: torchcal.HistogramBinning(n_bins=0), ValueError, "n_bins must be an integer >= 1"),
         (lambda: torchcal.IsotonicCalibration(eps=0.7), ValueError, r"eps must be in \(0, 0.5\)"),
         (lambda: torchcal.MatrixScaling(reg="odir", reg_lambda=-1.0), ValueError, "reg_lambda must be finite and >= 0"),
-        (lambda: F.calibration_loss(torch.tensor([[0.0, -1e4]]), torch.zeros(1, 2), torch.tensor([0])), ValueError, "needs a positive raw score"),
+        (lambda: F.calibration_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([0]), torch.tensor([0.5, 0.5])), ValueError,
+         "score must be a function"),
         (lambda: check_logits(torch.zeros(2, 3), num_classes=4), ValueError, "K = 3 classes but 4 were expected"),
     ],
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import numpy as np
@@ -76,8 +77,8 @@ def test_calibration_loss_can_be_negative():
 def test_calibration_loss_rejects_bad_input():
     perfect = torch.tensor([[0.0, -1e4], [-1e4, 0.0]])
     labels = torch.tensor([0, 1])
-    with pytest.raises(ValueError, match="positive raw score"):
-        calibration_loss(perfect, perfect, labels)
+    with pytest.raises(ValueError, match="score must be a function.*pass deployment priors as priors="):
+        calibration_loss(perfect, perfect, labels, torch.tensor([0.5, 0.5]))  # (cross_entropy takes priors third)
     with pytest.raises(ValueError, match="calibrated_logits has K = 3"):
         calibration_loss(perfect, torch.zeros(2, 3), labels)
     with pytest.raises(ValueError, match="calibrated_logits has 3 rows"):
@@ -134,3 +135,25 @@ def test_ferrer_ramos_table2_relative_calibration_loss(real, name, published):
     z, y = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
     result = cross_validated_calibration_loss(z, y, torchcal.AffineCalibration())
     assert result.relative.item() == pytest.approx(published, abs=0.1)
+
+
+def test_a_perfect_raw_system_has_an_absolute_loss_and_an_undefined_relative_one():
+    """Raw and calibrated risk both 0: the absolute loss is 0, and the relative one 0 / 0. Both
+    the functional and the metric refused, also for the absolute loss alone (in a Lightning
+    validation loop a perfect batch stopped the run)."""
+    from torchcal.metrics import CalibrationLoss
+
+    perfect = torch.tensor([[0.0, -8.0], [-8.0, 0.0]]).repeat(50, 1)
+    labels = torch.tensor([0, 1]).repeat(50)
+    risk = partial(bayes_risk, costs=zero_one_costs(2))
+    result = calibration_loss(perfect, perfect / 2, labels, risk)
+    assert float(result.absolute) == 0.0 and math.isnan(float(result.relative))
+    result = calibration_loss(perfect, perfect / 2, labels)  # cross-entropy: the raw is the better one
+    assert float(result.absolute) == pytest.approx(float(cross_entropy(perfect, labels) - cross_entropy(perfect / 2, labels)))
+    fitted = torchcal.TemperatureScaling().fit(perfect, labels)
+    for calibrator in (torchcal.TemperatureScaling(), fitted):  # cross-validated, and streaming through a fitted one
+        for relative in (False, True):
+            metric = CalibrationLoss(calibrator, 2, risk, relative=relative)
+            metric.update(perfect, labels)
+            value = float(metric.compute())
+            assert math.isnan(value) if relative else value == 0.0

@@ -13,7 +13,8 @@ from gloo import spawn_gloo
 
 import torchcal
 from torchcal.calibrators import temperature
-from torchcal.label_shift import estimate_priors
+from torchcal.functional.refinement import refinement_loss
+from torchcal.label_shift import LabelShiftAdapter, estimate_priors
 
 # Each model exercises one solver: 1-D Newton (log loss, and Brier with class weights from global
 # counts), structured Newton (with class weights, and with a penalty that must be counted once),
@@ -156,6 +157,7 @@ def _bad_shard_worker(rank: int, out: str) -> None:
             lambda: torchcal.TemperatureScaling().fit(bad_logits, bad_labels, process_group=world),
             lambda: torchcal.DirichletCalibration(reg="odir").fit(bad_logits, bad_labels, process_group=world),
             lambda: torchcal.cross_validate(torchcal.VectorScaling(), bad_logits, bad_labels, process_group=world),
+            lambda: refinement_loss(bad_logits, bad_labels, process_group=world),  # (it hung the healthy rank)
         ):
             try:
                 call()
@@ -170,6 +172,15 @@ def _bad_shard_worker(rank: int, out: str) -> None:
         errors.append(None)
     except ValueError as err:
         errors.append(str(err))
+    adapter = LabelShiftAdapter().fit(logits, labels, process_group=world)
+    target = logits.clone()
+    if rank == 1:
+        target[3, 1] = float("nan")
+    try:  # the calibrator's check of the target logits came before the estimate's collectives: rank 0 hung
+        adapter.adapt(target, process_group=world)
+        errors.append(None)
+    except ValueError as err:
+        errors.append(str(err))
     torch.save(errors, Path(out) / f"rank{rank}.pt")
 
 
@@ -180,10 +191,10 @@ def test_invalid_data_on_one_process_fails_on_every_process(tmp_path):
         pytest.skip("torch.distributed is not available")
     spawn_gloo(_bad_shard_worker, 2, str(tmp_path))
     others, own = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
-    assert len(own) == len(others) == 7
+    assert len(own) == len(others) == 10
     for message in others:
         assert message is not None and "another process of the group refused its shard" in message
-    assert all("NaN" in m for m in own[:3]) and all("label" in m for m in own[3:6]) and "infinite" in own[6]
+    assert all("NaN" in m for m in own[:4]) and all("label" in m for m in own[4:8]) and "infinite" in own[8] and "NaN" in own[9]
 
 
 CV_MODELS = {

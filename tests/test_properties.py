@@ -258,11 +258,12 @@ def test_scoring_rules_match_numpy(problem, prior_mode, normalize):
             result = F.calibration_loss(problem.logits, halved, problem.labels, score=fn, priors=torch_priors)
             close(result.absolute, score - calibrated, atol=1e-9)
             close(result.relative, 100 * (score - calibrated) / score, rtol=1e-6, atol=1e-6)
-        elif score == 0:
-            with pytest.raises(ValueError, match="needs a positive raw score"):
-                F.calibration_loss(problem.logits, halved, problem.labels, score=fn, priors=torch_priors)
+        elif score == 0:  # a perfect raw system: the relative loss is 0 / 0
+            result = F.calibration_loss(problem.logits, halved, problem.labels, score=fn, priors=torch_priors)
+            close(result.absolute, -calibrated, atol=1e-9)
+            assert math.isnan(float(result.relative))
         # In between, a raw score within round-off of 0 (a perfect classifier) has no meaningful
-        # relative calibration loss: computed as 0 it is refused, otherwise it is noise.
+        # relative calibration loss: computed as 0 it is NaN, otherwise it is noise.
 
 
 @settings(PROPERTY, max_examples=100)

@@ -63,6 +63,9 @@ class AffineCalibration(Calibrator):
     def _unbounded_without_samples(self, features: Tensor, missing: list[int], process_group: ProcessGroup | None = None) -> bool:
         return self.bias
 
+    def _shifts_class_priors(self) -> bool:
+        return self.bias
+
     def get_extra_state(self) -> dict[str, Any]:
         return {**super().get_extra_state(), "bias": self.bias}
 

@@ -86,6 +86,11 @@ class Calibrator(nn.Module):
         free per-class bias, unpenalised, drives those classes' scores down without bound."""
         return False
 
+    def _shifts_class_priors(self) -> bool:
+        """Whether the map has a free term per class (a bias) that lets a fit weighted for deployment
+        ``priors`` move its posteriors to those priors; temperature scaling has none."""
+        return True
+
     def _penalised_everywhere(self) -> bool:
         """Whether the fit's penalty (with the strengths it was fitted with) curves every direction
         of the parameters, so the fit has a finite optimum even on separable data."""

@@ -58,6 +58,9 @@ class TemperatureScaling(Calibrator):
     _fit_in_float64 = False
     log_temperature: Tensor
 
+    def _shifts_class_priors(self) -> bool:
+        return False
+
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
         return {"log_temperature": torch.zeros((), dtype=torch.float64)}
 

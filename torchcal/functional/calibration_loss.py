@@ -10,9 +10,11 @@ makes things worse gives a negative loss.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 
 from torchcal._validation import check_logits, check_logits_and_labels
@@ -36,20 +38,24 @@ class CalibrationLossResult(NamedTuple):
 def calibration_loss_from_scores(raw: Tensor, calibrated: Tensor) -> CalibrationLossResult:
     """``CalibrationLossResult`` from the EPSR of the raw and of the calibrated scores.
 
-    Raises ``ValueError`` when ``raw`` is not positive (the relative loss is undefined).
+    A raw score of 0 (a perfect system) leaves the relative loss undefined: NaN, beside the
+    absolute loss ``-calibrated``. A negative raw score (no EPSR is negative) raises ``ValueError``.
 
     Example:
         >>> import torch
         >>> calibration_loss_from_scores(torch.tensor(0.5), torch.tensor(0.4))
         CalibrationLossResult(absolute=tensor(0.1000), relative=tensor(20.0000))
     """
-    if not bool(raw > 0):
-        raise ValueError(
-            f"the raw score is {float(raw):.6g}, but the relative calibration loss needs a positive "
-            f"raw score (a perfect raw score leaves nothing to calibrate)."
-        )
+    if bool(raw < 0):
+        raise ValueError(f"the raw score is {float(raw):.6g}, but an expected proper scoring rule is >= 0: is score one?")
     absolute = raw - calibrated
-    return CalibrationLossResult(absolute, 100 * absolute / raw)
+    return CalibrationLossResult(absolute, 100 * absolute / raw if bool(raw > 0) else torch.full_like(absolute, math.nan))
+
+
+def _check_score(score: Any) -> None:
+    if not callable(score):
+        raise ValueError(f"score must be a function score(logits, labels[, priors=...]), got {type(score).__name__}; "
+                         f"pass deployment priors as priors=.")
 
 
 def _score(score: Score, logits: Tensor, labels: Tensor, priors: Tensor | None) -> Tensor:
@@ -71,7 +77,8 @@ def calibration_loss(
         labels: (N,) class indices in [0, K).
         score: an EPSR ``score(logits, labels[, priors=...])``, e.g. ``cross_entropy`` or
             ``brier_score``; use ``functools.partial`` to fix other arguments.
-        priors: optional (K,) deployment priors passed to ``score``.
+        priors: optional (K,) deployment priors passed to ``score`` (by name: the fourth
+            positional argument is ``score``).
 
     Example:
         >>> import torch
@@ -80,6 +87,7 @@ def calibration_loss(
         >>> round(float(result.absolute), 4), round(float(result.relative), 2)
         (0.5972, 38.56)
     """
+    _check_score(score)
     raw_logits, labels = check_logits_and_labels(raw_logits, labels)
     calibrated_logits = check_logits(calibrated_logits, "calibrated_logits", num_classes=raw_logits.shape[1])
     if calibrated_logits.shape[0] != raw_logits.shape[0]:
@@ -126,6 +134,7 @@ def cross_validated_calibration_loss(
     """
     from torchcal import cross_validate  # torchcal's top level imports this module
 
+    _check_score(score)
     logits, labels = check_logits_and_labels(logits, labels)
     # the fold calibrators are fitted for the priors they are scored with (their posteriors are for them)
     fit_options: dict[str, Any] = {} if priors is None else {"priors": priors}

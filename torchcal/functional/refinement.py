@@ -15,7 +15,7 @@ from torch import Tensor
 
 from torchcal._tempered_moments import tempered_moments
 from torchcal._validation import check_logits_and_labels
-from torchcal.distributed import ProcessGroup, all_reduce_
+from torchcal.distributed import ProcessGroup, all_reduce_, validate_together
 from torchcal.functional.scoring import PER_SAMPLE_SCORES
 
 __all__ = ["refinement_loss"]
@@ -45,9 +45,13 @@ def refinement_loss(logits: Tensor, labels: Tensor, loss: str = "log", *, proces
         >>> bool(refined < raw), round(float(refined), 2)  # three times too confident: TS helps
         (True, 1.12)
     """
-    logits, labels = check_logits_and_labels(logits, labels)
-    if loss not in PER_SAMPLE_SCORES:
-        raise ValueError(f"loss must be one of {sorted(PER_SAMPLE_SCORES)}, got {loss!r}.")
+    def check() -> tuple[Tensor, Tensor]:
+        if loss not in PER_SAMPLE_SCORES:
+            raise ValueError(f"loss must be one of {sorted(PER_SAMPLE_SCORES)}, got {loss!r}.")
+        return check_logits_and_labels(logits, labels)
+
+    # every process of a group at once: none waits alone in the fit's collectives for one that refused
+    logits, labels = validate_together(check, process_group, logits)
     from torchcal.calibrators.temperature import TemperatureScaling  # the calibrators import this package
 
     scaling = TemperatureScaling()

@@ -488,6 +488,17 @@ def test_target_refuses_zero_source_priors_before_the_fit_and_names_them(scores_
     assert code == 2 and f"{two_classes} has no sample of class 2" in err and "fitting" not in err
 
 
+def test_target_refuses_priors_for_a_method_without_a_class_bias(scores_file, capsys, tmp_path):
+    """Temperature scaling fitted for --priors cannot move its posteriors to them, yet --target
+    re-weighted them as if it had (as the LabelShiftAdapter did)."""
+    target = tmp_path / "target.npy"
+    np.save(target, np.load(scores_file)["logits"][:100])
+    code, _, err = run(capsys, "calibrate", scores_file, "--method", "temperature", "--target", target, "--priors", "0.5,0.3,0.2")
+    assert code == 2 and "temperature has no per-class bias" in err and "fitting" not in err
+    code, _, err = run(capsys, "calibrate", scores_file, "--method", "temperature", "--target", target)
+    assert code == 0
+
+
 def test_target_file_is_read_and_checked_before_the_fit(scores_file, capsys, tmp_path, monkeypatch):
     """A missing --target, or one of another classifier (other K), was found only after the fit."""
     monkeypatch.setattr("torchcal.report.fit_calibrator", lambda *a, **k: pytest.fail("fitted before --target was checked"))

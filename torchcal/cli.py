@@ -359,12 +359,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return _evaluate(args, str(EXAMPLE_PATH), calibration, DEMO_METHODS)
 
 
-def _label_shift_source(args: argparse.Namespace, scores: Scores, priors: torch.Tensor | None) -> torch.Tensor:
-    """The source priors that ``--target`` re-weights, those the calibrator is fitted for (``--priors``,
-    else the class frequencies of the calibration scores), checked before the fit: all positive."""
+def _label_shift_source(args: argparse.Namespace, scores: Scores, priors: torch.Tensor | None, calibrator: Calibrator) -> torch.Tensor:
+    """The source priors that ``--target`` re-weights, those the (unfitted) ``calibrator`` is fitted
+    for (``--priors``, else the class frequencies of the calibration scores), checked before the
+    fit: all positive, and ``--priors`` only for a calibrator that can move its posteriors to them."""
     from torchcal.functional import class_frequencies
 
     assert scores.labels is not None  # calibration data always have labels
+    if priors is not None and not calibrator._shifts_class_priors():
+        raise UsageError(
+            f"--target with {_where(args, 'priors')}: {args.method} has no per-class bias, so a fit weighted for the "
+            f"priors cannot move its posteriors to them, and the target re-weighting would start from priors they do "
+            f"not assume. Leave out the priors (the source priors are then the class frequencies), or use a method "
+            f"with a bias such as affine."
+        )
     source = class_frequencies(scores.labels, scores.num_classes) if priors is None else priors
     zero = (source == 0).nonzero().flatten().tolist()
     if zero:
@@ -426,7 +434,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     settings = _settings(args)
     method = args.method
     options = (settings.get("options") or {}).get(method, {})
-    make_calibrator(method, **options)  # bad names and options fail before the data are read
+    unfitted = make_calibrator(method, **options)  # bad names and options fail before the data are read
     split = _calibration_split(args.scores)
     scores = _with_two_classes(_load(args.scores, args, priors=_binary_priors(settings.get("priors")), split=split), args.scores)
     where = f"{scores.num_samples} samples" + (" (the file's validation split)" if split == "val" else "")
@@ -437,7 +445,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise UsageError("calibrate needs --save PATH, --target TARGET_SCORES, or both (see torchcal calibrate --help)")
     if args.save is not None:
         _check_output("--save", args.save, folder=False)
-    shift = (_label_shift_source(args, scores, priors), _load_target(args, scores)) if args.target else None
+    shift = (_label_shift_source(args, scores, priors, unfitted), _load_target(args, scores)) if args.target else None
     if not args.quiet:
         print(f"fitting {method} on {where} ...", file=sys.stderr, flush=True)
     calibrator = fit_calibrator(method, options, scores.logits, labels, priors=priors)

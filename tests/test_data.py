@@ -173,14 +173,15 @@ def test_csv_with_a_label_column(tmp_path):
 
 def test_binary_one_column(tmp_path):
     llr = np.array([-3.0, 0.5, 2.0])
-    np.savez(tmp_path / "llr.npz", logits=llr, labels=[0, 1, 1])
-    scores = load_scores(tmp_path / "llr.npz")
+    np.save(tmp_path / "llr_scores.npy", llr)  # no key says what the column is
+    np.save(tmp_path / "llr_labels.npy", [0, 1, 1])
+    scores = load_scores(tmp_path / "llr_scores.npy")
     assert scores.read_as.startswith("binary log-likelihood ratios (one score column with values above 1 or of both signs")
     # without priors, the labels' class frequencies (1/3, 2/3): those the metrics assume
     assert scores.read_as.endswith("turned into posteriors with the labels' class frequencies (0.3333, 0.6667)")
     np.testing.assert_allclose(scores.logits.softmax(1)[:, 1].numpy(), 1 / (1 + 0.5 * np.exp(-llr)))
     torch.testing.assert_close(scores.llr_priors, torch.tensor([1 / 3, 2 / 3], dtype=torch.float64))
-    with_priors = load_scores(tmp_path / "llr.npz", priors=[0.9, 0.1])
+    with_priors = load_scores(tmp_path / "llr_scores.npy", priors=[0.9, 0.1])
     np.testing.assert_allclose(with_priors.logits.softmax(1)[:, 1].numpy(), 1 / (1 + 9 * np.exp(-llr)))
     np.save(tmp_path / "unlabelled.npy", llr)  # no labels to count: uniform priors
     unlabelled = load_scores(tmp_path / "unlabelled.npy", input="llr", require_labels=False)
@@ -191,6 +192,28 @@ def test_binary_one_column(tmp_path):
         load_scores(tmp_path / "p.npz")
     probs = load_scores(tmp_path / "p.npz", input="probs")
     np.testing.assert_allclose(probs.logits.softmax(1)[:, 1].numpy(), [0.1, 0.7, 0.9])
+
+
+def test_one_column_under_logits_is_a_sigmoid_heads_log_odds(real, tmp_path):
+    """A sigmoid head's one logit saved as ``logits=z`` was read as an LLR and shifted by the
+    labels' prior log-odds: on the FVCAUS x-vector scores (1.7 % targets) the cross-entropy came
+    out 0.0163 against 0.17108 for the same posteriors as two columns; input='logits' was refused."""
+    data = real("fvcaus_xvector-plda_ferrer")
+    two = data["logits"].astype(np.float64)
+    z = two[:, 1] - two[:, 0]
+    np.savez(tmp_path / "head.npz", logits=z, labels=data["labels"])
+    expected = _nll(two, data["labels"])
+    scores = load_scores(tmp_path / "head.npz")
+    assert scores.read_as.startswith("binary posterior log-odds of class 1, as a sigmoid head outputs (one column under the key 'logits'")
+    assert scores.llr_priors is None and _nll(scores.logits, scores.labels) == pytest.approx(expected, rel=1e-12)
+    np.save(tmp_path / "head_scores.npy", z)
+    np.save(tmp_path / "head_labels.npy", data["labels"])
+    as_said = load_scores(tmp_path / "head_scores.npy", input="logits")
+    assert _nll(as_said.logits, as_said.labels) == pytest.approx(expected, rel=1e-12)
+    # values that also read as probabilities or log-probabilities: still the caller's choice, logits offered
+    np.savez(tmp_path / "unit.npz", logits=[0.1, 0.7, 0.9], labels=[0, 1, 1])
+    with pytest.raises(ValueError, match=r"or a sigmoid head's log-odds \(input='logits', --input logits\)"):
+        load_scores(tmp_path / "unit.npz")
 
 
 def _bundled_probabilities(n=2000):
@@ -253,11 +276,12 @@ def test_one_column_of_log_probabilities_of_class_1(real, tmp_path):
         error = float((scores.logits.argmax(1) != scores.labels).double().mean())
         assert error == pytest.approx(1 - 0.5865, abs=5e-5)
         np.testing.assert_allclose(scores.logits.softmax(1)[:, 1].numpy(), np.exp(log_p1), rtol=1e-12)
-    mixed = np.r_[log_p1[:-1], 0.5]  # one positive value: no log-probability, so LLRs
-    np.savez(tmp_path / "llr.npz", logits=mixed, labels=data["labels"])
-    assert load_scores(tmp_path / "llr.npz").read_as.startswith("binary log-likelihood ratios (one score column with values above 1 or of both signs")
+    mixed = np.r_[log_p1[:-1], 0.5]  # one positive value: no log-probability, so LLRs (no key says logits)
+    np.save(tmp_path / "llr_scores.npy", mixed)
+    np.save(tmp_path / "llr_labels.npy", data["labels"])
+    assert load_scores(tmp_path / "llr_scores.npy").read_as.startswith("binary log-likelihood ratios (one score column with values above 1 or of both signs")
     with pytest.raises(ValueError, match="log-probabilities must be <= 0"):
-        load_scores(tmp_path / "llr.npz", input="log_probs")
+        load_scores(tmp_path / "llr_scores.npy", input="log_probs")
 
 
 def test_binary_scores_to_logits_bayes_rule():
@@ -421,3 +445,50 @@ def test_a_torch_file_of_numpy_arrays_says_what_to_save_instead(tmp_path):
     torch.save({"logits": np.zeros((4, 3)), "labels": np.array([0, 1, 2, 0])}, tmp_path / "numpy.pt")
     with pytest.raises(ValueError, match=r"unpickles nothing else \(e\.g\. NumPy arrays.*save tensors \(torch\.from_numpy\), or use \.npz"):
         load_scores(tmp_path / "numpy.pt")
+
+
+def test_npz_members_that_are_not_used_are_neither_read_nor_sized(tmp_path, monkeypatch):
+    """An object array of metadata made the whole file unreadable, and a large array of features
+    beside small logits had it refused for memory."""
+    from torchcal.data import loading
+
+    logits, labels = np.random.default_rng(0).normal(size=(300, 10)), np.arange(300) % 10
+    np.savez(tmp_path / "meta.npz", logits=logits, labels=labels, meta=np.array([{"model": "resnet"}], dtype=object))
+    assert np.array_equal(load_scores(tmp_path / "meta.npz").logits.numpy(), logits)
+    np.savez(tmp_path / "features.npz", logits=logits, labels=labels, features=np.zeros((300, 4096)))
+    monkeypatch.setattr(loading, "_available_memory", lambda: 2 * 2**20)  # 2 MiB: the logits fit, the features not
+    assert np.array_equal(load_scores(tmp_path / "features.npz").logits.numpy(), logits)
+    np.savez(tmp_path / "big.npz", logits=np.zeros((3000, 100)), labels=np.arange(3000) % 100)
+    with pytest.raises(ValueError, match="the array 'logits' of shape \\(3000, 100\\).*too large"):
+        load_scores(tmp_path / "big.npz")
+    np.savez(tmp_path / "object_logits.npz", logits=np.array([object()] * 3), labels=[0, 1, 0])
+    with pytest.raises(ValueError, match="not a readable .npz file"):
+        load_scores(tmp_path / "object_logits.npz")
+
+
+def test_csv_with_two_label_columns_is_refused(tmp_path):
+    """The second label-named column was read as one more class's scores (K = 11 of 10)."""
+    (tmp_path / "two.csv").write_text("c0,c1,target,label\n0.5,1.0,1,1\n2.0,0.1,0,0\n")
+    with pytest.raises(ValueError, match="2 label columns \\('target', 'label'\\)"):
+        load_scores(tmp_path / "two.csv")
+
+
+def test_labels_csv_with_a_header_as_pandas_writes_it(tmp_path):
+    logits, labels = np.random.default_rng(1).normal(size=(20, 3)), np.arange(20) % 3
+    np.save(tmp_path / "s.npy", logits)
+    for name, text in [
+        ("plain", "".join(f"{y}\n" for y in labels)),
+        ("series", "label\n" + "".join(f"{y}\n" for y in labels)),  # Series.to_csv(index=False)
+        ("indexed", ",label\n" + "".join(f"{i},{y}\n" for i, y in enumerate(labels))),  # Series.to_csv()
+        ("other", "id,target,weight\n" + "".join(f"{i},{y},1.0\n" for i, y in enumerate(labels))),
+    ]:
+        (tmp_path / f"{name}.csv").write_text(text)
+        assert load_scores(tmp_path / "s.npy", labels_path=tmp_path / f"{name}.csv").labels.tolist() == labels.tolist()
+    (tmp_path / "ambiguous.csv").write_text("a,b\n" + "".join(f"{y},{y}\n" for y in labels))
+    with pytest.raises(ValueError, match="needs one column named 'label'"):
+        load_scores(tmp_path / "s.npy", labels_path=tmp_path / "ambiguous.csv")
+
+
+def test_a_nan_probability_is_named_as_such():
+    with pytest.raises(ValueError, match="found 1 NaN and 0 infinite values"):
+        binary_scores_to_logits(torch.tensor([0.2, float("nan")]))

@@ -318,3 +318,20 @@ def test_calibration_error_plot_draws_the_accumulated_bins():
     assert sorted(drawn[0].get_xdata()) == pytest.approx(sorted(bins.mean_score[bins.counts > 0].tolist()))
     assert "class 2" in ax.get_xlabel()
     pyplot().close(fig)
+
+
+def test_a_binary_metric_takes_one_column_of_log_odds_with_labels_of_one_dimension(real):
+    """(N, 1) scores, as nn.Linear(d, 1) outputs them, with (N,) labels raised "K >= 2" (and with
+    validate_args=False an IndexError), while (N,) and (N, 1) labels with (N, 1) scores worked."""
+    import torchcal.metrics as M
+
+    data = real("sst2_gpt2-0shot_ferrer")
+    two = torch.from_numpy(data["logits"]).double()
+    labels = torch.from_numpy(data["labels"])
+    column = (two[:, 1] - two[:, 0]).unsqueeze(1)
+    for validate in (True, False):
+        for cls in (M.CrossEntropy, M.BrierScore, M.ErrorRate):
+            metric, reference = cls(2, validate_args=validate), cls(2)
+            metric.update(column, labels)
+            reference.update(two, labels)
+            torch.testing.assert_close(metric.compute(), reference.compute(), rtol=1e-12, atol=1e-12)

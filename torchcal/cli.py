@@ -544,7 +544,8 @@ def _input_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--labels", metavar="FILE", help="labels file, when the scores file has none")
     p.add_argument("--input", choices=["auto", "logits", "probs", "log_probs", "llr"], default="auto",
                    help="what the scores are; 'auto' reads logits unless rows are provably probabilities "
-                        "(a single binary column needs 'probs', 'log_probs' or 'llr' unless its values prove LLRs)")
+                        "(a single binary column needs 'probs', 'log_probs', 'llr' or 'logits' (a sigmoid head's log-odds) "
+                        "unless its values prove LLRs)")
 
 
 def _method_names() -> str:

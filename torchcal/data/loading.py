@@ -28,11 +28,13 @@ requested). Rows that lie in [0, 1] and sum to one only within :data:`ROUNDED_TO
 probabilities rounded to two decimals) stay logits, and the note says so; ``input="probs"`` then
 renormalises them.
 
-A single score column is a binary task: probabilities of class 1, log-probabilities of class 1
-or log-likelihood ratios (LLRs). When the file does not say which, a column with a value above 1
-or with values of both signs holds LLRs; a column in [0, 1], or with every value <= 0 (a
-log-probability, or an LLR), is ambiguous and the caller must choose. :attr:`Scores.read_as`
-records what was assumed.
+A single score column is a binary task: probabilities of class 1, log-probabilities of class 1,
+log-likelihood ratios (LLRs), or the posterior log-odds a sigmoid head outputs (its one logit,
+``input="logits"``, read as the metrics read one column of logits). When the caller does not say
+which, a column with a value above 1 or with values of both signs holds log-odds if the file
+stores it under the key ``logits``, else LLRs (made posteriors with the labels' class
+frequencies, or ``priors``); a column in [0, 1], or with every value <= 0 (a log-probability, or
+an LLR), is ambiguous and the caller must choose. :attr:`Scores.read_as` records what was assumed.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import csv
 import math
 import warnings
 import zipfile
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -151,7 +154,9 @@ def binary_scores_to_logits(
     if scores.ndim != 1:
         raise ValueError(f"a binary score column must have shape (N,) or (N, 1), got {tuple(scores.shape)}.")
     if kind == "probability":
-        if bool(((scores < 0) | (scores > 1) | scores.isnan()).any()):
+        if scores.isnan().any():
+            raise ValueError(f"probabilities must be numbers in [0, 1]; found {_describe_nonfinite(scores)}. Drop or replace those samples.")
+        if bool(((scores < 0) | (scores > 1)).any()):
             raise ValueError("probabilities must lie in [0, 1]; found values outside. Are these LLRs?")
         return floored_log(torch.stack([1 - scores, scores], dim=1))
     if kind == "llr":
@@ -176,8 +181,8 @@ def load_scores(
     Args:
         path: the scores file.
         labels_path: a separate labels file (``.npy``, ``.pt`` or one-column ``.csv``/``.txt``).
-        input: ``"logits"``, ``"probs"`` (rows of probabilities, or one column of probabilities
-            of class 1), ``"log_probs"`` (rows of log-probabilities, or one column of
+        input: ``"logits"`` (rows of logits, or one column of posterior log-odds of class 1),
+            ``"probs"`` (rows of probabilities, or one column of probabilities of class 1), ``"log_probs"`` (rows of log-probabilities, or one column of
             log-probabilities of class 1), ``"llr"`` (one column of log-likelihood ratios) or
             ``"auto"``.
         split: ``"val"`` reads the ``logits_val``/``labels_val`` split of an ``.npz``.
@@ -262,8 +267,8 @@ def _two_labels(own: str, option: str) -> str:
 
 def _read(
     path: Path, labels_path: str | Path | None, split: str, input: InputKind, labels_option: str
-) -> tuple[Any, Any, InputKind, str, str]:
-    """Return ``(scores, labels or None, kind hint, what to say if labels are missing, a note on
+) -> tuple[Any, Any, str, str, str]:
+    """Return ``(scores, labels or None, kind hint (an input kind, or :data:`_AUTO_LOGITS`), what to say if labels are missing, a note on
     what was left out of the file)``; of a file with several score keys, the one ``input`` names.
     Messages name ``labels_option`` as the way to give a labels file."""
     suffix = path.suffix.lower()
@@ -272,16 +277,11 @@ def _read(
     given = None if labels_path is None else _load_labels(labels_path)
     if suffix == ".npz":
         try:
-            with np.load(path, allow_pickle=False) as f:
-                for member in f.zip.namelist():
-                    with f.zip.open(member) as stream:
-                        _check_size(stream, f"the array {member!r}")
-                found = {k: f[k] for k in f.files}
-        except _TooLarge:
-            raise
+            npz = np.load(path, allow_pickle=False)
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
-            raise ValueError(f"not a readable .npz file ({str(err) or type(err).__name__}).") from None
-        return (*_from_mapping(found, given, input, labels_option, suffix="" if split == "test" else f"_{split}"), "")
+            raise _unreadable_npz(err) from None
+        with npz:
+            return (*_from_mapping(_UsedArrays(npz), given, input, labels_option, suffix="" if split == "test" else f"_{split}"), "")
     if suffix in (".pt", ".pth"):
         return (*_from_torch(path, given, input, labels_option), "")
     if suffix == ".npy":
@@ -298,7 +298,38 @@ def _read(
     raise ValueError(f"unsupported file type {path.suffix!r}; use .npz, .npy, .pt/.pth or .csv.")
 
 
-def _from_mapping(found: dict[str, Any], given: Any, input: InputKind, labels_option: str, suffix: str = ""):
+def _unreadable_npz(err: Exception) -> ValueError:
+    return ValueError(f"not a readable .npz file ({str(err) or type(err).__name__}).")
+
+
+class _UsedArrays(Mapping):
+    """The arrays of an open ``.npz`` file, each size-checked and read only when used: other
+    members (features, an object array of metadata) are neither read nor held against the memory."""
+
+    def __init__(self, npz: Any) -> None:
+        self._npz = npz
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        try:
+            with self._npz.zip.open(key + ".npy") as stream:
+                _check_size(stream, f"the array {key!r}")
+            return self._npz[key]
+        except _TooLarge:
+            raise
+        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
+            raise _unreadable_npz(err) from None
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._npz.files
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._npz.files)
+
+    def __len__(self) -> int:
+        return len(self._npz.files)
+
+
+def _from_mapping(found: Mapping[str, Any], given: Any, input: InputKind, labels_option: str, suffix: str = ""):
     score_keys = [k for k in _SCORE_KEYS if k + suffix in found]
     if not score_keys:
         raise ValueError(
@@ -311,10 +342,12 @@ def _from_mapping(found: dict[str, Any], given: Any, input: InputKind, labels_op
     if label_keys and given is not None:
         raise ValueError(_two_labels(repr(label_keys[0]), labels_option))
     labels = found[label_keys[0]] if label_keys else given
-    kind = _SCORE_KEYS[key]
+    kind: str = _SCORE_KEYS[key]
     scores = found[key + suffix]
     if kind == "logits" or (kind == "log_probs" and np.ndim(scores) == 2 and np.shape(scores)[1] > 1):
-        kind = "auto"  # rows of log-posteriors are logits; detection still catches stored probabilities
+        # rows of log-posteriors are logits, detection still catching stored probabilities; one
+        # column under "logits" is a sigmoid head's log-odds, unless its values say otherwise
+        kind = "auto" if np.ndim(scores) == 2 and np.shape(scores)[1] > 1 else _AUTO_LOGITS
     missing = f"no labels found: expected a key 'labels{suffix}', found keys {sorted(found)}."
     return scores, labels, kind, missing
 
@@ -416,12 +449,37 @@ def _load_labels(path: str | Path) -> Any:
             return _load_array(path) if suffix == ".npy" else _torch_load(path)
         except ValueError as err:
             raise ValueError(f"labels file {path}: {err}") from None
-    if suffix in (".csv", ".txt"):
+    if suffix == ".csv":
+        return _labels_csv(path)
+    if suffix == ".txt":
         try:
-            return np.loadtxt(path, delimiter="," if suffix == ".csv" else None, ndmin=1)
+            return np.loadtxt(path, ndmin=1)
         except ValueError as err:
             raise ValueError(f"{path}: labels must be one number per line ({err}).") from None
     raise ValueError(f"unsupported labels file type {path.suffix!r}; use .npy, .pt, .csv or .txt.")
+
+
+def _labels_csv(path: Path) -> np.ndarray:
+    """A labels CSV: one number per line, or under a header (as ``pandas.Series.to_csv`` writes it)
+    the column named ``label`` (or another of :data:`_CSV_LABEL_COLUMNS`), the only column, or
+    the one beside a row index."""
+    with path.open(newline="", encoding="utf-8-sig") as f:
+        rows = [row for row in csv.reader(f) if row]
+    column = 0
+    if rows and not all(_is_number(cell) for cell in rows[0]):
+        header = [name.strip().lower() for name in rows.pop(0)]
+        named = [i for i, name in enumerate(header) if name in _CSV_LABEL_COLUMNS]
+        if len(named) == 1:
+            column = named[0]
+        elif len(header) == 2 and (header[0] in CSV_INDEX_NAMES or header[0].endswith("_id")):
+            column = 1
+        elif len(header) != 1:
+            raise ValueError(f"{path}: a labels CSV with a header needs one column named 'label' (or one column only), "
+                             f"got columns {header}.")
+    try:
+        return np.array([float(row[column]) for row in rows], dtype=np.float64)
+    except (ValueError, IndexError) as err:
+        raise ValueError(f"{path}: labels must be one number per line, or a 'label' column under a header ({err}).") from None
 
 
 def _sibling_labels(path: Path) -> tuple[Path | None, str]:
@@ -460,6 +518,9 @@ def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None, str]:
     if not any(rows[1:]):
         raise ValueError("the CSV file has a header but no rows of scores.")
     label_cols = [i for i, name in enumerate(header) if name.lower() in _CSV_LABEL_COLUMNS]
+    if len(label_cols) > 1:  # (the second would be read as a class's scores)
+        names = ", ".join(repr(header[i]) for i in label_cols)
+        raise ValueError(f"the CSV file has {len(label_cols)} label columns ({names}); keep the one with the labels.")
     short = next((i for i, row in enumerate(rows[1:], start=2) if row and len(row) != len(header)), None)
     if short is not None:  # before parsing: a ragged table fails there with a misleading message
         raise ValueError(
@@ -538,7 +599,7 @@ def _as_labels(labels: Any) -> Tensor:
 
 
 def _to_logits(
-    scores: np.ndarray, kind: InputKind, reason: str, priors: Any, labels: Tensor | None
+    scores: np.ndarray, kind: str, reason: str, priors: Any, labels: Tensor | None
 ) -> tuple[Tensor, str, Tensor | None]:
     """Interpret ``scores`` as ``kind`` (or detect it for ``"auto"``); return logits, a note and the
     priors that turned LLRs into them (see :func:`load_scores`; None for other kinds)."""
@@ -554,17 +615,23 @@ def _to_logits(
     return (*_columns_to_logits(values, kind, reason), None)
 
 
+#: The kind hint of one score column stored under the key ``logits``: detected as ``"auto"`` is,
+#: but where the values leave any reading open, posterior log-odds rather than LLRs.
+_AUTO_LOGITS = "auto-logits"
+
 _ONE_COLUMN_KINDS = {
     "probs": "probabilities of class 1 (input='probs', --input probs)",
     "log_probs": "log-probabilities of class 1 (input='log_probs', --input log_probs)",
     "llr": "LLRs (input='llr', --input llr)",
+    "logits": "a sigmoid head's log-odds (input='logits', --input logits)",
 }
 
 
 def _one_column_to_logits(
-    values: Tensor, kind: InputKind, reason: str, priors: Any, labels: Tensor | None
+    values: Tensor, kind: str, reason: str, priors: Any, labels: Tensor | None
 ) -> tuple[Tensor, str, Tensor | None]:
-    if kind == "auto":
+    if kind in ("auto", _AUTO_LOGITS):
+        under_logits = kind == _AUTO_LOGITS
         options: tuple[str, ...] = ()
         if _in_unit_interval(values):
             options = ("probs", "llr")
@@ -573,12 +640,14 @@ def _one_column_to_logits(
             options = ("log_probs", "llr")
             found = "every value <= 0"
         if options:
-            choices = " or ".join(_ONE_COLUMN_KINDS[k] for k in options)
+            choices = " or ".join(_ONE_COLUMN_KINDS[k] for k in options + (("logits",) if under_logits else ()))
             raise ValueError(f"one score column with {found}: say whether it holds {choices}.")
-        kind = "llr"
-        reason = "one score column with values above 1 or of both signs, so neither probabilities nor log-probabilities"
-    if kind == "logits":
-        raise ValueError(f"one score column cannot be read as logits; say whether it holds {' or '.join(_ONE_COLUMN_KINDS.values())}.")
+        kind = "logits" if under_logits else "llr"
+        reason = ("one column under the key 'logits' with values above 1 or of both signs" if under_logits else
+                  "one score column with values above 1 or of both signs") + ", so neither probabilities nor log-probabilities"
+    if kind == "logits":  # a sigmoid head's one logit: the posterior log-odds, no priors to add
+        note = f"binary posterior log-odds of class 1, as a sigmoid head outputs ({reason})"
+        return binary_scores_to_logits(values, "llr"), note, None
     if kind == "llr":
         if priors is not None:
             priors, prior_note = check_priors(priors, 2), "the given priors"
@@ -604,7 +673,7 @@ def _label_frequencies(labels: Tensor | None, num_samples: int) -> tuple[Tensor,
     return torch.full((2,), 0.5, dtype=torch.float64), "uniform priors"
 
 
-def _columns_to_logits(values: Tensor, kind: InputKind, reason: str) -> tuple[Tensor, str]:
+def _columns_to_logits(values: Tensor, kind: str, reason: str) -> tuple[Tensor, str]:
     if kind == "llr":
         raise ValueError(f"LLRs must be one score column; these scores have {values.shape[1]} columns.")
     if kind in ("logits", "log_probs"):

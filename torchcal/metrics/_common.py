@@ -254,6 +254,9 @@ class BatchMetric(Metric):
             # (N, K) labels stay as they are where K may be the classes' count (that is one-hot
             # labels, which validation rejects)
             preds, labels = preds.reshape(-1), labels.reshape(-1)
+        elif (class_dim and preds.ndim == 2 and preds.shape[1] == 1 and labels.shape == preds.shape[:1]
+              and getattr(self, "num_classes", None) == 2):
+            preds = preds[:, 0]  # one binary score column, as (N,) scores
         if self.ignore_index is not None and labels.shape[:1] == preds.shape[:1]:
             kept = labels != self.ignore_index
             preds, labels = preds[kept], labels[kept]

@@ -573,3 +573,27 @@ def test_binned_metrics_of_logits_that_carry_a_graph(name):
     if not isinstance(without, (tuple, torch.Tensor)):  # ReliabilityBins, a dataclass
         with_graph, without = tuple(vars(with_graph).values()), tuple(vars(without).values())
     torch.testing.assert_close(with_graph, without)
+
+
+def test_numpy_integer_bin_counts_and_messages_that_offer_only_accepted_kinds():
+    """``n_bins=np.int64(15)`` (from np.arange, a config) was refused as not "a positive integer";
+    ``kind="binary"`` with K = 3 suggested kind="class" / "classwise" to functions and metrics
+    that refuse them."""
+    from torchcal.functional import entropic_calibration_difference, expected_calibration_error
+
+    logits, labels = torch.randn(60, 3, dtype=torch.float64), torch.arange(60) % 3
+    for n_bins in np.arange(14, 16):
+        assert float(expected_calibration_error(logits, labels, n_bins=n_bins)) == float(
+            expected_calibration_error(logits, labels, n_bins=int(n_bins)))
+        metric = torchcal.metrics.ExpectedCalibrationError(3, n_bins=n_bins)
+        metric.update(logits, labels)
+        assert float(metric.compute()) == pytest.approx(float(expected_calibration_error(logits, labels, n_bins=int(n_bins))), rel=1e-13)
+    with pytest.raises(ValueError, match=r'K = 3; use kind="top-label" or kind="classwise"\.$'):
+        expected_calibration_error(logits, labels, kind="binary")
+    with pytest.raises(ValueError, match=r'K = 3; use kind="top-label"\.$'):
+        entropic_calibration_difference(logits, labels, n_bins=5, kind="binary")
+    for metric in (torchcal.metrics.SignedCalibrationError(kind="binary"), torchcal.metrics.EntropicCalibrationDifference(n_bins=5, kind="binary")):
+        with pytest.raises(ValueError, match=r'K = 3; use kind="top-label"\.$'):
+            metric.update(logits, labels)
+    with pytest.raises(ValueError, match=r'K = 3; use kind="top-label"\.$'):
+        torchcal.metrics.SignedCalibrationError(3, kind="binary")

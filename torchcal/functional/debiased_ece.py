@@ -35,7 +35,6 @@ from torchcal.functional.diagnostics import (
     calibration_error_from_bins,
     check_calibration_error_kind,
     check_n_bins,
-    edge_tolerance,
     equal_mass_statistics,
     sort_columns,
 )
@@ -148,7 +147,8 @@ def sweep_n_bins(scores: Tensor, targets: Tensor, max_bins: int | None = None) -
         2
     """
     column = sort_columns(scores.reshape(-1, 1), targets.reshape(-1, 1).bool())
-    return int(_sweep_bin_counts(column, _sweep_limit(scores.numel(), max_bins), edge_tolerance(scores.dtype))[0])
+    # equal-mass edges are scores themselves: the tolerance of EDGE_TOLERANCE, as _swept_errors'
+    return int(_sweep_bin_counts(column, _sweep_limit(scores.numel(), max_bins), EDGE_TOLERANCE)[0])
 
 
 def _sweep_limit(num_samples: int, max_bins: int | None) -> int:

@@ -74,6 +74,8 @@ Norm = Literal["l1", "l2", "max"]
 Reduction = Literal["mean", "sum", "max", "none"]
 
 EDGE_TOLERANCE = 1e-12
+#: The kinds of the calibration errors (and of binned statistics by default).
+CALIBRATION_ERROR_KINDS = ("top-label", "binary", "classwise")
 EDGE_ULPS = 8
 #: Elements of one (columns, samples) block that column-by-column work handles at once: it bounds the
 #: memory of the functionals that sort or round every column of (N, K) scores (32 MB per float64 block).
@@ -125,7 +127,7 @@ def check_binary_kind(kind: str, num_classes: int, allowed: Sequence[str]) -> No
     """Raise where ``kind="binary"`` meets K != 2 classes, naming the caller's ``allowed`` kinds
     (:func:`binning_scores`'s message offers "class" and "classwise", which not every caller takes)."""
     if kind == "binary" and num_classes != 2:
-        others = " or ".join(f'kind="{name}"' for name in allowed if name != "binary")
+        others = " or ".join(f'kind="{name}"' + (" with class_index=j" if name == "class" else "") for name in allowed if name != "binary")
         raise ValueError(f'kind="binary" needs K = 2 classes, got K = {num_classes}' + (f"; use {others}." if others else "."))
 
 
@@ -190,7 +192,7 @@ def uniform_edges(n_bins: int) -> Tensor:
         >>> uniform_edges(4)
         tensor([0.0000, 0.2500, 0.5000, 0.7500, 1.0000], dtype=torch.float64)
     """
-    check_n_bins(n_bins)
+    n_bins = check_n_bins(n_bins)
     return torch.arange(n_bins + 1, dtype=torch.float64) / n_bins
 
 
@@ -204,7 +206,7 @@ def quantile_edges(scores: Tensor, n_bins: int) -> Tensor:
         >>> quantile_edges(torch.tensor([[0.1], [0.2], [0.4], [0.9]]), 2)
         tensor([[0.0000, 0.3000, 1.0000]], dtype=torch.float64)
     """
-    check_n_bins(n_bins)
+    n_bins = check_n_bins(n_bins)
     ordered = scores.to(torch.float64).T.contiguous().sort(dim=-1).values
     positions = _quantile_positions(torch.tensor([n_bins], device=scores.device), scores.shape[0])
     edges = _order_statistics(ordered, positions)
@@ -243,7 +245,9 @@ def bin_indices(scores: Tensor, edges: Tensor, tolerance: float | None = None) -
 
     Right-closed bins, the first closed at 0 (``torch.bucketize(..., right=False)`` on the interior
     edges, raised by the relative ``tolerance``; by default ``edge_tolerance(scores.dtype)``, but
-    scores computed in float64 from float32 logits need ``edge_tolerance(logits.dtype)``).
+    scores computed in float64 from float32 logits need ``edge_tolerance(logits.dtype)``, and
+    equal-mass edges taken from the scores themselves ``EDGE_TOLERANCE``: with float32 scores'
+    tolerance, scores within 1e-6 above an edge that is one of them fall into its bin).
 
     Example:
         >>> bin_indices(torch.tensor([[0.0], [0.25], [0.2500001], [1.0]], dtype=torch.float64), uniform_edges(4))
@@ -517,14 +521,16 @@ def calibration_error_from_bins(
 
 
 def check_calibration_error_kind(kind: str) -> None:
-    if kind not in ("top-label", "binary", "classwise"):
+    if kind not in CALIBRATION_ERROR_KINDS:
         raise ValueError(f'kind must be "top-label", "binary" or "classwise", got {kind!r}.')
 
 
-def check_n_bins(n_bins: int, name: str = "n_bins") -> None:
-    """``ValueError`` unless ``n_bins`` is a positive integer; ``name``: the caller's parameter."""
-    if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
+def check_n_bins(n_bins: int, name: str = "n_bins") -> int:
+    """``n_bins`` as an int (NumPy's integers too), or ``ValueError`` unless it is a positive
+    integer; ``name``: the caller's parameter."""
+    if isinstance(n_bins, bool) or not isinstance(n_bins, numbers.Integral) or n_bins < 1:
         raise ValueError(f"{name} must be a positive integer, got {n_bins!r}.")
+    return int(n_bins)
 
 
 def _edges(scores: Tensor, n_bins: int, strategy: Strategy) -> Tensor:
@@ -547,11 +553,13 @@ class BinnedScores(NamedTuple):
 
 
 def binned_scores(
-    logits: Tensor, labels: Tensor, n_bins: int, strategy: Strategy, kind: Kind, class_index: int | None = None
+    logits: Tensor, labels: Tensor, n_bins: int, strategy: Strategy, kind: Kind, class_index: int | None = None,
+    allowed: Sequence[str] = CALIBRATION_ERROR_KINDS,
 ) -> BinnedScores:
     """Validate, then return log-posteriors, labels, binning scores and targets, the edges, and
     their tolerance: that of the logits' precision for the fixed equal-width edges (the scores are
     float64 whatever it is), ``EDGE_TOLERANCE`` for equal-mass edges taken from the scores.
+    ``allowed``: the caller's kinds, which a message about ``kind="binary"`` offers instead.
 
     Example:
         >>> probs = torch.tensor([[.9, .1], [.4, .6]], dtype=torch.float64)
@@ -560,6 +568,7 @@ def binned_scores(
         ([0.1, 0.6], [0.0, 0.5, 1.0])
     """
     logits, labels = check_logits_and_labels(logits, labels)
+    check_binary_kind(kind, logits.shape[1], allowed)
     log_probs = to_log_probs(logits.detach())  # binned errors are counts and sums, not differentiable
     scores, targets = binning_scores(log_probs, labels, kind, class_index)
     edges = _edges(scores, n_bins, strategy)
@@ -595,7 +604,8 @@ def reliability_bins(
     """
     if kind == "classwise":
         raise ValueError('reliability_bins describes one binary problem: use kind="class" with a class_index.')
-    _, _, scores, targets, edges, tolerance = binned_scores(logits, labels, n_bins, strategy, kind, class_index)
+    _, _, scores, targets, edges, tolerance = binned_scores(logits, labels, n_bins, strategy, kind, class_index,
+                                                            ("top-label", "binary", "class"))
     counts, score_sums, target_sums = (x[0] for x in bin_statistics(scores, targets, edges, tolerance))
     return reliability_bins_from_sums(edges.reshape(-1, n_bins + 1)[0], counts, score_sums, target_sums)
 
@@ -788,7 +798,8 @@ def entropic_calibration_difference(
     if n_bins is None:
         logits, labels = check_logits_and_labels(logits, labels)
         return ecd_per_sample(to_log_probs(logits), labels).mean()
-    log_probs, labels, scores, _, edges, tolerance = binned_scores(logits, labels, n_bins, strategy, kind)
+    log_probs, labels, scores, _, edges, tolerance = binned_scores(logits, labels, n_bins, strategy, kind,
+                                                                   allowed=("top-label", "binary"))
     index = bin_indices(scores, edges, tolerance).squeeze(1)
     sums = torch.bincount(index, weights=ecd_per_sample(log_probs, labels), minlength=n_bins)
     return sums / torch.bincount(index, minlength=n_bins).clamp_min(1)

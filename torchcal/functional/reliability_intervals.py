@@ -222,7 +222,7 @@ def consistency_bands(
     check_count(num_resamples, "num_resamples", 2)  # a percentile band needs two resamples
     if kind == "classwise":
         raise ValueError('consistency_bands describes one binary problem: use kind="class" with a class_index.')
-    binned = binned_scores(logits, labels, n_bins, strategy, kind, class_index)
+    binned = binned_scores(logits, labels, n_bins, strategy, kind, class_index, ("top-label", "binary", "class"))
     scores = binned.scores[:, 0]
     index = bin_indices(binned.scores, binned.edges.reshape(-1, n_bins + 1)[:1], binned.tolerance)[:, 0]
     counts = torch.zeros(n_bins, dtype=torch.float64, device=scores.device).index_add_(0, index, torch.ones_like(scores))

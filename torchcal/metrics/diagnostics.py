@@ -24,6 +24,8 @@ from torchcal.functional.diagnostics import (
     bin_statistics,
     binning_scores,
     calibration_error_from_bins,
+    check_binary_kind,
+    check_n_bins,
     ecd_per_sample,
     edge_tolerance,
     quantile_edges,
@@ -119,8 +121,9 @@ class ExpectedCalibrationError(ScoreMetric):
             raise ValueError(
                 f'norm must be "l1", "l2" or "max" and reduction "mean", "sum", "max" or "none"; got {norm!r}, {reduction!r}.'
             )
+        n_bins = check_n_bins(n_bins)
         self.n_bins, self.strategy, self.kind, self.norm, self.reduction = n_bins, strategy, kind, norm, reduction
-        edges = uniform_edges(n_bins)  # also validates n_bins
+        edges = uniform_edges(n_bins)
         columns = num_classes if kind == "classwise" else 1
         if strategy == "uniform":
             self.register_buffer("edges", edges, persistent=False)
@@ -189,6 +192,10 @@ class ExpectedCalibrationError(ScoreMetric):
         )
 
 
+#: The kinds of the signed calibration error and of the ECD.
+_SIGNED_KINDS = ("top-label", "binary")
+
+
 class SignedCalibrationError(ScoreMetric):
     """Expected signed calibration error (ESCE), as ``functional.signed_calibration_error``: the
     mean target minus the mean score (accuracy minus confidence for ``"top-label"``).
@@ -221,14 +228,16 @@ class SignedCalibrationError(ScoreMetric):
         self, num_classes: int | None = None, kind: Literal["top-label", "binary"] = "top-label", **kwargs: Any
     ) -> None:
         super().__init__(num_classes, **kwargs)
-        if kind not in ("top-label", "binary"):
+        if kind not in _SIGNED_KINDS:
             raise ValueError(f'kind must be "top-label" or "binary", got {kind!r}.')
+        if num_classes is not None:
+            check_binary_kind(kind, num_classes, _SIGNED_KINDS)
         self.kind = kind
         add_sum_state(self, "sums", 3)  # targets, scores, count
 
     def update(self, scores: Tensor, labels: Tensor) -> None:
         """Accumulate ``scores: (N, K)`` or ``(N, K, d1, ...)`` and ``labels: (N,)`` or ``(N, d1, ...)``."""
-        problems = self._binary_problems(scores, labels)
+        problems = self._binary_problems(scores, labels, allowed=_SIGNED_KINDS)
         if problems is None:
             return
         scores, targets = problems
@@ -283,10 +292,12 @@ class EntropicCalibrationDifference(ScoreMetric):
     ) -> None:
         super().__init__(num_classes, **kwargs)
         _check_strategy(strategy)
-        if kind not in ("top-label", "binary"):
+        if kind not in _SIGNED_KINDS:
             raise ValueError(f'kind must be "top-label" or "binary", got {kind!r}.')
+        if num_classes is not None:
+            check_binary_kind(kind, num_classes, _SIGNED_KINDS)
         if n_bins is not None:
-            uniform_edges(n_bins)  # validates n_bins
+            n_bins = check_n_bins(n_bins)
         self.n_bins, self.strategy, self.kind = n_bins, strategy, kind
         if n_bins is not None and strategy == "quantile":
             add_cat_state(self, "scores", torch.float64, 1)
@@ -305,6 +316,7 @@ class EntropicCalibrationDifference(ScoreMetric):
         if self.n_bins is None:
             self.sums += torch.stack([values.sum(), values.new_tensor(float(labels.shape[0]))]).unsqueeze(1)
             return
+        check_binary_kind(self.kind, log_probs.shape[1], _SIGNED_KINDS)
         binned, _ = binning_scores(log_probs, labels, self.kind)
         if self.strategy == "quantile":
             self.scores.append(binned.detach())

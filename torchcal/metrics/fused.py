@@ -22,9 +22,9 @@ from torchmetrics import Metric, MetricCollection
 from torchcal._validation import check_priors
 from torchcal.functional.diagnostics import (
     calibration_error_from_bins,
+    check_n_bins,
     edge_tolerance,
     uniform_bin_indices,
-    uniform_edges,
 )
 from torchcal.functional.posterior_quality import STATISTICS, Statistic
 from torchcal.functional.scoring import (
@@ -87,8 +87,7 @@ class PosteriorStatistic(ScoreMetric):
             raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}.")
         if precision not in _DTYPES:
             raise ValueError(f'precision must be "float64" or "float32", got {precision!r}.')
-        self.statistic, self.precision, self.n_bins = statistic, precision, n_bins
-        uniform_edges(n_bins)  # validates n_bins
+        self.statistic, self.precision, self.n_bins = statistic, precision, check_n_bins(n_bins)
         self.register_buffer("priors", None if priors is None else check_priors(priors, num_classes), persistent=False)
         # Rows: log-loss, Brier and correct sums and the count of each class / correct sum, count
         # and confidence sum of each bin. One tensor each, so an update is two index_add_ calls.

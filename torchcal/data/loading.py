@@ -338,16 +338,18 @@ def _from_mapping(found: Mapping[str, Any], given: Any, input: InputKind, labels
         )
     # the key the declared input names; else "logits" wins over "probs" when both are stored
     key = input if input in score_keys else score_keys[0]
+    scores = found[key + suffix]  # (first: a file too large is refused before anything else is said of it)
     label_keys = [k + suffix for k in _LABEL_KEYS if k + suffix in found]
     if label_keys and given is not None:
         raise ValueError(_two_labels(repr(label_keys[0]), labels_option))
     labels = found[label_keys[0]] if label_keys else given
     kind: str = _SCORE_KEYS[key]
-    scores = found[key + suffix]
-    if kind == "logits" or (kind == "log_probs" and np.ndim(scores) == 2 and np.shape(scores)[1] > 1):
+    shape = tuple(getattr(scores, "shape", ()))  # (a list, ragged or not, is read and checked later)
+    columns = shape[1] if len(shape) == 2 else None
+    if kind == "logits" or (kind == "log_probs" and columns is not None and columns > 1):
         # rows of log-posteriors are logits, detection still catching stored probabilities; one
         # column under "logits" is a sigmoid head's log-odds, unless its values say otherwise
-        kind = "auto" if np.ndim(scores) == 2 and np.shape(scores)[1] > 1 else _AUTO_LOGITS
+        kind = _AUTO_LOGITS if len(shape) == 1 or columns == 1 else "auto"
     missing = f"no labels found: expected a key 'labels{suffix}', found keys {sorted(found)}."
     return scores, labels, kind, missing
 

@@ -275,9 +275,9 @@ class CalibratedModel(nn.Module):
     ``forward(x, *args, **kwargs)`` calls ``model(x, *args, **kwargs)`` and calibrates its (N, K) output.
     The state dict holds the network's weights under ``model.`` and the fitted head under
     ``calibrator.``; it loads into a fresh ``CalibratedModel(network, UnfittedCalibrator())``.
-    Change the network's precision with ``head.model.half()``: ``head.half()`` would also round
-    the head's float64 parameters (the head computes in the network's output dtype, float32 for
-    half precision, and returns that dtype).
+    ``head.half()`` (or Lightning's ``"16-true"`` / ``"bf16-true"``) converts the network and leaves
+    the calibrator's fitted tensors in float64 (it computes in the network's output dtype, float32
+    for half precision, and returns that dtype).
 
     Example:
         >>> import torch

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from torchcal._validation import (
+    as_tensor,
     check_count,
     check_logits,
     check_logits_and_labels,
@@ -143,7 +144,8 @@ class Calibrator(nn.Module):
             loss: the expected proper scoring rule minimised: ``"log"`` (cross-entropy) or
                 ``"brier"``.
             priors: optional (K,) deployment priors; each sample is weighted by
-                ``priors[y] / frequency[y]`` (Ferrer & Ramos App. A).
+                ``priors[y] / frequency[y]`` (Ferrer & Ramos App. A). (Venn-Abers predictors
+                fit unweighted, then move their posteriors to the priors by Bayes' rule.)
             max_iter: iteration cap of the optimiser.
             warm_start: start from the current parameters instead of the identity map.
             process_group: fit data-parallel over a ``torch.distributed`` group (e.g.
@@ -196,7 +198,8 @@ class Calibrator(nn.Module):
             if not (warm_start and self.num_classes == num_classes):
                 self._materialize(num_classes, logits.device)
             self.to(device=logits.device, dtype=torch.float64)
-            weights = None if priors is None else class_weights_from_counts(counts, priors)
+            # (priors that carry an autograd graph would carry it into every fit's own graph)
+            weights = None if priors is None else class_weights_from_counts(counts, as_tensor(priors, "priors").detach())
             self.num_classes = num_classes
             features = self._features(logits)
             self.requires_grad_(True)
@@ -364,6 +367,19 @@ class Calibrator(nn.Module):
         coefficient at 0) does not count."""
         return all(torch.equal(getattr(self, name).cpu(), value.to(torch.float64)) for name, value in self._identity(self.num_classes).items()
                    if not (name in self._parameters and not getattr(self, name).requires_grad))
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """Moves the fitted tensors with the module but keeps them in float64: ``.half()`` or
+        ``.to(torch.bfloat16)`` (which Lightning's ``precision="16-true"`` / ``"bf16-true"`` apply to
+        every submodule, a :class:`~torchcal.heads.CalibratedModel` head included) would round a
+        temperature to three digits and a Venn-Abers table's probabilities by up to 0.06. The map
+        computes in its input's dtype (float32 for half precision) whatever its tensors' is."""
+
+        def same_dtype(t: Tensor) -> Tensor:
+            moved = fn(t)
+            return moved if moved.dtype == t.dtype else t.to(moved.device)
+
+        return super()._apply(same_dtype, recurse)
 
     def _materialize(self, num_classes: int, device: torch.device | None = None) -> None:
         """(Re)create the fitted tensors at the identity map for ``num_classes`` classes."""

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from torchcal._validation import compute_dtype, finite_log
+from torchcal._validation import check_count, compute_dtype, finite_log
 from torchcal.calibrators.base import Calibrator
 from torchcal.fit import FitRecord
 from torchcal.functional.scoring import PER_SAMPLE_SCORES
@@ -222,8 +222,7 @@ class VennAbersCalibration(Calibrator):
 
     def __init__(self, folds: int = 1, multiclass: str = "ovr") -> None:
         super().__init__()
-        if not isinstance(folds, int) or folds < 1:
-            raise ValueError(f"folds must be a positive integer (1: inductive Venn-Abers), got {folds!r}.")
+        folds = check_count(folds, "folds (1: inductive Venn-Abers)")
         if multiclass not in _MULTICLASS:
             raise ValueError(f"multiclass must be one of {_MULTICLASS}, got {multiclass!r}.")
         self.folds = folds

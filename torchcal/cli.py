@@ -605,7 +605,7 @@ def _calibrate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save", metavar="PATH", help="where to write the fitted calibrator (.pt), with the --target priors")
     p.add_argument("--target", metavar="TARGET_SCORES", help="unlabelled deployment scores: estimate their class "
                    "priors (label shift) and print them with standard errors")
-    p.add_argument("--priors", help="deployment priors the fit weights the classes to")
+    p.add_argument("--priors", help="deployment priors the fit weights the classes to (venn-abers: its posteriors moved to them by Bayes' rule)")
     p.add_argument("--config", metavar="NAME|FILE", help="YAML configuration supplying method options")
     p.add_argument("--quiet", action="store_true")
     _verbose_option(p)

@@ -7,6 +7,7 @@ import math
 import warnings
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 
@@ -421,10 +422,34 @@ def test_a_stop_at_the_optimum_of_a_badly_scaled_fit_is_converged(real, monkeypa
     newton = torchcal.BetaCalibration().fit(logits, labels).fit_record_
     assert newton.converged and newton.grad_max < 1e-10 and newton.loss == pytest.approx(0.420464058272, abs=1e-9)
     _beta_by_lbfgs(monkeypatch)
+    monkeypatch.setattr(torchcal.calibrators.base, "_NEWTON_FINISH_PARAMETERS", 0)  # (L-BFGS's own stop is tested)
     with warnings.catch_warnings():
         warnings.simplefilter("error", torchcal.fit.ConvergenceWarning)
         record = torchcal.BetaCalibration().fit(logits, labels).fit_record_
     assert record.converged and record.grad_max > 1e-6 and record.loss == pytest.approx(newton.loss, abs=1e-9)
+
+
+def test_small_lbfgs_fits_end_at_the_optimum_however_small_the_loss(real):
+    """Quadratic scaling's Brier fit on the FVCAUS scores (mean Brier 3.5e-4) met L-BFGS's absolute
+    gradient tolerance 9.5e-6 (relative) above the optimum, posteriors 5e-3 off, and reported
+    converged; SciPy's L-BFGS-B to a gradient of 1e-10, restarted there, went on down a straight line."""
+    from scipy.optimize import minimize as scipy_minimize
+
+    data = real("fvcaus_xvector-plda_ferrer")
+    logits, labels = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
+    llr, y = (logits[:, 1] - logits[:, 0]).double().numpy(), data["labels"].astype(np.float64)
+
+    def brier(c):  # the two-class Brier score of sigmoid(c0 + c1 llr + c2 llr^2), and its gradient
+        p = 1 / (1 + np.exp(-(c[0] + c[1] * llr + c[2] * llr**2)))
+        g = 4 * (p - y) * p * (1 - p) / len(y)
+        return 2 * np.mean((p - y) ** 2), np.array([g.sum(), g @ llr, g @ llr**2])
+
+    fitted = torchcal.QuadraticScaling().fit(logits, labels, loss="brier")
+    coefficients = fitted.coefficients.detach().numpy()
+    reference = scipy_minimize(brier, coefficients, jac=True, method="L-BFGS-B", options={"gtol": 1e-12, "ftol": 1e-16, "maxiter": 10000})
+    assert fitted.fit_record_.converged and "then Newton on the exact 3 x 3 Hessian" in fitted.fit_record_.message
+    assert brier(coefficients)[0] == pytest.approx(reference.fun, rel=1e-12)
+    np.testing.assert_allclose(coefficients, reference.x, rtol=1e-7)
 
 
 _STALLING = {  # calibrator, the module that calls fit_linear_newton, its parameters as Newton's theta

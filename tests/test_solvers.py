@@ -559,3 +559,21 @@ def test_an_lbfgs_fit_does_not_import_torch_dynamo():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["False"]
+
+
+def test_a_brier_fit_does_not_depend_on_the_row_order(real):
+    """Vector scaling's prior-weighted Brier fit on the CIFAR-10 ResNet-110 validation logits met
+    L-BFGS's iteration cap in one row order and stopped after 205 iterations in another, with
+    weights 3.6e-4 apart; Newton on the exact 20 x 20 Hessian ends both at one optimum."""
+    data = real("cifar10_resnet110_kangsepp")
+    logits, labels = torch.from_numpy(data["logits_val"]), torch.from_numpy(data["labels_val"])
+    priors = torch.linspace(2.0, 0.5, 10, dtype=torch.float64)
+    priors /= priors.sum()
+    order = torch.from_numpy(np.random.default_rng(0).permutation(labels.shape[0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchcal.fit.ConvergenceWarning)
+        fits = [torchcal.VectorScaling().fit(logits[rows], labels[rows], loss="brier", priors=priors)
+                for rows in (torch.arange(labels.shape[0]), order)]
+    assert all(fit.fit_record_.converged and fit.fit_record_.grad_max < 1e-10 for fit in fits)
+    torch.testing.assert_close(fits[0].weight, fits[1].weight, rtol=0, atol=1e-7)
+    torch.testing.assert_close(fits[0].bias, fits[1].bias, rtol=0, atol=1e-7)

@@ -113,6 +113,7 @@ def minimize(
     rough_tol_change: float = 1e-6,
     loose: bool = False,
     gradient: Callable[[], Tensor] | None = None,
+    warn: bool = True,
 ) -> FitRecord:
     """Minimise ``objective()`` over ``params`` in place by full-batch L-BFGS (strong Wolfe).
 
@@ -142,6 +143,8 @@ def minimize(
             share under ``process_group``). The record's gradient and the convergence test are
             then the problem's, not the search's coordinates' (one more evaluation; skipped in a
             ``loose`` fit, which does not test the gradient: its record keeps ``params``').
+        warn: warn when it stops unconverged with a finite loss (off for a caller that goes on
+            from there).
 
     Returns:
         A :class:`FitRecord` whose message says why the search stopped; a
@@ -229,7 +232,8 @@ def minimize(
         else:
             message = (f"no progress after {iterations} iteration{'s' * (iterations != 1)} (the line search's loss or step change fell below "
                        f"{tol_change:g}) with gradient {grad_max:.2e}; the problem may be badly scaled")
-        warnings.warn(f"L-BFGS did not converge: {message}", ConvergenceWarning, stacklevel=stacklevel_outside_package())
+        if warn:
+            warnings.warn(f"L-BFGS did not converge: {message}", ConvergenceWarning, stacklevel=stacklevel_outside_package())
     for p in params:
         p.grad = None
     return FitRecord(iterations, evaluations, float(loss.detach()), grad_max, converged, message)

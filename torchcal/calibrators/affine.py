@@ -198,7 +198,10 @@ class VectorScaling(Calibrator):
 
     def _fit(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
         if loss != "log":
-            return self._fit_nonconvex(features, labels, weights, loss, max_iter, process_group)
+            record = self._fit_nonconvex(features, labels, weights, loss, max_iter, process_group)
+            with torch.no_grad():
+                self.bias.sub_(self.bias.mean())  # softmax ignores a common shift: fix it, as the log-loss fit does
+            return record
         k = features.shape[1]
         start = torch.cat([self.weight.detach(), self.bias.detach()])
         if self._at_identity():

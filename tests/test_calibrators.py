@@ -1162,3 +1162,44 @@ def test_priors_that_require_grad_fit_as_their_values_do():
         assert torchcal.VennAbersCalibration(folds=folds).folds == 5
     with pytest.raises(ValueError, match="folds .* must be an integer >= 1, got True"):
         torchcal.VennAbersCalibration(folds=True)
+
+
+def test_the_iteration_cap_counts_newtons_steps_after_lbfgs():
+    gen = torch.Generator().manual_seed(7)
+    logits = 3 * torch.randn(1000, 4, generator=gen, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(logits / 3, 1), 1, generator=gen).squeeze(1)
+    for make in (torchcal.VectorScaling, torchcal.PlattScaling):
+        data = (logits, labels) if make is torchcal.VectorScaling else (logits[:, :2], (labels % 2))
+        for cap in (5, 10, 1000):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                record = make().fit(*data, loss="brier", max_iter=cap).fit_record_
+            assert record.iterations <= cap
+            assert record.converged or any("did not converge" in str(w.message) for w in caught)
+
+
+def test_loaded_and_cast_tensors_stay_float64():
+    """A float32 state loaded into a fresh calibrator kept its free-size tensors in float32 (which a
+    dtype cast no longer changes), a LabelShiftAdapter's priors were cast to float16 by .half(), and
+    a NumPy n_bins went into a histogram's state, which a weights-only load refused."""
+    import io
+
+    from torchcal.label_shift import LabelShiftAdapter
+
+    gen = torch.Generator().manual_seed(8)
+    logits = 2 * torch.randn(600, 3, generator=gen, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(logits / 2, 1), 1, generator=gen).squeeze(1)
+    fitted = torchcal.IsotonicCalibration().fit(logits, labels)
+    state = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in fitted.state_dict().items()}
+    loaded = torchcal.IsotonicCalibration()
+    loaded.load_state_dict(state)
+    assert all(t.dtype == torch.float64 for t in loaded.buffers() if t.is_floating_point())
+    adapter = LabelShiftAdapter().fit(logits, labels).half()
+    assert adapter.source_priors.dtype == adapter.target_priors.dtype == torch.float64
+    histogram = torchcal.HistogramBinning(n_bins=np.int64(10)).fit(logits, labels)
+    buffer = io.BytesIO()
+    torch.save(histogram.state_dict(), buffer)
+    buffer.seek(0)
+    restored = torchcal.HistogramBinning()
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    torch.testing.assert_close(restored(logits), histogram(logits), rtol=0, atol=0)

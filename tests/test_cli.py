@@ -596,3 +596,24 @@ def test_large_scores_make_evaluate_keep_freed_memory(scores_file, capsys, tmp_p
     assert calls == [(-4, 0), (-1, 2**31 - 1)]  # M_MMAP_MAX, M_TRIM_THRESHOLD
     monkeypatch.setattr(ctypes, "CDLL", lambda name: (_ for _ in ()).throw(OSError(name)))
     assert run(capsys, "evaluate", scores_file, *common)[0] == 0
+
+
+def test_apply_reads_a_log_odds_column_as_the_fit_read_it_in_any_file(real, capsys, tmp_path):
+    """A head fitted on one column under the key 'logits' (a sigmoid head's log-odds) applied to the
+    same numbers in an .npy read them as LLRs shifted by the new labels' prior log-odds: FVCAUS
+    calibrated NCE 0.167 against 0.0075. The log-odds are saved as LLRs under uniform priors."""
+    data = real("fvcaus_xvector-plda_ferrer")
+    two = data["logits"].astype(np.float64)
+    z, y = two[:, 1] - two[:, 0], data["labels"]
+    np.savez(tmp_path / "fit.npz", logits=z[:40000], labels=y[:40000])
+    np.savez(tmp_path / "new.npz", logits=z[40000:], labels=y[40000:])
+    np.save(tmp_path / "new_logits.npy", z[40000:])
+    np.save(tmp_path / "new_labels.npy", y[40000:])
+    head = tmp_path / "head.pt"
+    assert run(capsys, "calibrate", tmp_path / "fit.npz", "--method", "platt", "--save", head, "--quiet")[0] == 0
+    outputs = []
+    for name in ("new.npz", "new_logits.npy"):
+        out = tmp_path / f"{name}.out.npz"
+        assert run(capsys, "apply", head, tmp_path / name, "--out", out, "--quiet")[0] == 0
+        outputs.append(np.load(out)["probs"])
+    np.testing.assert_allclose(outputs[1], outputs[0], rtol=0, atol=1e-12)

@@ -205,7 +205,8 @@ def test_one_column_under_logits_is_a_sigmoid_heads_log_odds(real, tmp_path):
     expected = _nll(two, data["labels"])
     scores = load_scores(tmp_path / "head.npz")
     assert scores.read_as.startswith("binary posterior log-odds of class 1, as a sigmoid head outputs (one column under the key 'logits'")
-    assert scores.llr_priors is None and _nll(scores.logits, scores.labels) == pytest.approx(expected, rel=1e-12)
+    assert scores.llr_priors.tolist() == [0.5, 0.5]  # log-odds are LLRs under uniform priors
+    assert _nll(scores.logits, scores.labels) == pytest.approx(expected, rel=1e-12)
     np.save(tmp_path / "head_scores.npy", z)
     np.save(tmp_path / "head_labels.npy", data["labels"])
     as_said = load_scores(tmp_path / "head_scores.npy", input="logits")
@@ -484,6 +485,12 @@ def test_labels_csv_with_a_header_as_pandas_writes_it(tmp_path):
     ]:
         (tmp_path / f"{name}.csv").write_text(text)
         assert load_scores(tmp_path / "s.npy", labels_path=tmp_path / f"{name}.csv").labels.tolist() == labels.tolist()
+    # pandas' Series.to_csv(header=False) writes the index first: its second column is the labels
+    (tmp_path / "no_header.csv").write_text("".join(f"{i},{y}\n" for i, y in enumerate(labels)))
+    assert load_scores(tmp_path / "s.npy", labels_path=tmp_path / "no_header.csv").labels.tolist() == labels.tolist()
+    (tmp_path / "two_columns.csv").write_text("".join(f"{y},{y}\n" for y in labels))
+    with pytest.raises(ValueError, match="without a header needs one number per line, got rows of \\[2\\] columns"):
+        load_scores(tmp_path / "s.npy", labels_path=tmp_path / "two_columns.csv")
     (tmp_path / "ambiguous.csv").write_text("a,b\n" + "".join(f"{y},{y}\n" for y in labels))
     with pytest.raises(ValueError, match="needs one column named 'label'"):
         load_scores(tmp_path / "s.npy", labels_path=tmp_path / "ambiguous.csv")

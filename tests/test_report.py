@@ -349,3 +349,22 @@ def test_the_legend_says_which_numbers_the_priors_weigh():
     weighted = evaluate((logits, labels), ["temperature"], bootstrap=0, priors=torch.tensor([0.2, 0.3, 0.5]))
     assert "ECE, smECE,\n     ECD and p cal do not" in weighted.table()
     assert "ECD and p cal do not" not in evaluate((logits, labels), ["temperature"], bootstrap=0).table()
+
+
+def test_a_perfect_raw_system_is_not_said_to_be_improved():
+    """With a raw cross-entropy of 0 the relative calibration loss is NaN, and ``NaN <= 0`` is
+    false: the report said temperature scaling removed "RCL nan %" of the miscalibration where it
+    made the posteriors worse; the Lightning callback's RCL divided by zero."""
+    from torchcal.lightning.callback import _relative_calibration_loss
+
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.arange(300) % 3
+    logits = torch.randn(300, 3, generator=gen)
+    logits[torch.arange(300), labels] += 60  # every sample right by a margin of 60: cross-entropy 0
+    elsewhere = (torch.randn(300, 3, generator=gen), torch.randint(0, 3, (300,), generator=gen))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = torchcal.report.evaluate((logits, labels), methods=("temperature", "affine"), calibration=elsewhere, bootstrap=0)
+    assert all(m.calibration_loss < 0 and math.isnan(m.relative_calibration_loss) for m in result.methods)
+    assert "No method improves the raw posteriors" in result.table()
+    assert math.isnan(_relative_calibration_loss({"cross_entropy": 0.0}, {"cross_entropy": 0.2}))

@@ -192,11 +192,10 @@ def seeded_generator(seed: Any, name: str = "seed") -> torch.Generator:
     return torch.Generator().manual_seed(check_seed(seed, name))
 
 
-def check_folds(folds: Any, seed: Any, folds_name: str = "folds", seed_name: str = "seed") -> None:
-    """A cross-validation's fold count (an int >= 2) and seed (an int >= 0), or ``ValueError``
-    naming the argument."""
-    check_count(folds, folds_name, minimum=2)
-    check_count(seed, seed_name, minimum=0)
+def check_folds(folds: Any, seed: Any, folds_name: str = "folds", seed_name: str = "seed") -> tuple[int, int]:
+    """A cross-validation's fold count (an int >= 2) and seed (an int >= 0) as ints, or
+    ``ValueError`` naming the argument."""
+    return check_count(folds, folds_name, minimum=2), check_count(seed, seed_name, minimum=0)
 
 
 def check_labels(labels: Any, num_samples: int, num_classes: int, name: str = "labels", counted: str = "classes",

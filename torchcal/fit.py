@@ -414,7 +414,7 @@ def fold_indices(
     process with too few samples makes every process raise (not only itself, which would leave
     the others waiting in their next collective).
     """
-    check_folds(folds, seed)
+    folds, seed = check_folds(folds, seed)
     labels = as_tensor(labels, "labels")
     if scores is not None:
         num_classes = scores.shape[1]

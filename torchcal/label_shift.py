@@ -54,7 +54,7 @@ from torchcal._validation import (
     stacklevel_outside_package,
 )
 from torchcal.calibrators.affine import AffineCalibration
-from torchcal.calibrators.base import Calibrator
+from torchcal.calibrators.base import Calibrator, moving_only
 from torchcal.distributed import ProcessGroup, all_reduce_, validate_together
 from torchcal.fit import ConvergenceWarning, FitRecord
 
@@ -500,6 +500,11 @@ class LabelShiftAdapter(nn.Module):
                             options.get("process_group"))[0]
         self.target_priors = smoothed_priors(self.estimate_.priors, count, pseudocount).to(self.source_priors.device)
         return self
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """Moves the priors with the module but keeps them in float64, as the calibrator keeps its
+        tensors (``.half()``, Lightning's ``"16-true"``: float16 target priors summed to 0.99988)."""
+        return super()._apply(moving_only(fn), recurse)
 
     def forward(self, logits: Tensor) -> Tensor:
         """Log-posteriors (N, K) for the target priors."""

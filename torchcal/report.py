@@ -464,7 +464,7 @@ def _verdict(r: Report) -> list[str]:
         prefix = "   "
     else:
         prefix = "3. "
-    if best.relative_calibration_loss <= 0:
+    if not best.calibration_loss > 0:  # (the absolute loss: the relative one is NaN for a perfect raw system)
         return [*lines, f"{prefix}No method improves the raw posteriors ({best.method}: {change}, RCL "
                         f"{best.relative_calibration_loss:.1f} %): calibration would not help."]
     significance = ""
@@ -633,7 +633,7 @@ def evaluate(
     best, versus = lowest, None
     if bootstrap and lowest is not None and lowest != "temperature" and "temperature" in calibrated:
         versus = metrics.nce_difference(calibrated[lowest], calibrated["temperature"])
-        temperature_helps = next(r for r in results if r.method == "temperature").relative_calibration_loss > 0
+        temperature_helps = next(r for r in results if r.method == "temperature").calibration_loss > 0
         if versus.upper is not None and versus.upper >= 0 and temperature_helps:  # not significantly lower: the simpler method
             best = "temperature"
     is_zero_one = is_zero_one_costs(costs)

@@ -317,8 +317,9 @@ class Calibrator(nn.Module):
         record = minimize(objective, params, max_iter=max_iter, tol_change=1e-12 if tol_change is None else tol_change,
                           loose=tol_change is not None, process_group=process_group, warn=not finish)
         if finish and math.isfinite(record.loss):
-            record = _newton_finish(objective, params, record, max_iter, process_group)
-            if not record.converged:
+            if record.iterations < max_iter:  # (the cap counts Newton's steps too)
+                record = _newton_finish(objective, params, record, max_iter, process_group)
+            if not record.converged:  # (the warning minimize left to this verdict)
                 warnings.warn(f"L-BFGS did not converge: {record.message}", ConvergenceWarning, stacklevel=stacklevel_outside_package())
         return record
 
@@ -381,12 +382,7 @@ class Calibrator(nn.Module):
         every submodule, a :class:`~torchcal.heads.CalibratedModel` head included) would round a
         temperature to three digits and a Venn-Abers table's probabilities by up to 0.06. The map
         computes in its input's dtype (float32 for half precision) whatever its tensors' is."""
-
-        def same_dtype(t: Tensor) -> Tensor:
-            moved = fn(t)
-            return moved if moved.dtype == t.dtype else t.to(moved.device)
-
-        return super()._apply(same_dtype, recurse)
+        return super()._apply(moving_only(fn), recurse)
 
     def _materialize(self, num_classes: int, device: torch.device | None = None) -> None:
         """(Re)create the fitted tensors at the identity map for ``num_classes`` classes."""
@@ -453,7 +449,9 @@ class Calibrator(nn.Module):
                 stored = state_dict.get(prefix + name)
                 if tensor is not None and isinstance(stored, Tensor) and stored.shape != tensor.shape:
                     self._check_stored_shape(name, prefix + name, stored.shape, tensor.shape, int(extra["num_classes"]))
-                    getattr(self, name).data = torch.empty_like(stored, device=tensor.device)
+                    # (float64 as every fitted tensor, whatever the stored dtype: a dtype cast no longer changes it)
+                    dtype = torch.float64 if stored.is_floating_point() else stored.dtype
+                    getattr(self, name).data = torch.empty_like(stored, device=tensor.device, dtype=dtype)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
     def _check_stored_shape(self, name: str, key: str, stored: torch.Size, expected: torch.Size, num_classes: int) -> None:
@@ -486,6 +484,16 @@ def _drop_extra_state_in_legacy_onnx_export(module: nn.Module, state_dict: dict[
     # every calibrator covers it wherever it sits (CalibratedModel, nn.Sequential, alone).
     if torch.onnx.is_in_onnx_export():
         state_dict.pop(prefix + "_extra_state", None)
+
+
+def moving_only(fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    """``nn.Module._apply``'s ``fn`` made to change devices only: a tensor keeps its dtype."""
+
+    def same_dtype(t: Tensor) -> Tensor:
+        moved = fn(t)
+        return moved if moved.dtype == t.dtype else t.to(moved.device)
+
+    return same_dtype
 
 
 #: Final L-BFGS fits of at most this many parameters (Platt, beta and quadratic scaling's Brier fits,
@@ -534,7 +542,8 @@ def _newton_finish(objective: Callable[[], Tensor], params: list[nn.Parameter], 
         assign(start)
         return record
     # (from a minimum's neighbourhood Newton converges in a few steps, or the problem is flat there)
-    theta, polished = newton(derivatives, value, start, max_iter=min(max_iter, 10), process_group=process_group, warn=False)
+    theta, polished = newton(derivatives, value, start, max_iter=min(max_iter - record.iterations, 10),
+                             process_group=process_group, warn=False)
     if polished.converged and polished.loss <= record.loss:
         assign(theta)
         size = start.numel()

@@ -140,7 +140,7 @@ class MatrixScaling(Calibrator):
         for name, value in (("reg_lambda", reg_lambda), ("reg_mu", reg_mu)):
             if value is not None and not 0 <= value < math.inf:
                 raise ValueError(f"{name} must be finite and >= 0, got {value}.")
-        check_folds(cv_folds, cv_seed, "cv_folds", "cv_seed")
+        cv_folds, cv_seed = check_folds(cv_folds, cv_seed, "cv_folds", "cv_seed")
         if reg == "l2" and reg_mu is not None:
             raise ValueError("reg_mu is ODIR's intercept penalty; reg='l2' has one strength, reg_lambda.")
         if isinstance(reg_grid, Mapping):

@@ -78,7 +78,7 @@ class HistogramBinning(_OneVsRest):
 
     def __init__(self, n_bins: int = 15, strategy: str = "uniform") -> None:
         super().__init__()
-        check_count(n_bins, "n_bins")
+        n_bins = check_count(n_bins, "n_bins")  # (an int: NumPy's would not load from a weights-only checkpoint)
         if strategy not in ("uniform", "quantile"):
             raise ValueError(f"strategy must be 'uniform' or 'quantile', got {strategy!r}.")
         self.n_bins = n_bins

@@ -187,7 +187,7 @@ class _StructuredScaling(Calibrator):
             raise ValueError(f"reg_lambda must be finite and >= 0 (or None to cross-validate it), got {reg_lambda}.")
         if reg_lambda is None and (not reg_grid or not all(0 <= g < math.inf for g in reg_grid)):
             raise ValueError(f"reg_grid must be a non-empty sequence of finite lambdas >= 0, got {reg_grid!r}.")
-        check_folds(cv_folds, cv_seed, "cv_folds", "cv_seed")
+        cv_folds, cv_seed = check_folds(cv_folds, cv_seed, "cv_folds", "cv_seed")
         self.reg_lambda = reg_lambda
         self.reg_grid = [float(g) for g in reg_grid]
         self.cv_folds = cv_folds

@@ -105,7 +105,8 @@ class Scores:
         read_as: one sentence saying how the file's scores were interpreted.
         source: where the data came from.
         llr_priors: (2,) the priors that turned binary LLRs into these posteriors (``logits[:, 1] -
-            logits[:, 0]`` is the LLR plus their log-odds); None when the scores were not LLRs.
+            logits[:, 0]`` is the LLR plus their log-odds): uniform for one column of log-odds,
+            which are LLRs under uniform priors; None when the scores were not one column.
             Scores of the same system read later (new data, unlabelled targets) need the same.
     """
 
@@ -468,7 +469,14 @@ def _labels_csv(path: Path) -> np.ndarray:
     with path.open(newline="", encoding="utf-8-sig") as f:
         rows = [row for row in csv.reader(f) if row]
     column = 0
-    if rows and not all(_is_number(cell) for cell in rows[0]):
+    if rows and all(_is_number(cell) for cell in rows[0]):  # no header: one label per line, or an index and the labels
+        widths = {len(row) for row in rows}
+        if widths == {2} and all(_is_number(row[0]) and float(row[0]) == i for i, row in enumerate(rows)):
+            column = 1  # (pandas' Series.to_csv(header=False): the row numbers 0..N-1, then the labels)
+        elif widths != {1}:
+            raise ValueError(f"{path}: a labels CSV without a header needs one number per line, got rows of "
+                             f"{sorted(widths)} columns; name the label column 'label' in a header row.")
+    elif rows:
         header = [name.strip().lower() for name in rows.pop(0)]
         named = [i for i, name in enumerate(header) if name in _CSV_LABEL_COLUMNS]
         if len(named) == 1:
@@ -644,12 +652,15 @@ def _one_column_to_logits(
         if options:
             choices = " or ".join(_ONE_COLUMN_KINDS[k] for k in options + (("logits",) if under_logits else ()))
             raise ValueError(f"one score column with {found}: say whether it holds {choices}.")
-        kind = "logits" if under_logits else "llr"
+        # given priors say the scores are LLRs of a system read with them before (a calibrator's
+        # saved llr_priors: uniform ones for log-odds), whatever the key
+        kind = "logits" if under_logits and priors is None else "llr"
         reason = ("one column under the key 'logits' with values above 1 or of both signs" if under_logits else
                   "one score column with values above 1 or of both signs") + ", so neither probabilities nor log-probabilities"
-    if kind == "logits":  # a sigmoid head's one logit: the posterior log-odds, no priors to add
+    if kind == "logits":  # a sigmoid head's one logit: the posterior log-odds, LLRs under uniform priors
         note = f"binary posterior log-odds of class 1, as a sigmoid head outputs ({reason})"
-        return binary_scores_to_logits(values, "llr"), note, None
+        uniform = torch.full((2,), 0.5, dtype=torch.float64)
+        return binary_scores_to_logits(values, "llr", uniform), note, uniform
     if kind == "llr":
         if priors is not None:
             priors, prior_note = check_priors(priors, 2), "the given priors"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import inspect
+import math
 import os
 import tempfile
 import uuid
@@ -281,8 +282,8 @@ class CalibrationCallback(Callback):
         _check_output_kind(output)
         if isinstance(every_n_epochs, bool) or not isinstance(every_n_epochs, int) or every_n_epochs < 0:
             raise ValueError(f"every_n_epochs must be an integer >= 0 (0: only at the end of fitting), got {every_n_epochs!r}.")
-        check_count(folds, "folds (cross-validation folds of the RCL and the report)", minimum=2)
-        check_count(n_bins, "n_bins")
+        folds = check_count(folds, "folds (cross-validation folds of the RCL and the report)", minimum=2)
+        n_bins = check_count(n_bins, "n_bins")
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a string (the logged names start with it; '' for none), got {prefix!r}.")
         if not (logits_key is None or isinstance(logits_key, str) or (isinstance(logits_key, int) and not isinstance(logits_key, bool))):
@@ -714,5 +715,8 @@ def _cell(values: Mapping[str, float], name: str) -> str:
 
 
 def _relative_calibration_loss(raw: Mapping[str, float], calibrated: Mapping[str, float]) -> float:
-    """RCL in %: the share of the raw cross-entropy that calibration removes."""
+    """RCL in %: the share of the raw cross-entropy that calibration removes (NaN for a raw
+    cross-entropy of 0, as ``functional.calibration_loss`` gives)."""
+    if raw["cross_entropy"] == 0:
+        return math.nan
     return 100 * (1 - calibrated["cross_entropy"] / raw["cross_entropy"])

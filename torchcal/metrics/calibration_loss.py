@@ -102,8 +102,7 @@ class CalibrationLoss(ScoreMetric):
         self.calibrator = copy.deepcopy(calibrator).requires_grad_(False)
         self.score = score
         self.score_options = {} if priors is None else {"priors": check_priors(priors, num_classes)}
-        check_folds(folds, seed)
-        self.folds, self.seed = folds, seed
+        self.folds, self.seed = check_folds(folds, seed)
         self.streaming = bool(getattr(calibrator, "is_fitted", False))
         if self.streaming:
             self.reduce = sum_reduction(score, num_classes, **self.score_options)

@@ -1203,3 +1203,41 @@ def test_loaded_and_cast_tensors_stay_float64():
     restored = torchcal.HistogramBinning()
     restored.load_state_dict(torch.load(buffer, weights_only=True))
     torch.testing.assert_close(restored(logits), histogram(logits), rtol=0, atol=0)
+
+
+def test_a_float32_state_loaded_by_assignment_refits_in_float64():
+    """``load_state_dict(state, assign=True)`` of a float32 state left float32 parameters that no
+    cast could widen any more: a warm-started vector scaling fit raised in lu_solve."""
+    gen = torch.Generator().manual_seed(9)
+    logits = 2 * torch.randn(800, 3, generator=gen, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(logits / 2, 1), 1, generator=gen).squeeze(1)
+    reference = torchcal.VectorScaling().fit(logits, labels)
+    state = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in reference.state_dict().items()}
+    loaded = torchcal.VectorScaling()
+    loaded.load_state_dict(state, assign=True)
+    loaded.fit(logits, labels, warm_start=True)
+    assert loaded.weight.dtype == torch.float64
+    torch.testing.assert_close(loaded.weight, reference.weight, rtol=0, atol=1e-9)
+
+
+def test_newton_after_lbfgs_forms_one_hessian_per_step_and_centres_the_biases(monkeypatch):
+    """The finish formed the Hessian (a backward pass per parameter) three times for one Newton
+    step; affine scaling's Brier fit left its biases' free common shift where L-BFGS ended."""
+    from torchcal.calibrators import base
+
+    gen = torch.Generator().manual_seed(10)
+    logits = 2 * torch.randn(2000, 8, generator=gen, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(logits / 2, 1), 1, generator=gen).squeeze(1)
+    calls = []
+    real_grad = torch.autograd.grad
+
+    def counting(outputs, inputs, *args, **kwargs):
+        calls.append(kwargs.get("retain_graph", False) and not kwargs.get("create_graph", False))
+        return real_grad(outputs, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(base.torch.autograd, "grad", counting)
+    fitted = torchcal.AffineCalibration().fit(logits, labels, loss="brier")
+    record = fitted.fit_record_
+    assert "then Newton on the exact 9 x 9 Hessian" in record.message
+    assert sum(calls) <= 9 * 2  # Hessian rows: one Hessian for the check and the first step, at most one more
+    assert abs(float(fitted.beta.mean())) < 1e-12

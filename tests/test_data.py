@@ -211,6 +211,9 @@ def test_one_column_under_logits_is_a_sigmoid_heads_log_odds(real, tmp_path):
     np.save(tmp_path / "head_labels.npy", data["labels"])
     as_said = load_scores(tmp_path / "head_scores.npy", input="logits")
     assert _nll(as_said.logits, as_said.labels) == pytest.approx(expected, rel=1e-12)
+    # deployment priors do not move a sigmoid head's log-odds (they would an LLR's)
+    with_priors = load_scores(tmp_path / "head.npz", priors=[0.9, 0.1])
+    torch.testing.assert_close(with_priors.logits, scores.logits, rtol=0, atol=0)
     # values that also read as probabilities or log-probabilities: still the caller's choice, logits offered
     np.savez(tmp_path / "unit.npz", logits=[0.1, 0.7, 0.9], labels=[0, 1, 1])
     with pytest.raises(ValueError, match=r"or a sigmoid head's log-odds \(input='logits', --input logits\)"):

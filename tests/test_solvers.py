@@ -564,7 +564,7 @@ def test_an_lbfgs_fit_does_not_import_torch_dynamo():
 def test_a_brier_fit_does_not_depend_on_the_row_order(real):
     """Vector scaling's prior-weighted Brier fit on the CIFAR-10 ResNet-110 validation logits met
     L-BFGS's iteration cap in one row order and stopped after 205 iterations in another, with
-    weights 3.6e-4 apart; Newton on the exact 20 x 20 Hessian ends both at one optimum."""
+    weights 3.6e-4 apart; Newton on the exact 20 x 20 Hessian ends both at one optimum (the cap of _NEWTON_FINISH_PARAMETERS)."""
     data = real("cifar10_resnet110_kangsepp")
     logits, labels = torch.from_numpy(data["logits_val"]), torch.from_numpy(data["labels_val"])
     priors = torch.linspace(2.0, 0.5, 10, dtype=torch.float64)

@@ -100,7 +100,11 @@ class AffineCalibration(Calibrator):
                 self.log_alpha.fill_(math.log(alpha) if alpha > 0 else -math.inf)
             return record
         if loss != "log":  # (from the identity, logits of 1e3 kept alpha = 1: a Brier plateau)
-            return self._fit_nonconvex(features, labels, weights, loss, max_iter, process_group)
+            record = self._fit_nonconvex(features, labels, weights, loss, max_iter, process_group)
+            if self.bias:
+                with torch.no_grad():
+                    self.beta.sub_(self.beta.mean())  # softmax ignores a common shift: fix it, as the log-loss fit does
+            return record
         start = torch.cat([self.log_alpha.detach().exp().reshape(1), self.beta.detach()])
         if self._at_identity():
             start[0] = inverse_temperature_start(features.float(), labels, weights, process_group)

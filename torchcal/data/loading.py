@@ -652,9 +652,8 @@ def _one_column_to_logits(
         if options:
             choices = " or ".join(_ONE_COLUMN_KINDS[k] for k in options + (("logits",) if under_logits else ()))
             raise ValueError(f"one score column with {found}: say whether it holds {choices}.")
-        # given priors say the scores are LLRs of a system read with them before (a calibrator's
-        # saved llr_priors: uniform ones for log-odds), whatever the key
-        kind = "logits" if under_logits and priors is None else "llr"
+        # (deployment priors do not turn a sigmoid head's log-odds into LLRs: they are posteriors)
+        kind = "logits" if under_logits else "llr"
         reason = ("one column under the key 'logits' with values above 1 or of both signs" if under_logits else
                   "one score column with values above 1 or of both signs") + ", so neither probabilities nor log-probabilities"
     if kind == "logits":  # a sigmoid head's one logit: the posterior log-odds, LLRs under uniform priors
@@ -663,7 +662,8 @@ def _one_column_to_logits(
         return binary_scores_to_logits(values, "llr", uniform), note, uniform
     if kind == "llr":
         if priors is not None:
-            priors, prior_note = check_priors(priors, 2), "the given priors"
+            priors = check_priors(priors, 2)
+            prior_note = f"the given priors ({priors[0]:.4g}, {priors[1]:.4g})"
         else:
             priors, prior_note = _label_frequencies(labels, values.shape[0])
         note = f"binary log-likelihood ratios ({reason}), turned into posteriors with {prior_note}"

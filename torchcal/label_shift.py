@@ -90,8 +90,10 @@ class PriorEstimate(NamedTuple):
     record: FitRecord
 
 
-def _source_priors(source_priors: Any, num_classes: int, device: torch.device, name: str = "source_priors") -> Tensor:
-    """``source_priors`` checked, in float64; ``name`` is what the error messages call them."""
+def _source_priors(source_priors: Any, num_classes: int, device: torch.device, name: str = "source_priors",
+                   counted: bool = False) -> Tensor:
+    """``source_priors`` checked, in float64; ``name`` is what the error messages call them, and
+    ``counted`` says they are class frequencies (a class at 0 needs samples, not a prior)."""
     source = check_priors(source_priors, num_classes, device=device)
     zero = (source == 0).nonzero().flatten().tolist()
     if zero:
@@ -99,8 +101,7 @@ def _source_priors(source_priors: Any, num_classes: int, device: torch.device, n
         raise ValueError(
             f"{name} must be positive, but {which} 0: posteriors calibrated for a prior of 0 say nothing about "
             "such a class, so they cannot be re-weighted to another; drop it from the scores or "
-            + ("add samples of it." if name.startswith("the class frequencies")
-               else "give it a small positive prior (the calibration data then need samples of it).")
+            + ("add samples of it." if counted else "give it a small positive prior (the calibration data then need samples of it).")
         )
     return source
 
@@ -457,7 +458,7 @@ class LabelShiftAdapter(nn.Module):
             counts = all_reduce_(torch.bincount(labels, minlength=k).to(torch.float64), group)
             if float(counts.sum()) == 0:
                 raise ValueError("labels is empty (N = 0): the source priors are the class frequencies of at least one sample.")
-            source = _source_priors(counts / counts.sum(), k, logits.device, "the class frequencies of labels")
+            source = _source_priors(counts / counts.sum(), k, logits.device, "the class frequencies of labels", counted=True)
             self.calibrator.fit(logits, labels, **fit_options)
         else:
             if not self.calibrator._shifts_class_priors():

@@ -106,7 +106,7 @@ class Scores:
         source: where the data came from.
         llr_priors: (2,) the priors that turned binary LLRs into these posteriors (``logits[:, 1] -
             logits[:, 0]`` is the LLR plus their log-odds): uniform for one column of log-odds,
-            which are LLRs under uniform priors; None when the scores were not one column.
+            which are LLRs under uniform priors; None for other scores.
             Scores of the same system read later (new data, unlabelled targets) need the same.
     """
 
@@ -183,9 +183,9 @@ def load_scores(
         path: the scores file.
         labels_path: a separate labels file (``.npy``, ``.pt`` or one-column ``.csv``/``.txt``).
         input: ``"logits"`` (rows of logits, or one column of posterior log-odds of class 1),
-            ``"probs"`` (rows of probabilities, or one column of probabilities of class 1), ``"log_probs"`` (rows of log-probabilities, or one column of
-            log-probabilities of class 1), ``"llr"`` (one column of log-likelihood ratios) or
-            ``"auto"``.
+            ``"probs"`` (rows of probabilities, or one column of probabilities of class 1),
+            ``"log_probs"`` (rows of log-probabilities, or one column of log-probabilities of
+            class 1), ``"llr"`` (one column of log-likelihood ratios) or ``"auto"``.
         split: ``"val"`` reads the ``logits_val``/``labels_val`` split of an ``.npz``.
         priors: (2,) priors used only to turn binary LLRs into posteriors; None: the labels'
             class frequencies (the priors every metric assumes when given none), or uniform priors
@@ -269,8 +269,9 @@ def _two_labels(own: str, option: str) -> str:
 def _read(
     path: Path, labels_path: str | Path | None, split: str, input: InputKind, labels_option: str
 ) -> tuple[Any, Any, str, str, str]:
-    """Return ``(scores, labels or None, kind hint (an input kind, or :data:`_AUTO_LOGITS`), what to say if labels are missing, a note on
-    what was left out of the file)``; of a file with several score keys, the one ``input`` names.
+    """Return ``(scores, labels or None, kind hint (an input kind, or :data:`_AUTO_LOGITS`), what
+    to say if labels are missing, a note on what was left out of the file)``; of a file with
+    several score keys, the one ``input`` names.
     Messages name ``labels_option`` as the way to give a labels file."""
     suffix = path.suffix.lower()
     if split != "test" and suffix != ".npz":

@@ -1178,6 +1178,17 @@ def test_the_iteration_cap_counts_newtons_steps_after_lbfgs():
             assert record.converged or any("did not converge" in str(w.message) for w in caught)
 
 
+def _three_classes(seed: int, n: int = 600) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 logits (n, 3) of scale 2 and labels drawn from softmax(logits / 2)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = 2 * torch.randn(n, 3, generator=gen, dtype=torch.float64)
+    return logits, torch.multinomial(torch.softmax(logits / 2, 1), 1, generator=gen).squeeze(1)
+
+
+def _in_float32(state: dict) -> dict:
+    return {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in state.items()}
+
+
 def test_loaded_and_cast_tensors_stay_float64():
     """A float32 state loaded into a fresh calibrator kept its free-size tensors in float32 (which a
     dtype cast no longer changes), a LabelShiftAdapter's priors were cast to float16 by .half(), and
@@ -1186,13 +1197,9 @@ def test_loaded_and_cast_tensors_stay_float64():
 
     from torchcal.label_shift import LabelShiftAdapter
 
-    gen = torch.Generator().manual_seed(8)
-    logits = 2 * torch.randn(600, 3, generator=gen, dtype=torch.float64)
-    labels = torch.multinomial(torch.softmax(logits / 2, 1), 1, generator=gen).squeeze(1)
-    fitted = torchcal.IsotonicCalibration().fit(logits, labels)
-    state = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in fitted.state_dict().items()}
+    logits, labels = _three_classes(seed=8)
     loaded = torchcal.IsotonicCalibration()
-    loaded.load_state_dict(state)
+    loaded.load_state_dict(_in_float32(torchcal.IsotonicCalibration().fit(logits, labels).state_dict()))
     assert all(t.dtype == torch.float64 for t in loaded.buffers() if t.is_floating_point())
     adapter = LabelShiftAdapter().fit(logits, labels).half()
     assert adapter.source_priors.dtype == adapter.target_priors.dtype == torch.float64
@@ -1208,13 +1215,10 @@ def test_loaded_and_cast_tensors_stay_float64():
 def test_a_float32_state_loaded_by_assignment_refits_in_float64():
     """``load_state_dict(state, assign=True)`` of a float32 state left float32 parameters that no
     cast could widen any more: a warm-started vector scaling fit raised in lu_solve."""
-    gen = torch.Generator().manual_seed(9)
-    logits = 2 * torch.randn(800, 3, generator=gen, dtype=torch.float64)
-    labels = torch.multinomial(torch.softmax(logits / 2, 1), 1, generator=gen).squeeze(1)
+    logits, labels = _three_classes(seed=9)
     reference = torchcal.VectorScaling().fit(logits, labels)
-    state = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in reference.state_dict().items()}
     loaded = torchcal.VectorScaling()
-    loaded.load_state_dict(state, assign=True)
+    loaded.load_state_dict(_in_float32(reference.state_dict()), assign=True)
     loaded.fit(logits, labels, warm_start=True)
     assert loaded.weight.dtype == torch.float64
     torch.testing.assert_close(loaded.weight, reference.weight, rtol=0, atol=1e-9)

@@ -33,7 +33,12 @@ the step maps are discontinuous, so an input that sits exactly on a step moves t
 neighbouring one there. That input is rare for logits. With ``output="probs"`` it is common on a
 saturated network: probabilities below the floor of :func:`torchcal._validation.floored_log` all
 become the same score, and a step can sit exactly on that score. (Venn–Abers pools scores within
-16 float64 ulps of a calibration score, which covers float64 round-off, not float32.) A Lightning
+16 float64 ulps of a calibration score, which covers float64 round-off, not float32.) A float16
+network is another matter: ONNX Runtime on the CPU computes its layers in float32 and does not
+round their output to float16, so every head's output there differs from PyTorch's by float16's
+resolution (1e-3 to 1e-2 in log-posteriors; a step map's up to 0.3 where a score crosses a step;
+a review helper's measurements, ONNX Runtime 1.32): compare ONNX output against the network run
+in float32, or export the network in float32. A Lightning
 checkpoint saved with :class:`torchcal.lightning.CalibrationCallback` holds the head under
 :data:`CHECKPOINT_KEY` (one per callback); :meth:`CalibratedModel.from_checkpoint` loads it
 without Lightning.

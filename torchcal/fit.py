@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ConvergenceWarning", "FitRecord", "content_keys", "cross_validate", "cross_validate_path", "cross_validate_warm_path",
-    "fold_indices", "minimize", "newton", "shared_samples",
+    "fold_indices", "minimize", "newton", "shared_samples", "warn_unconverged",
 ]
 
 
@@ -98,6 +98,13 @@ class FitRecord:
     grad_max: float
     converged: bool
     message: str
+
+
+def warn_unconverged(record: FitRecord, name: str) -> FitRecord:
+    """``record``, with a warning that names the calibrator (or the solver) where the fit did not converge."""
+    if not record.converged:
+        warnings.warn(f"{name} did not converge: {record.message}", ConvergenceWarning, stacklevel=stacklevel_outside_package())
+    return record
 
 
 def minimize(

@@ -23,21 +23,19 @@ within a relative 1e-6 of itself (:meth:`AffineDesign.hessian`).
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from torchcal._validation import stacklevel_outside_package
 from torchcal.calibrators.base import sample_weights
 from torchcal.distributed import ProcessGroup, world_size
-from torchcal.fit import ConvergenceWarning, FitRecord, newton
+from torchcal.fit import FitRecord, newton, warn_unconverged
 
 __all__ = [
     "AffineDesign", "BinaryLogisticDesign", "FullDesign", "LinearDesign", "VectorDesign", "after_newton", "finish_newton",
-    "fit_linear_newton", "hand_over_to_lbfgs", "newton_stalled", "warn_unconverged",
+    "fit_linear_newton", "hand_over_to_lbfgs", "newton_stalled",
 ]
 
 # Rows per chunk are chosen so that the (rows, max(P, K)) temporaries stay below this many elements.
@@ -318,13 +316,6 @@ def hand_over_to_lbfgs(record: FitRecord, lbfgs: Callable[[int], FitRecord], max
     if newton_stalled(record, max_iter):
         return after_newton(record, lbfgs(max_iter - record.iterations))
     return warn_unconverged(record, name)
-
-
-def warn_unconverged(record: FitRecord, name: str) -> FitRecord:
-    """``record``, with a warning that names the calibrator where the fit did not converge."""
-    if not record.converged:
-        warnings.warn(f"{name} did not converge: {record.message}", ConvergenceWarning, stacklevel=stacklevel_outside_package())
-    return record
 
 
 def after_newton(newton_record: FitRecord, rest: FitRecord) -> FitRecord:

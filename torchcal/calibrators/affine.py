@@ -18,12 +18,11 @@ from torchcal.calibrators._linear import (
     after_newton,
     fit_linear_newton,
     newton_stalled,
-    warn_unconverged,
 )
 from torchcal.calibrators.base import Calibrator, sample_weights
 from torchcal.calibrators.temperature import fit_inverse_temperature, inverse_temperature_start
 from torchcal.distributed import ProcessGroup, all_reduce_
-from torchcal.fit import ConvergenceWarning, FitRecord
+from torchcal.fit import ConvergenceWarning, FitRecord, warn_unconverged
 
 __all__ = ["AffineCalibration", "PlattScaling", "VectorScaling"]
 

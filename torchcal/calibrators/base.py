@@ -48,7 +48,7 @@ from torchcal._validation import (
     stacklevel_outside_package,
 )
 from torchcal.distributed import ProcessGroup, agree_across, all_reduce_, validate_together, world_size
-from torchcal.fit import ConvergenceWarning, FitRecord, minimize, newton
+from torchcal.fit import ConvergenceWarning, FitRecord, minimize, newton, warn_unconverged
 from torchcal.functional.scoring import PER_SAMPLE_SCORES, class_weights_from_counts
 
 __all__ = ["Calibrator"]
@@ -319,8 +319,7 @@ class Calibrator(nn.Module):
         if finish and math.isfinite(record.loss):
             if record.iterations < max_iter:  # (the cap counts Newton's steps too)
                 record = _newton_finish(objective, params, record, max_iter, process_group)
-            if not record.converged:  # (the warning minimize left to this verdict)
-                warnings.warn(f"L-BFGS did not converge: {record.message}", ConvergenceWarning, stacklevel=stacklevel_outside_package())
+            warn_unconverged(record, "L-BFGS")  # (the warning minimize left to this verdict)
         return record
 
     def _data_term(self, features: Tensor, labels: Tensor, sample_w: Tensor, loss: str) -> Tensor:
@@ -524,29 +523,26 @@ def _newton_finish(objective: Callable[[], Tensor], params: list[nn.Parameter], 
             for p, part in zip(params, theta.split([p.numel() for p in params])):
                 p.copy_(part.view_as(p))
 
-    formed: dict[str, Tensor] = {}  # the Hessians at ``start`` (for the check and the first step) and last formed
+    last: dict[str, Tensor] = {}  # the Hessian formed last ("hess") and where ("at"): the check's serves the first step
 
     def derivatives(theta: Tensor) -> tuple[Tensor, Tensor, Tensor, Callable[[], Tensor]]:
         assign(theta)
         loss = objective()
         grad = torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params, create_graph=True)])
-        at_start = torch.equal(theta, start)
 
         def hessian() -> Tensor:  # a pass per parameter, formed only where a step needs it
-            if at_start and "start" in formed:
-                return formed["start"]
+            if last and torch.equal(last["at"], theta):
+                return last["hess"]
             rows = [torch.autograd.grad(g, params, retain_graph=True, allow_unused=True) for g in grad]
             hess = torch.stack([torch.cat([(h if h is not None else torch.zeros_like(p)).reshape(-1) for h, p in zip(row, params)])
                                 for row in rows]).detach()
-            if at_start:
-                formed["start"] = hess
-            formed["last"] = hess
+            last.update(at=theta.clone(), hess=hess)
             return hess
 
         # Newton's curvature-scaled convergence test reads the diagonal: that of the Hessian formed
         # last, which near the optimum hardly changes (forming it at every point would cost a pass
         # per parameter each time); before any, a unit curvature (the plain test)
-        curvature = formed["last"].diagonal().clone() if "last" in formed else torch.ones_like(grad)
+        curvature = last["hess"].diagonal().clone() if last else torch.ones_like(grad)
         return loss.detach(), grad.detach(), curvature, hessian
 
     def value(theta: Tensor) -> Tensor:

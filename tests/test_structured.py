@@ -153,6 +153,23 @@ def test_svs_is_finished_by_newton_to_its_optimum_on_real_logits(real):
     assert_at_the_svs_optimum(cold, logits, labels, 4.0**-4)
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_log_loss_functions_gradients_are_autograds(name):
+    """SVS and SMS form their log-loss's gradient in the forward pass (one (n, K) buffer, column
+    sums); torch.autograd.gradcheck compares it, in float64, with finite differences, and the loss
+    with log_softmax's."""
+    model = MODELS[name]
+    logits, labels = _data(n=60, k=5, seed=1)
+    design = model._design(torch.log_softmax(logits.double(), 1))
+    sample_w = torch.rand(60, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    shape = (2, 5) if name == "svs" else (5, 6)
+    theta = (0.3 * torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))).requires_grad_(True)
+    # (scaled, so the backward must scale by its grad_output)
+    assert torch.autograd.gradcheck(lambda t: 2.5 * model._log_loss(design, t, labels, sample_w), (theta,))
+    reference = -(sample_w * torch.log_softmax(model._map_theta(design, theta), 1)[torch.arange(60), labels]).sum()
+    torch.testing.assert_close(model._log_loss(design, theta, labels, sample_w), reference, rtol=1e-13, atol=0)
+
+
 @pytest.mark.parametrize("k", [4, 30])
 def test_svs_by_newton_alone_fits_and_selects_as_lbfgs_does(k, monkeypatch):
     """SVS's log-loss fits, cross-validation's included, by Newton's method from their start (the

@@ -79,6 +79,21 @@ def test_affine_hessian_is_the_generic_one_with_an_exact_null_direction():
         torch.testing.assert_close(fast, fast.T, rtol=0, atol=0)
 
 
+def test_newtons_softmax_is_log_softmaxs():
+    """Newton's evaluations form the posteriors with one exponential per entry (_linear._softmax_):
+    softmax and the label's log-posterior as log_softmax gives them, also where a row's scores span
+    far more than an exponential's range (1e4) and where a label's posterior underflows."""
+    gen = torch.Generator().manual_seed(4)
+    scores = 30 * torch.randn(500, 7, generator=gen, dtype=torch.float64)
+    scores[:5] *= 1e4 / 30
+    labels = torch.randint(0, 7, (500,), generator=gen)
+    q, log_label = _linear._softmax_(scores.clone(), labels)
+    reference = torch.log_softmax(scores, 1)
+    torch.testing.assert_close(q, reference.exp(), rtol=1e-13, atol=1e-300)
+    torch.testing.assert_close(log_label, reference[torch.arange(500), labels], rtol=1e-14, atol=1e-15)
+    assert float(log_label.min()) < -1e4
+
+
 @pytest.mark.parametrize("make", [lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=1.0), torchcal.MatrixScaling])
 def test_newton_cg_reaches_the_generic_optimum(make):
     # K = 36: 1332 parameters, past the size the dense-Hessian Newton was used for

@@ -219,6 +219,17 @@ class BinaryLogisticDesign(LinearDesign):
         return basis.T @ (v[:, 1:] * basis)
 
 
+def _softmax_(scores: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """``softmax(scores)``, in place, and ``log_softmax(scores)[i, labels[i]]`` (n,), for scores
+    (n, K): one exponential per entry, where log_softmax and then exp took two (float64's exp is
+    the costliest of a Newton evaluation's passes)."""
+    top = scores.amax(dim=1, keepdim=True)
+    shifted_label = (scores.gather(1, labels.unsqueeze(1)) - top).squeeze(1)
+    q = scores.sub_(top).exp_()
+    total = q.sum(dim=1, keepdim=True)
+    return q.div_(total), shifted_label - total.squeeze(1).log()
+
+
 def fit_linear_newton(
     design: LinearDesign,
     features: Tensor,
@@ -265,9 +276,8 @@ def fit_linear_newton(
         posteriors = []
         for c in chunks:
             x, w = features[c], sample_w[c]
-            log_q = torch.log_softmax(design.scores(x, theta), dim=1)
-            loss -= w @ log_q.gather(1, labels[c].unsqueeze(1)).squeeze(1)
-            q = log_q.exp_()
+            q, log_q_label = _softmax_(design.scores(x, theta), labels[c])
+            loss -= w @ log_q_label
             grad += design.project_sum(w.unsqueeze(1) * q, x)
             curvature = curvature + design.hessian_diagonal(q, w, x)
             posteriors.append(q)

@@ -208,6 +208,18 @@ class BatchMetric(Metric):
             self._options_digest = torch.tensor(list(digest.digest()[:_DIGEST_BYTES]), dtype=torch.float64, device=self.options_digest.device)
         self.options_digest.copy_(self._options_digest)
 
+    def merge_state(self, incoming_state: dict[str, Any] | Metric) -> None:
+        """torchmetrics' ``merge_state``, refused where the incoming state was accumulated under
+        other options the update depends on (its options digest differs): the sums of two
+        ``DetectionCost``s with other priors would add up to neither metric."""
+        incoming = incoming_state.options_digest if isinstance(incoming_state, Metric) else incoming_state.get("options_digest")
+        if isinstance(incoming, Tensor) and bool(incoming.any()):
+            self._stamp_options_digest()
+            if not torch.equal(incoming.to(self.options_digest), self.options_digest):
+                raise ValueError(f"cannot merge the state of a {type(self).__name__} accumulated under other options "
+                                 "(those its update depends on): build both metrics with the same options.")
+        super().merge_state(incoming_state)
+
     def _sync_dist(self, dist_sync_fn: Callable = gather_all_tensors, process_group: Any | None = None) -> None:
         """torchmetrics sends a process's empty list state as an empty float32 vector, which the
         other processes' states (float64 scores, int64 labels, (N, C) columns) do not match: gloo

@@ -82,10 +82,11 @@ def test_probabilities_are_detected_only_when_provable(real, tmp_path):
 
 
 def test_probs_key_says_probabilities(tmp_path):
-    probs = np.array([[0.8, 0.2], [0.0, 1.0], [0.6, 0.4]])
-    np.savez(tmp_path / "p.npz", probs=probs, labels=[0, 1, 1])
+    probs = np.array([[0.8, 0.2], [0.0, 1.0], [0.6, 0.4], [1 - 1e-25, 1e-25]])
+    np.savez(tmp_path / "p.npz", probs=probs, labels=[0, 1, 1, 0])
     scores = load_scores(tmp_path / "p.npz")
-    assert "as the file's key says" in scores.read_as and "1 zero probabilities floored at 1e-20" in scores.read_as
+    # (every probability the floor moves is counted, not only the zeros)
+    assert "as the file's key says" in scores.read_as and "2 probabilities below 1e-20 (1 of them 0) floored at it" in scores.read_as
     np.testing.assert_allclose(scores.logits.softmax(1).numpy(), probs, atol=1e-15)
 
 

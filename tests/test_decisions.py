@@ -154,6 +154,23 @@ def test_zero_one_decisions_form_no_product(monkeypatch):
         bayes_decisions(logits, zero_one_costs(3, abstain=0.5))
 
 
+def test_balanced_error_rate_leaves_out_an_ignored_class():
+    """BalancedErrorRate(K, ignore_index=c) for a class c in [0, K) (a segmentation's void class):
+    the mean error of the other classes, as NumPy gives it; it had raised at every compute() that
+    class c had a positive prior and no sample."""
+    from torchcal.metrics import BalancedErrorRate
+
+    gen = torch.Generator().manual_seed(6)
+    logits, labels = torch.randn(400, 5, generator=gen), torch.randint(0, 5, (400,), generator=gen)
+    metric = BalancedErrorRate(5, ignore_index=0)
+    metric.update(logits[:150], labels[:150])
+    metric.update(logits[150:], labels[150:])
+    predicted, y = logits.argmax(1).numpy(), labels.numpy()
+    expected = np.mean([np.mean(predicted[y == k] != k) for k in range(1, 5)])
+    assert metric.compute().item() == pytest.approx(expected, rel=1e-12)
+    assert BalancedErrorRate(5, ignore_index=255)(logits, labels).item() == pytest.approx(balanced_error_rate(logits, labels).item(), rel=1e-12)
+
+
 def test_binary_threshold_rule():
     """Decide class 1 iff q_1 > c_01 / (c_01 + c_10) (Ferrer eq. 44); ties go to class 0."""
     costs = torch.tensor([[0.0, 1.0], [4.0, 0.0]])  # threshold 1 / 5

@@ -163,6 +163,24 @@ def test_metrics_on_probabilities_of_zero_and_one_are_the_same_in_every_dtype():
         CrossEntropy(2, input="log_probs")(torch.tensor([0.2, -1.5]), torch.tensor([0, 1]))
 
 
+def test_metrics_take_one_binary_column_with_num_classes_2_or_a_binary_kind():
+    """One score of class 1 per sample: a metric reads it with num_classes=2, and a kind="binary"
+    one (of two classes by definition) without it, as the module docs promise; the other metrics
+    without num_classes name the option instead of pointing at binary_scores_to_logits."""
+    from torchcal.metrics import CrossEntropy, SignedCalibrationError
+
+    gen = torch.Generator().manual_seed(5)
+    p1 = torch.rand(300, generator=gen, dtype=torch.float64)
+    labels = torch.bernoulli(p1, generator=gen).long()
+    two_columns = torch.stack([1 - p1, p1], dim=1)
+    expected = SignedCalibrationError(kind="binary", input="probs")(two_columns, labels)
+    assert SignedCalibrationError(kind="binary", input="probs")(p1, labels) == expected
+    assert SignedCalibrationError(2, kind="binary", input="probs")(p1, labels) == expected
+    with pytest.raises(ValueError, match=r"SignedCalibrationError got one score per sample \(shape \(300,\)\).*need num_classes=2"):
+        SignedCalibrationError(input="probs")(p1, labels)  # (top-label)
+    assert CrossEntropy(2, input="probs")(p1, labels) == CrossEntropy(2, input="probs")(two_columns, labels)
+
+
 # --------------------------------------------------------------------------- one sample per class
 @pytest.mark.parametrize("name", sorted(MULTICLASS))
 def test_single_sample_per_class(name):

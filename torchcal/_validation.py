@@ -31,9 +31,9 @@ __all__ = [
 ]
 
 
-#: Probabilities of exactly 0 are raised to this value before taking logs, so that the scores
-#: stay finite (log = -46) and the same in every dtype. Ferrer & Ramos' data preparation uses the
-#: same floor.
+#: Probabilities below this value, 0 among them, are raised to it before taking logs, so that the
+#: scores stay finite (log = -46) and the same in every dtype. Ferrer & Ramos' data preparation
+#: uses the same floor.
 PROBABILITY_FLOOR = 1e-20
 
 

@@ -722,5 +722,7 @@ def _in_unit_interval(values: Tensor) -> bool:
 
 
 def _floor_note(probs: Tensor) -> str:
-    zeros = int((probs == 0).sum())
-    return f"; {zeros} zero probabilities floored at {PROBABILITY_FLOOR:g}" if zeros else ""
+    floored, zeros = int((probs < PROBABILITY_FLOOR).sum()), int((probs == 0).sum())
+    if not floored:
+        return ""
+    return f"; {floored} probabilities below {PROBABILITY_FLOOR:g} ({zeros} of them 0) floored at it"

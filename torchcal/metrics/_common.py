@@ -294,7 +294,7 @@ class ScoreMetric(BatchMetric):
 
     Args:
         num_classes: K, checked against every batch; None takes any K >= 2 (but not binary
-            scores given as one column, which need ``num_classes=2``).
+            scores given as one column, which need ``num_classes=2``, or a ``kind="binary"``).
         input: what ``update`` receives: ``"logits"`` (default) or ``"log_probs"``, any
             unnormalised log-posteriors, or ``"probs"``, posteriors (rows on the simplex).
         ignore_index, validate_args, kwargs: as ``BatchMetric``.
@@ -321,8 +321,13 @@ class ScoreMetric(BatchMetric):
         if batch is None:
             return None
         scores, labels = batch
-        if scores.ndim == 1 and labels.shape == scores.shape and self.num_classes == 2:
-            scores = self._binary_columns(scores)
+        if scores.ndim == 1 and labels.shape == scores.shape:
+            # (a kind="binary" metric is of K = 2 classes, as documented: no num_classes needed)
+            if self.num_classes is None and getattr(self, "kind", None) != "binary":
+                raise ValueError(f"{type(self).__name__} got one score per sample (shape {tuple(scores.shape)}): binary "
+                                 f"scores of class 1 as one column need num_classes=2; or give (N, K) scores.")
+            if self.num_classes in (None, 2):
+                scores = self._binary_columns(scores)
         if self.validate_args and not self._common_case_valid(scores, labels):
             if self.input == "probs":
                 check_probs(scores, "scores")

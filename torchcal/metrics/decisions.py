@@ -149,7 +149,9 @@ class ErrorRate(BayesRisk):
 class BalancedErrorRate(ErrorRate):
     """Mean over classes of the per-class error rate, as ``functional.balanced_error_rate``.
 
-    ``ErrorRate`` with uniform priors: every class needs a sample by ``compute()``.
+    ``ErrorRate`` with uniform priors: every class needs a sample by ``compute()``, except a class
+    that ``ignore_index`` leaves out (a label in [0, K) of a segmentation's "void" class, say),
+    which has none: the mean is over the other classes (prior 0 for it).
 
     Example:
         >>> import torch
@@ -160,4 +162,8 @@ class BalancedErrorRate(ErrorRate):
     """
 
     def __init__(self, num_classes: int, **kwargs: Any) -> None:
-        super().__init__(num_classes, torch.full((check_num_classes(num_classes),), 1 / num_classes, dtype=torch.float64), **kwargs)
+        priors = torch.ones(check_num_classes(num_classes), dtype=torch.float64)
+        ignored = kwargs.get("ignore_index")
+        if isinstance(ignored, int) and not isinstance(ignored, bool) and 0 <= ignored < num_classes:
+            priors[ignored] = 0
+        super().__init__(num_classes, priors / priors.sum(), **kwargs)

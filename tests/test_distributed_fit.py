@@ -140,6 +140,45 @@ def test_too_few_samples_on_one_process_fails_on_every_process(tmp_path):
             assert message.endswith(f"got N = {(200, 3)[rank]} here.")
 
 
+def _bad_groups_worker(rank: int, out: str) -> None:
+    """Rank 1's groups cannot fill the folds (3 groups, 5 folds), then have the wrong length;
+    then a class with one sample on rank 0 and many on rank 1."""
+    logits, labels = _data()
+    shard = slice(0, 200) if rank == 0 else slice(200, 400)
+    results = []
+    for groups in (torch.arange(200) % (10 if rank == 0 else 3), torch.arange(200 if rank == 0 else 150) % 10):
+        try:
+            torchcal.cross_validate(torchcal.TemperatureScaling(), logits[shard], labels[shard], groups=groups,
+                                    process_group=dist.group.WORLD)
+            results.append(None)
+        except ValueError as err:
+            results.append(str(err))
+    y = labels[shard].clone()
+    y[y == 4] = 0
+    if rank == 0:
+        y[0] = 4  # rank 0's only sample of class 4; rank 1 has many: no fold's training part misses it
+    else:
+        y[:50] = 4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torchcal.fit.fold_indices(y, 5, process_group=dist.group.WORLD)
+    results.append([str(w.message) for w in caught])
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+
+
+def test_bad_groups_on_one_process_fail_on_every_process(tmp_path):
+    """Groups that cannot fill the folds, or of the wrong length, on one process: it raised alone,
+    and the other process waited in the first fold's fit until the group's timeout (30 minutes by
+    default). And a class of a single sample on one process but many on the group is no warning."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    spawn_gloo(_bad_groups_worker, 2, str(tmp_path))
+    other, own = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert own[0] == "3 groups cannot fill 5 folds; use fewer folds." and own[1] == "groups must have shape (200,), got (150,)."
+    assert all("another process of the group refused its shard" in message for message in other[:2])
+    assert other[2] == own[2] == []
+
+
 def _bad_shard_worker(rank: int, out: str) -> None:
     """Rank 1's shard has a NaN logit, then a label out of range, then an infinite score: every
     rank must raise."""

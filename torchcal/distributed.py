@@ -4,7 +4,9 @@ Every calibrator objective is a mean over samples, so a fit on data sharded acro
 only needs sums: each process reduces its shard to a few numbers (loss, gradient, Hessian, class
 counts), and :func:`all_reduce_` adds them up in place. All processes then hold the same totals,
 take the same optimiser steps and end with the same parameters as one process fitted on the
-union of the shards; the logits themselves never travel.
+union of the shards; the logits themselves never travel. Every shard of a fit needs at least
+one sample (an empty one is refused, on every process; a data loader gives each process a share
+of the calibration set). The metric classes accept empty shards.
 """
 
 from __future__ import annotations

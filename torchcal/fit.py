@@ -418,35 +418,47 @@ def fold_indices(
     kept together: with scores of a few distinct values they are different samples, and folds of
     whole groups of them were empty or lacked whole score values.)
     In a data-parallel fit every process splits its own samples; with ``process_group`` given, a
-    process with too few samples makes every process raise (not only itself, which would leave
-    the others waiting in their next collective).
+    process with too few samples, or with ``groups`` that cannot fill the folds, makes every
+    process raise (not only itself, which would leave the others waiting in their next
+    collective), and the warning about classes of a single sample counts them over the group.
     """
     folds, seed = check_folds(folds, seed)
-    labels = as_tensor(labels, "labels")
-    if scores is not None:
-        num_classes = scores.shape[1]
-    else:  # (any bound: the indices' type, shape and sign are what is checked)
-        num_classes = int(labels.max()) + 1 if labels.numel() and not torch.is_floating_point(labels) else 1
-    labels = check_labels(labels, labels.shape[0] if labels.ndim else 1, num_classes)
-    n = labels.shape[0]
-    if process_group is None and n < folds:
-        raise ValueError(f"cross-validation with {folds} folds needs at least {folds} samples, got N = {n}.")
+
+    def check() -> tuple[Tensor, tuple[Tensor, Tensor, Tensor] | None]:
+        """The labels, and each sample's group as ``torch.unique`` gives them, or refuse."""
+        checked = as_tensor(labels, "labels")
+        if scores is not None:
+            num_classes = scores.shape[1]
+        else:  # (any bound: the indices' type, shape and sign are what is checked)
+            num_classes = int(checked.max()) + 1 if checked.numel() and not torch.is_floating_point(checked) else 1
+        checked = check_labels(checked, checked.shape[0] if checked.ndim else 1, num_classes)
+        n = checked.shape[0]
+        if process_group is None and n < folds:
+            raise ValueError(f"cross-validation with {folds} folds needs at least {folds} samples, got N = {n}.")
+        if groups is None:
+            return checked, None
+        by_group = torch.as_tensor(groups).cpu()
+        if by_group.shape != (n,):
+            raise ValueError(f"groups must have shape ({n},), got {tuple(by_group.shape)}.")
+        unique, inverse, counts = torch.unique(by_group, return_inverse=True, return_counts=True)
+        if unique.numel() < folds:
+            raise ValueError(f"{unique.numel()} groups cannot fill {folds} folds; use fewer folds.")
+        return checked, (unique, inverse, counts)
+
+    # (every process's checks at once: one that raised alone left the others in their next collective)
+    labels, grouping = validate_together(check, process_group, labels if isinstance(labels, Tensor) else None)
+    device, n = labels.device, labels.shape[0]
     if process_group is not None:
-        fewest = -all_reduce_(torch.tensor(-float(n), dtype=torch.float64, device=labels.device), process_group, op="max").item()
+        fewest = -all_reduce_(torch.tensor(-float(n), dtype=torch.float64, device=device), process_group, op="max").item()
         if fewest < folds:
             raise ValueError(f"cross-validation with {folds} folds needs at least {folds} samples on every process "
                              f"(the fewest: {int(fewest)}), got N = {n} here.")
     gen = seeded_generator(seed)
     assignment = torch.empty(n, dtype=torch.long)
     labels = labels.cpu()
-    canonical = torch.arange(n) if scores is None or groups is not None else _order_by_content(scores, labels)
-    if groups is not None:
-        groups = torch.as_tensor(groups).cpu()
-        if groups.shape != (n,):
-            raise ValueError(f"groups must have shape ({n},), got {tuple(groups.shape)}.")
-        unique, inverse, counts = torch.unique(groups, return_inverse=True, return_counts=True)
-        if unique.numel() < folds:
-            raise ValueError(f"{unique.numel()} groups cannot fill {folds} folds; use fewer folds.")
+    canonical = torch.arange(n) if scores is None or grouping is not None else _order_by_content(scores, labels)
+    if grouping is not None:
+        unique, inverse, counts = grouping
         order = torch.randperm(unique.numel(), generator=gen)
         order = order[torch.argsort(counts[order], descending=True, stable=True)]
         sizes = [0] * folds
@@ -464,6 +476,9 @@ def fold_indices(
             assignment[members] = (torch.arange(members.numel()) + offset) % folds
             offset += members.numel()
         counts = torch.bincount(labels)
+        if process_group is not None:  # a fold's training part is the group's: count the classes there
+            width = int(all_reduce_(torch.tensor([float(counts.numel())], device=device), process_group, op="max").item())
+            counts = all_reduce_(torch.nn.functional.pad(counts, (0, width - counts.numel())).to(device), process_group).cpu()
         if bool((counts == 1).any()):  # (a class of 2 or more samples has them in different folds)
             warnings.warn(
                 f"class(es) {(counts == 1).nonzero().flatten().tolist()} have a single sample: the "

@@ -151,8 +151,8 @@ class Calibrator(nn.Module):
             warm_start: start from the current parameters instead of the identity map.
             process_group: fit data-parallel over a ``torch.distributed`` group (e.g.
                 ``torch.distributed.group.WORLD``): every process calls ``fit`` with its own shard
-                of the calibration data, and all end with the parameters of one fit on the union
-                of the shards. Only sums over samples travel, never the logits. A cross-validated
+                of the calibration data (at least one sample each), and all end with the
+                parameters of one fit on the union of the shards. Only sums over samples travel, never the logits. A cross-validated
                 regularisation strength is selected on per-process folds, so it can differ from a
                 one-process fit's (see the module docs).
         """

@@ -108,7 +108,9 @@ BAD_SCORES = [
     ("-inf logits (log of a zero probability)", lambda: _inf_logits(float("-inf")), None, ValueError, r"infinite values.*log\(0\)"),
     ("+inf and -inf logits", lambda: _inf_logits(float("-inf")).index_fill_(0, torch.tensor([9]), float("inf")), None, ValueError, r"0 NaN and 4 infinite values \(first in row 7\)"),
     ("integer logits", lambda: torch.ones(N, K, dtype=torch.long), None, ValueError, "must be a floating-point tensor"),
-    ("1-D logits", lambda: torch.randn(N), None, ValueError, r"shape \(N, K\), got shape \(12,\).*binary_scores_to_logits"),
+    ("1-D logits", lambda: torch.randn(N), None, ValueError,
+     # (a metric that takes any K names the option that reads one column as binary scores)
+     r"shape \(N, K\), got shape \(12,\).*binary_scores_to_logits|got one score per sample \(shape \(12,\)\).*num_classes=2"),
     ("3-D logits", lambda: torch.randn(N, K, 1), None, ValueError, r"shape \(N, K\), got shape \(12, 3, 1\)"),
     ("one column (K = 1)", lambda: torch.randn(N, 1), lambda: torch.zeros(N, dtype=torch.long), ValueError, "K >= 2 class columns, got K = 1"),
     ("empty input (N = 0)", lambda: torch.randn(0, K), lambda: torch.zeros(0, dtype=torch.long), ValueError, r"empty \(N = 0\)"),

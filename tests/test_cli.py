@@ -90,12 +90,12 @@ def test_calibration_data_come_from_the_option_or_the_files_own_split(tmp_path, 
              logits_val=logits[600:], labels_val=labels[600:])
     common = ["--method", "temperature", "--bootstrap", "0", "--no-figures", "--quiet", "--out", tmp_path / "o"]
     _, out, _ = run(capsys, "evaluate", tmp_path / "test.npz", "--calibration", tmp_path / "cal.npz", *common)
-    assert f"fitted on separate calibration data ({tmp_path / 'cal.npz'}, N = 300)" in out
+    assert f"fitted on separate calibration data ({tmp_path / 'cal.npz'}, N = 300, read as logits)" in out
     # a calibration file with a validation split gives that split, as to `calibrate`, not its test rows
     _, out, _ = run(capsys, "evaluate", tmp_path / "test.npz", "--calibration", tmp_path / "both.npz", *common)
-    assert f"fitted on separate calibration data ({tmp_path / 'both.npz'} (val split), N = 300)" in out
+    assert f"fitted on separate calibration data ({tmp_path / 'both.npz'} (val split), N = 300, read as logits)" in out
     _, out, _ = run(capsys, "evaluate", tmp_path / "both.npz", *common)
-    assert "(val split), N = 300)" in out
+    assert "(val split), N = 300, read as logits)" in out
     _, out, _ = run(capsys, "evaluate", tmp_path / "both.npz", "--cv", "4", *common)
     assert "4-fold stratified cross-validation" in out
     # the evaluated file as its own calibration data: refused (exit 2), a copy of it too
@@ -252,6 +252,32 @@ def test_apply_reads_new_scores_as_the_fit_declared_them(capsys, tmp_path, synth
     np.testing.assert_array_equal(declared, explicit)
     before, after = (float(x) for x in re.search(r"NCE (\d\.\d+) -> (\d\.\d+)", out).groups())
     assert after < before
+    # evaluate's calibrator.pt remembers the declaration too (it had not: apply read logits, NCE 0.858 -> 0.905)
+    assert run(capsys, "evaluate", tmp_path / "val.csv", "--input", "probs", "--method", "temperature", "--bootstrap", "0",
+               "--no-figures", "--quiet", "--out", tmp_path / "rep")[0] == 0
+    code, out, _ = run(capsys, "apply", tmp_path / "rep" / "calibrator.pt", tmp_path / "test.csv", "--out", tmp_path / "from_report.npz")
+    assert code == 0 and "(scores read as --input probs, saved with the calibrator)" in out
+
+
+def test_files_read_as_different_kinds_are_refused(capsys, tmp_path, synthetic):
+    """Exact probabilities to evaluate and rounded ones to calibrate on (or as --target): detection
+    read the rounded ones as logits, fitted the calibrators on p and applied them to log p (on a
+    LeNet-5's CIFAR-10 posteriors: RCL -172 %, "calibration would not help"; target priors of 0 and
+    1). Refused, naming --input; with it, the evaluation says how the calibration file was read."""
+    logits, labels = synthetic(3, 1200, seed=1)
+    probs = torch.softmax(torch.from_numpy(logits).double(), 1).numpy()
+    np.savez(tmp_path / "exact.npz", probs=probs[:600], labels=labels[:600])
+    np.savetxt(tmp_path / "rounded.csv", np.column_stack([probs[600:], labels[600:]]), delimiter=",",
+               header="p0,p1,p2,label", comments="", fmt=["%.3f"] * 3 + ["%d"])
+    np.savetxt(tmp_path / "target.csv", probs[600:], delimiter=",", header="p0,p1,p2", comments="", fmt="%.3f")
+    code, _, err = run(capsys, "evaluate", tmp_path / "exact.npz", "--calibration", tmp_path / "rounded.csv", "--method",
+                       "temperature", "--bootstrap", "0", "--no-figures", "--quiet", "--out", tmp_path / "rep")
+    assert code == 2 and "the calibration scores" in err and "as logits, although" in err and "--input" in err
+    code, _, err = run(capsys, "calibrate", tmp_path / "exact.npz", "--method", "affine", "--target", tmp_path / "target.csv", "--quiet")
+    assert code == 2 and "the --target scores" in err and "as logits, although" in err
+    code, out, _ = run(capsys, "evaluate", tmp_path / "exact.npz", "--calibration", tmp_path / "rounded.csv", "--input", "probs",
+                       "--method", "temperature", "--bootstrap", "0", "--no-figures", "--quiet", "--out", tmp_path / "rep")
+    assert code == 0 and f"({tmp_path / 'rounded.csv'}, N = 600, read as probabilities (as requested); rows renormalised" in out
 
 
 def test_an_upper_case_npz_keeps_its_validation_split(capsys, tmp_path, synthetic):

@@ -7,7 +7,9 @@ import json
 import math
 import re
 import sys
+import tempfile
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -347,8 +349,9 @@ def test_the_legend_says_which_numbers_the_priors_weigh():
     logits = 2 * torch.randn(400, 3, generator=g, dtype=torch.float64)
     labels = torch.multinomial(torch.softmax(logits, 1), 1, generator=g).squeeze(1)
     weighted = evaluate((logits, labels), ["temperature"], bootstrap=0, priors=torch.tensor([0.2, 0.3, 0.5]))
-    assert "ECE, smECE,\n     ECD and p cal do not" in weighted.table()
-    assert "ECD and p cal do not" not in evaluate((logits, labels), ["temperature"], bootstrap=0).table()
+    legend = " ".join(line.strip() for line in weighted.table().splitlines())
+    assert "NCE, NBS, error, NEC, the cross-entropy and the Brier score weigh each class's samples to its prior; ECE, smECE, ECD and p cal do not" in legend
+    assert "p cal do not" not in evaluate((logits, labels), ["temperature"], bootstrap=0).table()
 
 
 def test_a_perfect_raw_system_is_not_said_to_be_improved():
@@ -368,3 +371,8 @@ def test_a_perfect_raw_system_is_not_said_to_be_improved():
     assert all(m.calibration_loss < 0 and math.isnan(m.relative_calibration_loss) for m in result.methods)
     assert "No method improves the raw posteriors" in result.table()
     assert math.isnan(_relative_calibration_loss({"cross_entropy": 0.0}, {"cross_entropy": 0.2}))
+    # report.json: JSON has no NaN (a bare NaN, which strict parsers refuse, was written): null
+    with tempfile.TemporaryDirectory() as folder:
+        result.save(folder, figures=False)
+        saved = json.loads((Path(folder) / "report.json").read_text(), parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
+    assert all(m["relative_calibration_loss"] is None for m in saved["methods"])

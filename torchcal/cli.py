@@ -318,7 +318,8 @@ def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | 
     stale = report.stale_files(args.out, figures=not args.no_figures)  # an earlier run's, by torchcal's names only
     for path in stale:
         path.unlink()
-    written = report.save(args.out, figures=not args.no_figures, progress=not args.quiet)
+    written = report.save(args.out, figures=not args.no_figures, progress=not args.quiet,
+                          input_kind=None if args.input == "auto" else args.input)
     if not args.quiet:
         print(f"\nwrote {', '.join(p.name for p in written)} to {args.out}/")
         if stale:
@@ -391,11 +392,13 @@ def _label_shift_source(args: argparse.Namespace, scores: Scores, priors: torch.
 def _load_target(args: argparse.Namespace, scores: Scores) -> Scores:
     """The unlabelled ``--target`` scores, read as the calibration ``scores`` were; checked before the fit."""
     from torchcal.data import load_scores
+    from torchcal.report import check_read_alike
 
     target = load_scores(args.target, input=args.input, priors=scores.llr_priors, require_labels=False)
     if target.num_classes != scores.num_classes:
         raise ValueError(f"--target {args.target}: {target.num_classes} classes, but {args.scores} has "
                          f"{scores.num_classes}; the target scores must come from the same classifier.")
+    check_read_alike(scores, target, "the calibration scores", "the --target scores")
     return target
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import math
 import sys
 import threading
 import time
@@ -101,6 +102,7 @@ __all__ = [
     "Quality",
     "Report",
     "SavedCalibrator",
+    "check_read_alike",
     "evaluate",
     "fit_calibrator",
     "load_calibrator",
@@ -209,7 +211,8 @@ class Quality:
     """Metrics of one set of posteriors on the evaluated samples.
 
     ``nce``/``nbs``: cross-entropy / Brier score divided by those of the prior-only system;
-    ``error_rate`` (prior-weighted under the evaluation's priors, as are NCE, NBS and NEC); ``nec``: normalised expected cost of the Bayes decisions for the cost matrix;
+    ``error_rate`` (prior-weighted under the evaluation's priors, as are NCE, NBS, NEC, the
+    cross-entropy and the Brier score); ``nec``: normalised expected cost of the Bayes decisions for the cost matrix;
     ``ece``: top-label ECE in %, 15 equal-width bins; ``ecd``: entropic calibration difference
     (> 0 over-confident, < 0 under-confident); ``cross_entropy`` (nats) and ``brier`` (summed
     over classes, 0 to 2) unnormalised, in the units papers report; ``smooth_ece``: top-label smooth
@@ -303,20 +306,24 @@ class Report:
         """The aligned text report printed by the command line."""
         return "\n".join(_header(self) + _raw_section(self) + _methods_section(self) + _legend(self) + _verdict(self))
 
-    def save(self, folder: str | Path, figures: bool = True, progress: bool = False) -> list[Path]:
+    def save(self, folder: str | Path, figures: bool = True, progress: bool = False, input_kind: str | None = None) -> list[Path]:
         """Write report.txt/.json/.csv, the winning calibrator (calibrator.pt, with its ``llr_priors``) and PNG figures
         (top-label reliability of every method; the smoothed and per-class reliability diagrams,
         the Bayes-risk curves and, for K = 2, the DET plot of the raw and the best posteriors).
-        ``progress`` shows a bar while the figures render. Returns the paths written."""
+        ``progress`` shows a bar while the figures render; ``input_kind``: how the scores were
+        declared (``--input``), saved with the calibrator so that new scores are read the same way
+        (:func:`save_calibrator`). In report.json an undefined number (NaN, e.g. the relative
+        calibration loss of a perfect raw system) is ``null``. Returns the paths written."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         written = [folder / name for name in _TEXT_FILES]
         written[0].write_text(self.table() + "\n")
-        written[1].write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        written[1].write_text(json.dumps(_json_ready(self.to_dict()), indent=2, allow_nan=False) + "\n")
         written[2].write_text(self.csv())
         if self.calibrator is not None and self.best is not None:
             written.append(save_calibrator(folder / "calibrator.pt", self.best, self.calibrator,
-                                           self.method_options.get(self.best, {}), llr_priors=self.llr_priors))
+                                           self.method_options.get(self.best, {}), llr_priors=self.llr_priors,
+                                           input_kind=input_kind))
         if figures and self.logits is not None:
             written += self._figures(folder, progress)
         return written
@@ -376,6 +383,18 @@ class Report:
 
     def _priors_tensor(self) -> Tensor | None:
         return None if self.priors is None else torch.tensor(self.priors, dtype=torch.float64)
+
+
+def _json_ready(value: Any) -> Any:
+    """``value`` with every float that is not finite as None: JSON has no NaN (``json.dumps`` writes
+    a bare ``NaN``, which strict parsers refuse)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _json_ready(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(item) for item in value]
+    return value
 
 
 def _header(r: Report) -> list[str]:
@@ -443,8 +462,9 @@ def _legend(r: Report) -> list[str]:
         "     (kernel-smoothed, no bins), in %. ECD > 0: over-confident. p cal: p-value of a test of calibration",
         "     (label resampling, ECE); small means miscalibrated.",
         *([] if r.priors is None else [
-            "     Under the given priors NCE, NBS, error and NEC weigh each class's samples to its prior; ECE, smECE,",
-            "     ECD and p cal do not (they describe the samples at the data's own class frequencies).",
+            "     Under the given priors NCE, NBS, error, NEC, the cross-entropy and the Brier score weigh each class's",
+            "     samples to its prior; ECE, smECE, ECD and p cal do not (they describe the samples at the data's own",
+            "     class frequencies).",
         ]),
         "",
     ]
@@ -579,11 +599,13 @@ def evaluate(
         priors = check_priors(priors, num_classes)
     costs = zero_one_costs(num_classes) if costs is None else check_costs(costs, num_classes)
     if calibration is not None:
-        cal_logits, cal_labels, cal_source, _ = _unpack(calibration, "calibration scores")
+        cal_logits, cal_labels, cal_source, cal_read_as = _unpack(calibration, "calibration scores")
         if cal_logits.shape[1] != num_classes:
             raise ValueError(f"the calibration scores have K = {cal_logits.shape[1]} classes, the evaluated scores K = {num_classes}.")
         _check_held_out(logits, labels, cal_logits, cal_labels)
-        protocol = f"fitted on separate calibration data ({cal_source}, N = {cal_logits.shape[0]})"
+        if isinstance(scores, Scores) and isinstance(calibration, Scores):
+            check_read_alike(scores, calibration, "the evaluated scores", "the calibration scores")
+        protocol = f"fitted on separate calibration data ({cal_source}, N = {cal_logits.shape[0]}, read as {cal_read_as})"
     else:
         cal_logits, cal_labels = logits, labels
         protocol = (f"{folds}-fold stratified cross-validation on the evaluated data (each sample "
@@ -674,6 +696,21 @@ def _refreshed_every_second(bar: tqdm) -> Iterator[None]:
 def _llr_priors(scores: Scores | tuple[Tensor, Tensor]) -> Tensor | None:
     """The priors that turned the binary LLRs of ``scores`` into posteriors; None for other scores."""
     return scores.llr_priors if isinstance(scores, Scores) else None
+
+
+def check_read_alike(first: Scores, second: Scores, first_name: str, second_name: str) -> None:
+    """Refuse two files of scores of one system whose values were read differently, the one as
+    probabilities (whose logs are taken) and the other as logits: calibrators fitted on the one
+    and applied to the other give wrong numbers. Detection reads each file on its own, and
+    rounded probabilities, whose rows sum to 1 only roughly, are read as logits (a LeNet-5's
+    temperature scaling then made NCE 0.586 -> 1.594 instead of -> 0.566)."""
+    as_probabilities = [s.read_as.startswith("probabilities") for s in (first, second)]
+    if as_probabilities[0] != as_probabilities[1]:
+        raise ValueError(
+            f"{first_name} ({first.source}) were read as {first.read_as}, but {second_name} ({second.source}) as "
+            f"{second.read_as}: calibrators fitted on scores of one kind would be applied to another. Say what both "
+            f"files hold: input='probs' or input='logits' (--input on the command line)."
+        )
 
 
 def _unpack(scores: Scores | tuple[Tensor, Tensor], name: str) -> tuple[Tensor, Tensor, str, str]:

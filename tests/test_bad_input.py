@@ -639,7 +639,7 @@ def test_fold_counts_and_groups():
         (lambda: F.entropic_calibration_difference(*good_data(), n_bins=0), ValueError, "n_bins must be a positive integer"),
         (lambda: torchcal.AffineCalibration().fit(*good_data(), loss="hinge"), ValueError, r"loss must be one of \['brier', 'log'\]"),
         (lambda: torchcal.HistogramBinning(n_bins=0), ValueError, "n_bins must be an integer >= 1"),
-        (lambda: torchcal.IsotonicCalibration(eps=0.7), ValueError, r"eps must be in \(0, 0.5\)"),
+        (lambda: torchcal.IsotonicCalibration(eps=0.7), ValueError, r"eps must be a number in \(0, 0.5\), got 0.7"),
         (lambda: torchcal.MatrixScaling(reg="odir", reg_lambda=-1.0), ValueError, "reg_lambda must be finite and >= 0"),
         (lambda: F.calibration_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([0]), torch.tensor([0.5, 0.5])), ValueError,
          "score must be a function"),

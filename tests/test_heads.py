@@ -6,6 +6,7 @@ import collections
 import types
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -269,6 +270,31 @@ def test_state_dict_round_trip_into_a_fresh_head(name, fitted_heads, tmp_path):
     x = make_data(30, seed=5)[0]
     with torch.no_grad():
         assert torch.equal(fresh(x), head(x))
+
+
+def test_numpy_strengths_fit_and_their_states_load_weights_only(tmp_path):
+    """Strengths given as NumPy numbers (``np.logspace(...)[i]``, which is a float) were stored in
+    the state as they came: ``torch.load(weights_only=True)`` refused the file (from_checkpoint
+    with it), and a float32 one crashed the fit. They are Python floats now."""
+    logits, labels = make_data(300, seed=6)
+    for calibrator in (
+        torchcal.StructuredVectorScaling(reg_lambda=np.logspace(-2, 0, 3)[1]),
+        torchcal.DirichletCalibration(reg="l2", reg_lambda=np.float32(0.1)),
+        torchcal.MatrixScaling(reg="odir", reg_lambda=np.float64(0.1), reg_mu=np.float32(0.5)),
+        torchcal.DirichletCalibration(reg="odir", reg_grid=[(np.float32(1.0), np.float64(2.0)), (np.float64(10.0), 10)]),
+        torchcal.StructuredMatrixScaling(reg_grid=np.array([0.25, 1.0])),
+        torchcal.IsotonicCalibration(eps=np.float64(1e-6)),
+    ):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (classes without a sample in these few rows)
+            calibrator.fit(logits, labels)
+        torch.save(calibrator.state_dict(), tmp_path / "state.pt")
+        fresh = type(calibrator)()
+        fresh.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+        with torch.no_grad():
+            assert torch.equal(fresh(logits), calibrator(logits))
+    with pytest.raises(ValueError, match="reg_lambda must be a number, got 'big'"):
+        torchcal.MatrixScaling(reg="l2", reg_lambda="big")
 
 
 @pytest.mark.parametrize("name", ["temperature", "dirichlet"])

@@ -25,6 +25,7 @@ __all__ = [
     "check_priors",
     "check_probs",
     "check_seed",
+    "check_strength",
     "compute_dtype",
     "looks_like_probs",
     "total_may_be_of_probs",
@@ -175,6 +176,19 @@ def check_count(value: Any, name: str, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
     return int(value)
+
+
+def check_strength(value: Any, name: str) -> float:
+    """``value`` as a float, finite and >= 0 (a penalty strength; NumPy's and 0-d torch numbers
+    too, which a state would store as they came: ``torch.load(weights_only=True)`` refuses NumPy
+    scalars), or ``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)) or (
+            isinstance(value, torch.Tensor) and value.numel() != 1):
+        raise ValueError(f"{name} must be a number, got {value!r}.")
+    value = float(value)
+    if not 0 <= value < math.inf:
+        raise ValueError(f"{name} must be finite and >= 0, got {value}.")
+    return value
 
 
 def check_seed(seed: Any, name: str = "seed") -> int:

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from torchcal._validation import check_folds, stacklevel_outside_package
+from torchcal._validation import check_folds, check_strength, stacklevel_outside_package
 from torchcal.calibrators._linear import FullDesign, hand_over_to_lbfgs
 from torchcal.calibrators._multinomial import (
     DIVERGING,
@@ -137,18 +137,21 @@ class MatrixScaling(Calibrator):
             raise ValueError(f"reg must be None, 'odir' or 'l2', got {reg!r}.")
         if reg is None and (reg_lambda is not None or reg_mu is not None):
             raise ValueError("reg_lambda / reg_mu need a regulariser: pass reg='odir' or reg='l2'.")
-        for name, value in (("reg_lambda", reg_lambda), ("reg_mu", reg_mu)):
-            if value is not None and not 0 <= value < math.inf:
-                raise ValueError(f"{name} must be finite and >= 0, got {value}.")
+        reg_lambda = None if reg_lambda is None else check_strength(reg_lambda, "reg_lambda")
+        reg_mu = None if reg_mu is None else check_strength(reg_mu, "reg_mu")
         cv_folds, cv_seed = check_folds(cv_folds, cv_seed, "cv_folds", "cv_seed")
         if reg == "l2" and reg_mu is not None:
             raise ValueError("reg_mu is ODIR's intercept penalty; reg='l2' has one strength, reg_lambda.")
         if isinstance(reg_grid, Mapping):
             if set(reg_grid) != {"lambda", "mu"}:
                 raise ValueError(f"reg_grid as a mapping needs exactly the keys 'lambda' and 'mu', got {sorted(reg_grid)}.")
-            reg_grid = [(float(lam), float(mu)) for lam in reg_grid["lambda"] for mu in reg_grid["mu"]]
-        grid = list(reg_grid)
-        if not grid or not all(0 <= v < math.inf for g in grid for v in (g if isinstance(g, tuple) else (g,))):
+            reg_grid = [(lam, mu) for lam in reg_grid["lambda"] for mu in reg_grid["mu"]]
+        try:
+            grid = [tuple(check_strength(v, "reg_grid") for v in g) if isinstance(g, tuple) else check_strength(g, "reg_grid")
+                    for g in reg_grid]
+        except (ValueError, TypeError):
+            grid = []
+        if not grid or any(isinstance(g, tuple) and len(g) != 2 for g in grid):
             raise ValueError(f"reg_grid must be a non-empty sequence of finite lambdas >= 0 (or (lambda, mu) pairs), got {reg_grid!r}.")
         if reg_mu is not None and any(isinstance(g, tuple) for g in grid):
             raise ValueError("pass reg_mu or (lambda, mu) pairs in reg_grid, not both.")
@@ -158,7 +161,7 @@ class MatrixScaling(Calibrator):
         self.reg_lambda = reg_lambda
         self.reg_mu = reg_mu
         # mu = lambda at every grid point, unless reg_mu fixes it
-        self.reg_grid = [g if isinstance(g, tuple) else (float(g), float(g if reg_mu is None else reg_mu)) for g in grid]
+        self.reg_grid = [g if isinstance(g, tuple) else (g, g if reg_mu is None else reg_mu) for g in grid]
         self.cv_folds = cv_folds
         self.cv_seed = cv_seed
         self.cv_together = cv_together

@@ -9,6 +9,7 @@ exactly 0 or 1, so the log-loss stays finite.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, ClassVar
 
 import numpy as np
@@ -156,9 +157,9 @@ class IsotonicCalibration(_OneVsRest):
 
     def __init__(self, eps: float = 1e-7) -> None:
         super().__init__()
-        if not 0 < eps < 0.5:
-            raise ValueError(f"eps must be in (0, 0.5), got {eps}.")
-        self.eps = eps
+        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < 0.5:
+            raise ValueError(f"eps must be a number in (0, 0.5), got {eps!r}.")
+        self.eps = float(eps)  # (a NumPy scalar in the state would not load with weights_only=True)
 
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
         c = len(self._columns(num_classes))

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from torchcal._fast_exp import exp_floor
-from torchcal._validation import check_folds, stacklevel_outside_package
+from torchcal._validation import check_folds, check_strength, stacklevel_outside_package
 from torchcal.calibrators._linear import (
     BinaryLogisticDesign,
     VectorDesign,
@@ -186,13 +186,16 @@ class _StructuredScaling(Calibrator):
         cv_seed: int = 0,
     ) -> None:
         super().__init__()
-        if reg_lambda is not None and not 0 <= reg_lambda < math.inf:
-            raise ValueError(f"reg_lambda must be finite and >= 0 (or None to cross-validate it), got {reg_lambda}.")
-        if reg_lambda is None and (not reg_grid or not all(0 <= g < math.inf for g in reg_grid)):
+        reg_lambda = None if reg_lambda is None else check_strength(reg_lambda, "reg_lambda")
+        try:
+            grid = [check_strength(g, "reg_grid") for g in reg_grid]
+        except (ValueError, TypeError):
+            grid = []
+        if reg_lambda is None and not grid:
             raise ValueError(f"reg_grid must be a non-empty sequence of finite lambdas >= 0, got {reg_grid!r}.")
         cv_folds, cv_seed = check_folds(cv_folds, cv_seed, "cv_folds", "cv_seed")
         self.reg_lambda = reg_lambda
-        self.reg_grid = [float(g) for g in reg_grid]
+        self.reg_grid = grid
         self.cv_folds = cv_folds
         self.cv_seed = cv_seed
         self.reg_lambda_: float | None = None

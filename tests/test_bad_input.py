@@ -134,8 +134,10 @@ _BOOTSTRAP_N = r"same number N of rows to resample"
 def _cases():
     for name, make_logits, make_labels, error, pattern in BAD_SCORES:
         for entry, fn in {**ENTRY_POINTS, **FORWARD_ENTRY_POINTS}.items():
-            if name.startswith("empty") and entry.endswith(".update"):
-                continue  # an empty batch is a no-op for a metric: test_metric_update_ignores_an_empty_batch
+            if name.startswith("empty") and entry.endswith((".update", ".forward")):
+                # an empty batch is a no-op for a metric (test_metric_update_ignores_an_empty_batch), and a
+                # fitted calibrator maps it to an empty batch (test_heads: test_an_empty_batch_gives_an_empty_batch)
+                continue
             yield pytest.param(fn, make_logits, make_labels, error, pattern, id=f"{name}-{entry}")
     for name, make_labels, error, pattern in BAD_LABELS:
         for entry, fn in ENTRY_POINTS.items():

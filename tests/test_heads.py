@@ -297,6 +297,19 @@ def test_numpy_strengths_fit_and_their_states_load_weights_only(tmp_path):
         torchcal.MatrixScaling(reg="l2", reg_lambda="big")
 
 
+@pytest.mark.parametrize("name", [*PARAMETRIC, *NONPARAMETRIC])
+def test_an_empty_batch_gives_an_empty_batch(name, fitted_heads):
+    """A batch of no rows through a fitted head: (0, K), as the network, a traced, compiled or
+    exported head give (the eager head raised "logits is empty", which only a fit must say)."""
+    head = fitted_heads[name]
+    with torch.no_grad():
+        assert head(torch.empty(0, 6)).shape == (0, K)
+        for dtype in (torch.float32, torch.float64):
+            assert head.calibrator(torch.empty(0, K, dtype=dtype)).shape == (0, K)
+    with pytest.raises(ValueError, match=f"K = {K + 1} classes but {K} were expected"):  # (the columns are still checked)
+        head.calibrator(torch.empty(0, K + 1))
+
+
 @pytest.mark.parametrize("name", ["temperature", "dirichlet"])
 def test_compiled_head_matches_eager(name, fitted_heads):
     head = fitted_heads[name]

@@ -142,8 +142,6 @@ def check_logits(logits: Any, name: str = "logits", num_classes: int | None = No
         )
         raise ValueError(f"{name} must have shape (N, K), got shape {tuple(logits.shape)}.{hint}")
     n, k = logits.shape
-    if n == 0:
-        raise ValueError(f"{name} is empty (N = 0): at least one sample is needed.")
     if k < 2:
         raise ValueError(
             f"{name} must have K >= 2 class columns, got K = {k}. For a binary task given as one "
@@ -154,6 +152,8 @@ def check_logits(logits: Any, name: str = "logits", num_classes: int | None = No
             f"{name} has K = {k} classes but {num_classes} were expected (the number of classes "
             f"the calibrator was fitted on, or the metric was built for)."
         )
+    if n == 0:
+        raise ValueError(f"{name} is empty (N = 0): at least one sample is needed.")
     total = _finite_sum(logits)
     if total is None:
         raise ValueError(

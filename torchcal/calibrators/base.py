@@ -408,6 +408,9 @@ class Calibrator(nn.Module):
             if logits.ndim != 2 or logits.shape[1] != self.num_classes:
                 raise ValueError(f"expected logits of shape (N, {self.num_classes}), got {tuple(logits.shape)}")
             return logits
+        logits = as_tensor(logits, "logits")
+        if logits.ndim == 2 and logits.shape[0] == 0 and logits.shape[1] == self.num_classes and logits.is_floating_point():
+            return logits  # an empty batch gives an empty batch, as in a compiled or exported head (fit needs samples)
         return check_logits(logits, num_classes=self.num_classes)
 
     def get_extra_state(self) -> dict[str, Any]:

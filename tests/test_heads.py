@@ -310,6 +310,19 @@ def test_an_empty_batch_gives_an_empty_batch(name, fitted_heads):
         head.calibrator(torch.empty(0, K + 1))
 
 
+@pytest.mark.parametrize("name", [*PARAMETRIC, *NONPARAMETRIC])
+def test_a_state_loads_on_the_device_the_head_was_moved_to(name, fitted_heads):
+    """A head moved to a device before its state is loaded (the meta device stands in for a GPU):
+    the network's parameters stay there, and so must the calibrator's, which it creates at the
+    load (they were made on the CPU: forward then mixed devices)."""
+    fresh = CalibratedModel(make_net(), {**PARAMETRIC, **NONPARAMETRIC}[name]()).to("meta").half()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "for .*: copying from a non-meta parameter")  # (the meta device's no-op copies)
+        fresh.load_state_dict(fitted_heads[name].state_dict())
+    devices = {t.device.type for t in fresh.calibrator.state_dict().values() if isinstance(t, torch.Tensor)}
+    assert devices == {"meta"} and fresh.model[0].weight.device.type == "meta"
+
+
 @pytest.mark.parametrize("name", ["temperature", "dirichlet"])
 def test_compiled_head_matches_eager(name, fitted_heads):
     head = fitted_heads[name]

@@ -102,6 +102,7 @@ class Calibrator(nn.Module):
         super().__init__()
         self.num_classes: int = 0
         self.fit_record_: FitRecord | None = None
+        self._device = torch.device("cpu")  # where .to() last put the module, tensors or not (see _apply)
         # public in recent torch releases; older ones (the package allows torch>=2.1) have the private form
         register = getattr(self, "register_state_dict_post_hook", None) or self._register_state_dict_hook
         register(_drop_extra_state_in_legacy_onnx_export)
@@ -380,7 +381,13 @@ class Calibrator(nn.Module):
         ``.to(torch.bfloat16)`` (which Lightning's ``precision="16-true"`` / ``"bf16-true"`` apply to
         every submodule, a :class:`~torchcal.heads.CalibratedModel` head included) would round a
         temperature to three digits and a Venn-Abers table's probabilities by up to 0.06. The map
-        computes in its input's dtype (float32 for half precision) whatever its tensors' is."""
+        computes in its input's dtype (float32 for half precision) whatever its tensors' is.
+
+        It also records the device ``fn`` moves to, which a probe tensor shows also where there is
+        no tensor to move: a state loaded into an unfitted calibrator that was moved (inside a
+        head already on the GPU, say) goes there, as ``nn.Linear``'s parameters stay on theirs;
+        it had gone to the CPU."""
+        self._device = fn(torch.empty(0, device=getattr(self, "_device", "cpu"))).device
         return super()._apply(moving_only(fn), recurse)
 
     def _materialize(self, num_classes: int, device: torch.device | None = None) -> None:
@@ -438,7 +445,7 @@ class Calibrator(nn.Module):
             if self.supported_num_classes is not None and k != self.supported_num_classes:
                 raise ValueError(f"the state_dict is for K = {k} classes; {type(self).__name__} is for K = {self.supported_num_classes}.")
             self._set_stored_options(extra)
-            device = next((t.device for t in self._tensors()), None)
+            device = next((t.device for t in self._tensors()), self._device)
             # The parameters that are there already stay (the load copies into them, as nn.Linear's
             # does): an optimizer built before the load holds them, and a frozen one stays frozen.
             kept = dict(self._parameters)

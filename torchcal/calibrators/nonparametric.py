@@ -159,7 +159,7 @@ class IsotonicCalibration(_OneVsRest):
         super().__init__()
         if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < 0.5:
             raise ValueError(f"eps must be a number in (0, 0.5), got {eps!r}.")
-        self.eps = float(eps)  # (a NumPy scalar in the state would not load with weights_only=True)
+        self.eps: float = float(eps)  # (a NumPy scalar in the state would not load with weights_only=True)
 
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
         c = len(self._columns(num_classes))

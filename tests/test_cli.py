@@ -117,6 +117,11 @@ def test_config_and_overrides(scores_file, capsys, tmp_path):
     (tmp_path / "bad.yaml").write_text("methods: [affine]\nfolds: 3\n")
     code, _, err = run(capsys, "evaluate", scores_file, "--config", tmp_path / "bad.yaml", *common)
     assert code == 2 and "unknown config keys ['folds']" in err
+    # YAML 1.1 reads 1e-2 as a string ("'<=' not supported between 'int' and 'str'"); the configs read it as YAML 1.2 does
+    (tmp_path / "exp.yaml").write_text("methods: [dirichlet-l2]\noptions: {dirichlet-l2: {reg_lambda: 1e-2}}\ncv: 3\n")
+    code, out, err = run(capsys, "evaluate", scores_file, "--config", tmp_path / "exp.yaml", "--bootstrap", "0", *common)
+    assert code == 0 and "dirichlet-l2" in out, err
+    assert json.loads((tmp_path / "o" / "report.json").read_text())["options"] == {"dirichlet-l2": {"reg_lambda": 0.01}}
 
 
 def test_config_options_for_a_method_not_run_are_named(scores_file, capsys, tmp_path, synthetic):

@@ -19,6 +19,7 @@ import argparse
 import importlib.resources
 import logging
 import os
+import re
 import sys
 import tempfile
 import warnings
@@ -133,7 +134,7 @@ def load_config(name: str | Path) -> dict[str, Any]:
             available = sorted(p.name.removesuffix(".yaml") for p in CONFIG_DIR.iterdir() if p.name.endswith(".yaml"))
             raise UsageError(f"no config {str(name)!r}: not a file, and not one of {', '.join(available) or 'none'}.")
     try:
-        config = yaml.safe_load(path.read_text()) or {}
+        config = yaml.load(path.read_text(), Loader=_yaml_loader()) or {}
     except yaml.YAMLError as err:
         raise ValueError(f"{path}: not valid YAML ({str(err).splitlines()[0]}).") from None
     if not isinstance(config, dict) or not set(config) <= CONFIG_KEYS:
@@ -153,6 +154,20 @@ def load_config(name: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path}: options for unknown method {_closest(unknown[0], list(METHODS))}; "
                          f"the methods are {', '.join(METHODS)}.")
     return config
+
+
+def _yaml_loader() -> type:
+    """PyYAML's safe loader, reading ``1e-2`` as the number YAML 1.2 makes it: YAML 1.1 floats need
+    a dot (``1.0e-2``), so ``reg_lambda: 1e-2`` arrived as a string, refused with "'<=' not
+    supported between instances of 'int' and 'str'"."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    exponent_float = re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+$")
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", exponent_float, list("-+0123456789."))
+    return Loader
 
 
 def _closest(name: Any, known: Sequence[str]) -> str:

@@ -24,10 +24,12 @@ and the exporter's graph optimiser (onnxscript) takes the time, growing quickly 
 one CPU thread with torch 2.13: 14 s at K = 4, 48 s at K = 6, minutes at K = 10; with
 ``optimize=False`` 8 s, 13 s and 34 s; with ``dynamo=False`` under a second at K = 6, 2 s at
 K = 10, and the same outputs). Export it with ``dynamo=False`` or ``optimize=False`` for large K.
-The one-vs-rest step maps (histogram binning, isotonic regression, one-vs-rest Venn–Abers) hold
-one search per class, and grow the same way, more slowly: histogram binning took 6 s at K = 10,
-36 s at K = 40 and more than 3 minutes at K = 100 (with ``optimize=False`` 15 s at K = 40, 31 s at
-K = 100; a review helper's measurements, one CPU thread). Another
+The one-vs-rest step maps grow the same way, more slowly: histogram binning and isotonic
+regression hold one search per class (histogram binning took 6 s at K = 10, 36 s at K = 40 and
+more than 3 minutes at K = 100; with ``optimize=False`` 15 s at K = 40, 31 s at K = 100), and
+one-vs-rest Venn–Abers two per class and fold (14 s at K = 4, 71 s at K = 10 and, with
+``folds=3``, 14 minutes; with ``optimize=False`` 6 s at K = 4): export it, too, with
+``dynamo=False`` or ``optimize=False`` (review helpers' measurements, one CPU thread). Another
 runtime (ONNX Runtime) may round the network's own output differently in its last float32 bit;
 the step maps are discontinuous, so an input that sits exactly on a step moves to the
 neighbouring one there. That input is rare for logits. With ``output="probs"`` it is common on a

@@ -323,6 +323,18 @@ def test_a_state_loads_on_the_device_the_head_was_moved_to(name, fitted_heads):
     assert devices == {"meta"} and fresh.model[0].weight.device.type == "meta"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without the GPU the module was pickled on")
+def test_a_calibrator_pickled_on_a_gpu_moves_on_a_machine_without_one():
+    """A calibrator pickled on a GPU records that device (where its state would load); loaded on a
+    CPU-only machine, .to("cpu") and .float() probed the missing GPU and raised."""
+    calibrator = torchcal.TemperatureScaling().fit(*make_data(200, seed=7))
+    unfitted = torchcal.TemperatureScaling()
+    for module in (calibrator, unfitted):
+        module._device = torch.device("cuda", 0)  # (what .cuda() leaves)
+        module.to("cpu").float()
+        assert module._device == torch.device("cpu")
+
+
 @pytest.mark.parametrize("name", ["temperature", "dirichlet"])
 def test_compiled_head_matches_eager(name, fitted_heads):
     head = fitted_heads[name]

@@ -98,11 +98,14 @@ class Calibrator(nn.Module):
         of the parameters, so the fit has a finite optimum even on separable data."""
         return False
 
+    #: where ``.to()`` last put the module, tensors or not (see ``_apply``); a class default, which
+    #: calibrators pickled before it existed also read
+    _device = torch.device("cpu")
+
     def __init__(self) -> None:
         super().__init__()
         self.num_classes: int = 0
         self.fit_record_: FitRecord | None = None
-        self._device = torch.device("cpu")  # where .to() last put the module, tensors or not (see _apply)
         # public in recent torch releases; older ones (the package allows torch>=2.1) have the private form
         register = getattr(self, "register_state_dict_post_hook", None) or self._register_state_dict_hook
         register(_drop_extra_state_in_legacy_onnx_export)
@@ -387,7 +390,11 @@ class Calibrator(nn.Module):
         no tensor to move: a state loaded into an unfitted calibrator that was moved (inside a
         head already on the GPU, say) goes there, as ``nn.Linear``'s parameters stay on theirs;
         it had gone to the CPU."""
-        self._device = fn(torch.empty(0, device=getattr(self, "_device", "cpu"))).device
+        where = next((t.device for t in self._tensors()), self._device)
+        try:
+            self._device = fn(torch.empty(0, device=where)).device
+        except (RuntimeError, AssertionError):  # (a device this process lacks: a module pickled on a GPU)
+            self._device = fn(torch.empty(0)).device
         return super()._apply(moving_only(fn), recurse)
 
     def _materialize(self, num_classes: int, device: torch.device | None = None) -> None:

@@ -283,6 +283,24 @@ def test_files_read_as_different_kinds_are_refused(capsys, tmp_path, synthetic):
     code, out, _ = run(capsys, "evaluate", tmp_path / "exact.npz", "--calibration", tmp_path / "rounded.csv", "--input", "probs",
                        "--method", "temperature", "--bootstrap", "0", "--no-figures", "--quiet", "--out", tmp_path / "rep")
     assert code == 0 and f"({tmp_path / 'rounded.csv'}, N = 600, read as probabilities (as requested); rows renormalised" in out
+    # files whose keys say how to read them are read so, whatever the other file: log-probabilities
+    # beside probabilities, two columns of binary probabilities beside one (both declared)
+    np.savez(tmp_path / "log_probs.npz", log_probs=np.log(probs[600:]), labels=labels[600:])
+    code, _, err = run(capsys, "evaluate", tmp_path / "log_probs.npz", "--calibration", tmp_path / "exact.npz", "--method",
+                       "temperature", "--bootstrap", "0", "--no-figures", "--quiet", "--out", tmp_path / "rep")
+    assert code == 0, err
+    binary = probs[:, :2] / probs[:, :2].sum(1, keepdims=True)
+    np.savez(tmp_path / "one.npz", probs=binary[:600, 1], labels=labels[:600] % 2)
+    np.savez(tmp_path / "two.npz", probs=binary[600:], labels=labels[600:] % 2)
+    code, _, err = run(capsys, "evaluate", tmp_path / "one.npz", "--calibration", tmp_path / "two.npz", "--input", "probs",
+                       "--method", "temperature", "--bootstrap", "0", "--no-figures", "--quiet", "--out", tmp_path / "rep")
+    assert code == 0, err
+    # a calibrator fitted on scores detected as probabilities reads new ones as probabilities too (apply
+    # read rounded ones as logits, NCE 0.671 -> 0.829)
+    assert run(capsys, "evaluate", tmp_path / "exact.npz", "--method", "temperature", "--bootstrap", "0", "--no-figures",
+               "--quiet", "--out", tmp_path / "rep")[0] == 0
+    code, out, _ = run(capsys, "apply", tmp_path / "rep" / "calibrator.pt", tmp_path / "rounded.csv", "--out", tmp_path / "a.npz")
+    assert code == 0 and "(scores read as --input probs, saved with the calibrator)" in out
 
 
 def test_an_upper_case_npz_keeps_its_validation_split(capsys, tmp_path, synthetic):

@@ -199,6 +199,16 @@ def _load(path: str, args: argparse.Namespace, priors: Any = None, **kwargs: Any
     return load_scores(path, labels_path=getattr(args, "labels", None), input=args.input, priors=priors, **kwargs)
 
 
+def _saved_reading(args: argparse.Namespace, scores: Scores) -> str | None:
+    """How ``apply`` is to read new scores for a calibrator fitted on ``scores``: as declared
+    (``--input``), or as probabilities where detection read the fit's scores as such. Detection
+    reads each file on its own, and new rounded probabilities would be read as logits (NCE 0.671
+    -> 0.829 where reading them as probabilities gives 0.682 -> 0.482)."""
+    if args.input != "auto":
+        return args.input
+    return "probs" if scores.read_as.startswith("probabilities") else None
+
+
 def _check_output(option: str, path: str, folder: bool) -> None:
     """Refuse an output path that cannot be written before anything is fitted: a ``folder`` that
     is a file, a file that is a folder, one whose parent is a file, or one in a folder where no
@@ -334,7 +344,7 @@ def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | 
     for path in stale:
         path.unlink()
     written = report.save(args.out, figures=not args.no_figures, progress=not args.quiet,
-                          input_kind=None if args.input == "auto" else args.input)
+                          input_kind=_saved_reading(args, scores))
     if not args.quiet:
         print(f"\nwrote {', '.join(p.name for p in written)} to {args.out}/")
         if stale:
@@ -471,7 +481,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.save is None:
         return 0
     save_calibrator(args.save, method, calibrator, options, label_shift, scores.llr_priors,
-                    None if args.input == "auto" else args.input)
+                    _saved_reading(args, scores))
     if not args.quiet:
         with torch.no_grad():
             after = cross_entropy(calibrator(scores.logits), labels, priors=priors, normalize=True)

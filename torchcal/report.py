@@ -68,6 +68,7 @@ from torchcal import (
 )
 from torchcal._validation import check_costs, check_logits_and_labels, check_priors, stacklevel_outside_package
 from torchcal.data import Scores
+from torchcal.data.loading import ROUNDED_READ_AS_LOGITS
 from torchcal.fit import ConvergenceWarning, content_keys, shared_samples
 from torchcal.functional import (
     bayes_risk,
@@ -699,18 +700,19 @@ def _llr_priors(scores: Scores | tuple[Tensor, Tensor]) -> Tensor | None:
 
 
 def check_read_alike(first: Scores, second: Scores, first_name: str, second_name: str) -> None:
-    """Refuse two files of scores of one system whose values were read differently, the one as
-    probabilities (whose logs are taken) and the other as logits: calibrators fitted on the one
-    and applied to the other give wrong numbers. Detection reads each file on its own, and
-    rounded probabilities, whose rows sum to 1 only roughly, are read as logits (a LeNet-5's
-    temperature scaling then made NCE 0.586 -> 1.594 instead of -> 0.566)."""
-    as_probabilities = [s.read_as.startswith("probabilities") for s in (first, second)]
-    if as_probabilities[0] != as_probabilities[1]:
-        raise ValueError(
-            f"{first_name} ({first.source}) were read as {first.read_as}, but {second_name} ({second.source}) as "
-            f"{second.read_as}: calibrators fitted on scores of one kind would be applied to another. Say what both "
-            f"files hold: input='probs' or input='logits' (--input on the command line)."
-        )
+    """Refuse two files of scores of one system that detection read differently: one as
+    probabilities (whose logs are taken), the other as logits although its rows lie in [0, 1] and
+    sum to 1 roughly (rounded probabilities). Calibrators fitted on the one and applied to the
+    other give wrong numbers: a LeNet-5's temperature scaling made NCE 0.586 -> 1.594 instead of
+    -> 0.566. Scores declared (``input=``, ``--input``) or told by a file's key are read as said."""
+    for rounded, exact, rounded_name, exact_name in ((first, second, first_name, second_name),
+                                                     (second, first, second_name, first_name)):
+        if rounded.read_as.startswith(ROUNDED_READ_AS_LOGITS) and exact.read_as.startswith("probabilities"):
+            raise ValueError(
+                f"{rounded_name} ({rounded.source}) were read as {rounded.read_as}, but {exact_name} ({exact.source}) "
+                f"as {exact.read_as}: calibrators fitted on scores of one kind would be applied to another. If both "
+                f"hold probabilities, say so: input='probs' (--input probs on the command line)."
+            )
 
 
 def _unpack(scores: Scores | tuple[Tensor, Tensor], name: str) -> tuple[Tensor, Tensor, str, str]:

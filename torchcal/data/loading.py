@@ -700,7 +700,7 @@ def _columns_to_logits(values: Tensor, kind: str, reason: str) -> tuple[Tensor, 
             return values, "logits"
         if deviation > SIMPLEX_TOLERANCE:
             return values, (
-                f"logits, although every row lies in [0, 1] and sums to 1 within {deviation:.2g} (row {worst}); "
+                f"{ROUNDED_READ_AS_LOGITS} and sums to 1 within {deviation:.2g} (row {worst}); "
                 f"probabilities must sum to 1 within {SIMPLEX_TOLERANCE:g}. If these are rounded probabilities, "
                 f"pass input='probs' (--input probs) to renormalise the rows"
             )
@@ -715,6 +715,12 @@ def _columns_to_logits(values: Tensor, kind: str, reason: str) -> tuple[Tensor, 
             note += f"; rows renormalised, they summed to 1 only within {deviation:.2g} (row {worst})"
             values = values / row_sums.unsqueeze(1).to(values.dtype)
     return floored_log(values), note + _floor_note(values)
+
+
+#: How ``read_as`` begins for scores that detection read as logits although every row lies in [0, 1]
+#: and sums to 1 roughly (rounded probabilities, say): another file of the same system, exact
+#: enough to be read as probabilities, would be read differently (report.check_read_alike).
+ROUNDED_READ_AS_LOGITS = "logits, although every row lies in [0, 1]"
 
 
 def _in_unit_interval(values: Tensor) -> bool:

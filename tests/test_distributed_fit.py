@@ -163,13 +163,20 @@ def _bad_groups_worker(rank: int, out: str) -> None:
         warnings.simplefilter("always")
         torchcal.fit.fold_indices(y, 5, process_group=dist.group.WORLD)
     results.append([str(w.message) for w in caught])
+    # one sample of class 2 on each process, dealt to the same fold: that fold's training part lacks it
+    y = torch.tensor([0] * 10 + [1] * 10 + [2])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torchcal.fit.fold_indices(y, 5, process_group=dist.group.WORLD)
+    results.append([str(w.message) for w in caught])
     torch.save(results, Path(out) / f"rank{rank}.pt")
 
 
 def test_bad_groups_on_one_process_fail_on_every_process(tmp_path):
     """Groups that cannot fill the folds, or of the wrong length, on one process: it raised alone,
     and the other process waited in the first fold's fit until the group's timeout (30 minutes by
-    default). And a class of a single sample on one process but many on the group is no warning."""
+    default). And a class of a single sample on one process but many on the group is no warning,
+    while one sample on each process, in the same fold, is one."""
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
     spawn_gloo(_bad_groups_worker, 2, str(tmp_path))
@@ -177,6 +184,7 @@ def test_bad_groups_on_one_process_fail_on_every_process(tmp_path):
     assert own[0] == "3 groups cannot fill 5 folds; use fewer folds." and own[1] == "groups must have shape (200,), got (150,)."
     assert all("another process of the group refused its shard" in message for message in other[:2])
     assert other[2] == own[2] == []
+    assert other[3] == own[3] == ["class(es) [2] have all their samples in one fold: the training part of its fold will miss it."]
 
 
 def _bad_shard_worker(rank: int, out: str) -> None:

@@ -420,7 +420,8 @@ def fold_indices(
     In a data-parallel fit every process splits its own samples; with ``process_group`` given, a
     process with too few samples, or with ``groups`` that cannot fill the folds, makes every
     process raise (not only itself, which would leave the others waiting in their next
-    collective), and the warning about classes of a single sample counts them over the group.
+    collective), and the warning about a class that a fold's training part lacks counts the
+    group's samples.
     """
     folds, seed = check_folds(folds, seed)
 
@@ -475,14 +476,21 @@ def fold_indices(
             members = members[torch.randperm(members.numel(), generator=gen)]
             assignment[members] = (torch.arange(members.numel()) + offset) % folds
             offset += members.numel()
-        counts = torch.bincount(labels)
-        if process_group is not None:  # a fold's training part is the group's: count the classes there
-            width = int(all_reduce_(torch.tensor([float(counts.numel())], device=device), process_group, op="max").item())
-            counts = all_reduce_(torch.nn.functional.pad(counts, (0, width - counts.numel())).to(device), process_group).cpu()
-        if bool((counts == 1).any()):  # (a class of 2 or more samples has them in different folds)
+        # A fold's training part lacks a class whose samples all fall in that fold: one sample, or (a
+        # fold's training part being the group's) one per process, dealt to the same fold.
+        width = int(labels.max()) + 1 if n else 0
+        if process_group is not None:
+            width = int(all_reduce_(torch.tensor([float(width)], device=device), process_group, op="max").item())
+        in_fold = torch.zeros(width, folds, dtype=torch.float64).index_put_((labels, assignment), torch.ones(n, dtype=torch.float64),
+                                                                             accumulate=True)
+        in_fold = all_reduce_(in_fold.to(device), process_group).cpu()
+        total = in_fold.sum(1, keepdim=True)
+        lacking = ((in_fold == total) & (total > 0)).any(1).nonzero().flatten().tolist()
+        if lacking:
+            single = bool((total[lacking] == 1).all())
             warnings.warn(
-                f"class(es) {(counts == 1).nonzero().flatten().tolist()} have a single sample: the "
-                f"training part of its fold will miss it.",
+                f"class(es) {lacking} have " + ("a single sample" if single else "all their samples in one fold") +
+                ": the training part of its fold will miss it.",
                 stacklevel=2,
             )
     else:

@@ -354,6 +354,23 @@ def test_the_legend_says_which_numbers_the_priors_weigh():
     assert "p cal do not" not in evaluate((logits, labels), ["temperature"], bootstrap=0).table()
 
 
+def test_numpy_options_are_saved_as_python_numbers(tmp_path):
+    """Options given as NumPy numbers or arrays (reg_grid=np.logspace(...)), which the calibrators
+    take: report.json could not be written (ndarray is not JSON serializable), and calibrator.pt
+    held them as they came, which torch.load(weights_only=True) refused."""
+    gen = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(600, 3, generator=gen)
+    labels = torch.distributions.Categorical(logits=logits / 2).sample()
+    options = {"svs": {"reg_grid": np.logspace(-2, 1, 4)}, "dirichlet-odir": {"reg_lambda": np.float32(0.5), "reg_mu": np.float64(0.1)}}
+    for method in options:
+        result = evaluate((logits, labels), [method], method_options=options, bootstrap=0)
+        result.save(tmp_path / method, figures=False)
+        saved = json.loads((tmp_path / method / "report.json").read_text())["options"][method]
+        assert saved == {key: np.asarray(value).tolist() for key, value in options[method].items()}
+        loaded_method, calibrator = load_calibrator(tmp_path / method / "calibrator.pt")
+        assert loaded_method == method and torch.equal(calibrator(logits), result.calibrator(logits))
+
+
 def test_a_perfect_raw_system_is_not_said_to_be_improved():
     """With a raw cross-entropy of 0 the relative calibration loss is NaN, and ``NaN <= 0`` is
     false: the report said temperature scaling removed "RCL nan %" of the miscalibration where it

@@ -45,6 +45,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
@@ -386,9 +387,25 @@ class Report:
         return None if self.priors is None else torch.tensor(self.priors, dtype=torch.float64)
 
 
+def _plain(value: Any) -> Any:
+    """``value`` with NumPy numbers and arrays and tensors (a method's options, such as
+    ``reg_grid=np.logspace(...)``) as Python numbers and lists, which JSON and
+    ``torch.load(weights_only=True)`` take."""
+    if isinstance(value, (np.generic, np.ndarray, torch.Tensor)):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, tuple):  # ((lambda, mu) pairs stay pairs)
+        return tuple(_plain(item) for item in value)
+    return value
+
+
 def _json_ready(value: Any) -> Any:
-    """``value`` with every float that is not finite as None: JSON has no NaN (``json.dumps`` writes
-    a bare ``NaN``, which strict parsers refuse)."""
+    """``value`` as :func:`_plain` makes it, with every float that is not finite as None: JSON has
+    no NaN (``json.dumps`` writes a bare ``NaN``, which strict parsers refuse)."""
+    value = _plain(value)
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
@@ -832,7 +849,7 @@ def save_calibrator(
         extra["llr_priors"] = llr_priors
     if input_kind is not None:
         extra["input"] = input_kind
-    torch.save({"format": _FORMAT, "method": method, "options": dict(options or {}),
+    torch.save({"format": _FORMAT, "method": method, "options": _plain(dict(options or {})),
                 "state_dict": calibrator.state_dict(), **extra}, path)
     return path
 

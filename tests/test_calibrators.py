@@ -923,6 +923,16 @@ def test_a_penalty_on_every_parameter_bounds_the_fit_of_separable_data(make, los
     assert record.converged
 
 
+def test_lambda_mu_pairs_as_lists_or_array_rows():
+    """(lambda, mu) pairs as lists (the only sequences YAML configs can give) or an array's rows, as
+    tuples are: they were refused with a message that said pairs are taken."""
+    expected = [(0.1, 0.01), (1.0, 0.1)]
+    for grid in ([[0.1, 0.01], [1.0, 0.1]], np.array(expected), [(0.1, 0.01), [1.0, 0.1]]):
+        assert torchcal.DirichletCalibration(reg="odir", reg_grid=grid).reg_grid == expected
+    with pytest.raises(ValueError, match="reg_grid must be a non-empty sequence"):
+        torchcal.DirichletCalibration(reg="odir", reg_grid=[[0.1, 0.01, 1.0]])
+
+
 def test_bad_regulariser_arguments():
     with pytest.raises(ValueError, match="reg must be"):
         torchcal.DirichletCalibration(reg="l1")

@@ -146,9 +146,13 @@ class MatrixScaling(Calibrator):
             if set(reg_grid) != {"lambda", "mu"}:
                 raise ValueError(f"reg_grid as a mapping needs exactly the keys 'lambda' and 'mu', got {sorted(reg_grid)}.")
             reg_grid = [(lam, mu) for lam in reg_grid["lambda"] for mu in reg_grid["mu"]]
+        def point(g: object) -> float | tuple[float, ...]:  # (a pair: a tuple, a list (YAML's), an array's row)
+            if isinstance(g, (tuple, list)) or getattr(g, "ndim", 0) == 1:
+                return tuple(check_strength(v, "reg_grid") for v in g)  # type: ignore[attr-defined]
+            return check_strength(g, "reg_grid")
+
         try:
-            grid = [tuple(check_strength(v, "reg_grid") for v in g) if isinstance(g, tuple) else check_strength(g, "reg_grid")
-                    for g in reg_grid]
+            grid = [point(g) for g in reg_grid]
         except (ValueError, TypeError):
             grid = []
         if not grid or any(isinstance(g, tuple) and len(g) != 2 for g in grid):

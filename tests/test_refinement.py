@@ -17,7 +17,7 @@ from torchmetrics import MetricCollection
 
 from torchcal import ConvergenceWarning, TemperatureScaling, _tempered_moments
 from torchcal.functional import cross_entropy, refinement_loss
-from torchcal.metrics import RefinementLoss
+from torchcal.metrics import CrossEntropy, RefinementLoss
 
 BUNDLED = Path(__file__).resolve().parents[1] / "torchcal" / "data" / "examples" / "cifar10_resnet110_kangsepp.npz"
 
@@ -206,6 +206,8 @@ def test_merging_a_state_of_other_options_is_refused(val):
         a.merge_state(b)
     with pytest.raises(ValueError, match="other options"):
         a.merge_state({name: getattr(b, name) for name in b._defaults})
+    with pytest.raises(ValueError, match="instance of RefinementLoss"):  # (torchmetrics' message, for another class)
+        a.merge_state(CrossEntropy(10))
     fresh = RefinementLoss(temperature_range=(0.5, 50.0))
     fresh.merge_state(b)
     with pytest.warns(UserWarning, match="called before"):  # (torchmetrics counts updates, not merges)

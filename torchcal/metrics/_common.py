@@ -212,7 +212,9 @@ class BatchMetric(Metric):
         """torchmetrics' ``merge_state``, refused where the incoming state was accumulated under
         other options the update depends on (its options digest differs): the sums of two
         ``DetectionCost``s with other priors would add up to neither metric."""
-        incoming = incoming_state.options_digest if isinstance(incoming_state, Metric) else incoming_state.get("options_digest")
+        # (other types go to torchmetrics' checks, whose messages name what it takes)
+        incoming = (incoming_state.options_digest if isinstance(incoming_state, type(self))
+                    else incoming_state.get("options_digest") if isinstance(incoming_state, dict) else None)
         if isinstance(incoming, Tensor) and bool(incoming.any()):
             self._stamp_options_digest()
             if not torch.equal(incoming.to(self.options_digest), self.options_digest):

@@ -287,6 +287,10 @@ def test_one_column_of_log_probabilities_of_class_1(real, tmp_path):
     assert load_scores(tmp_path / "llr_scores.npy").read_as.startswith("binary log-likelihood ratios (one score column with values above 1 or of both signs")
     with pytest.raises(ValueError, match="log-probabilities must be <= 0"):
         load_scores(tmp_path / "llr_scores.npy", input="log_probs")
+    # rows of probabilities declared as log-probabilities were taken as they came (NCE 1.374 against 0.432)
+    np.savez(tmp_path / "two_probs.npz", probs=np.exp(np.c_[np.log1p(-np.exp(log_p1)), log_p1]), labels=data["labels"])
+    with pytest.raises(ValueError, match=r"log-probabilities must be <= 0; found positive values \(up to 0.\d+\)"):
+        load_scores(tmp_path / "two_probs.npz", input="log_probs")
 
 
 def test_binary_scores_to_logits_bayes_rule():

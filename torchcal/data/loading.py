@@ -690,6 +690,9 @@ def _label_frequencies(labels: Tensor | None, num_samples: int) -> tuple[Tensor,
 def _columns_to_logits(values: Tensor, kind: str, reason: str) -> tuple[Tensor, str]:
     if kind == "llr":
         raise ValueError(f"LLRs must be one score column; these scores have {values.shape[1]} columns.")
+    if kind == "log_probs" and bool((values > 0).any()):  # (as for one column: probabilities read as logs)
+        raise ValueError(f"log-probabilities must be <= 0; found positive values (up to {float(values.max()):.4g}). "
+                         f"Are these probabilities (input='probs') or logits (input='logits')?")
     if kind in ("logits", "log_probs"):
         return values, f"{'logits' if kind == 'logits' else 'log-probabilities'} ({reason})"
     row_sums = values.sum(1, dtype=torch.float64)

@@ -635,7 +635,7 @@ def _calibrate_options(p: argparse.ArgumentParser) -> None:
                    "priors (label shift) and print them with standard errors")
     p.add_argument("--priors", help="deployment priors the fit weights the classes to (venn-abers: its posteriors moved to them by Bayes' rule)")
     p.add_argument("--config", metavar="NAME|FILE", help="YAML configuration supplying method options")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress line or summary (the --target priors and warnings still print)")
     _verbose_option(p)
     p.set_defaults(run=cmd_calibrate)
 
@@ -648,7 +648,7 @@ def _apply_options(p: argparse.ArgumentParser) -> None:
                    + "; ".join(f"{ext} {what}" for ext, what in APPLY_FORMATS.items()))
     p.add_argument("--no-label-shift", action="store_true",
                    help="ignore target priors saved by `calibrate --target` (default: adapt the posteriors to them)")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no summary line (warnings still print)")
     p.set_defaults(run=cmd_apply)
 
 
@@ -714,7 +714,9 @@ def _log_to_stderr() -> None:
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    print(f"torchcal: warning: {message}", file=sys.stderr)
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"torchcal: warning: {message}", file=sys.stderr)  # (above a progress bar, not glued to it)
 
 
 if __name__ == "__main__":

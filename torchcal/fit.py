@@ -491,7 +491,7 @@ def fold_indices(
             warnings.warn(
                 f"class(es) {lacking} have " + ("a single sample" if single else "all their samples in one fold") +
                 ": the training part of its fold will miss it.",
-                stacklevel=2,
+                stacklevel=stacklevel_outside_package(),
             )
     else:
         assignment[canonical] = torch.randperm(n, generator=gen) % folds

@@ -779,12 +779,12 @@ class _Metrics:
         losses = torch.stack([log_loss_per_sample(to_log_probs(x), self.labels) for x in (a, b)], dim=1)
         num_classes = a.shape[1]
 
-        def difference(pair: Tensor, labels: Tensor) -> Tensor:
+        def nce_difference(pair: Tensor, labels: Tensor) -> Tensor:  # (its name labels the progress bar)
             reference = class_frequencies(labels, num_classes) if self.priors is None else self.priors
             sums, counts = class_sums(pair[:, 0] - pair[:, 1], labels, num_classes)
             return prior_weighted_mean(sums, counts, self.priors) / naive_cross_entropy(reference)
 
-        result = bootstrap_metric(difference, losses, self.labels, num_replicates=self.replicates, seed=self.seed,
+        result = bootstrap_metric(nce_difference, losses, self.labels, num_replicates=self.replicates, seed=self.seed,
                                   stratify=self.priors is not None, progress=self.progress)
         return Estimate(float(result.estimate), float(result.lower), float(result.upper))
 

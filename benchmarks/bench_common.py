@@ -16,6 +16,7 @@ float64 by the same code, so "reached objective" and "converged" mean the same f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -25,8 +26,9 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +38,7 @@ import torch
 GRAD_TOL = 1e-6
 #: iteration cap of the plain SciPy fits (--scipy-max-iter; 300 with --smoke)
 SCIPY_MAX_ITER = 2000
+SCIPY_NOTE = "NumPy float64, analytic gradient, gtol 1e-7, at most --scipy-max-iter iterations (2000)"
 
 
 def make_data(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,17 +143,59 @@ class Row:
     slow: bool = False
 
 
+def _status_bytes(field: str) -> int | None:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in bytes; None off Linux."""
+    try:
+        with open("/proc/self/status") as status:
+            line = next(line for line in status if line.startswith(field + ":"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) * 1024
+
+
+def _reset_peak_rss() -> int:
+    """Reset the process's peak resident memory to its current one (Linux: ``clear_refs`` 5) and
+    return that baseline: the data's generation freed temporaries of up to 800 MB, which the peak
+    otherwise keeps and a row below them reads as 0 MB."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (no reset: the old peak)
+    return _status_bytes("VmRSS") or 0
+
+
 def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    peak = _status_bytes("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (KiB on Linux)
+
+
+@contextlib.contextmanager
+def _blas_threads(threads: int) -> Iterator[None]:
+    """NumPy's and SciPy's BLAS and OpenMP pools limited to ``threads``, as torch's is (NumPy's
+    OpenBLAS took both cores: the SciPy matrix row at 20,000 x 100 took 44.8 s against 3.1 s)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        yield
+        return
+    with threadpool_limits(threads):
+        yield
+
+
+def _thread_environment(threads: int) -> dict[str, str]:
+    """A row process's environment, its BLAS and OpenMP pools sized to ``threads`` from the start."""
+    return {**os.environ, **dict.fromkeys(("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"), str(threads))}
 
 
 def run_row_in_this_process(row: Row, problem: Problem, n: int, k: int, repeat: int, threads: int) -> dict:
-    """Warm-up, then ``repeat`` timed fits; returns times, peak memory and the common evaluation."""
+    """Warm-up, then ``repeat`` timed fits; returns times, peak memory above the data, and the
+    common evaluation."""
     torch.set_num_threads(threads)
     logits, labels = make_data(n, k)
-    base = _peak_rss_bytes()
+    base = _reset_peak_rss()
     times: list[float] = []
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _blas_threads(threads):
         warnings.simplefilter("ignore")
         start = time.perf_counter()
         theta = row.fit(logits, labels)
@@ -196,7 +241,7 @@ def main(description: str, rows: dict[str, list[Row]], problems: dict[str, Probl
     parser.add_argument("--n", type=int, default=default_n, help="number of samples")
     parser.add_argument("--k", type=int, default=default_k, help="number of classes")
     parser.add_argument("--repeat", type=int, default=5, help="timed repetitions after the warm-up")
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for every row")
+    parser.add_argument("--threads", type=int, default=1, help="threads of every row: torch's, and NumPy's and SciPy's BLAS")
     parser.add_argument("--problem", nargs="*", default=list(rows), choices=list(rows))
     parser.add_argument("--rows", nargs="*", default=None, help="only rows whose name contains one of these")
     parser.add_argument("--smoke", action="store_true", help="quick run in one process: n=2000, k=10, 1 repetition, no slow rows")
@@ -238,7 +283,7 @@ def main(description: str, rows: dict[str, list[Row]], problems: dict[str, Probl
             command = [sys.executable, __import__("__main__").__file__, "--_row", row.name, "--_problem", name,
                        "--n", str(args.n), "--k", str(args.k), "--repeat", str(args.repeat), "--threads", str(args.threads),
                        "--scipy-max-iter", str(SCIPY_MAX_ITER)]
-            done = subprocess.run(command, capture_output=True, text=True)
+            done = subprocess.run(command, capture_output=True, text=True, env=_thread_environment(args.threads))
             line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
                 error = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -313,6 +358,20 @@ def torch_uncertainty_fit(cls_name: str, logits: torch.Tensor, labels: torch.Ten
     return scaler
 
 
+def probmetrics_get_calibrator():
+    """probmetrics' calibrator factory. probmetrics needs numba at import only for its SAGA
+    solvers, which no benchmark runs; without numba a stub decorator stands in for ``numba.njit``."""
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        stub = types.ModuleType("numba")
+        stub.njit = lambda *args, **kwargs: args[0] if args and callable(args[0]) else (lambda f: f)  # type: ignore[attr-defined]
+        sys.modules["numba"] = stub
+    from probmetrics.calibrators import get_calibrator
+
+    return get_calibrator
+
+
 def scipy_lbfgs(problem: Problem, theta0, logits: torch.Tensor, labels: torch.Tensor, gtol: float = 1e-7):
     """A plain SciPy fit: L-BFGS-B on a NumPy float64 objective with its analytic gradient (the
     loss and gradient below are exact for every problem of this module), stopped at the same
@@ -329,9 +388,10 @@ def scipy_lbfgs(problem: Problem, theta0, logits: torch.Tensor, labels: torch.Te
     onehot[np.arange(n), y] = 1.0
     penalty_weights = None
     if problem.name == "dirichlet-odir":
-        grid = torch.zeros(k * (k + 1), dtype=torch.float64, requires_grad=True)
-        # the ODIR penalty is diagonal and quadratic: read its weights off its Hessian diagonal
-        penalty_weights = torch.autograd.functional.hessian(lambda t: problem.penalty(t, k), grid.detach()).diagonal().numpy() / 2
+        # the ODIR penalty is sum(w * theta^2): its gradient at theta = 1 is 2 w (one backward pass;
+        # its Hessian, formed before, took (K (K + 1))^2 floats: 1.8 GB at K = 100, inside the timed fit)
+        ones = torch.ones(k * (k + 1), dtype=torch.float64, requires_grad=True)
+        penalty_weights = torch.autograd.grad(problem.penalty(ones, k), ones)[0].numpy() / 2
 
     def fun(theta):
         if problem.name == "temperature":

@@ -42,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (
     PROBLEMS,
+    SCIPY_NOTE,
     Problem,
     Row,
     dirichlet_odir,
@@ -160,19 +161,6 @@ def dirichletcal(kind):
     return fit
 
 
-def netcal_vector(logits, labels):
-    from netcal.scaling import LogisticCalibration
-
-    model = LogisticCalibration(method="mle")
-    model.fit(torch.softmax(logits.double(), 1).numpy(), labels.numpy())
-    weights = torch.as_tensor(model.weights).double().flatten()
-    k = logits.shape[1]
-    # netcal works on log(clip(probs)): w * log p + b = w * z + (b - w * lse(z)) per row; the row
-    # term is the same for every class only when w is constant, so this is exact for the fit's
-    # objective only up to that; it is reported as measured.
-    return _theta(weights[:k], torch.as_tensor(model.bias).double().flatten() if hasattr(model, "bias") else weights[k:])
-
-
 def scipy(problem):
     def fit(logits, labels):
         return scipy_lbfgs(PROBLEM_SET[problem], identity_theta(problem, logits.shape[1]), logits, labels)
@@ -209,29 +197,27 @@ ROWS = {
         Row("torchcal AffineCalibration", torchcal_affine, note="Newton, (K+1)^2 Hessian"),
         Row("torchcal generic L-BFGS", torchcal_generic(_make_affine, _extract_affine), note="same model"),
         Row("psrcal AffineCalLogLoss", psrcal_affine, needs=("psrcal",), note="SciPy L-BFGS-B, 100 it."),
-        Row("SciPy L-BFGS-B", scipy("affine"), note="NumPy float64, analytic gradient, gtol 1e-7, max 2000 it."),
+        Row("SciPy L-BFGS-B", scipy("affine"), note=SCIPY_NOTE),
     ],
     "vector": [
         Row("torchcal VectorScaling", torchcal_vector, note="Newton, (2K)^2 Hessian"),
         Row("torchcal generic L-BFGS", torchcal_generic(_make_vector, _extract_vector), note="same model"),
         Row("torch-uncertainty VectorScaler", tu_vector, needs=("torch_uncertainty",), note="defaults; no bias: a smaller model"),
         Row("dirichletcal VectorScaling", dirichletcal("vector"), needs=("dirichletcal", "jax"), memory=DIRICHLETCAL_MEMORY, slow=True),
-        Row("netcal LogisticCalibration", netcal_vector, needs=("netcal",), note="finite differences; ~1000 s at 50,000 x 100, run only up to n k = 500,000", slow=True,
-            memory=lambda n, k: 0 if n * k <= 500_000 else float("inf")),
-        Row("SciPy L-BFGS-B", scipy("vector"), note="NumPy float64, analytic gradient, gtol 1e-7, max 2000 it."),
+        Row("SciPy L-BFGS-B", scipy("vector"), note=SCIPY_NOTE),
     ],
     "matrix": [
         Row("torchcal MatrixScaling", torchcal_matrix),
         Row("torch-uncertainty MatrixScaler", tu_matrix, needs=("torch_uncertainty",), note="defaults"),
         Row("dirichletcal MatrixScaling", dirichletcal("matrix"), needs=("dirichletcal", "jax"), memory=DIRICHLETCAL_MEMORY, slow=True),
-        Row("SciPy L-BFGS-B", scipy("matrix"), note="NumPy float64, analytic gradient, gtol 1e-7, max 2000 it."),
+        Row("SciPy L-BFGS-B", scipy("matrix"), note=SCIPY_NOTE),
     ],
     "dirichlet-odir": [
         Row("torchcal DirichletCalibration(odir)", torchcal_dirichlet),
         Row("torch-uncertainty DirichletScaler", tu_dirichlet, needs=("torch_uncertainty",), note="defaults"),
         Row("dirichletcal FullDirichletCalibrator", dirichletcal("dirichlet"), needs=("dirichletcal", "jax"), memory=DIRICHLETCAL_MEMORY,
             slow=True, note="ref_row=False"),
-        Row("SciPy L-BFGS-B", scipy("dirichlet-odir"), note="NumPy float64, analytic gradient, gtol 1e-7, max 2000 it."),
+        Row("SciPy L-BFGS-B", scipy("dirichlet-odir"), note=SCIPY_NOTE),
     ],
 }
 
@@ -272,6 +258,9 @@ def sweep(logits: torch.Tensor, labels: torch.Tensor, lambdas: list[float], alte
     import torchcal
 
     n, k = logits.shape
+    # torch-uncertainty's scalers use torch.optim.LBFGS, whose first use imports torch._dynamo (1.6 s),
+    # which its first timed fit would pay
+    torch.optim.LBFGS([torch.nn.Parameter(torch.zeros(1))])
     print(f"\n## Fixed-lambda fits, {n:,} x {k} (mu = lambda), 1 thread, the median time of {repeat} fits, tol = {tol:g}\n")
     print("| model | lambda | time (s) | passes | Newton it. | pass time (s) | time / pass | objective | max abs gradient | converged | peak RSS (MB) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")

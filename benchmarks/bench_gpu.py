@@ -143,7 +143,7 @@ def section_temperature(args, ceiling: float) -> None:
     seconds, _ = timed(floor, args.repeat)
     report("floor: 10 x log_softmax", seconds, None, 20, "read + write each")
     seconds, beta = timed(lambda: gpleiss(logits, labels), 1)
-    report("gpleiss settings (T0 = 1.5, lr 0.01, 200 it.)", seconds, beta, 0, "")
+    report("gpleiss settings (T0 = 1.5, lr 0.01, 50 it.)", seconds, beta, 0, "")
 
     def generic():
         model = torchcal.TemperatureScaling()

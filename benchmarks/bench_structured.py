@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import Problem, Row, main, make_data
+from bench_common import Problem, Row, main, make_data, probmetrics_get_calibrator
 
 
 @functools.cache
@@ -91,22 +91,9 @@ def torchcal_fit(name: str):
     return fit
 
 
-def _get_calibrator():
-    """probmetrics' factory, with a stub ``numba.njit`` when numba is missing (see above)."""
-    try:
-        import numba  # noqa: F401
-    except ImportError:
-        stub = types.ModuleType("numba")
-        stub.njit = lambda *args, **kwargs: args[0] if args and callable(args[0]) else (lambda f: f)
-        sys.modules["numba"] = stub
-    from probmetrics.calibrators import get_calibrator
-
-    return get_calibrator
-
-
 def probmetrics_fit(name: str):
     def fit(logits, labels):
-        get_calibrator = _get_calibrator()
+        get_calibrator = probmetrics_get_calibrator()
         probs = torch.softmax(logits.double(), dim=1).numpy()
         model = get_calibrator(name).fit(probs, labels.numpy())
         if name == "sms":
@@ -119,7 +106,7 @@ def probmetrics_fit(name: str):
 ROWS = {
     name: [
         Row(f"torchcal {name.upper()}", torchcal_fit(name)),
-        Row(f"probmetrics {name}", probmetrics_fit(name), needs=("probmetrics", "torchmin"), note="float32 L-BFGS"),
+        Row(f"probmetrics {name}", probmetrics_fit(name), needs=("probmetrics", "torchmin"), note="float32 BFGS (L-BFGS above 1,000 parameters)"),
     ]
     for name in ("svs", "sms")
 }
@@ -135,7 +122,7 @@ def _probmetrics_method(name: str):
 
     class Wrapped:
         def fit(self, logits, labels):
-            self.model = _get_calibrator()(name).fit(torch.softmax(logits.double(), 1).numpy(), labels.numpy())
+            self.model = probmetrics_get_calibrator()(name).fit(torch.softmax(logits.double(), 1).numpy(), labels.numpy())
             return self
 
         def __call__(self, logits):

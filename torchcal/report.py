@@ -34,11 +34,11 @@ import contextlib
 import inspect
 import json
 import math
+import re
 import sys
 import threading
 import time
 import warnings
-from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
@@ -180,21 +180,27 @@ def _solver_warnings(what: str, fits: int) -> Iterator[None]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         yield
-    counts = Counter((w.category, str(w.message)) for w in caught)
-    stopped = [(message, n) for (category, message), n in counts.items() if issubclass(category, ConvergenceWarning)]
+    stopped = [str(w.message) for w in caught if issubclass(w.category, ConvergenceWarning)]
     if stopped:
-        total = sum(n for _, n in stopped)
+        simpler = {"temperature": [], "vector": ["temperature"]}.get(what.split()[0], ["temperature", "vector"])
+        advice = (f"A simpler method ({', '.join(simpler)}) or a" if simpler else "A") + " stronger regulariser"
         warnings.warn(
-            f"{what}: {total} convergence warning{'s' * (total > 1)} in {fits} fit{'s' * (fits > 1)} (first: "
-            f"{stopped[0][0]}); its numbers come from where the solver stopped. A simpler method (temperature, "
-            f"vector) or a stronger regulariser (method options, e.g. reg_lambda in a --config file) usually "
-            f"converges; the saved calibrator's fit_record_ has the details.",
+            f"{what}: {len(stopped)} convergence warning{'s' * (len(stopped) > 1)} in {fits} fit{'s' * (fits > 1)} (first: "
+            f"{stopped[0]}); its numbers come from where the solver stopped. {advice} (method options, e.g. "
+            f"reg_lambda in a --config file) usually converges; the saved calibrator's fit_record_ has the details.",
             ConvergenceWarning,
             stacklevel=3,
         )
-    for (category, message), n in counts.items():
-        if not issubclass(category, ConvergenceWarning):
-            warnings.warn(f"{message} ({what}{f', {n} times' if n > 1 else ''})", category, stacklevel=3)
+    # The others once per kind: the folds' fits of a small data set each warned of their own missing
+    # classes (34 lines for four methods on 300 CIFAR-100 rows, 75 for six)
+    kinds: dict[tuple[type[Warning], str], list[str]] = {}
+    for w in caught:
+        if not issubclass(w.category, ConvergenceWarning):
+            kinds.setdefault((w.category, re.sub(r"\[[^\]]*\]", "[...]", str(w.message))), []).append(str(w.message))
+    for (category, _), messages in kinds.items():
+        others = len(set(messages)) - 1
+        more = f"; {others} more like it with other classes" if others else ""
+        warnings.warn(f"{messages[0]} ({what}{f', {len(messages)} times' if len(messages) > 1 else ''}{more})", category, stacklevel=3)
 
 
 # --- results ---------------------------------------------------------------------------------------

@@ -318,9 +318,9 @@ class Report:
         """Write report.txt/.json/.csv, the winning calibrator (calibrator.pt, with its ``llr_priors``) and PNG figures
         (top-label reliability of every method; the smoothed and per-class reliability diagrams,
         the Bayes-risk curves and, for K = 2, the DET plot of the raw and the best posteriors).
-        ``progress`` shows a bar while the figures render; ``input_kind``: how the scores were
-        declared (``--input``), saved with the calibrator so that new scores are read the same way
-        (:func:`save_calibrator`). In report.json an undefined number (NaN, e.g. the relative
+        ``progress`` shows a bar while the figures render; ``input_kind``: how new scores are to be
+        read (the command line's ``--input``, or ``"probs"`` where the fit's were detected as
+        probabilities), saved with the calibrator (:func:`save_calibrator`). In report.json an undefined number (NaN, e.g. the relative
         calibration loss of a perfect raw system) is ``null``. Returns the paths written."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)

@@ -156,9 +156,9 @@ class Calibrator(nn.Module):
             process_group: fit data-parallel over a ``torch.distributed`` group (e.g.
                 ``torch.distributed.group.WORLD``): every process calls ``fit`` with its own shard
                 of the calibration data (at least one sample each), and all end with the
-                parameters of one fit on the union of the shards. Only sums over samples travel, never the logits. A cross-validated
-                regularisation strength is selected on per-process folds, so it can differ from a
-                one-process fit's (see the module docs).
+                parameters of one fit on the union of the shards. Only sums over samples travel,
+                never the logits. A cross-validated regularisation strength is selected on
+                per-process folds, so it can differ from a one-process fit's (see the module docs).
         """
         if process_group is not None and not self._supports_process_group:
             raise NotImplementedError(f"{type(self).__name__} needs all the data in one process; fit it without process_group.")

@@ -146,6 +146,7 @@ class MatrixScaling(Calibrator):
             if set(reg_grid) != {"lambda", "mu"}:
                 raise ValueError(f"reg_grid as a mapping needs exactly the keys 'lambda' and 'mu', got {sorted(reg_grid)}.")
             reg_grid = [(lam, mu) for lam in reg_grid["lambda"] for mu in reg_grid["mu"]]
+
         def point(g: object) -> float | tuple[float, ...]:  # (a pair: a tuple, a list (YAML's), an array's row)
             if isinstance(g, (tuple, list)) or getattr(g, "ndim", 0) == 1:
                 return tuple(check_strength(v, "reg_grid") for v in g)  # type: ignore[attr-defined]

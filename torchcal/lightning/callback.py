@@ -18,7 +18,7 @@ import os
 import tempfile
 import uuid
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -422,15 +422,17 @@ class CalibrationCallback(Callback):
             names = self.metrics if fit else tuple(m for m in self.metrics if m == "refinement")
         else:  # trainer.validate: an evaluation, unless asked to refit
             fit, names = self.fit_on_validate, self.metrics
-        if fit:
-            self._fit_head(scores, labels, group)
-        quality = self._quality(scores, labels, group) if any(n in _FUSED_STATISTICS or n == "rcl" for n in names) else None
+        with self._fit_warnings_once():
+            if fit:
+                self._fit_head(scores, labels, group)
+            quality = self._quality(scores, labels, group) if any(n in _FUSED_STATISTICS or n == "rcl" for n in names) else None
+            values = self._metrics(scores, labels, names, group, quality, head_fitted_here=fit)
         if trainer.state.fn == TrainerFn.FITTING:
             self._latest_quality = quality  # the end-of-fit report reuses it
         # Lightning puts what an epoch-end hook logs into the results of every loader, so with
         # several loaders the names say that the values are the first loader's (see the class docs)
         suffix = "/dataloader_idx_0" if len(trainer.num_val_batches) > 1 else ""
-        for name, value in self._metrics(scores, labels, names, group, quality, head_fitted_here=fit).items():
+        for name, value in values.items():
             # identical on every process; sync_dist averages identical values (exactly)
             pl_module.log(self.prefix + name + suffix, value, sync_dist=True, add_dataloader_idx=False)
 
@@ -512,10 +514,23 @@ class CalibrationCallback(Callback):
         self._calibrator.fit(scores, labels, process_group=group, **self.fit_options)
         self._head_is_current = True
 
-    def _warn_once(self, key: str, message: str) -> None:
+    def _warn_once(self, key: str, message: str, category: type[Warning] = UserWarning) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            rank_zero_warn(message)
+            rank_zero_warn(message, category=category)
+
+    @contextlib.contextmanager
+    def _fit_warnings_once(self) -> Iterator[None]:
+        """The block's warnings (its fits'), each distinct one once per callback and named as the
+        callback's: a head fitted every validation epoch, with its folds' fits, repeated them (23
+        lines in 3 epochs of a validation set without one class), at a line in Lightning."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+        for w in caught:
+            message = str(w.message)
+            self._warn_once(message, message if message.startswith("CalibrationCallback") else f"CalibrationCallback: {message}",
+                            w.category)
 
     # ------------------------------------------------------------------------------ the head
     def calibrated_model(self, model: nn.Module) -> CalibratedModel:
@@ -608,14 +623,15 @@ class CalibrationCallback(Callback):
                                 "(and limit_val_batches > 0).")
             return
         scores, labels, group = self._latest
-        if not self._head_is_current:
-            self._fit_head(scores, labels, group)
-        if not self.report:
-            return
-        names = [m for m in self.metrics if m not in ("rcl", "refinement")]
-        # the last fit epoch's pass on these scores, or a new one when the last epoch fitted nothing
-        raw = self._latest_quality if self._latest_quality is not None else self._quality(scores, labels, group)
-        calibrated = self._quality(self._out_of_fold(scores, labels, group), labels, group)
+        with self._fit_warnings_once():
+            if not self._head_is_current:
+                self._fit_head(scores, labels, group)
+            if not self.report:
+                return
+            names = [m for m in self.metrics if m not in ("rcl", "refinement")]
+            # the last fit epoch's pass on these scores, or a new one when the last epoch fitted nothing
+            raw = self._latest_quality if self._latest_quality is not None else self._quality(scores, labels, group)
+            calibrated = self._quality(self._out_of_fold(scores, labels, group), labels, group)
         before = {name: raw[_FUSED_STATISTICS[name]] for name in names}
         before["rcl"] = _relative_calibration_loss(raw, calibrated)
         self._report = {"before": before, "after": {name: calibrated[_FUSED_STATISTICS[name]] for name in names}}

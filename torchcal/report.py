@@ -411,14 +411,17 @@ def _plain(value: Any) -> Any:
 def _json_ready(value: Any) -> Any:
     """``value`` as :func:`_plain` makes it, with every float that is not finite as None: JSON has
     no NaN (``json.dumps`` writes a bare ``NaN``, which strict parsers refuse)."""
-    value = _plain(value)
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: _json_ready(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_ready(item) for item in value]
-    return value
+
+    def finite_or_none(item: Any) -> Any:
+        if isinstance(item, float):
+            return item if math.isfinite(item) else None
+        if isinstance(item, dict):
+            return {key: finite_or_none(part) for key, part in item.items()}
+        if isinstance(item, (list, tuple)):
+            return [finite_or_none(part) for part in item]
+        return item
+
+    return finite_or_none(_plain(value))  # (converted once, not at every level)
 
 
 def _header(r: Report) -> list[str]:

@@ -160,6 +160,14 @@ def test_priors_costs_and_inputs(tmp_path, capsys):
     assert "priors: 0.7, 0.3; costs: costs.csv" in out and "platt" in out and "isotonic" in out
 
 
+def test_priors_on_one_class_are_refused_naming_priors(scores_file, capsys, tmp_path):
+    """Priors with one positive class leave nothing to normalise by: the error names --priors
+    (review finding: it said "use normalize=False", which the command line has no option for)."""
+    code, _, err = run(capsys, "evaluate", scores_file, "--priors", "0,1,0", "--cv", "2", "--bootstrap", "0",
+                       "--no-figures", "--quiet", "--out", tmp_path / "o")
+    assert code == 2 and "--priors gives every class but class 1 prior 0" in err and "normalize=False" not in err
+
+
 def test_binary_llrs_without_priors_become_posteriors_with_the_class_frequencies(tmp_path, capsys):
     """The metrics assume the labels' class frequencies when given no priors; the LLRs were turned
     into posteriors with uniform priors instead, so on an 82/18 set the raw NCE read 2.4 instead
@@ -535,6 +543,18 @@ def test_target_refuses_zero_source_priors_before_the_fit_and_names_them(scores_
         np.savez(two_classes, logits=data["logits"], labels=data["labels"] % 2)
     code, _, err = run(capsys, "calibrate", two_classes, "--method", "affine", "--target", target)
     assert code == 2 and f"{two_classes} has no sample of class 2" in err and "fitting" not in err
+
+
+def test_target_names_where_the_source_priors_come_from(scores_file, capsys, tmp_path):
+    """The printed source prior of each class is --priors where given (review finding: labelled
+    "calibration data" while it printed the --priors value), else the class frequency."""
+    target = tmp_path / "target.npy"
+    np.save(target, np.load(scores_file)["logits"][:100])
+    code, out, _ = run(capsys, "calibrate", scores_file, "--method", "affine", "--target", target, "--priors", "0.5,0.3,0.2")
+    assert code == 0 and "(--priors: 0.3000)" in out and "calibration data" not in out
+    frequencies = np.bincount(np.load(scores_file)["labels"], minlength=3) / len(np.load(scores_file)["labels"])
+    code, out, _ = run(capsys, "calibrate", scores_file, "--method", "affine", "--target", target)
+    assert code == 0 and f"(calibration data: {frequencies[1]:.4f})" in out
 
 
 def test_target_refuses_priors_for_a_method_without_a_class_bias(scores_file, capsys, tmp_path):

@@ -282,6 +282,25 @@ def test_expected_cost_with_prior_zero_class():
     assert ec.item() == 0.5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_normalised_cost_metrics_with_priors_after_set_dtype(dtype):
+    """torchmetrics' ``set_dtype`` casts the metric's cost and prior buffers too; the naive
+    system's cost is still formed (review finding: float64 priors times float32 costs raised)."""
+    from torchcal.metrics import BayesRisk, ExpectedCost
+
+    costs, priors = zero_one_costs(2, abstain=0.2), torch.tensor([0.3, 0.7], dtype=torch.float64)
+    decisions, labels = torch.tensor([0, 1, 2, 1]), torch.tensor([0, 1, 1, 0])
+    metric = ExpectedCost(costs, priors=priors, normalize=True).set_dtype(dtype)
+    metric.update(decisions, labels)
+    expected = expected_cost(decisions, labels, costs, priors, normalize=True)
+    torch.testing.assert_close(metric.compute().double(), expected.double(), rtol=1e-6, atol=0.0)
+    logits = torch.tensor([[2.0, -1.0], [0.1, 0.3], [-1.0, 1.5], [0.4, 0.2]])
+    risk = BayesRisk(costs, priors=priors, normalize=True).set_dtype(dtype)
+    risk.update(logits, labels)
+    expected = bayes_risk(logits, labels, costs, priors, normalize=True)
+    torch.testing.assert_close(risk.compute().double(), expected.double(), rtol=1e-6, atol=0.0)
+
+
 @pytest.mark.parametrize(
     "decisions, labels, costs, priors, match",
     [

@@ -79,6 +79,11 @@ def parse_priors(spec: Any, num_classes: int, where: str = "--priors") -> torch.
         raise UsageError(f"{where} must be 'uniform', 'data' or {num_classes} comma-separated numbers, got {spec!r}.") from None
     if len(values) != num_classes:
         raise UsageError(f"{where} needs {num_classes} numbers (one per class), got {len(values)}.")
+    positive = [k for k, v in enumerate(values) if v > 0]
+    if len(positive) == 1 and all(v >= 0 for v in values):  # (other bad values: check_priors says what is wrong)
+        raise UsageError(f"{where} gives every class but class {positive[0]} prior 0: with one possible class there is "
+                         f"nothing to calibrate or normalise by (the naive system is never wrong); give at least two "
+                         f"classes a positive prior.")
     return torch.tensor(values, dtype=torch.float64)
 
 
@@ -446,8 +451,10 @@ def _estimate_target_priors(
                       ConvergenceWarning, stacklevel=2)
     print(f"target priors estimated from {target.num_samples} unlabelled samples of {args.target} "
           f"(maximum likelihood on the {method}-calibrated scores; +- one standard error):")
+    # the source priors are --priors where given, else the calibration data's class frequencies
+    source_name = "--priors" if args.priors is not None else "calibration data"
     for k, (p, se, s) in enumerate(zip(estimate.priors.tolist(), estimate.stderr.tolist(), source.tolist())):
-        print(f"  class {k}: {p:.4f} +- {se:.4f}   (calibration data: {s:.4f})")
+        print(f"  class {k}: {p:.4f} +- {se:.4f}   ({source_name}: {s:.4f})")
     # what `apply` adapts to: half a target sample added to every class, so none gets probability 0
     return {"source_priors": source, "target_priors": smoothed_priors(estimate.priors, target.num_samples),
             "stderr": estimate.stderr}

@@ -188,7 +188,8 @@ def expected_cost_from_class_sums(
     reference = counts / counts.sum(-1, keepdim=True) if priors is None else check_priors(
         priors, sums.shape[-1], device=sums.device
     )
-    naive = (reference @ costs).amin(-1)  # the cheapest constant decision
+    # (in float64: a metric's set_dtype may have cast its cost and prior buffers to float32)
+    naive = (reference.to(torch.float64) @ costs.to(torch.float64)).amin(-1)  # the cheapest constant decision
     if bool((naive <= 0).any()):
         raise ValueError(
             "the best naive decision has zero expected cost under these costs and priors, so the "

@@ -522,6 +522,29 @@ def test_loading_a_state_copies_into_the_parameters_that_are_there():
     assert not torch.equal(trainable.log_temperature.detach(), saved["log_temperature"])
 
 
+@pytest.mark.parametrize("make", [torchcal.TemperatureScaling, lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=1e-2)])
+def test_a_refit_keeps_the_parameters_an_optimizer_holds(make):
+    """A refit (the same K, no warm start) replaced the parameters: an optimizer built before it,
+    fine-tuning a head re-calibrated every epoch, stepped tensors the model no longer used (review
+    finding: the temperature did not move under SGD). The refit still equals a fresh fit."""
+    x, y = make_data(600)
+    x = x[:, :K]
+    head = make().fit(x[:300], y[:300])
+    kept = dict(head.named_parameters())
+    optimizer = torch.optim.SGD(head.parameters(), lr=0.1)
+    head.fit(x, y)
+    assert all(p is kept[name] for name, p in head.named_parameters())
+    fresh = make().fit(x, y)
+    torch.testing.assert_close(head(x), fresh(x), rtol=0, atol=0)
+    fitted = {name: p.detach().clone() for name, p in head.named_parameters()}
+    torch.nn.functional.nll_loss(head(x[:100]), y[:100]).backward()
+    optimizer.step()
+    assert any(not torch.equal(p.detach(), fitted[name]) for name, p in head.named_parameters())
+    frozen = make().fit(x[:300], y[:300]).requires_grad_(False)
+    frozen.fit(x, y)
+    assert not any(p.requires_grad for p in frozen.parameters())
+
+
 # --------------------------------------------------- review findings: half precision in Lightning
 @pytest.mark.parametrize("make", [lambda: torchcal.DirichletCalibration(reg="odir", reg_lambda=1e-2),
                                   lambda: torchcal.MatrixScaling(reg="odir", reg_lambda=1e-2)])
@@ -550,3 +573,28 @@ def test_half_precision_probabilities_are_logged_in_float32():
     logged = floored_log(probs)
     assert logged.dtype == torch.float32
     torch.testing.assert_close(logged.double(), probs.double().log(), rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------- review findings: shapes only
+def _calibrator_classes() -> list[type]:
+    base = torchcal.calibrators.base.Calibrator
+    return [c for c in map(lambda n: getattr(torchcal, n), torchcal.__all__)
+            if isinstance(c, type) and issubclass(c, base) and c is not base]
+
+
+@pytest.mark.parametrize("cls", _calibrator_classes(), ids=lambda c: c.__name__)
+def test_a_fitted_head_runs_on_meta_and_fake_tensors(cls):
+    """Shape-only dry runs: a head moved to the meta device, and a calibrator under
+    ``FakeTensorMode``, raised from the input checks (``Tensor.item()`` on meta) and from
+    ``torch.autocast('meta')``; the network alone ran (review finding)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    k = cls.supported_num_classes or K
+    x, y = make_data(600, k)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        head = CalibratedModel(make_net(k), cls().fit(make_net(k)(x).detach(), y)).eval()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        assert head.calibrator(torch.empty(5, k)).shape == (5, k)
+    out = head.to("meta")(torch.empty(5, 6, device="meta"))
+    assert out.shape == (5, k) and out.is_meta

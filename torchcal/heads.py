@@ -495,7 +495,8 @@ def attach(
     """``CalibratedModel(model, calibrator, output)``, fitted on ``dataloader`` when one is given,
     ready for deployment: in eval mode, with every parameter (the network's, which are shared with
     ``model``, and the head's) frozen (``requires_grad=False``). Call ``.train()`` and
-    ``.requires_grad_(True)`` on it to fine-tune.
+    ``.requires_grad_(True)`` on it to fine-tune (through a parametric calibrator: the step maps,
+    histogram binning, isotonic regression and Venn-Abers, pass no gradient).
 
     The one-line form: ``calibrated = torchcal.attach(net, torchcal.TemperatureScaling(), val_loader)``.
 

@@ -6,7 +6,9 @@ exactly 0: -inf is refused) — to calibrated log-posteriors (``logsumexp == 0``
 
 - ``fit(logits, labels, ...)`` fits on held-out data and returns ``self``; what happened is in
   ``fit_record_`` (a :class:`torchcal.fit.FitRecord`).
-- ``forward(logits)`` is pure and differentiable. It computes in the input's dtype, or float32 for
+- ``forward(logits)`` is pure and, for the parametric maps, differentiable. The step maps
+  (histogram binning, isotonic regression, Venn-Abers) pass no gradient: their output is detached
+  from the input's graph, as ``argmax``'s is. It computes in the input's dtype, or float32 for
   half precision, on the input's device (move the module with ``.to(device)``).
 - Fitted parameters are ``nn.Parameter``s or buffers, stored in float64; ``state_dict()`` round
   trips into a fresh, unfitted instance.
@@ -268,7 +270,9 @@ class Calibrator(nn.Module):
         ``fit`` takes)."""
         logits = self._check_input(logits)
         dtype = compute_dtype(logits.dtype)
-        with torch.autocast(logits.device.type, enabled=False):  # (a head under Lightning's bf16-mixed steps)
+        # (a head under Lightning's bf16-mixed steps; the meta device has no autocast)
+        no_autocast = contextlib.nullcontext() if logits.is_meta else torch.autocast(logits.device.type, enabled=False)
+        with no_autocast:
             scores = self._scores(self._features(logits.to(dtype)))
         # A scaled score beyond the dtype's range (a class masked at finfo.min, times 1 / T > 1) is
         # its largest finite value: a probability of 0 whose log stays finite, as every score is.
@@ -398,11 +402,16 @@ class Calibrator(nn.Module):
         return super()._apply(moving_only(fn), recurse)
 
     def _materialize(self, num_classes: int, device: torch.device | None = None) -> None:
-        """(Re)create the fitted tensors at the identity map for ``num_classes`` classes."""
+        """(Re)create the fitted tensors at the identity map for ``num_classes`` classes. A parameter
+        that is there already with that shape is kept, set in place (as ``nn.Linear``'s reset is):
+        an optimizer built before a refit or a load holds it, and a frozen one stays frozen."""
         for name, value in self._identity(num_classes).items():
             value = value.to(device=device, dtype=torch.float64)
+            old = self._parameters.get(name)
             if name in self._buffer_names:
                 self.register_buffer(name, value)
+            elif old is not None and old.shape == value.shape:
+                old.data = value
             else:
                 self._parameters[name] = nn.Parameter(value)
 
@@ -418,7 +427,8 @@ class Calibrator(nn.Module):
     def _check_input(self, logits: Tensor) -> Tensor:
         """``logits`` validated for ``forward``, as a tensor."""
         self._check_fitted()
-        if torch.compiler.is_compiling():
+        # (traced, or shapes only: meta and fake tensors have no values to check)
+        if torch.compiler.is_compiling() or (isinstance(logits, Tensor) and (logits.is_meta or _is_fake(logits))):
             if logits.ndim != 2 or logits.shape[1] != self.num_classes:
                 raise ValueError(f"expected logits of shape (N, {self.num_classes}), got {tuple(logits.shape)}")
             return logits
@@ -453,14 +463,7 @@ class Calibrator(nn.Module):
                 raise ValueError(f"the state_dict is for K = {k} classes; {type(self).__name__} is for K = {self.supported_num_classes}.")
             self._set_stored_options(extra)
             device = next((t.device for t in self._tensors()), self._device)
-            # The parameters that are there already stay (the load copies into them, as nn.Linear's
-            # does): an optimizer built before the load holds them, and a frozen one stays frozen.
-            kept = dict(self._parameters)
-            self._materialize(k, device)
-            for name, fresh in list(self._parameters.items()):
-                old = kept.get(name)
-                if old is not None and fresh is not None and old.shape == fresh.shape:
-                    self._parameters[name] = old
+            self._materialize(k, device)  # (the parameters there already stay: the load copies into them)
             for name, tensor in list(self._parameters.items()) + list(self._buffers.items()):
                 stored = state_dict.get(prefix + name)
                 if tensor is not None and isinstance(stored, Tensor) and stored.shape != tensor.shape:
@@ -500,6 +503,13 @@ def _drop_extra_state_in_legacy_onnx_export(module: nn.Module, state_dict: dict[
     # every calibrator covers it wherever it sits (CalibratedModel, nn.Sequential, alone).
     if torch.onnx.is_in_onnx_export():
         state_dict.pop(prefix + "_extra_state", None)
+
+
+def _is_fake(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a FakeTensor (shape propagation under ``FakeTensorMode``): no values."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
 
 
 def moving_only(fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:

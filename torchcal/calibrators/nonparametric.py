@@ -19,6 +19,7 @@ from torch import Tensor
 from torchcal._validation import check_count
 from torchcal.calibrators.base import Calibrator
 from torchcal.fit import FitRecord
+from torchcal.functional.diagnostics import bin_indices, edge_tolerance
 from torchcal.functional.isotonic import pool_adjacent_violators
 from torchcal.functional.scoring import one_vs_rest_log_odds
 
@@ -65,7 +66,9 @@ class HistogramBinning(_OneVsRest):
     Args:
         n_bins: number of bins M.
         strategy: ``"uniform"`` (equal width) or ``"quantile"`` (equal mass on the calibration
-            data). Bins are right-closed: ``[0, e1], (e1, e2], ..., (e_{M-1}, 1]``.
+            data). Bins are right-closed: ``[0, e1], (e1, e2], ..., (e_{M-1}, 1]``, each edge
+            raised by float32's round-off (a relative 1e-6), so that a probability on an edge
+            lands in the same bin whether its scores are float32 or float64.
 
     Empty-bin and zero policy: a bin's value is ``(positives + r) / (count + 1)`` where ``r`` is the
     class's (Laplace-smoothed) base rate; an empty bin therefore gets the base rate, and no value
@@ -91,8 +94,15 @@ class HistogramBinning(_OneVsRest):
         centres = (edges[:, 1:] + edges[:, :-1]) / 2
         return {"edges": edges, "values": centres}
 
+    #: The interior edges are raised by float32 round-off, at fit and at apply time, whatever the
+    #: scores' dtype: a probability of exactly k / M (grid probabilities: votes, verbalised
+    #: confidences), read as log(k / M) in float32 or float64, comes back from the softmax a unit
+    #: or two in the last place either side of its edge, and landed in either bin (the same data
+    #: as float32 and float64: posteriors up to 0.35 apart).
+    _EDGE_TOLERANCE = edge_tolerance(torch.float32)
+
     def _map_column(self, column: int, p: Tensor) -> Tensor:
-        index = torch.bucketize(p.contiguous(), self.edges[column, 1:-1].to(p.dtype), right=False)
+        index = bin_indices(p, self.edges[column].to(p.dtype), self._EDGE_TOLERANCE)
         return self.values[column].to(p.dtype)[index]
 
     def _fit(self, probs, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
@@ -108,7 +118,7 @@ class HistogramBinning(_OneVsRest):
         values = torch.empty(len(columns), self.n_bins, dtype=torch.float64, device=p.device)
         total_w = sample_w.sum()
         for i in range(len(columns)):
-            index = torch.bucketize(p[:, i].contiguous(), edges[i, 1:-1], right=False)
+            index = bin_indices(p[:, i], edges[i], self._EDGE_TOLERANCE)
             count = torch.zeros(self.n_bins, dtype=torch.float64, device=p.device).index_add_(0, index, sample_w)
             positives = torch.zeros_like(count).index_add_(0, index, sample_w * targets[:, i])
             base_rate = ((sample_w * targets[:, i]).sum() + 1) / (total_w + 2)

@@ -144,6 +144,17 @@ def test_config_options_for_a_method_not_run_are_named(scores_file, capsys, tmp_
     code, _, err = run(capsys, "evaluate", scores_file, *common, "--calibration", separate)
     assert code == 0 and err == (f"torchcal: warning: {config}: cv is not used: the calibrators are fitted on separate "
                                  f"calibration data ({separate}).\n")
+    # the same for a file's own validation split (review finding: evaluate let the config's cv
+    # override it silently, where the demo warned); --cv on the command line chooses cross-validation
+    with_split = tmp_path / "split.npz"
+    with np.load(scores_file) as data:
+        np.savez(with_split, logits=data["logits"], labels=data["labels"], logits_val=logits.astype(np.float32), labels_val=labels)
+    code, out, err = run(capsys, "evaluate", with_split, *common)
+    assert code == 0 and "cross-validation" not in out and err == (
+        f"torchcal: warning: {config}: cv is not used: the calibrators are fitted on separate calibration data "
+        f"(the validation split of {with_split}).\n")
+    code, out, err = run(capsys, "evaluate", with_split, *common, "--cv", "2")
+    assert code == 0 and "2-fold stratified cross-validation" in out and err == ""
 
 
 def test_priors_costs_and_inputs(tmp_path, capsys):
@@ -158,6 +169,15 @@ def test_priors_costs_and_inputs(tmp_path, capsys):
     assert code == 0
     assert "binary log-likelihood ratios (as requested), turned into posteriors with the given priors" in out
     assert "priors: 0.7, 0.3; costs: costs.csv" in out and "platt" in out and "isotonic" in out
+
+
+def test_a_method_list_may_have_spaces_after_its_commas(scores_file, capsys, tmp_path):
+    """``--method "temperature, affine"`` (and a config's ``methods: temperature, affine``) was refused as
+    "unknown method ' affine'" (review finding)."""
+    code, _, err = run(capsys, "evaluate", scores_file, "--method", "temperature, affine", "--cv", "2", "--bootstrap", "0",
+                       "--no-figures", "--quiet", "--out", tmp_path / "o")
+    assert code == 0, err
+    assert [m["method"] for m in json.loads((tmp_path / "o" / "report.json").read_text())["methods"]] == ["temperature", "affine"]
 
 
 def test_priors_on_one_class_are_refused_naming_priors(scores_file, capsys, tmp_path):

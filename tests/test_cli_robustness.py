@@ -88,11 +88,11 @@ class Evil:
 # (file name, content, fragments the one-line message must contain)
 CORRUPT_SCORES = [
     ("truncated.npz", GOOD_NPZ[: len(GOOD_NPZ) // 2], ["truncated.npz", "not a readable .npz file"]),
-    ("garbage.npz", b"\x00\x01garbage" * 50, ["garbage.npz", "not a readable .npz file"]),
+    ("garbage.npz", b"\x00\x01garbage" * 50, ["garbage.npz", "not a readable .npz file (it is no NumPy file, or it holds pickled"]),
     ("empty.npz", b"", ["empty.npz", "not a readable .npz file"]),
     ("truncated.npy", npy_bytes(LOGITS)[:-40], ["truncated.npy", "not a readable .npy file"]),
-    ("garbage.npy", b"not numpy at all", ["garbage.npy", "not a readable .npy file"]),
-    ("object.npy", npy_bytes(np.array([{"a": 1}, None], dtype=object)), ["object.npy", "not a readable .npy file"]),
+    ("garbage.npy", b"not numpy at all", ["garbage.npy", "not a readable .npy file (it is no NumPy file, or it holds pickled"]),
+    ("object.npy", npy_bytes(np.array([{"a": 1}, None], dtype=object)), ["object.npy", "not a readable .npy file (it is no NumPy file, or it holds pickled"]),
     ("truncated.pt", GOOD_PT[: len(GOOD_PT) // 2], ["truncated.pt", "not a readable torch file"]),
     ("garbage.pt", b"\x80\x04garbage", ["garbage.pt", "not a readable torch file"]),
     ("pickled-code.pt", pickle.dumps(Evil()), ["pickled-code.pt", "not a readable torch file"]),

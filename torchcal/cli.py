@@ -187,7 +187,7 @@ def _methods(spec: Any, num_classes: int) -> list[str]:
     """Method names from ``"a,b"`` or a list; ``"all"`` is every method that fits K classes."""
     from torchcal.report import METHODS, make_calibrator
 
-    names = spec.split(",") if isinstance(spec, str) else list(spec)
+    names = [str(m).strip() for m in (spec.split(",") if isinstance(spec, str) else spec)]  # ("a, b" too)
     if names == ["all"]:
         return [m for m in METHODS if make_calibrator(m).supported_num_classes in (None, num_classes)]
     unknown = [m for m in names if m not in METHODS]
@@ -326,11 +326,14 @@ def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | 
         calibration = load_scores(args.calibration, labels_path=args.calibration_labels, input=args.input,
                                   split=_calibration_split(args.calibration), priors=scores.llr_priors,
                                   labels_option="--calibration-labels")
-    elif calibration is None and settings.get("cv") is None and has_split(scores_path):
-        calibration = load_scores(scores_path, input=args.input, split="val", priors=scores.llr_priors)  # the file's own held-out split
+    elif calibration is None and args.cv is None and has_split(scores_path):
+        # the file's own held-out split; --cv on the command line chooses cross-validation instead,
+        # a config's cv does not (it is a preset's default, as in the demo: see _warn_of_unused_options)
+        calibration = load_scores(scores_path, input=args.input, split="val", priors=scores.llr_priors)
     costs, costs_name = parse_costs(settings.get("costs"), k, _where(args, "costs"))
     methods = _methods(settings.get("methods", default_methods), k)
-    _warn_of_unused_options(args, settings, methods, separate=calibration is not None)
+    separate = None if calibration is None else args.calibration or f"the validation split of {scores_path}"
+    _warn_of_unused_options(args, settings, methods, separate)
     report = evaluate(
         scores,
         methods,
@@ -358,17 +361,17 @@ def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | 
     return 0
 
 
-def _warn_of_unused_options(args: argparse.Namespace, settings: dict[str, Any], methods: list[str], separate: bool) -> None:
+def _warn_of_unused_options(args: argparse.Namespace, settings: dict[str, Any], methods: list[str], separate: str | None) -> None:
     """Warn of config options for a method that is not run, unless ``--method`` chose the methods
     (then leaving some of the config's out is the point), and of a config's ``cv`` where the
-    calibrators are fitted on ``separate`` calibration data (``--calibration``, the demo's split)."""
+    calibrators are fitted on ``separate`` calibration data (its name: ``--calibration``, the
+    scores' own validation split)."""
     unused = [m for m in settings.get("options") or {} if m not in methods]
     if unused and args.methods is None:
         warnings.warn(f"{args.config}: the options for {', '.join(unused)} are not used: not among the methods run "
                       f"({', '.join(methods)}); add {'it' if len(unused) == 1 else 'them'} to methods.", stacklevel=2)
-    if separate and settings.get("cv") is not None:
-        source = "the example's validation split" if args.calibration is None else args.calibration
-        warnings.warn(f"{args.config}: cv is not used: the calibrators are fitted on separate calibration data ({source}).",
+    if separate is not None and settings.get("cv") is not None:
+        warnings.warn(f"{args.config}: cv is not used: the calibrators are fitted on separate calibration data ({separate}).",
                       stacklevel=2)
 
 

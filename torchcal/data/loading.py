@@ -281,7 +281,7 @@ def _read(
         try:
             npz = np.load(path, allow_pickle=False)
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
-            raise _unreadable_npz(err) from None
+            raise _unreadable(".npz", err) from None
         with npz:
             return (*_from_mapping(_UsedArrays(npz), given, input, labels_option, suffix="" if split == "test" else f"_{split}"), "")
     if suffix in (".pt", ".pth"):
@@ -300,8 +300,13 @@ def _read(
     raise ValueError(f"unsupported file type {path.suffix!r}; use .npz, .npy, .pt/.pth or .csv.")
 
 
-def _unreadable_npz(err: Exception) -> ValueError:
-    return ValueError(f"not a readable .npz file ({str(err) or type(err).__name__}).")
+def _unreadable(kind: str, err: Exception) -> ValueError:
+    """NumPy's reason, but not its advice to load pickles (``allow_pickle``), which is what it says
+    of any file that is no NumPy file at all."""
+    reason = str(err) or type(err).__name__
+    if "allow_pickle" in reason:
+        reason = "it is no NumPy file, or it holds pickled Python objects, which torchcal does not load"
+    return ValueError(f"not a readable {kind} file ({reason}).")
 
 
 class _UsedArrays(Mapping):
@@ -319,7 +324,7 @@ class _UsedArrays(Mapping):
         except _TooLarge:
             raise
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
-            raise _unreadable_npz(err) from None
+            raise _unreadable(".npz", err) from None
 
     def __contains__(self, key: object) -> bool:
         return key in self._npz.files
@@ -388,7 +393,7 @@ def _load_array(path: Path) -> np.ndarray:
     try:
         return np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as err:
-        raise ValueError(f"not a readable .npy file ({str(err) or type(err).__name__}).") from None
+        raise _unreadable(".npy", err) from None
 
 
 #: Scores are loaded only if the array, plus two float64 working copies of it, fits in the

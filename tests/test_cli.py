@@ -171,6 +171,16 @@ def test_priors_costs_and_inputs(tmp_path, capsys):
     assert "priors: 0.7, 0.3; costs: costs.csv" in out and "platt" in out and "isotonic" in out
 
 
+def test_calibrate_and_apply_say_which_priors_their_nce_is_under(scores_file, capsys, tmp_path):
+    """calibrate --priors printed NCE under the fit's priors, apply on the same file under the
+    labels' class frequencies, neither saying so (review finding: 1.020 -> 0.562 against 0.814 -> 0.585)."""
+    head = tmp_path / "head.pt"
+    code, out, _ = run(capsys, "calibrate", scores_file, "--method", "affine", "--priors", "0.5,0.3,0.2", "--save", head)
+    assert code == 0 and "NCE under --priors on these same samples" in out
+    code, out, _ = run(capsys, "apply", head, scores_file, "--out", tmp_path / "out.npz")
+    assert code == 0 and "NCE (at these labels' class frequencies)" in out
+
+
 def test_a_method_list_may_have_spaces_after_its_commas(scores_file, capsys, tmp_path):
     """``--method "temperature, affine"`` (and a config's ``methods: temperature, affine``) was refused as
     "unknown method ' affine'" (review finding)."""
@@ -283,7 +293,7 @@ def test_apply_reads_new_scores_as_the_fit_declared_them(capsys, tmp_path, synth
     assert code == 0
     declared, explicit = (np.load(tmp_path / f"{name}.npz")["logits"] for name in ("declared", "explicit"))
     np.testing.assert_array_equal(declared, explicit)
-    before, after = (float(x) for x in re.search(r"NCE (\d\.\d+) -> (\d\.\d+)", out).groups())
+    before, after = (float(x) for x in re.search(r"NCE \(at these labels. class frequencies\) (\d\.\d+) -> (\d\.\d+)", out).groups())
     assert after < before
     # evaluate's calibrator.pt remembers the declaration too (it had not: apply read logits, NCE 0.858 -> 0.905)
     assert run(capsys, "evaluate", tmp_path / "val.csv", "--input", "probs", "--method", "temperature", "--bootstrap", "0",

@@ -496,8 +496,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         with torch.no_grad():
             after = cross_entropy(calibrator(scores.logits), labels, priors=priors, normalize=True)
         before = cross_entropy(scores.logits, labels, priors=priors, normalize=True)
+        weighted = "" if priors is None else " under --priors"
         print(f"fitted {method} on {where} ({scores.num_classes} classes; scores read as "
-              f"{scores.read_as}); NCE on these same samples {float(before):.3f} -> {float(after):.3f} "
+              f"{scores.read_as}); NCE{weighted} on these same samples {float(before):.3f} -> {float(after):.3f} "
               f"(optimistic: use `torchcal evaluate` for an honest estimate)")
         print(f"saved to {args.save}")
     return 0
@@ -569,7 +570,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
             one_class = present.numel() == 1
             before, after = (float(cross_entropy(x, scores.labels, normalize=not one_class)) for x in (scores.logits, calibrated))
             note += (f"; cross-entropy {before:.4f} -> {after:.4f} nats (every label is class {int(present[0])}: "
-                     f"no NCE, which needs two classes)" if one_class else f"; NCE {before:.3f} -> {after:.3f}")
+                     f"no NCE, which needs two classes)" if one_class else
+                     f"; NCE (at these labels' class frequencies) {before:.3f} -> {after:.3f}")
         read = f"--input {input_kind}, saved with the calibrator" if declared else scores.read_as
         print(f"applied {method} to {scores.num_samples} samples (scores read as {read}){note}; wrote "
               f"{APPLY_FORMATS[out_path.suffix.lower()]} to {args.out}")

@@ -91,8 +91,14 @@ def test_probs_key_says_probabilities(tmp_path):
 
 
 def test_rows_that_do_not_sum_to_one_stay_logits(tmp_path):
+    """... and the note says that they lie in [0, 1] (review finding: probabilities rounded too far
+    to detect were read as logits with no note)."""
     np.savez(tmp_path / "s.npz", logits=np.array([[0.2, 0.3], [0.5, 0.1]]), labels=[0, 1])
-    assert load_scores(tmp_path / "s.npz").read_as == "logits"
+    read_as = load_scores(tmp_path / "s.npz").read_as
+    assert read_as.startswith("logits, although every row lies in [0, 1] and sums to 1 within 0.5 (row 0)")
+    assert read_as.endswith("Too far from 1 for rounded probabilities: input='probs' refuses them too")
+    np.savez(tmp_path / "t.npz", logits=np.array([[0.2, 1.3], [0.5, 0.1]]), labels=[0, 1])
+    assert load_scores(tmp_path / "t.npz").read_as == "logits"
 
 
 def test_npy_pairs_found_by_name_or_given(tmp_path, small):
@@ -247,6 +253,55 @@ def test_probabilities_written_with_four_decimals_are_detected(tmp_path):
     assert load_scores(tmp_path / "p4.csv", input="probs").logits.equal(scores.logits)
 
 
+def test_probabilities_with_round_off_below_zero_are_probabilities(tmp_path):
+    """A last class computed as ``1 - sum(others)`` in float32 goes to -2.4e-7: read silently as
+    logits (cross-entropy 1.53 where 0.358 is right) and refused under input="probs" (review
+    finding). Round-off outside [0, 1] is clamped, in one column too."""
+    probs, labels = _bundled_probabilities()
+    probs = probs.astype(np.float32)
+    probs[:, -1] = 1 - probs[:, :-1].sum(1)
+    assert probs.min() < 0
+    np.savez(tmp_path / "complete.npz", logits=probs, labels=labels)
+    detected = load_scores(tmp_path / "complete.npz")
+    assert detected.read_as.startswith("probabilities (every row lies in [0, 1]")
+    assert load_scores(tmp_path / "complete.npz", input="probs").logits.equal(detected.logits)
+    clamped = np.maximum(probs.clip(0, 1).astype(np.float64), 1e-20)
+    assert _nll(detected.logits, detected.labels) == pytest.approx(-np.log(clamped[np.arange(len(labels)), labels]).mean(), rel=1e-6)
+    column = np.array([0.2, -1e-9, 0.7, 1 + 1e-9])
+    np.savez(tmp_path / "column.npz", probs=column, labels=np.array([0, 0, 1, 1]))
+    torch.testing.assert_close(load_scores(tmp_path / "column.npz").logits.exp()[:, 1].double(),
+                               torch.tensor([0.2, 0.0, 0.7, 1.0], dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+def test_probabilities_rounded_too_far_for_detection_are_named(tmp_path):
+    """At K = 100, probabilities rounded to two decimals sum to 1 within 0.1 only: read as logits
+    with no note (NCE 0.866 against 0.266), and refused under input="probs" (review finding)."""
+    gen = np.random.default_rng(0)
+    logits = 4 * gen.standard_normal((2000, 100))
+    probs = np.exp(logits - logits.max(1, keepdims=True))
+    probs = np.round(probs / probs.sum(1, keepdims=True), 2)
+    labels = probs.argmax(1)
+    np.savez(tmp_path / "p.npz", logits=probs, labels=labels)
+    deviation = np.abs(probs.sum(1) - 1).max()
+    assert deviation > 0.05
+    detected = load_scores(tmp_path / "p.npz")
+    assert detected.read_as.startswith(f"logits, although every row lies in [0, 1] and sums to 1 within {deviation:.2g}")
+    forced = load_scores(tmp_path / "p.npz", input="probs")
+    renormalised = np.maximum(probs / probs.sum(1, keepdims=True), 1e-20)
+    np.testing.assert_allclose(forced.logits.numpy(), np.log(renormalised), rtol=1e-12)
+
+
+def test_big_endian_scores_load(tmp_path):
+    """Scores saved big-endian (``>f4``) raised torch's "byte order ... not supported"; labels so
+    saved already loaded (review finding)."""
+    probs, labels = _bundled_probabilities()
+    logits = np.log(np.maximum(probs, 1e-20)).astype(np.float32)
+    np.savez(tmp_path / "big.npz", logits=logits.astype(">f4"), labels=labels.astype(">i8"))
+    np.savez(tmp_path / "native.npz", logits=logits, labels=labels)
+    big, native = load_scores(tmp_path / "big.npz"), load_scores(tmp_path / "native.npz")
+    assert big.logits.equal(native.logits) and big.labels.equal(native.labels)
+
+
 def test_rounded_probabilities_are_named_and_renormalised_on_request(tmp_path):
     probs, labels = _bundled_probabilities()
     _write_csv(tmp_path / "p2.csv", probs, labels, 2)
@@ -263,7 +318,7 @@ def test_rounded_probabilities_are_named_and_renormalised_on_request(tmp_path):
     bad = probs.copy()
     bad[0] = bad[0] * 0.8  # a row summing to 0.8 is no rounding error
     np.savez(tmp_path / "bad.npz", logits=bad, labels=labels)
-    assert load_scores(tmp_path / "bad.npz").read_as == "logits"
+    assert "within 0.2 (row 0)" in load_scores(tmp_path / "bad.npz").read_as
     with pytest.raises(ValueError, match="row 0 sums to 0.8"):
         load_scores(tmp_path / "bad.npz", input="probs")
 
@@ -423,6 +478,10 @@ def test_csv_written_by_pandas_with_its_index(tmp_path):
     frame.rename_axis("row_number").to_csv(tmp_path / "range.csv")
     read = load_scores(tmp_path / "range.csv")
     assert read.logits.equal(without.logits) and read.read_as.endswith("('row_number', the row numbers 0..N-1) is a row index as pandas writes it, left out")
+    # ... from 3 rows: one row of max-subtracted logits whose first class is the top one (0) was
+    # read as K - 1 classes, its label pointing at the wrong column (review finding)
+    (tmp_path / "one_row.csv").write_text("c0,c1,c2,label\n0.0,-1.5,-0.25,0\n")
+    assert load_scores(tmp_path / "one_row.csv").logits.tolist() == [[0.0, -1.5, -0.25]]
     # an unnamed index of repeated values (frames concatenated: 0..4999 twice) and a shuffled
     # index named "image_id" were read as an 11th class: an empty header and a name ending in
     # "_id" are never a class's, whatever whole numbers they hold

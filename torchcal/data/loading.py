@@ -18,15 +18,16 @@ Supported files:
   (``df.to_csv()``) is dropped, and the note says so: whole numbers under an empty header, an
   index-like one (``id``, ``index``, ... :data:`CSV_INDEX_NAMES`) or one ending in ``_id`` (also
   the index of a slice, of a shuffled frame, or of frames concatenated, which repeats values), or
-  the row numbers 0..N-1 in order under any header (a named ``RangeIndex``).
+  the row numbers 0..N-1 in order under any header (a named ``RangeIndex``; from 3 rows).
 
 Scores are read as logits in the wide sense (any unnormalised log-posteriors) unless the caller
 says otherwise (``input="probs"`` / ``"log_probs"`` / ``"llr"``), the file says so (key ``probs`` /
 ``log_probs`` / ``llr``), or the rows are provably probabilities: every value in [0, 1] and every
 row summing to one within :data:`SIMPLEX_TOLERANCE` (the one tolerance, whether detected or
-requested). Rows that lie in [0, 1] and sum to one only within :data:`ROUNDED_TOLERANCE` (e.g.
-probabilities rounded to two decimals) stay logits, and the note says so; ``input="probs"`` then
-renormalises them.
+requested; values up to 1e-5 outside [0, 1] count as round-off and are clamped). Rows that lie in
+[0, 1] but do not sum to one so (e.g. probabilities rounded to two decimals) stay logits, and the
+note says so; ``input="probs"`` renormalises rows that sum to one within :data:`ROUNDED_TOLERANCE`
+(or K half-units of the second decimal, where more).
 
 A single score column is a binary task: probabilities of class 1, log-probabilities of class 1,
 log-likelihood ratios (LLRs), or the posterior log-odds a sigmoid head outputs (its one logit,
@@ -77,13 +78,19 @@ __all__ = [
 InputKind = Literal["auto", "logits", "probs", "log_probs", "llr"]
 
 #: Rows in [0, 1] summing to one within this are probabilities, detected or requested: a CSV of
-#: probabilities written with 4 decimals is off by up to K * 5e-5.
+#: probabilities written with 4 decimals is off by up to K * 5e-5, within this up to K = 20.
 SIMPLEX_TOLERANCE = 1e-3
 
-#: Rows in [0, 1] summing to one only within this look like rounded probabilities: detection does
-#: not take them (the note says so), ``input="probs"`` renormalises them, and beyond it they are
-#: refused as probabilities.
+#: Rows in [0, 1] summing to one only within this, or within K times half a unit of the second
+#: decimal where that is more (probabilities rounded to two decimals: 0.5 at K = 100), look like
+#: rounded probabilities: ``input="probs"`` renormalises them, and beyond it they are refused as
+#: probabilities. Detection reads any rows in [0, 1] that do not sum to one within
+#: SIMPLEX_TOLERANCE as logits, and the note says so.
 ROUNDED_TOLERANCE = 0.05
+
+#: Probabilities may stray this far outside [0, 1] by round-off (a last class computed as
+#: ``1 - sum(others)`` in float32: -2.4e-7); they are clamped into it.
+_UNIT_SLACK = 1e-5
 
 #: The bundled real example (ResNet-110 CIFAR-10 logits, MIT; see ``examples/README.md``), with a
 #: ``val`` calibration split: ``load_scores(EXAMPLE_PATH, split="val")``.
@@ -562,7 +569,8 @@ def _row_index(name: str, values: np.ndarray) -> str | None:
         return None
     if name.lower() in CSV_INDEX_NAMES or name.lower().endswith("_id"):  # (never a class's name)
         return f"{f'{name!r}' if name else 'no name'}, whole numbers"
-    if np.array_equal(values, np.arange(values.size)):
+    # (from 3 rows: one row's 0, or two rows' 0, 1, are as likely a class's scores)
+    if values.size >= 3 and np.array_equal(values, np.arange(values.size)):
         return f"{name!r}, the row numbers 0..N-1"
     return None
 
@@ -623,7 +631,8 @@ def _to_logits(
         raise ValueError(f"scores must be a non-empty (N, K) or (N,) array of numbers, got shape "
                          f"{scores.shape} and dtype {scores.dtype}.")
     dtype = torch.float64 if scores.dtype == np.float64 else torch.float32
-    values = torch.from_numpy(np.ascontiguousarray(scores)).to(dtype)
+    # (in native byte order: torch reads no other, and a big-endian .npy raised its internal message)
+    values = torch.from_numpy(np.ascontiguousarray(scores, dtype=scores.dtype.newbyteorder("="))).to(dtype)
     if not bool(torch.isfinite(values).all()):
         raise ValueError(f"scores contain {int((~torch.isfinite(values)).sum())} NaN or infinite values.")
     if values.ndim == 1 or values.shape[1] == 1:
@@ -678,6 +687,8 @@ def _one_column_to_logits(
         if bool((values > 0).any()):
             raise ValueError("log-probabilities must be <= 0; found positive values. Are these LLRs?")
         values = values.to(torch.float64).exp()
+    elif _in_unit_interval(values):  # (round-off outside [0, 1]: _UNIT_SLACK)
+        values = values.clamp(0, 1)
     note = f"binary {'probabilities' if kind == 'probs' else 'log-probabilities'} of class 1 ({reason})"
     return binary_scores_to_logits(values, "probability"), note + _floor_note(torch.stack([1 - values, values], 1)), None
 
@@ -703,25 +714,28 @@ def _columns_to_logits(values: Tensor, kind: str, reason: str) -> tuple[Tensor, 
     row_sums = values.sum(1, dtype=torch.float64)
     worst = int((row_sums - 1).abs().argmax())
     deviation = abs(float(row_sums[worst]) - 1)
+    rounded_tolerance = max(ROUNDED_TOLERANCE, 0.005 * values.shape[1])
     if kind == "auto":
-        if not _in_unit_interval(values) or deviation > ROUNDED_TOLERANCE:
+        if not _in_unit_interval(values):
             return values, "logits"
         if deviation > SIMPLEX_TOLERANCE:
+            advice = ("If these are rounded probabilities, pass input='probs' (--input probs) to renormalise the rows"
+                      if deviation <= rounded_tolerance else "Too far from 1 for rounded probabilities: input='probs' refuses them too")
             return values, (
                 f"{ROUNDED_READ_AS_LOGITS} and sums to 1 within {deviation:.2g} (row {worst}); "
-                f"probabilities must sum to 1 within {SIMPLEX_TOLERANCE:g}. If these are rounded probabilities, "
-                f"pass input='probs' (--input probs) to renormalise the rows"
+                f"probabilities must sum to 1 within {SIMPLEX_TOLERANCE:g}. {advice}"
             )
         note = "probabilities (every row lies in [0, 1] and sums to 1; input='logits' / --input logits overrides)"
     else:
         note = f"probabilities ({reason})"
         if not _in_unit_interval(values):
             raise ValueError("scores read as probabilities must lie in [0, 1]; found values outside. Are these logits?")
-        if deviation > ROUNDED_TOLERANCE:
+        if deviation > rounded_tolerance:
             raise ValueError(f"rows of probabilities must sum to one; row {worst} sums to {float(row_sums[worst]):.6g}.")
         if deviation > SIMPLEX_TOLERANCE:
             note += f"; rows renormalised, they summed to 1 only within {deviation:.2g} (row {worst})"
             values = values / row_sums.unsqueeze(1).to(values.dtype)
+    values = values.clamp(0, 1)  # (round-off outside it: _UNIT_SLACK)
     return floored_log(values), note + _floor_note(values)
 
 
@@ -732,7 +746,8 @@ ROUNDED_READ_AS_LOGITS = "logits, although every row lies in [0, 1]"
 
 
 def _in_unit_interval(values: Tensor) -> bool:
-    return bool(((values >= 0) & (values <= 1)).all())
+    """Every value in [0, 1], but for round-off (_UNIT_SLACK)."""
+    return bool(((values >= -_UNIT_SLACK) & (values <= 1 + _UNIT_SLACK)).all())
 
 
 def _floor_note(probs: Tensor) -> str:

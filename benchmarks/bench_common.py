@@ -231,13 +231,15 @@ def _missing(row: Row) -> str | None:
     return None
 
 
-def main(description: str, rows: dict[str, list[Row]], problems: dict[str, Problem], default_n: int, default_k: int) -> None:
+def main(description: str, rows: dict[str, list[Row]], problems: dict[str, Problem], default_n: int, default_k: int,
+         epilog: str | None = None) -> None:
     """Command line of a benchmark script: runs every row in a subprocess and prints tables.
 
-    ``rows`` and ``problems`` are keyed by problem name; ``--problem`` selects some.
+    ``rows`` and ``problems`` are keyed by problem name; ``--problem`` selects some. ``epilog``:
+    what ``--help`` prints after the options (the script's docstring: its other modes' flags).
     """
     global SCIPY_MAX_ITER
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=default_n, help="number of samples")
     parser.add_argument("--k", type=int, default=default_k, help="number of classes")
     parser.add_argument("--repeat", type=int, default=5, help="timed repetitions after the warm-up")

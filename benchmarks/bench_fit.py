@@ -339,4 +339,4 @@ if __name__ == "__main__" and ("--sweep" in sys.argv or "--cv" in sys.argv):
 
 
 if __name__ == "__main__":
-    main(f"affine / vector / matrix / Dirichlet-ODIR (lambda = mu = {REG:g}) fits", ROWS, PROBLEM_SET, 50_000, 100)
+    main(f"affine / vector / matrix / Dirichlet-ODIR (lambda = mu = {REG:g}) fits", ROWS, PROBLEM_SET, 50_000, 100, epilog=__doc__)

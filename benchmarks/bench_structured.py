@@ -213,4 +213,4 @@ if __name__ == "__main__":
     if n is None and "--n" in sys.argv:
         n = int(sys.argv[sys.argv.index("--n") + 1])
     n = 2000 if "--smoke" in sys.argv else (n or 10_000)
-    main("SVS / SMS fit (lambda = 1) against probmetrics", ROWS, _problems(n), default_n=10_000, default_k=100)
+    main("SVS / SMS fit (lambda = 1) against probmetrics", ROWS, _problems(n), default_n=10_000, default_k=100, epilog=__doc__)

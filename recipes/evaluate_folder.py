@@ -3,7 +3,8 @@ its cross-entropy is miscalibration, and which calibration stage removes it.
 
 Each file (``.npz``, ``.pt``/``.pth``, ``.csv``, or ``.npy`` with its labels file next to it, see
 ``torchcal.data``) goes through ``torchcal evaluate`` with the options given here, which writes its
-report to ``OUT/<file stem>/``; the summary table is printed and written to ``OUT/summary.csv``.
+report to ``OUT/<file stem>/`` (``OUT/<file name>/`` for files whose stems are the same: ``x.npz``
+and ``x.csv``); the summary table is printed and written to ``OUT/summary.csv``.
 Files that cannot be read are reported (one line each, by ``torchcal evaluate``) and skipped.
 
     python recipes/evaluate_folder.py my_logits/ --out reports/
@@ -30,6 +31,12 @@ def score_files(folder: Path) -> list[Path]:
                   and not (p.suffix == ".npy" and any(w in p.stem for w in ("labels", "targets"))))
 
 
+def report_folder(path: Path, paths: Sequence[Path]) -> str:
+    """Where ``path``'s report goes: its stem, or its name where another file has that stem (two
+    reports in one folder: the second overwrote the first)."""
+    return path.stem if sum(p.stem == path.stem for p in paths) == 1 else path.name
+
+
 def summary_row(path: Path, report: dict) -> dict[str, str]:
     """One line of the summary from a ``report.json``."""
     best = next(m for m in report["methods"] if m["method"] == report["best"])
@@ -53,8 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     options += ["--quiet"] + (["--no-figures"] if args.no_figures else [])
 
     rows = []
-    for path in score_files(args.folder):
-        out = args.out / path.stem
+    paths = score_files(args.folder)
+    for path in paths:
+        out = args.out / report_folder(path, paths)
         if torchcal_main(["evaluate", str(path), "--out", str(out), *options]) == 0:
             rows.append(summary_row(path, json.loads((out / "report.json").read_text())))
         print()

@@ -65,10 +65,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--fast", action="store_true", help=f"only {', '.join(FAST)}")
-    parser.add_argument("--datasets", help="comma-separated file stems (default: all of Table 2)")
-    parser.add_argument("--folds", type=int, default=5)
+    parser.add_argument("--datasets", help=f"comma-separated file stems of Table 2 (default: all): {', '.join(PUBLISHED)}")
+    parser.add_argument("--folds", type=int, default=5, help="cross-validation folds, at least 2 (default: 5)")
     args = parser.parse_args(argv)
-    names = FAST if args.fast else (args.datasets.split(",") if args.datasets else list(PUBLISHED))
+    names = FAST if args.fast else ([n.strip() for n in args.datasets.split(",")] if args.datasets else list(PUBLISHED))
+    unknown = [n for n in names if n not in PUBLISHED]
+    if unknown:
+        parser.error(f"--datasets: {', '.join(unknown)} not in Table 2; choose from {', '.join(PUBLISHED)}")
+    if args.folds < 2:
+        parser.error(f"--folds must be at least 2, got {args.folds}")
     print(f"{'system':<20} {'CE raw -> TS -> affine':<23}  {'ECE % raw -> TS -> aff':<19}  RCL %")
     worst_ce = worst_rcl = 0.0
     for name in names:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,17 @@ def test_ferrer_ramos_table2_fast(real, capsys):
         assert rows[label][:3] == pytest.approx(ce, abs=2e-3) and rows[label][-1] == pytest.approx(rcl, abs=0.3)
     # to the printed digit where the folds (ours, not the authors') barely matter
     assert rows["SST2 GPT2-0sh"][:2] == [0.917, 0.858] and rows["AGNEWS GPT2-0sh"][:2] == [0.814, 0.797]
+
+
+def test_ferrer_ramos_table2_refuses_bad_options_in_one_line(capsys):
+    """A stem not in Table 2 ended in a KeyError traceback, --folds 1 in a ValueError one (review
+    finding); both are usage errors now, before anything is read."""
+    recipe = load("ferrer_ramos_table2")
+    for argv, message in ((["--datasets", "cifar10_resnet110_kangsepp"], "cifar10_resnet110_kangsepp not in Table 2"),
+                          (["--folds", "1"], "--folds must be at least 2")):
+        with pytest.raises(SystemExit) as stop:
+            recipe.main(argv)
+        assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_kull_resnet110_fast(capsys):
@@ -90,6 +102,14 @@ def test_evaluate_folder(tmp_path, synthetic, capsys):
     rows = list(csv.DictReader((tmp_path / "out" / "summary.csv").open()))
     assert [(r["file"], r["classes"]) for r in rows] == [("model0_logits.npy", "3"), ("model1_logits.npy", "4")]
     assert (tmp_path / "out" / "model1_logits" / "report.json").is_file()
+    # the same stem twice (one model's scores as .npz and as .csv): one report folder each, by file
+    # name (review finding: the second report overwrote the first in OUT/x/)
+    logits, labels = synthetic(3, 300, seed=7)
+    np.savez(folder / "x.npz", logits=logits, labels=labels)
+    np.savetxt(folder / "x.csv", np.c_[logits[:100], labels[:100]], delimiter=",", header="a,b,c,label", comments="")
+    assert recipe.main([str(folder), "--out", str(tmp_path / "out2"), "--bootstrap", "0", "--no-figures"]) == 0
+    samples = {name: json.loads((tmp_path / "out2" / name / "report.json").read_text())["num_samples"] for name in ("x.npz", "x.csv")}
+    assert samples == {"x.npz": 300, "x.csv": 100} and (tmp_path / "out2" / "model0_logits" / "report.json").is_file()
 
 
 def test_ferrer_synthetic_tables_4_and_5_small(capsys):

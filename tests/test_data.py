@@ -291,6 +291,30 @@ def test_probabilities_rounded_too_far_for_detection_are_named(tmp_path):
     np.testing.assert_allclose(forced.logits.numpy(), np.log(renormalised), rtol=1e-12)
 
 
+def test_csv_layouts_of_other_tools(tmp_path):
+    """Review findings: pandas' header of column numbers (a frame without names) was refused as no
+    header; ';'-separated files got "line 2 has 11 cells (truncated?)"; a whitespace-only last line
+    was a truncated row; an empty cell's error named no line."""
+    probs, labels = _bundled_probabilities()
+    logits = np.log(np.maximum(probs[:50], 1e-20))
+    np.save(tmp_path / "labels.npy", labels[:50])
+    header = ",".join(str(i) for i in range(10))
+    rows = "\n".join(",".join(repr(float(v)) for v in row) for row in logits)
+    (tmp_path / "numbered.csv").write_text(f"{header}\n{rows}\n   \n")
+    read = load_scores(tmp_path / "numbered.csv", labels_path=tmp_path / "labels.npy")
+    np.testing.assert_array_equal(read.logits.numpy(), logits)
+    (tmp_path / "semicolon.csv").write_text(header.replace(",", ";") + "\n" + rows.replace(",", ";") + "\n")
+    with pytest.raises(ValueError, match="separated by ';': torchcal reads comma-separated values"):
+        load_scores(tmp_path / "semicolon.csv", labels_path=tmp_path / "labels.npy")
+    (tmp_path / "empty_cell.csv").write_text(f"{header}\n{rows}\n" + ",".join(["0.1"] * 5 + [""] + ["0.1"] * 4) + "\n")
+    np.save(tmp_path / "labels51.npy", labels[:51])
+    with pytest.raises(ValueError, match="line 52, column '5' holds ''"):
+        load_scores(tmp_path / "empty_cell.csv", labels_path=tmp_path / "labels51.npy")
+    (tmp_path / "no_header.csv").write_text(rows + "\n")
+    with pytest.raises(ValueError, match="needs a header row"):
+        load_scores(tmp_path / "no_header.csv", labels_path=tmp_path / "labels.npy")
+
+
 def test_big_endian_scores_load(tmp_path):
     """Scores saved big-endian (``>f4``) raised torch's "byte order ... not supported"; labels so
     saved already loaded (review finding)."""

@@ -536,8 +536,14 @@ def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None, str]:
     if not rows:
         raise ValueError("the CSV file is empty.")
     header = [name.strip() for name in rows[0]]
-    if all(_is_number(cell) for cell in header):
+    separator = next((sep for sep in (";", "\t") if len(header) == 1 and sep in header[0]), None)
+    if separator is not None:
+        raise ValueError(f"the CSV file's columns seem to be separated by {separator!r}: torchcal reads comma-separated "
+                         f"values with '.' as the decimal point (pandas: to_csv(sep=',', decimal='.')).")
+    # (a header of the column numbers 0..K-1 is pandas' for a frame without column names)
+    if all(_is_number(cell) for cell in header) and header != [str(i) for i in range(len(header))]:
         raise ValueError("a CSV file needs a header row naming its columns, with one column 'label'.")
+    rows = [row if any(cell.strip() for cell in row) else [] for row in rows]  # (blank lines: none)
     if not any(rows[1:]):
         raise ValueError("the CSV file has a header but no rows of scores.")
     label_cols = [i for i, name in enumerate(header) if name.lower() in _CSV_LABEL_COLUMNS]
@@ -552,8 +558,11 @@ def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None, str]:
         )
     try:
         table = np.array([[float(cell) for cell in row] for row in rows[1:] if row], dtype=np.float64)
-    except ValueError as err:
-        raise ValueError(f"every CSV cell after the header must be a number ({err}).") from None
+    except ValueError:
+        line, column, cell = next((line, column, cell) for line, row in enumerate(rows[1:], start=2)
+                                  for column, cell in enumerate(row) if not _is_number(cell))
+        raise ValueError(f"every CSV cell after the header must be a number; line {line}, column {header[column]!r} "
+                         f"holds {cell!r}.") from None
     if table.ndim != 2 or table.shape[1] != len(header):
         raise ValueError(f"every CSV row must have {len(header)} cells, like the header.")
     index = None if label_cols[:1] == [0] else _row_index(header[0], table[:, 0])

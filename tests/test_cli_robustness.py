@@ -164,7 +164,7 @@ def test_broken_labels_file(tmp_path, capsys):
     np.save(scores, LOGITS)
     truncated = tmp_path / "labels.npy"
     truncated.write_bytes(npy_bytes(LABELS)[:-17])
-    assert_one_line_error(capsys, ["evaluate", scores, "--out", tmp_path / "o", "--quiet"], "scores.npy: labels file", "labels.npy: not a readable .npy file")
+    assert_one_line_error(capsys, ["evaluate", scores, "--out", tmp_path / "o", "--quiet"], "scores.npy (labels: labels.npy, found beside it): labels file", "labels.npy: not a readable .npy file")
     garbage = tmp_path / "labels.pt"
     garbage.write_bytes(b"garbage")
     assert_one_line_error(capsys, ["evaluate", scores, "--labels", garbage, "--out", tmp_path / "o"], "labels file", "labels.pt: not a readable torch file")

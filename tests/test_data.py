@@ -185,7 +185,8 @@ def test_binary_one_column(tmp_path):
     scores = load_scores(tmp_path / "llr_scores.npy")
     assert scores.read_as.startswith("binary log-likelihood ratios (one score column with values above 1 or of both signs")
     # without priors, the labels' class frequencies (1/3, 2/3): those the metrics assume
-    assert scores.read_as.endswith("turned into posteriors with the labels' class frequencies (0.3333, 0.6667)")
+    # (the labels file found beside the scores is named: review finding, its errors did not say which)
+    assert scores.read_as.endswith("turned into posteriors with the labels' class frequencies (0.3333, 0.6667); labels from llr_labels.npy")
     np.testing.assert_allclose(scores.logits.softmax(1)[:, 1].numpy(), 1 / (1 + 0.5 * np.exp(-llr)))
     torch.testing.assert_close(scores.llr_priors, torch.tensor([1 / 3, 2 / 3], dtype=torch.float64))
     with_priors = load_scores(tmp_path / "llr_scores.npy", priors=[0.9, 0.1])
@@ -313,6 +314,20 @@ def test_csv_layouts_of_other_tools(tmp_path):
     (tmp_path / "no_header.csv").write_text(rows + "\n")
     with pytest.raises(ValueError, match="needs a header row"):
         load_scores(tmp_path / "no_header.csv", labels_path=tmp_path / "labels.npy")
+
+
+def test_labels_files_with_a_byte_order_mark_or_as_a_dict(tmp_path):
+    """A labels .txt with Excel's byte-order mark was refused (the same lines as .csv loaded), and a
+    labels .pt holding {'labels': tensor} was told to map class names to integers (review finding)."""
+    probs, labels = _bundled_probabilities()
+    np.save(tmp_path / "scores.npy", np.log(np.maximum(probs[:20], 1e-20)))
+    (tmp_path / "labels.txt").write_text("\n".join(map(str, labels[:20])) + "\n", encoding="utf-8-sig")
+    torch.save({"labels": torch.from_numpy(labels[:20])}, tmp_path / "labels.pt")
+    for name in ("labels.txt", "labels.pt"):
+        assert load_scores(tmp_path / "scores.npy", labels_path=tmp_path / name).labels.tolist() == labels[:20].tolist()
+    torch.save({"y": torch.from_numpy(labels[:20])}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match=r"a dict without a key 'labels' or 'targets'; found keys \['y'\]"):
+        load_scores(tmp_path / "scores.npy", labels_path=tmp_path / "other.pt")
 
 
 def test_big_endian_scores_load(tmp_path):

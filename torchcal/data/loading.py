@@ -218,6 +218,9 @@ def load_scores(
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {path}")
     where = str(path) if split == "test" else f"{path} ({split} split: logits_{split}, labels_{split})"
+    sibling = _sibling_labels(path)[0] if labels_path is None and path.suffix.lower() == ".npy" else None
+    if sibling is not None:  # (a file the caller never named: its errors say which)
+        where += f" (labels: {sibling.name}, found beside it)"
     try:
         raw, labels, hint, missing, note = _read(path, labels_path, split, input, labels_option)
         labels = None if labels is None else _as_labels(labels)
@@ -297,7 +300,7 @@ def _read(
         sibling, looked_for = _sibling_labels(path)
         labels = given if given is not None or sibling is None else _load_labels(sibling)
         missing = f"no labels file found next to it (looked for {looked_for}); {_pass_labels(labels_option)}."
-        return _load_array(path), labels, "auto", missing, ""
+        return _load_array(path), labels, "auto", missing, "" if given is not None or sibling is None else f"; labels from {sibling.name}"
     if suffix == ".csv":
         scores, labels, note = _read_csv(path)
         if labels is not None and given is not None:
@@ -462,14 +465,21 @@ def _load_labels(path: str | Path) -> Any:
     suffix = path.suffix.lower()
     if suffix in (".npy", ".pt", ".pth"):
         try:
-            return _load_array(path) if suffix == ".npy" else _torch_load(path)
+            labels = _load_array(path) if suffix == ".npy" else _torch_load(path)
         except ValueError as err:
             raise ValueError(f"labels file {path}: {err}") from None
+        if isinstance(labels, Mapping):  # (a dict saved with torch.save: its labels under the key the scores files use)
+            key = next((k for k in _LABEL_KEYS if k in labels), None)
+            if key is None:
+                raise ValueError(f"labels file {path}: a dict without a key {' or '.join(map(repr, _LABEL_KEYS))}; "
+                                 f"found keys {sorted(map(str, labels))}.")
+            labels = labels[key]
+        return labels
     if suffix == ".csv":
         return _labels_csv(path)
     if suffix == ".txt":
         try:
-            return np.loadtxt(path, ndmin=1)
+            return np.loadtxt(path, ndmin=1, encoding="utf-8-sig")  # (as the CSVs: a byte-order mark is no label)
         except ValueError as err:
             raise ValueError(f"{path}: labels must be one number per line ({err}).") from None
     raise ValueError(f"unsupported labels file type {path.suffix!r}; use .npy, .pt, .csv or .txt.")

@@ -410,8 +410,8 @@ class Calibrator(nn.Module):
             old = self._parameters.get(name)
             if name in self._buffer_names:
                 self.register_buffer(name, value)
-            elif old is not None and old.shape == value.shape:
-                old.data = value
+            elif old is not None and old.shape == value.shape and not old.is_inference():
+                old.data = value  # (an inference tensor, moved by Lightning under inference mode, stays one)
             else:
                 self._parameters[name] = nn.Parameter(value)
 

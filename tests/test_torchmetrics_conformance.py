@@ -5,6 +5,7 @@ collections and compute groups, the wrappers, ``plot``, input kinds, segmentatio
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -519,6 +520,95 @@ def test_wrappers(cifar):
     result = tasks.compute()
     _close(result["a"], F.cross_entropy(logits, labels))
     _close(result["b"], F.brier_score(logits.double(), labels))
+
+
+@pytest.mark.parametrize("make, functional", [
+    (lambda: M.DebiasedCalibrationError(K), F.debiased_calibration_error),
+    (lambda: M.ExpectedCalibrationError(K, strategy="quantile"), partial(F.expected_calibration_error, strategy="quantile")),
+    (lambda: M.CrossEntropy(K), F.cross_entropy),
+], ids=["debiased", "ece-quantile", "cross-entropy"])
+def test_running_window_of_metrics_that_keep_every_sample(cifar, make, functional):
+    """``Running`` holds the list states of its window's batches, which torchmetrics' ``reset``
+    emptied in place: the window read 0 or NaN (review finding: 0.000 against 0.084)."""
+    from torchmetrics.wrappers import Running
+
+    logits, labels = cifar
+    running = Running(make(), window=2)
+    for start in range(0, 2000, 400):
+        running.update(logits[start : start + 400], labels[start : start + 400])
+    _close(running.compute(), functional(logits[1200:], labels[1200:]))
+
+
+def test_compute_after_merge_or_load_is_not_the_cached_value(cifar):
+    """torchmetrics keeps the value computed before a ``merge_state`` or a state load: compute()
+    returned the first half's cross-entropy after merging the second (review finding). A state
+    accumulated under other update options is refused on loading, as on merging."""
+    logits, labels = cifar
+    first, second = M.CrossEntropy(K), M.CrossEntropy(K)
+    first.update(logits[:1000], labels[:1000])
+    second.update(logits[1000:], labels[1000:])
+    first.compute()
+    first.merge_state(second)
+    _close(first.compute(), F.cross_entropy(logits, labels))
+    whole, loaded = M.CrossEntropy(K), M.CrossEntropy(K)
+    other, refusing = M.BayesRisk(F.zero_one_costs(K)), M.BayesRisk(COSTS)
+    for metric in (whole, loaded, other, refusing):
+        metric.persistent(True)
+    whole.update(logits, labels)
+    loaded.update(logits[:1000], labels[:1000])
+    loaded.compute()
+    loaded.load_state_dict(whole.state_dict())
+    _close(loaded.compute(), F.cross_entropy(logits, labels))
+    other.update(logits, labels)
+    with pytest.raises(ValueError, match="cannot load the state of a BayesRisk accumulated under other options"):
+        refusing.load_state_dict(other.state_dict())
+
+
+def test_a_refused_batch_is_not_counted(cifar):
+    """An update that raises (a NaN score) still counted its samples: smooth ECE of no sample then
+    read 0, "perfectly calibrated", instead of NaN (review finding)."""
+    logits, labels = cifar
+    bad = logits[:100].clone()
+    bad[0, 0] = math.nan
+    for metric in (M.SmoothCalibrationError(K), M.CrossEntropy(K)):
+        with pytest.raises(ValueError):
+            metric.update(bad, labels[:100])
+        assert int(metric.sample_count) == 0 and math.isnan(float(metric.compute()))
+
+
+def test_classwise_equal_mass_metrics_need_num_classes():
+    """Accepted with num_classes=None, they raised a TypeError from an empty state's shape at
+    compute(), forward on an empty batch or a sync (review finding); now refused when built, as
+    their equal-width forms were."""
+    for make in (lambda: M.ExpectedCalibrationError(None, strategy="quantile", kind="classwise"),
+                 lambda: M.DebiasedCalibrationError(None, kind="classwise")):
+        with pytest.raises(ValueError, match="needs num_classes"):
+            make()
+
+
+def test_plots_show_values_above_one(cifar):
+    """A normalised Brier score (2.94 on real LLRs) and a classwise ECE summed over the classes were
+    cut off by their plots' upper bounds, 2 and 1 (review finding); torchmetrics keeps the bounds
+    as class constants, so these classes have none."""
+    pytest.importorskip("matplotlib")
+    logits, labels = cifar
+    wrong = -4 * logits[:200]  # confidently wrong
+    for metric in (M.BrierScore(K, normalize=True), M.ExpectedCalibrationError(K, kind="classwise", reduction="sum")):
+        metric.update(wrong, labels[:200])
+        value = float(metric.compute())
+        assert value > 1.0
+        _, ax = metric.plot()
+        assert ax.get_ylim()[1] >= value
+
+
+def test_refinement_warning_points_at_the_caller(cifar):
+    """The "best temperature lies beyond" warning named torchcal's own file (review finding)."""
+    logits, labels = cifar
+    metric = M.RefinementLoss(K, temperature_range=(0.05, 0.1))
+    metric.update(logits, labels)
+    with pytest.warns(UserWarning, match="the best temperature lies beyond") as caught:
+        metric.compute()
+    assert caught[0].filename == __file__
 
 
 def test_plot_of_every_class_and_of_collections(cifar, binary):

@@ -99,6 +99,11 @@ def add_sum_state(metric: Metric, name: str, *shape: int) -> None:
 def add_cat_state(metric: BatchMetric, name: str, dtype: torch.dtype, *trailing: int) -> None:
     """A list of per-sample tensors ``(N, *trailing)`` of ``dtype``, concatenated across processes
     (also from a process without samples: see ``BatchMetric._sync_dist``)."""
+    if None in trailing:  # (its empty state, before any sample or on a process without one, has this shape)
+        raise ValueError(
+            f"{type(metric).__name__} needs num_classes, the number of classes K (an integer >= 2): it keeps "
+            f"one column per class for every sample; got num_classes=None."
+        )
     metric.add_state(name, [], dist_reduce_fx="cat", persistent=False)
     metric._cat_states[name] = (dtype, trailing)
 
@@ -133,6 +138,7 @@ class BatchMetric(Metric):
         self.add_state("options_digest", torch.zeros(_DIGEST_BYTES, dtype=torch.float64), dist_reduce_fx="max", persistent=False)
         self._options_digest: Tensor | None = None
         add_sum_state(self, "sample_count")  # the samples kept by update (see _wrap_compute)
+        self._pending_samples = 0  # the batch's, counted once its update has passed its checks (_wrap_update)
         self._batch_only = False  # compute() runs on one batch alone, inside forward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -168,6 +174,35 @@ class BatchMetric(Metric):
             return result
 
         return super()._wrap_compute(compute_or_nan)
+
+    def _wrap_update(self, update: Callable[..., Any]) -> Callable[..., Any]:
+        """torchmetrics' wrapper of ``update``, which counts the batch's samples only once the
+        update has returned: a batch refused by its checks (a NaN score) was counted, and a metric
+        with no sample then read 0 (smooth ECE: "perfectly calibrated") instead of NaN."""
+
+        @functools.wraps(update)
+        def counted(*args: Any, **kwargs: Any) -> None:
+            self._pending_samples = 0
+            update(*args, **kwargs)
+            self.sample_count += self._pending_samples
+
+        return super()._wrap_update(counted)
+
+    def reset(self) -> None:
+        """torchmetrics' ``reset``, with every list state a new list: torchmetrics empties them in
+        place, and ``Running`` holds the lists of its window's batches (which it then read empty:
+        0 or NaN)."""
+        for name in self._cat_states:
+            setattr(self, name, [])
+        super().reset()
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        """torchmetrics' loading of a state (``persistent(True)``), refused as ``merge_state``
+        refuses one accumulated under other options, and with the cached ``compute()`` dropped
+        (it returned the value from before the load)."""
+        self._check_options_digest(state_dict.get(prefix + "options_digest"))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._computed = None
 
     def _synced_result(self, result: Callable[[], ResultT], result_type: type[ResultT]) -> ResultT:
         """What a ``result()`` method returns: ``result()`` of the data accumulated on every
@@ -215,12 +250,17 @@ class BatchMetric(Metric):
         # (other types go to torchmetrics' checks, whose messages name what it takes)
         incoming = (incoming_state.options_digest if isinstance(incoming_state, type(self))
                     else incoming_state.get("options_digest") if isinstance(incoming_state, dict) else None)
+        self._check_options_digest(incoming, "merge")
+        super().merge_state(incoming_state)
+        self._computed = None  # (torchmetrics keeps the value cached before the merge)
+
+    def _check_options_digest(self, incoming: Any, action: str = "load") -> None:
+        """Refuse an incoming state whose options digest (where it has one) is not this metric's."""
         if isinstance(incoming, Tensor) and bool(incoming.any()):
             self._stamp_options_digest()
             if not torch.equal(incoming.to(self.options_digest), self.options_digest):
-                raise ValueError(f"cannot merge the state of a {type(self).__name__} accumulated under other options "
+                raise ValueError(f"cannot {action} the state of a {type(self).__name__} accumulated under other options "
                                  "(those its update depends on): build both metrics with the same options.")
-        super().merge_state(incoming_state)
 
     def _sync_dist(self, dist_sync_fn: Callable = gather_all_tensors, process_group: Any | None = None) -> None:
         """torchmetrics sends a process's empty list state as an empty float32 vector, which the
@@ -276,7 +316,7 @@ class BatchMetric(Metric):
             preds, labels = preds[kept], labels[kept]
         if preds.numel() == 0 and labels.numel() == 0:
             return None
-        self.sample_count += labels.shape[0]
+        self._pending_samples = labels.shape[0]  # (counted by _wrap_update if the update passes its checks)
         return preds, labels
 
     def _maybe_one_hot(self, scores: Tensor) -> bool:

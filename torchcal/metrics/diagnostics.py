@@ -88,8 +88,7 @@ class ExpectedCalibrationError(ScoreMetric):
     is_differentiable = False
     higher_is_better = False
     full_state_update = False
-    plot_lower_bound = 0.0
-    plot_upper_bound = 1.0
+    plot_lower_bound = 0.0  # (no upper bound: summed over the classes, up to K)
 
     num_classes: int
     edges: Tensor
@@ -255,7 +254,8 @@ class EntropicCalibrationDifference(ScoreMetric):
 
     Positive means over-confident, negative under-confident; a signed diagnostic, not a loss to
     minimise. It is bounded below by -log K. ``compute()`` returns a float64 scalar, or with
-    ``n_bins`` the (n_bins,) mean ECD of each bin (0 for empty bins).
+    ``n_bins`` the (n_bins,) mean ECD of each bin (0 for empty bins). ``is_differentiable`` (a
+    class constant in torchmetrics) holds for the scalar; the binned values pass no gradient.
 
     Args:
         num_classes: K, or None for any.

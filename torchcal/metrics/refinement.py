@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from torchcal._tempered_moments import tempered_moments
-from torchcal._validation import compute_dtype
+from torchcal._validation import compute_dtype, stacklevel_outside_package
 from torchcal.metrics._common import ScoreMetric, add_sum_state
 
 __all__ = ["RefinementLoss"]
@@ -132,7 +132,7 @@ class RefinementLoss(ScoreMetric):
             warnings.warn(
                 f"the best temperature lies beyond {edge} of temperature_range=({low:g}, {high:g}): the "
                 f"refinement loss returned is the loss at {edge}, an upper bound; widen the range.",
-                stacklevel=2,
+                stacklevel=stacklevel_outside_package(),
             )
             return f[0] if j == 0 else f[-1]
         return _quintic_minimum(f[j - 1 : j + 1], df[j - 1 : j + 1], d2f[j - 1 : j + 1], grid[j] - grid[j - 1])

@@ -527,6 +527,34 @@ def test_isotonic_keeps_apart_scores_whose_probabilities_round_to_one():
     np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-15)
 
 
+def test_isotonic_pools_scores_equal_up_to_round_off():
+    """Ties were exact: the log-odds of one grid posterior (k/10, K = 3) from rows whose other
+    columns differ came out 2 to 4 ways, which PAV fitted as different scores (one-vs-rest maps up
+    to 0.031 from scikit-learn's on the probabilities), and rows of logits with per-row offsets gave
+    outputs up to 0.21 from scikit-learn's on the log-odds (a review's reproducers)."""
+    sklearn_isotonic = pytest.importorskip("sklearn.isotonic")
+    rs = np.random.default_rng(0)
+    grid = np.array([(a, b, 10 - a - b) for a in range(1, 9) for b in range(1, 10 - a)]) / 10
+    p = grid[rs.integers(len(grid), size=3000)]
+    y = np.array([rs.choice(3, p=q) for q in p])
+    logits = torch.from_numpy(np.log(p))
+    iso = torchcal.IsotonicCalibration().fit(logits, torch.from_numpy(y))
+    features = iso._features(logits)
+    ours = torch.stack([iso._map_column(k, features[:, k]) for k in range(3)], 1).numpy()
+    reference = np.stack([
+        sklearn_isotonic.IsotonicRegression(y_min=1e-7, y_max=1 - 1e-7).fit(p[:, k], y == k).predict(p[:, k]) for k in range(3)
+    ], 1)
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-12)
+    # binary: the same LLRs from rows offset by 3 randn
+    n = 2000
+    llr = rs.integers(-5, 5, size=n) * 0.5
+    y = (rs.random(n) < 1 / (1 + np.exp(-llr / 2))).astype(np.int64)
+    logits = torch.from_numpy(np.stack([np.zeros(n), llr], 1) + 3 * rs.normal(size=(n, 1)))
+    ours = torchcal.IsotonicCalibration().fit(logits, torch.from_numpy(y)).predict_proba(logits)[:, 1].numpy()
+    reference = sklearn_isotonic.IsotonicRegression(y_min=1e-7, y_max=1 - 1e-7).fit(llr, y).predict(llr)
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-12)
+
+
 def test_isotonic_steps_meet_halfway_in_probability():
     """On log-odds, the boundary between two steps moved to the midpoint of the log-odds: a held-out
     score between them could change step ([0, 4] fitted, 1.5 scored: 1 - 1e-7 before, 1e-7 after;

@@ -116,17 +116,40 @@ def test_bad_input():
         murphy_decomposition(logits, labels, kind="class")
 
 
-def test_pav_steps_between_adjacent_floats_fall_between_them():
-    """Two scores one ulp apart in different blocks have no midpoint: the boundary rounded onto the
-    lower score and gave it the upper block's value (CORP then had negative MCB and DSC)."""
+def test_pav_steps_between_close_scores_fall_between_them():
+    """Two scores just beyond the tie tolerance (17 ulps of 1) in different blocks: the boundary lies
+    between them. (Scores one ulp apart had no midpoint, and the boundary rounded onto the lower
+    score and gave it the upper block's value, CORP then had negative MCB and DSC; they are now
+    one tie.)"""
     from torchcal.functional.isotonic import pool_adjacent_violators
 
     rs = np.random.RandomState(0)
     for _ in range(100):
         base = rs.uniform(0.05, 0.95, 12)
-        x = np.concatenate([base, np.nextafter(base, 1.0)])  # every score next to its neighbour float
+        x = np.concatenate([base, base + 17 * np.finfo(np.float64).eps])  # every score just past a tie with its neighbour
         y = (rs.uniform(size=x.size) < x).astype(np.float64)
         boundaries, values = pool_adjacent_violators(x, y, np.ones_like(x))
         fitted = values[np.searchsorted(boundaries, x, side="right") - 1]
         order = np.argsort(x)  # distinct scores: sklearn's PAV on the sorted targets is the reference
         np.testing.assert_allclose(fitted[order], isotonic_regression(y[order]), rtol=0, atol=1e-12)
+        # one ulp apart: tied, as sklearn pools equal scores
+        x = np.concatenate([base, np.nextafter(base, 1.0)])
+        boundaries, values = pool_adjacent_violators(x, y, np.ones_like(x))
+        fitted = values[np.searchsorted(boundaries, x, side="right") - 1]
+        reference = IsotonicRegression().fit(np.concatenate([base, base]), y).predict(np.concatenate([base, base]))
+        np.testing.assert_allclose(fitted, reference, rtol=0, atol=1e-12)
+
+
+def test_corp_pools_confidences_equal_up_to_round_off():
+    """K = 3 posteriors (0.6, 0.3, 0.1) and (0.6, 0.2, 0.2) have one confidence, 0.6, which the
+    log-probabilities give as 0.6 and one ulp below: PAV fitted them apart (their accuracies differ,
+    0.7 and 0.5), MCB 0.0088 and DSC 0.0082 against 0.00053 and 0 (a review's reproducer)."""
+    rs = np.random.default_rng(0)
+    n = 1000
+    split = rs.random(n) < 0.5
+    p = np.where(split[:, None], [0.6, 0.3, 0.1], [0.6, 0.2, 0.2])
+    y = np.where(rs.random(n) < np.where(split, 0.7, 0.5), 0, 1)
+    confidence, correct = p.max(1), (y == 0).astype(np.float64)
+    expected = _corp_numpy(confidence, correct, "brier")
+    got = corp_decomposition(torch.from_numpy(np.log(p)), torch.from_numpy(y))
+    np.testing.assert_allclose([float(v) for v in got], expected, rtol=0, atol=1e-12)

@@ -293,3 +293,57 @@ def test_scores_closer_than_the_tie_tolerance_are_one_group():
     p0, p1 = va.predict_interval(torch.tensor([[0.0, a], [0.0, mid], [0.0, b]], dtype=torch.float64))
     torch.testing.assert_close(p0.flatten(), torch.full((3,), 0.2, dtype=torch.float64))
     torch.testing.assert_close(p1.flatten(), torch.full((3,), 0.4, dtype=torch.float64))
+
+
+def test_scores_equal_up_to_round_off_are_one_group():
+    """Log-probabilities of one class-0 probability from rows whose other columns differ (0.95 and
+    up: log-probabilities near 0, which the relative tolerance did not reach), and log-odds of rows
+    of logits offset by 30 randn, came out several ways, which the tables took apart: intervals up
+    to 0.057 from the venn_abers package's on the exact probabilities (a review's reproducers)."""
+    rs = np.random.default_rng(1)
+    levels = np.array([0.5, 0.7, 0.9, 0.95, 0.99, 0.998])
+    n = 400
+    q = levels[rs.integers(len(levels), size=n)]
+    share = rs.choice([0.25, 0.5, 0.75], size=n)
+    p = np.stack([q, (1 - q) * share, (1 - q) * (1 - share)], 1)
+    y = np.where(rs.random(n) < 0.8 * q, 0, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (class 2 has no sample)
+        logits = torch.from_numpy(np.log(p))
+        lower, upper = VennAbersCalibration().fit(logits, torch.from_numpy(y)).predict_interval(logits)
+        binary = np.stack([1 - q, q], 1)
+        p0, p1, c = venn_abers.calc_p0p1(binary, (y == 0).astype(float))
+        _, reference = venn_abers.calc_probs(p0, p1, c, binary)
+    np.testing.assert_allclose(lower[:, 0, 0].numpy(), reference[:, 0], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(upper[:, 0, 0].numpy(), reference[:, 1], rtol=0, atol=1e-12)
+
+    rs = np.random.default_rng(0)
+    n = 2000
+    llr = rs.integers(-5, 6, size=n) * 0.1
+    y = (rs.random(n) < 1 / (1 + np.exp(-llr))).astype(int)
+    logits = torch.from_numpy(np.stack([np.zeros(n), llr], 1) + 30 * rs.normal(size=(n, 1)))
+    binary = np.stack([1 / (1 + np.exp(llr)), 1 / (1 + np.exp(-llr))], 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the package's all-NaN slices)
+        p0, p1, c = venn_abers.calc_p0p1(binary, y.astype(float))
+        _, reference = venn_abers.calc_probs(p0, p1, c, binary)
+    lower, upper = VennAbersCalibration().fit(logits, torch.from_numpy(y)).predict_interval(logits)
+    np.testing.assert_allclose(lower[:, 0, 0].numpy(), reference[:, 0], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(upper[:, 0, 0].numpy(), reference[:, 1], rtol=0, atol=1e-12)
+
+
+def test_a_test_score_near_0_within_the_tolerance_of_a_calibration_score_pools_with_it():
+    """The look-up's tolerance was relative to the calibration score: 16 ulps of a log-odds of
+    -0.002 is 7e-18, so the same score with the round-off of terms of order 1 (10 ulps of 1) read
+    the neighbouring place. Now the tolerance has a floor of 16 ulps of 1, on both sides."""
+    eps = float(np.finfo(np.float64).eps)
+    scores = np.array([-1.0, -0.002, -0.002, -0.002, 0.5, 1.0])
+    labels = torch.tensor([0, 1, 0, 1, 0, 1])
+    va = VennAbersCalibration().fit(torch.from_numpy(np.stack([np.zeros(6), scores], 1)), labels)
+    for shift in (-10 * eps, 10 * eps):
+        at, moved = (va.predict_interval(torch.tensor([[0.0, -0.002 + s]], dtype=torch.float64)) for s in (0.0, shift))
+        for exact, nudged in zip(at, moved):
+            assert torch.equal(exact, nudged)
+    # beyond the tolerance (20 ulps of 1 below) the score reads its own place, below the group, as before
+    at, below = (va.predict_interval(torch.tensor([[0.0, -0.002 + s]], dtype=torch.float64)) for s in (0.0, -20 * eps))
+    assert float(at[0]) == 0.4 and float(below[0]) == 0.0

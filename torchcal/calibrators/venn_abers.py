@@ -43,6 +43,7 @@ from torch import Tensor
 from torchcal._validation import check_count, compute_dtype, finite_log
 from torchcal.calibrators.base import Calibrator
 from torchcal.fit import FitRecord
+from torchcal.functional._ties import tie_group_starts, tie_tolerance
 from torchcal.functional.scoring import PER_SAMPLE_SCORES
 
 __all__ = ["VennAbersCalibration", "venn_abers_table"]
@@ -114,15 +115,6 @@ def _upper_values(counts: np.ndarray, positives: np.ndarray) -> np.ndarray:
     return p1
 
 
-#: A test score within this share of a calibration score's magnitude (16 float64 ulps) is tied
-#: with it (pools with it). Exact ties alone made the output at a calibration sample's own score (a
-#: duplicate of it) depend on the last bit of the log-softmax: ONNX Runtime's rounds differently,
-#: and 64 of 2,000 calibration rows of the AG News logits got the neighbouring step's
-#: probabilities, up to 0.02 away. (Relative, not absolute: 1e-12 pooled distinct scores of
-#: confident rows, log-probabilities near 0, that the venn-abers package keeps apart.)
-_TIE_TOLERANCE = 16 * torch.finfo(torch.float64).eps
-
-
 def venn_abers_table(scores: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The IVAP of binary calibration data as a look-up table.
 
@@ -131,11 +123,14 @@ def venn_abers_table(scores: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, T
         targets: (N,) binary labels (bool, or 0 and 1 of any dtype).
 
     Returns:
-        ``(grid, p0, p1)`` in float64 on the scores' device: ``grid: (k,)`` the distinct scores in
-        increasing order (scores within twice ``_TIE_TOLERANCE`` of each other, relative, are one,
-        at their midpoint), ``p0, p1: (k + 1,)``. A test score ``s`` gets
+        ``(grid, p0, p1)`` in float64 on the scores' device: ``grid: (k,)`` the tied groups' scores
+        in increasing order, ``p0, p1: (k + 1,)``. Calibration scores within two tie tolerances
+        of each other (``functional._ties``; neighbour to neighbour) are one group, given by its
+        one score or by its lowest and highest, so that a test score within a tolerance of a
+        calibration score pools with its group and no other. A test score ``s`` gets
         ``p0[searchsorted(grid, s, right=True)]`` and ``p1[searchsorted(grid, s, right=False)]``
-        (a test score tied with calibration scores pools with them).
+        (a test score tied with calibration scores pools with them); the look-up of
+        :class:`VennAbersCalibration` reaches a tie tolerance further on each side.
 
     Example:
         >>> scores = torch.tensor([0.1, 0.4, 0.35, 0.8], dtype=torch.float64)
@@ -154,23 +149,24 @@ def venn_abers_table(scores: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, T
     s = scores.detach().cpu().to(torch.float64).numpy()
     y = targets.detach().cpu().numpy().astype(np.int64)
     distinct, group = np.unique(s, return_inverse=True)
-    # Scores closer than twice the look-up's tie tolerance are one tied group (at its midpoint): a
-    # test score within the tolerance of two of them read p0 beside one and p1 beside the other, an
-    # interval with p0 > p1 (calibration scores 4 ulp apart).
-    close = np.diff(distinct) <= 2 * _TIE_TOLERANCE * np.maximum(np.abs(distinct[1:]), np.abs(distinct[:-1]))
-    starts = np.ones(distinct.size, dtype=bool)
-    starts[1:] = ~close
+    # Groups more than two tie tolerances apart: the look-up ties a test score within one tolerance
+    # of a group, and one within a tolerance of two groups would read p0 beside one and p1 beside
+    # the other, an interval with p0 > p1 (calibration scores 20 ulp apart).
+    starts = tie_group_starts(torch.from_numpy(distinct), reach=2).numpy()
     merged = np.cumsum(starts) - 1  # each distinct score's tied group
     group = merged[group]
-    lowest, highest = np.full(int(starts.sum()), np.inf), np.full(int(starts.sum()), -np.inf)
-    np.minimum.at(lowest, merged, distinct)
-    np.maximum.at(highest, merged, distinct)
-    grid = np.where(lowest == highest, lowest, (lowest + highest) / 2)
-    counts = np.bincount(group, minlength=len(grid))
-    positives = np.bincount(group, weights=y, minlength=len(grid)).astype(np.int64)
-    p1 = _upper_values(counts, positives)
+    counts = np.bincount(group, minlength=int(starts.sum()))
+    positives = np.bincount(group, weights=y, minlength=len(counts)).astype(np.int64)
+    upper = _upper_values(counts, positives)
     # p0 is p1 of the mirror image (scores negated, labels flipped), read backwards
-    p0 = 1.0 - _upper_values(counts[::-1], (counts - positives)[::-1])[::-1]
+    lower = 1.0 - _upper_values(counts[::-1], (counts - positives)[::-1])[::-1]
+    # The grid holds each group's lowest and, where it differs, highest score. After the first j
+    # grid scores, p0 is read at the place after the groups begun and p1 after the groups ended.
+    firsts, lasts = starts, np.roll(starts, -1)  # (a group ends where the next begins, the last at the end)
+    edge = firsts | lasts
+    grid = distinct[edge]
+    p0 = lower[np.r_[0, np.cumsum(firsts[edge])]]
+    p1 = upper[np.r_[0, np.cumsum(lasts[edge])]]
     return tuple(torch.from_numpy(np.ascontiguousarray(t)).to(scores.device) for t in (grid, p0, p1))  # type: ignore[return-value]
 
 
@@ -310,11 +306,17 @@ class VennAbersCalibration(Calibrator):
         for c in range(scores.shape[1]):
             s = scores[:, c].contiguous()
             for f in range(self.folds):
-                # bucketize (searchsorted has no ONNX function): the tied-score rule of venn_abers_table,
-                # ties within _TIE_TOLERANCE (on the grid: ONNX exporters fold s - 1e-12 into s)
+                # bucketize (searchsorted has no ONNX function): venn_abers_table's look-up with ties
+                # within a tie tolerance of the grid (shifted on the grid: ONNX exporters fold
+                # s - 1e-12 into s). The groups are more than two tolerances apart, so one group's
+                # raised end and the next group's lowered start do not cross; where they round onto
+                # each other, a test score there ties with the lower group for p0 as for p1 (both
+                # searches count the shifted scores strictly below it). Exact ties alone made a
+                # calibration sample's own output depend on the last bit of its log-softmax (ONNX
+                # Runtime moved 64 of 2,000 AG News calibration rows to the neighbouring step).
                 grid = self.grid[c, f]
-                margin = torch.where(torch.isfinite(grid), _TIE_TOLERANCE * grid.abs(), 0.0)  # (the padding: +inf)
-                lower.append(self.p0[c, f][torch.bucketize(s, grid - margin, right=True)])
+                margin = torch.where(torch.isfinite(grid), tie_tolerance(grid), 0.0)  # (the padding: +inf)
+                lower.append(self.p0[c, f][torch.bucketize(s, grid - margin, right=False)])
                 upper.append(self.p1[c, f][torch.bucketize(s, grid + margin, right=False)])
         shape = (scores.shape[0], scores.shape[1], self.folds)
         return torch.stack(lower, 1).reshape(shape), torch.stack(upper, 1).reshape(shape)

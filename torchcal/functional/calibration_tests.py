@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from torchcal._validation import check_count, check_logits_and_labels
+from torchcal.functional._ties import tie_group_starts
 from torchcal.functional.consistency_resampling import resample_labels
 from torchcal.functional.diagnostics import bin_indices, binary_problems, check_n_bins, quantile_edges
 from torchcal.functional.scoring import to_log_probs
@@ -228,7 +229,9 @@ def spiegelhalter_test(
 
 def cumulative_differences(scores: Tensor, targets: Tensor) -> Tensor:
     """``sum_{k <= i} (y_k - s_k) / N`` over the samples sorted by score, at the last sample of
-    each group of tied scores, scaled by ``sqrt(sum_i s_i (1 - s_i)) / N``; (number of distinct scores,).
+    each group of tied scores (scores within round-off of each other, ``functional._ties``: the
+    same posterior computed from different rows), scaled by ``sqrt(sum_i s_i (1 - s_i)) / N``;
+    (number of groups,).
 
     ``scores`` and ``targets``: (N,) float64. Under H0 the result is close to a standard Brownian
     motion on [0, 1] observed at the cumulative variance fractions.
@@ -241,7 +244,7 @@ def cumulative_differences(scores: Tensor, targets: Tensor) -> Tensor:
     ordered = scores[order]
     walk = (targets[order] - ordered).cumsum(0)
     last_of_tie = torch.ones_like(ordered, dtype=torch.bool)
-    last_of_tie[:-1] = ordered[1:] != ordered[:-1]
+    last_of_tie[:-1] = tie_group_starts(ordered)[1:]
     return walk[last_of_tie] / (scores * (1 - scores)).sum().sqrt()
 
 

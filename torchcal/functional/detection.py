@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from torchcal._validation import check_logits_and_labels, check_priors
+from torchcal.functional._ties import tie_group_starts
 from torchcal.functional.isotonic import pool_adjacent_violators
 from torchcal.functional.scoring import class_frequencies, class_sums, to_log_probs
 
@@ -222,7 +223,9 @@ def equal_error_rate(logits: Tensor, labels: Tensor) -> Tensor:
 
 
 def det_curve(logits: Tensor, labels: Tensor) -> DetectionCurve:
-    """``(Pfa, Pmiss)`` at every threshold between distinct LLRs, plus both ends; (T,) each.
+    """``(Pfa, Pmiss)`` at every threshold between distinct LLRs, plus both ends; (T,) each. LLRs
+    within round-off of each other (``functional._ties``: the same posterior from rows of logits
+    with different offsets) are one LLR, as in the PAV of ``roc_convex_hull``.
 
     Example:
         >>> probs = torch.tensor([[.8, .2], [.3, .7], [.6, .4], [.1, .9]], dtype=torch.float64)
@@ -235,7 +238,7 @@ def det_curve(logits: Tensor, labels: Tensor) -> DetectionCurve:
     order = scores.argsort()
     ordered, is_target = scores[order], (labels[order] == 1).to(torch.float64)
     last_of_tie = torch.ones_like(ordered, dtype=torch.bool)
-    last_of_tie[:-1] = ordered[1:] != ordered[:-1]
+    last_of_tie[:-1] = tie_group_starts(ordered)[1:]
     zero = ordered.new_zeros(1)
     targets_below = torch.cat([zero, is_target.cumsum(0)[last_of_tie]])
     nontargets_below = torch.cat([zero, (1 - is_target).cumsum(0)[last_of_tie]])

@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+import torch
+
+from torchcal.functional._ties import tie_group_starts
 
 __all__ = ["pool_adjacent_violators"]
 
@@ -18,30 +21,32 @@ def pool_adjacent_violators(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Weighted isotonic (non-decreasing) regression of ``y`` on ``x`` by PAV.
 
-    Tied ``x`` are pooled first. Returns ``(boundaries, values)``: block ``j`` holds the scores
+    Tied ``x`` are pooled first: scores within round-off of each other (``functional._ties``: 16
+    float64 ulps of ``max(|x|, 1)``, neighbour to neighbour), which the same posterior computed
+    two ways is. Returns ``(boundaries, values)``: block ``j`` holds the scores
     ``s >= boundaries[j]`` (``searchsorted(boundaries, s, side="right") - 1``; ``-inf`` for the
     first block; later boundaries lie halfway between neighbouring blocks, ``midpoint(below,
     above)`` of the lower block's last score and the upper block's first (their mean by default),
-    or on the upper block's first score where the two are adjacent floats) and its fitted value
-    ``values[j]``.
+    or on the upper block's first score where the midpoint does not fall between them) and its
+    fitted value ``values[j]``.
 
-    Example:
-        >>> boundaries, values = pool_adjacent_violators(np.array([0.5, np.nextafter(0.5, 1)]), np.array([0.0, 1.0]), np.ones(2))
-        >>> [int(np.searchsorted(boundaries, s, side="right")) - 1 for s in (0.5, np.nextafter(0.5, 1))], values.tolist()
-        ([0, 1], [0.0, 1.0])
+    Example (``0.1 + 0.2`` is one ulp above ``0.3``: a tie):
+        >>> boundaries, values = pool_adjacent_violators(np.array([0.3, 0.1 + 0.2, 0.5]), np.array([0.0, 1.0, 1.0]), np.ones(3))
+        >>> boundaries.tolist(), values.tolist()
+        ([-inf, 0.4], [0.5, 1.0])
     """
     order = np.argsort(x, kind="stable")
     x, y, w = x[order], y[order], w[order]
-    starts = np.flatnonzero(np.r_[True, x[1:] != x[:-1]])
-    unique_x = x[starts].tolist()
+    starts = np.flatnonzero(tie_group_starts(torch.from_numpy(x)).numpy())
+    firsts, lasts = x[starts].tolist(), x[np.r_[starts[1:], x.size] - 1].tolist()  # each tie group's lowest and highest
     sums, weights = np.add.reduceat(w * y, starts).tolist(), np.add.reduceat(w, starts).tolist()
     lowest: list[float] = []
     highest: list[float] = []
     block_sum: list[float] = []
     block_w: list[float] = []
-    for xi, si, wi in zip(unique_x, sums, weights):
-        lowest.append(xi)
-        highest.append(xi)
+    for first, last, si, wi in zip(firsts, lasts, sums, weights):
+        lowest.append(first)
+        highest.append(last)
         block_sum.append(si)
         block_w.append(wi)
         while len(block_w) > 1 and block_sum[-2] * block_w[-1] >= block_sum[-1] * block_w[-2]:
@@ -53,7 +58,8 @@ def pool_adjacent_violators(
             block_w[-1] += last_w
     below, above = np.asarray(highest[:-1]), np.asarray(lowest[1:])
     middle = below / 2 + above / 2 if midpoint is None else midpoint(below, above)
-    # Scores one ulp apart have no midpoint between them: it rounds to one of the two, and a
-    # boundary on the lower block's last score would hand that score to the upper block.
-    boundaries = np.r_[-np.inf, np.where(middle > below, middle, above)]
+    # Neighbouring blocks are more than the tie tolerance apart, so their mean lies between them;
+    # a midpoint computed otherwise may round onto either score, and a boundary on the lower
+    # block's last score would hand that score to the upper block.
+    boundaries = np.r_[-np.inf, np.where((middle > below) & (middle <= above), middle, above)]
     return boundaries, np.asarray(block_sum) / np.asarray(block_w)

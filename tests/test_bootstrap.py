@@ -191,9 +191,10 @@ def test_bootstrap_rejects_mismatched_data(data):
 def test_missing_class_in_a_replicate_is_reported_without_stratification():
     logits = torch.zeros(50, 2)
     labels = torch.zeros(50, dtype=torch.long)
-    labels[0] = 1  # the rare class is absent from most replicates
-    with pytest.raises(ValueError, match="no sample"):
-        bootstrap(cross_entropy, logits, labels, num_replicates=20, priors=torch.tensor([0.5, 0.5]), stratify=False)
+    labels[0] = 1  # the rare class is absent from a third of the replicates: they are left out, and said so
+    with pytest.warns(UserWarning, match=r"undefined on \d+ of 20 bootstrap resamples .* stratify=True keeps every class"):
+        result = bootstrap(cross_entropy, logits, labels, num_replicates=20, priors=torch.tensor([0.5, 0.5]), stratify=False)
+    assert 0 < int(result.replicates.isnan().sum()) < 20
 
 
 def rare_class_data(n=6752, rare=6, seed=0):
@@ -349,3 +350,26 @@ def test_progress_bar_is_drawn(data, monkeypatch, capsys):
     assert capsys.readouterr().err == ""
     bootstrap(partial(expected_calibration_error, strategy="quantile"), *data, num_replicates=5, progress=True)
     assert "expected_calibration_error: bootstrap replicates" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_resamples_that_leave_a_normalised_score_undefined_are_left_out(fast):
+    """Two positives in 100: a resample that draws neither has no naive reference, and the whole
+    bootstrap (and `torchcal evaluate` at its default 1,000 replicates) raised (review finding).
+    Such replicates are NaN, the interval is that of the others, and a warning counts them."""
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.zeros(100, dtype=torch.long)
+    labels[[3, 70]] = 1
+    logits = torch.randn(100, 2, generator=gen, dtype=torch.float64)
+    metric = partial(cross_entropy, normalize=True) if fast else (lambda x, y: cross_entropy(x, y, normalize=True))
+    with pytest.warns(UserWarning, match=r"undefined on (\d+) of 1000 bootstrap resamples") as caught:
+        result = bootstrap(metric, logits, labels, num_replicates=1000, seed=3)
+    indices = torch.cat(list(resample_indices(100, 1000, 3)))
+    one_class = ~(labels[indices] == 1).any(1)
+    assert f"undefined on {int(one_class.sum())} of 1000" in str(caught[0].message) and 0 < int(one_class.sum()) < 1000
+    assert torch.equal(result.replicates.isnan(), one_class)
+    reference = [float(cross_entropy(logits[i], labels[i], normalize=True)) for i in indices[~one_class]]
+    lower, upper = np.quantile(reference, [0.025, 0.975])
+    assert float(result.lower) == pytest.approx(lower, rel=1e-12) and float(result.upper) == pytest.approx(upper, rel=1e-12)
+    with pytest.raises(ValueError, match="undefined on every bootstrap resample"):
+        bootstrap(metric, logits[:3], torch.tensor([0, 0, 1]), num_replicates=2, seed=8)  # (neither draws the positive)

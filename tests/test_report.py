@@ -416,3 +416,26 @@ def test_a_perfect_raw_system_is_not_said_to_be_improved():
         result.save(folder, figures=False)
         saved = json.loads((Path(folder) / "report.json").read_text(), parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
     assert all(m["relative_calibration_loss"] is None for m in saved["methods"])
+
+
+def test_llr_scores_evaluated_under_priors_from_python_as_from_the_command_line(tmp_path):
+    """Binary LLRs loaded without priors (posteriors by the labels' frequencies) and evaluated with
+    ``priors=`` were taken back to LLRs with the evaluation's priors: raw Cllr 0.781 bits where the
+    file's LLRs give 0.556, as the command line (which loads them with the priors) does (review
+    finding). Scores.with_llr_priors reads them as load_scores(..., priors=) does."""
+    gen = np.random.default_rng(0)
+    labels = (gen.random(600) < 0.19).astype(np.int64)
+    llr = np.where(labels == 1, 1.0, -1.0) * 1.2 + gen.standard_normal(600)
+    np.savez(tmp_path / "llr.npz", llr=llr, labels=labels)
+    uniform = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    loaded, with_priors = load_scores(tmp_path / "llr.npz"), load_scores(tmp_path / "llr.npz", priors=uniform)
+    moved = loaded.with_llr_priors(uniform)
+    torch.testing.assert_close(moved.logits, with_priors.logits, rtol=0, atol=1e-12)
+    assert moved.read_as == with_priors.read_as and moved.llr_priors.equal(uniform)
+    cllr = (np.logaddexp(0, -llr[labels == 1]).mean() + np.logaddexp(0, llr[labels == 0]).mean()) / 2 / math.log(2)
+    reports = [evaluate(s, ["temperature"], bootstrap=0, priors=uniform) for s in (loaded, with_priors)]
+    for report in reports:
+        assert report.raw.cllr == pytest.approx(cllr, rel=1e-10)
+    assert reports[0].methods[0].quality.nce.value == pytest.approx(reports[1].methods[0].quality.nce.value, rel=1e-9)
+    probs = load_scores(tmp_path / "llr.npz", input="logits")  # a sigmoid head's log-odds: posteriors already
+    assert probs.with_llr_priors(torch.tensor([0.3, 0.7], dtype=torch.float64)) is probs

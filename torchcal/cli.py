@@ -599,7 +599,8 @@ def _evaluation_options(p: argparse.ArgumentParser, methods_default: str) -> Non
                    help=f"calibration methods (default: {methods_default}); 'all' or any of: {_method_names()}")
     p.add_argument("--priors", help="deployment priors: 'uniform', 'data' (default) or K comma-separated numbers")
     p.add_argument("--costs", help="cost matrix of the Bayes risk: '0-1' (default), 'abstain:ALPHA', or a K x M .csv/.txt/.npy file")
-    p.add_argument("--bootstrap", type=int, metavar="B", help="bootstrap replicates for the intervals (default 1000; 0 for none)")
+    p.add_argument("--bootstrap", type=int, metavar="B", help="bootstrap replicates for the intervals and the test against temperature scaling (default 1000; 0: "
+                   "neither, the lowest NCE wins)")
     p.add_argument("--seed", type=int, help="seed of the folds and of the bootstrap (default 0)")
     p.add_argument("--config", metavar="NAME|FILE", help="a YAML configuration (a file, or the name of a preset: "
                                                          f"{_config_names()}); options given here win")

@@ -593,7 +593,9 @@ def evaluate(
         bootstrap: bootstrap replicates for the intervals (0: none). Intervals are given for the
             raw metrics, and for calibrated ones when the calibrator is fixed (held-out data); with
             cross-validation the calibrator would have to be refitted per replicate
-            (Ferrer & Ramos, App. E), so calibrated metrics carry no interval.
+            (Ferrer & Ramos, App. E), so calibrated metrics carry no interval. The same replicates
+            decide whether the lowest NCE is significantly below temperature scaling's; with 0 there
+            is no such test, and the method of the lowest NCE wins.
         seed: seed of the folds and of the bootstrap.
         method_options: constructor options per method, e.g. ``{"dirichlet-odir": {"reg_grid": [...]}}``;
             a name that is no method of :data:`METHODS` is refused, options of a method not in
@@ -604,6 +606,10 @@ def evaluate(
         a :class:`Report`; ``report.calibrator`` is the winning method refitted on all calibration
         data (the calibration set, or all of ``scores`` with cross-validation).
     """
+    if priors is not None and isinstance(scores, Scores):  # (binary LLRs: their posteriors under these priors)
+        scores = scores.with_llr_priors(priors)
+    if priors is not None and isinstance(calibration, Scores):
+        calibration = calibration.with_llr_priors(priors)
     logits, labels, source, read_as = _unpack(scores, "scores")
     num_classes = logits.shape[1]
     if labels.unique().numel() < 2:

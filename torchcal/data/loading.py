@@ -41,6 +41,7 @@ an LLR), is ambiguous and the caller must choose. :attr:`Scores.read_as` records
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import warnings
 import zipfile
@@ -130,6 +131,20 @@ class Scores:
     @property
     def num_classes(self) -> int:
         return self.logits.shape[1]
+
+    def with_llr_priors(self, priors: Any) -> Scores:
+        """These scores as ``load_scores(..., priors=priors)`` reads them: binary LLRs turned into
+        posteriors by ``priors`` (Bayes' rule) instead of ``llr_priors``; other scores (a sigmoid
+        head's log-odds, which are posteriors already, among them) as they are."""
+        if self.llr_priors is None or not self.read_as.startswith(_LLR_READ_AS):
+            return self
+        priors = check_priors(priors, 2)
+        old = self.llr_priors.to(priors)
+        if torch.equal(priors, old):
+            return self
+        llr = self.logits[:, 1].double() - self.logits[:, 0].double() - (old[1] / old[0]).log()
+        read_as = self.read_as[: self.read_as.index(_LLR_POSTERIORS)] + f"{_LLR_POSTERIORS}the given priors ({priors[0]:.4g}, {priors[1]:.4g})"
+        return dataclasses.replace(self, logits=binary_scores_to_logits(llr, "llr", priors), read_as=read_as, llr_priors=priors)
 
 
 def binary_scores_to_logits(
@@ -659,6 +674,10 @@ def _to_logits(
     return (*_columns_to_logits(values, kind, reason), None)
 
 
+#: How ``read_as`` of binary LLRs begins, and how it goes on to name the priors that made them posteriors.
+_LLR_READ_AS = "binary log-likelihood ratios"
+_LLR_POSTERIORS = ", turned into posteriors with "
+
 #: The kind hint of one score column stored under the key ``logits``: detected as ``"auto"`` is,
 #: but where the values leave any reading open, posterior log-odds rather than LLRs.
 _AUTO_LOGITS = "auto-logits"
@@ -700,7 +719,7 @@ def _one_column_to_logits(
             prior_note = f"the given priors ({priors[0]:.4g}, {priors[1]:.4g})"
         else:
             priors, prior_note = _label_frequencies(labels, values.shape[0])
-        note = f"binary log-likelihood ratios ({reason}), turned into posteriors with {prior_note}"
+        note = f"{_LLR_READ_AS} ({reason}){_LLR_POSTERIORS}{prior_note}"
         return binary_scores_to_logits(values, "llr", priors), note, priors
     if kind == "log_probs":
         if bool((values > 0).any()):

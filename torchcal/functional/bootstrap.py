@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from functools import cache, partial
 from typing import Any, NamedTuple, TypeVar
@@ -53,7 +54,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from torchcal._validation import as_tensor, check_count, check_seed, seeded_generator
+from torchcal._validation import as_tensor, check_count, check_seed, seeded_generator, stacklevel_outside_package
 from torchcal.functional.decisions import (
     balanced_error_rate,
     balanced_error_rate_terms,
@@ -278,8 +279,23 @@ def _sums_per_replicate(keys: Tensor, values: list[Tensor], num_keys: int, index
     return sums
 
 
-def _replicates(terms: SumDecomposition | BinDecomposition, num_replicates: int, seed: int, strata: Tensor | None) -> Tensor:
-    """The metric on each of ``num_replicates`` resamples, from the sums of their decompositions."""
+def _or_nan(like: Tensor, value: Callable[..., Tensor], *args: Any) -> Tensor:
+    """``value(*args)``, or NaN shaped as ``like`` where the metric is undefined (``ValueError``)."""
+    try:
+        return value(*args)
+    except ValueError:
+        return torch.full_like(like, math.nan)
+
+
+def _reduce_one(terms: SumDecomposition | BinDecomposition, sums: Tensor) -> Tensor:
+    """The metric of one replicate from its sums (V, 1, ...)."""
+    return terms.reduce(*sums)[0]
+
+
+def _replicates(terms: SumDecomposition | BinDecomposition, num_replicates: int, seed: int, strata: Tensor | None,
+                like: Tensor) -> Tensor:
+    """The metric on each of ``num_replicates`` resamples, from the sums of their decompositions
+    (NaN, shaped as the estimate ``like``, on a resample where it is undefined)."""
     shape: tuple[int, ...]
     if isinstance(terms, SumDecomposition):  # reduce(sums, counts), each (b, K)
         keys, shape = terms.labels, (terms.num_classes,)
@@ -291,8 +307,11 @@ def _replicates(terms: SumDecomposition | BinDecomposition, num_replicates: int,
     rows = max(1, CHUNK_ELEMENTS // math.prod(shape))  # replicates whose sums fit the memory bound
     for index in resample_indices(keys.shape[0], num_replicates, seed, strata):
         for part in index.split(rows):
-            sums = _sums_per_replicate(keys, values, math.prod(shape), part.to(keys.device))
-            replicates.append(terms.reduce(*sums.reshape(len(values), part.shape[0], *shape)))
+            sums = _sums_per_replicate(keys, values, math.prod(shape), part.to(keys.device)).reshape(len(values), part.shape[0], *shape)
+            try:
+                replicates.append(terms.reduce(*sums))
+            except ValueError:  # some resample leaves it undefined (see bootstrap): one at a time
+                replicates.append(torch.stack([_or_nan(like, _reduce_one, terms, sums[:, i : i + 1]) for i in range(part.shape[0])]))
     return torch.cat(replicates)
 
 
@@ -340,6 +359,11 @@ def bootstrap(
             fast path takes seconds and shows none).
         **metric_kwargs: passed to ``metric_fn`` (e.g. ``priors=``, ``normalize=``, ``costs=``).
 
+    A resample can leave the metric undefined where the data do not (unstratified, a rare class
+    drawn no sample: a normalised score's naive reference is then perfect). Such replicates are NaN
+    in ``replicates``, the interval is that of the others, and a warning says how many there were
+    (``stratify=True`` keeps every class in every resample).
+
     Example:
         >>> import torch
         >>> from torchcal.functional import cross_entropy
@@ -367,14 +391,22 @@ def bootstrap(
     if terms is not None:
         decomposition = terms(logits, labels, **metric_kwargs)
         estimate = decomposition.evaluate()
-        replicates = _replicates(decomposition, num_replicates, seed, strata)
+        replicates = _replicates(decomposition, num_replicates, seed, strata, estimate)
     else:
         estimate, on_resample = _evaluator(metric_fn, logits, labels, calibrator, metric_kwargs)
         resamples = _resamples(labels.shape[0], num_replicates, seed, strata, progress, _metric_name(metric_fn))
-        replicates = torch.stack([on_resample(index) for index in resamples])
+        replicates = torch.stack([_or_nan(estimate, on_resample, index) for index in resamples])
+    undefined = int(replicates.isnan().reshape(num_replicates, -1).all(1).sum())
+    if undefined == num_replicates:
+        raise ValueError(f"{_metric_name(metric_fn)} is undefined on every bootstrap resample of these data (e.g. a class "
+                         f"drawn no sample); resample within classes (stratify=True).")
+    if undefined:
+        warnings.warn(f"{_metric_name(metric_fn)} is undefined on {undefined} of {num_replicates} bootstrap resamples (a "
+                      f"class drawn no sample, say); the interval is that of the other replicates. stratify=True keeps "
+                      f"every class in every resample.", stacklevel=stacklevel_outside_package())
     alpha = (1 - confidence) / 2
     levels = torch.tensor([alpha, 1 - alpha], dtype=torch.float64, device=replicates.device)
-    lower, upper = torch.quantile(replicates, levels, dim=0)
+    lower, upper = (torch.nanquantile if undefined else torch.quantile)(replicates, levels, dim=0)
     return BootstrapResult(estimate, lower, upper, replicates)
 
 

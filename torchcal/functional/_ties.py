@@ -1,5 +1,6 @@
 """When two scores are tied: the one rule of the functions that group tied scores (PAV, Venn–Abers,
-the cumulative differences of the KS and Kuiper tests, the DET curve).
+the cumulative differences of the KS and Kuiper tests, the DET curve) and of the resampling tests,
+whose null statistics count against H0 where they tie with the observed one.
 
 The same posterior reaches them with different round-off: ``log(0.3)`` from rows ``(0.3, 0.6,
 0.1)`` and ``(0.3, 0.5, 0.2)``, or the log-odds of rows of logits shifted by different offsets,
@@ -42,3 +43,16 @@ def tie_group_starts(ordered: Tensor, reach: int = 1) -> Tensor:
         lower, upper = ordered[:-1], ordered[1:]
         starts[1:] = upper - lower > reach * tie_tolerance(torch.maximum(lower.abs(), upper.abs()))
     return starts
+
+
+def at_least(values: Tensor, threshold: Tensor) -> Tensor:
+    """``values >= threshold``, where a value tied with ``threshold`` (within its tie tolerance)
+    counts as equal: a statistic summed from the same terms in another order differs in its last
+    bits (a resampling test's null ECE equal to the observed one, in exact arithmetic, fell below
+    it and so did not count against H0).
+
+    Example:
+        >>> at_least(torch.tensor([0.1 + 0.2, 0.2], dtype=torch.float64), torch.tensor(0.3 + 1e-16, dtype=torch.float64)).tolist()
+        [True, False]
+    """
+    return values >= threshold - tie_tolerance(threshold)

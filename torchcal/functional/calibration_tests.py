@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from torchcal._validation import check_count, check_logits_and_labels
-from torchcal.functional._ties import tie_group_starts
+from torchcal.functional._ties import at_least, tie_group_starts
 from torchcal.functional.consistency_resampling import resample_labels
 from torchcal.functional.diagnostics import bin_indices, binary_problems, check_n_bins, quantile_edges
 from torchcal.functional.scoring import to_log_probs
@@ -146,7 +146,7 @@ def hosmer_lemeshow_test(
     groups = int((expected.sum(1) > 0).sum())
     if degrees_of_freedom == "external":
         null = torch.cat([pearson(drawn) for drawn in resample_labels(log_probs, num_resamples, seed)])
-        p_value = (1 + (null >= statistic).sum().to(probs.dtype)) / (num_resamples + 1)
+        p_value = (1 + at_least(null, statistic).sum().to(probs.dtype)) / (num_resamples + 1)
         return CalibrationTestResult(statistic, torch.where(statistic == math.inf, 0.0, p_value))  # (H0 excludes C = inf)
     if groups <= 2:
         raise ValueError(f'degrees_of_freedom="fitted" needs 3 or more non-empty groups (df = (M - 2)(K - 1)), got {groups}.')

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from torchcal._validation import check_count, check_logits_and_labels, check_seed, seeded_generator
+from torchcal.functional._ties import at_least
 from torchcal.functional.bootstrap import CHUNK_ELEMENTS, float64_metric_value, metric_decomposition
 from torchcal.functional.diagnostics import BinDecomposition, sums_by_key
 from torchcal.functional.scoring import SumDecomposition, to_log_probs
@@ -129,7 +130,7 @@ def consistency_resampling_test(
             f"the metric failed on labels resampled from the posteriors: {err} (a metric that weighs classes, "
             f"with priors or balanced, needs every class in every resample: use more samples, or a metric over samples)"
         ) from err
-    exceed = (null >= statistic).sum(0).to(torch.float64)
+    exceed = at_least(null, statistic).sum(0).to(torch.float64)  # (ties, up to round-off, count against H0)
     return ResamplingTestResult(statistic, (1 + exceed) / (num_resamples + 1), null)
 
 

@@ -652,6 +652,14 @@ def test_histogram_binning_puts_grid_probabilities_in_their_right_closed_bins(dt
     np.testing.assert_allclose(hb(log_probs(grid)).exp()[:, 1].double().numpy(), expected, rtol=1e-6)
 
 
+def test_pav_keeps_an_infinite_score_apart():
+    """The tie tolerance at an infinite score is infinite: 1 and inf were pooled (the diff review)."""
+    from torchcal.functional.isotonic import pool_adjacent_violators
+
+    boundaries, values = pool_adjacent_violators(np.array([1.0, np.inf]), np.array([0.0, 1.0]), np.ones(2))
+    assert values.tolist() == [0.0, 1.0]
+
+
 def test_histogram_binning_state_restores_its_bins(data):
     """The bins travel with the state: loaded into a default instance, a 5-bin quantile state
     reported 15 uniform bins and refitted with them."""

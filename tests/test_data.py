@@ -290,6 +290,13 @@ def test_probabilities_rounded_too_far_for_detection_are_named(tmp_path):
     forced = load_scores(tmp_path / "p.npz", input="probs")
     renormalised = np.maximum(probs / probs.sum(1, keepdims=True), 1e-20)
     np.testing.assert_allclose(forced.logits.numpy(), np.log(renormalised), rtol=1e-12)
+    # a row that rounds to all zeros (K = 300) is refused, not renormalised by 0 (the diff review)
+    zeros = np.full((3, 300), 1 / 300).round(2)
+    zeros[1:] = 0
+    zeros[1:, 0] = 1
+    np.savez(tmp_path / "zeros.npz", probs=zeros, labels=np.array([0, 0, 0]))
+    with pytest.raises(ValueError, match="rows of probabilities must sum to one; row 0 sums to 0"):
+        load_scores(tmp_path / "zeros.npz")
 
 
 def test_csv_layouts_of_other_tools(tmp_path):
@@ -314,6 +321,14 @@ def test_csv_layouts_of_other_tools(tmp_path):
     (tmp_path / "no_header.csv").write_text(rows + "\n")
     with pytest.raises(ValueError, match="needs a header row"):
         load_scores(tmp_path / "no_header.csv", labels_path=tmp_path / "labels.npy")
+    # the numbered header is said so, from 3 columns: a headerless file of two columns whose first row
+    # is 0, 1 (a row of probabilities) lost that row (the diff review); blank lines before a header
+    assert read.read_as.endswith("; its first line, the column numbers 0..9, read as the header")
+    (tmp_path / "two.csv").write_text("0,1\n0.3,0.7\n0.8,0.2\n")
+    with pytest.raises(ValueError, match="needs a header row"):
+        load_scores(tmp_path / "two.csv", require_labels=False)
+    (tmp_path / "blank_first.csv").write_text("\n  \na,b,label\n0.3,0.7,1\n0.8,0.2,0\n")
+    assert load_scores(tmp_path / "blank_first.csv").logits.shape == (2, 2)
 
 
 def test_labels_files_with_a_byte_order_mark_or_as_a_dict(tmp_path):
@@ -335,10 +350,11 @@ def test_big_endian_scores_load(tmp_path):
     saved already loaded (review finding)."""
     probs, labels = _bundled_probabilities()
     logits = np.log(np.maximum(probs, 1e-20)).astype(np.float32)
-    np.savez(tmp_path / "big.npz", logits=logits.astype(">f4"), labels=labels.astype(">i8"))
-    np.savez(tmp_path / "native.npz", logits=logits, labels=labels)
-    big, native = load_scores(tmp_path / "big.npz"), load_scores(tmp_path / "native.npz")
-    assert big.logits.equal(native.logits) and big.labels.equal(native.labels)
+    for dtype in (np.float32, np.float64):  # (big-endian float64 was read as float32: the diff review)
+        np.savez(tmp_path / "big.npz", logits=logits.astype(np.dtype(dtype).newbyteorder(">")), labels=labels.astype(">i8"))
+        np.savez(tmp_path / "native.npz", logits=logits.astype(dtype), labels=labels)
+        big, native = load_scores(tmp_path / "big.npz"), load_scores(tmp_path / "native.npz")
+        assert big.logits.dtype == native.logits.dtype and big.logits.equal(native.logits) and big.labels.equal(native.labels)
 
 
 def test_rounded_probabilities_are_named_and_renormalised_on_request(tmp_path):

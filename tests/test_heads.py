@@ -596,5 +596,7 @@ def test_a_fitted_head_runs_on_meta_and_fake_tensors(cls):
         head = CalibratedModel(make_net(k), cls().fit(make_net(k)(x).detach(), y)).eval()
     with FakeTensorMode(allow_non_fake_inputs=True):
         assert head.calibrator(torch.empty(5, k)).shape == (5, k)
+    with pytest.raises(ValueError, match="logits on the meta device, but the"):  # (step maps made up values: the diff review)
+        head.calibrator(torch.empty(5, k, device="meta"))
     out = head.to("meta")(torch.empty(5, 6, device="meta"))
     assert out.shape == (5, k) and out.is_meta

@@ -437,5 +437,11 @@ def test_llr_scores_evaluated_under_priors_from_python_as_from_the_command_line(
     for report in reports:
         assert report.raw.cllr == pytest.approx(cllr, rel=1e-10)
     assert reports[0].methods[0].quality.nce.value == pytest.approx(reports[1].methods[0].quality.nce.value, rel=1e-9)
+    # notes after the priors' name stay (the labels file found beside .npy scores: the diff review)
+    np.save(tmp_path / "llr_scores.npy", llr)
+    np.save(tmp_path / "llr_labels.npy", labels)
+    moved = load_scores(tmp_path / "llr_scores.npy", input="llr").with_llr_priors(uniform)
+    assert moved.read_as == load_scores(tmp_path / "llr_scores.npy", input="llr", priors=uniform).read_as
+    assert moved.read_as.endswith("; labels from llr_labels.npy")
     probs = load_scores(tmp_path / "llr.npz", input="logits")  # a sigmoid head's log-odds: posteriors already
     assert probs.with_llr_priors(torch.tensor([0.3, 0.7], dtype=torch.float64)) is probs

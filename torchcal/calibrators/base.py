@@ -428,6 +428,9 @@ class Calibrator(nn.Module):
         """``logits`` validated for ``forward``, as a tensor."""
         self._check_fitted()
         # (traced, or shapes only: meta and fake tensors have no values to check)
+        if isinstance(logits, Tensor) and logits.is_meta and not all(t.is_meta for t in self._tensors()):
+            raise ValueError(f"logits on the meta device, but the {type(self).__name__} is not: move it with .to('meta') "
+                             f"for a shapes-only run.")
         if torch.compiler.is_compiling() or (isinstance(logits, Tensor) and (logits.is_meta or _is_fake(logits))):
             if logits.ndim != 2 or logits.shape[1] != self.num_classes:
                 raise ValueError(f"expected logits of shape (N, {self.num_classes}), got {tuple(logits.shape)}")

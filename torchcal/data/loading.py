@@ -27,7 +27,7 @@ row summing to one within :data:`SIMPLEX_TOLERANCE` (the one tolerance, whether 
 requested; values up to 1e-5 outside [0, 1] count as round-off and are clamped). Rows that lie in
 [0, 1] but do not sum to one so (e.g. probabilities rounded to two decimals) stay logits, and the
 note says so; ``input="probs"`` renormalises rows that sum to one within :data:`ROUNDED_TOLERANCE`
-(or K half-units of the second decimal, where more).
+(or K half-units of the second decimal, where more, up to 0.5).
 
 A single score column is a binary task: probabilities of class 1, log-probabilities of class 1,
 log-likelihood ratios (LLRs), or the posterior log-odds a sigmoid head outputs (its one logit,
@@ -83,7 +83,7 @@ InputKind = Literal["auto", "logits", "probs", "log_probs", "llr"]
 SIMPLEX_TOLERANCE = 1e-3
 
 #: Rows in [0, 1] summing to one only within this, or within K times half a unit of the second
-#: decimal where that is more (probabilities rounded to two decimals: 0.5 at K = 100), look like
+#: decimal where that is more, up to 0.5 (probabilities rounded to two decimals at K = 100), look like
 #: rounded probabilities: ``input="probs"`` renormalises them, and beyond it they are refused as
 #: probabilities. Detection reads any rows in [0, 1] that do not sum to one within
 #: SIMPLEX_TOLERANCE as logits, and the note says so.
@@ -143,7 +143,10 @@ class Scores:
         if torch.equal(priors, old):
             return self
         llr = self.logits[:, 1].double() - self.logits[:, 0].double() - (old[1] / old[0]).log()
-        read_as = self.read_as[: self.read_as.index(_LLR_POSTERIORS)] + f"{_LLR_POSTERIORS}the given priors ({priors[0]:.4g}, {priors[1]:.4g})"
+        start = self.read_as.index(_LLR_POSTERIORS)
+        rest = self.read_as.find(";", start)  # (notes after the priors' name: the labels file, say)
+        read_as = (self.read_as[:start] + f"{_LLR_POSTERIORS}the given priors ({priors[0]:.4g}, {priors[1]:.4g})"
+                   + ("" if rest < 0 else self.read_as[rest:]))
         return dataclasses.replace(self, logits=binary_scores_to_logits(llr, "llr", priors), read_as=read_as, llr_priors=priors)
 
 
@@ -560,15 +563,21 @@ def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None, str]:
         rows = list(csv.reader(f))
     if not rows:
         raise ValueError("the CSV file is empty.")
+    rows = [row if any(cell.strip() for cell in row) else [] for row in rows]  # (blank lines: none)
+    while rows and not rows[0]:  # (blank lines before the header)
+        rows.pop(0)
+    if not rows:
+        raise ValueError("the CSV file is empty.")
     header = [name.strip() for name in rows[0]]
     separator = next((sep for sep in (";", "\t") if len(header) == 1 and sep in header[0]), None)
     if separator is not None:
         raise ValueError(f"the CSV file's columns seem to be separated by {separator!r}: torchcal reads comma-separated "
                          f"values with '.' as the decimal point (pandas: to_csv(sep=',', decimal='.')).")
-    # (a header of the column numbers 0..K-1 is pandas' for a frame without column names)
-    if all(_is_number(cell) for cell in header) and header != [str(i) for i in range(len(header))]:
+    # A header of the column numbers 0..K-1 is pandas' for a frame without column names; from 3
+    # columns (a first row 0, 1 of two columns is as likely a row of probabilities), and said so.
+    numbered = len(header) >= 3 and header == [str(i) for i in range(len(header))]
+    if all(_is_number(cell) for cell in header) and not numbered:
         raise ValueError("a CSV file needs a header row naming its columns, with one column 'label'.")
-    rows = [row if any(cell.strip() for cell in row) else [] for row in rows]  # (blank lines: none)
     if not any(rows[1:]):
         raise ValueError("the CSV file has a header but no rows of scores.")
     label_cols = [i for i, name in enumerate(header) if name.lower() in _CSV_LABEL_COLUMNS]
@@ -592,6 +601,8 @@ def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None, str]:
         raise ValueError(f"every CSV row must have {len(header)} cells, like the header.")
     index = None if label_cols[:1] == [0] else _row_index(header[0], table[:, 0])
     note = f"; the first column ({index}) is a row index as pandas writes it, left out" if index else ""
+    if numbered:
+        note += f"; its first line, the column numbers 0..{len(header) - 1}, read as the header"
     score_cols = [i for i in range(int(index is not None), len(header)) if not (label_cols and i == label_cols[0])]
     return table[:, score_cols], table[:, label_cols[0]] if label_cols else None, note
 
@@ -664,9 +675,10 @@ def _to_logits(
     if scores.dtype.kind not in "fiub" or scores.ndim not in (1, 2) or scores.size == 0:
         raise ValueError(f"scores must be a non-empty (N, K) or (N,) array of numbers, got shape "
                          f"{scores.shape} and dtype {scores.dtype}.")
-    dtype = torch.float64 if scores.dtype == np.float64 else torch.float32
     # (in native byte order: torch reads no other, and a big-endian .npy raised its internal message)
-    values = torch.from_numpy(np.ascontiguousarray(scores, dtype=scores.dtype.newbyteorder("="))).to(dtype)
+    scores = np.ascontiguousarray(scores, dtype=scores.dtype.newbyteorder("="))
+    dtype = torch.float64 if scores.dtype == np.float64 else torch.float32
+    values = torch.from_numpy(scores).to(dtype)
     if not bool(torch.isfinite(values).all()):
         raise ValueError(f"scores contain {int((~torch.isfinite(values)).sum())} NaN or infinite values.")
     if values.ndim == 1 or values.shape[1] == 1:
@@ -752,7 +764,7 @@ def _columns_to_logits(values: Tensor, kind: str, reason: str) -> tuple[Tensor, 
     row_sums = values.sum(1, dtype=torch.float64)
     worst = int((row_sums - 1).abs().argmax())
     deviation = abs(float(row_sums[worst]) - 1)
-    rounded_tolerance = max(ROUNDED_TOLERANCE, 0.005 * values.shape[1])
+    rounded_tolerance = max(ROUNDED_TOLERANCE, min(0.5, 0.005 * values.shape[1]))  # (a row of zeros: refused)
     if kind == "auto":
         if not _in_unit_interval(values):
             return values, "logits"

@@ -9,6 +9,11 @@ max(|a|, |b|, 1)`` (``eps`` float64's): relative to their magnitude, with a floo
 ulps of 1 for scores near 0 (log-probabilities near 0, whose round-off is that of the terms of
 order 1 they were computed from). Sorted scores are grouped where neighbours are tied, so a
 cluster of round-off variants is one group however many there are and wherever it lies.
+
+That covers rows of logits whose offsets are up to about ``TIE_ULPS`` times the score's magnitude
+(and at least 1). Larger offsets (raw logits of order 100, a posterior near 0.5) leave about
+``eps * |logit|`` of round-off in a derived score, more than this, and such rows tie only where
+their scores agree to it: the functions see the scores, not the logits they came from.
 """
 
 from __future__ import annotations
@@ -41,7 +46,9 @@ def tie_group_starts(ordered: Tensor, reach: int = 1) -> Tensor:
     starts = torch.ones_like(ordered, dtype=torch.bool)
     if ordered.numel() > 1:
         lower, upper = ordered[:-1], ordered[1:]
-        starts[1:] = upper - lower > reach * tie_tolerance(torch.maximum(lower.abs(), upper.abs()))
+        gap = upper - lower
+        # (an infinite score ties only with its equal: the tolerance there is infinite too)
+        starts[1:] = (gap > reach * tie_tolerance(torch.maximum(lower.abs(), upper.abs()))) | ((gap > 0) & gap.isinf())
     return starts
 
 

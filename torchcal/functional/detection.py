@@ -225,7 +225,7 @@ def equal_error_rate(logits: Tensor, labels: Tensor) -> Tensor:
 def det_curve(logits: Tensor, labels: Tensor) -> DetectionCurve:
     """``(Pfa, Pmiss)`` at every threshold between distinct LLRs, plus both ends; (T,) each. LLRs
     within round-off of each other (``functional._ties``: the same posterior from rows of logits
-    with different offsets) are one LLR, as in the PAV of ``roc_convex_hull``.
+    with offsets of order 1: see there for larger ones) are one LLR, as in the PAV of ``roc_convex_hull``.
 
     Example:
         >>> probs = torch.tensor([[.8, .2], [.3, .7], [.6, .4], [.1, .9]], dtype=torch.float64)

@@ -467,6 +467,17 @@ def test_gaussian_task_draws_exactly_what_scipy_draws():
     assert task.labels.tolist() == [0] * 800 + [1] * 99 + [2] * 99
 
 
+def test_distort_likelihoods_takes_arrays_and_keeps_the_device():
+    """A NumPy array raised a TypeError and a tensor off the CPU a device error: the shift was a
+    CPU tensor built from the input's dtype (review finding)."""
+    from torchcal.data.synthetic import distort_likelihoods
+
+    llk = np.array([[0.0, -1.0, -2.0], [-3.0, 0.5, 1.0]])
+    expected = 0.5 * llk + np.array([0.5, 0.0, 0.0])
+    np.testing.assert_array_equal(distort_likelihoods(llk).numpy(), expected)
+    assert distort_likelihoods(torch.from_numpy(llk).to("meta")).is_meta
+
+
 def test_priors_and_truncated_class_sizes():
     torch.testing.assert_close(class_priors(4, 0.7), torch.tensor([0.7, 0.1, 0.1, 0.1], dtype=torch.float64))
     torch.testing.assert_close(mismatched_priors(3), torch.tensor([0.05, 0.05, 0.9], dtype=torch.float64))

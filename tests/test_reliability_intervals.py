@@ -26,6 +26,17 @@ def test_binomial_interval_matches_scipy(method):
         assert (lo, hi) == pytest.approx((expected.low, expected.high), abs=1e-10)
 
 
+@pytest.mark.parametrize("method", ["clopper-pearson", "wilson"])
+def test_interval_ends_are_exactly_0_and_1_at_no_and_all_successes(method):
+    """Wilson's ends at k = 0 and k = n came out 1e-17 and 1 - 1e-16 (613 of n = 1..1999), beyond
+    the bin's frequency: matplotlib refused the reliability diagram's error bars as negative on
+    the SST-2 GPT-2 logits (review finding)."""
+    n = torch.arange(1, 2000, dtype=torch.float64)
+    lower, _ = binomial_interval(torch.zeros_like(n), n, method=method)
+    _, upper = binomial_interval(n, n, method=method)
+    assert bool((lower == 0).all()) and bool((upper == 1).all())
+
+
 @pytest.mark.parametrize("confidence", [0.9, 0.95, 0.99, 1 - 1e-8, 1 - 1e-12])
 def test_clopper_pearson_matches_scipy_up_to_millions_of_trials(confidence):
     """The beta quantiles are solved in torch (SciPy is not a dependency): against

@@ -255,3 +255,10 @@ def test_small_bandwidths_are_smoothed_in_chunks_of_bounded_size_with_the_same_v
     assert after[0] == before[0]
     for a, b in zip(after[1], before[1]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_smooth_reliability_curve_offers_only_its_own_kinds():
+    """kind="binary" at K = 3 advised kind="classwise", which the curve then refused (review finding)."""
+    logits, labels = torch.randn(300, 3, dtype=torch.float64), torch.randint(0, 3, (300,))
+    with pytest.raises(ValueError, match=r'needs K = 2 classes, got K = 3; use kind="top-label"\.$'):
+        smooth_reliability_curve(logits, labels, kind="binary")

@@ -90,6 +90,11 @@ class Calibrator(nn.Module):
         free per-class bias, unpenalised, drives those classes' scores down without bound."""
         return False
 
+    def _regularisation_advice(self) -> str:
+        """What the warning of a fit without a finite optimum advises."""
+        return ("Use a regularised calibrator (reg='odir' for MatrixScaling or DirichletCalibration, with reg_lambda and "
+                "reg_mu > 0; StructuredVectorScaling; TemperatureScaling).")
+
     def _shifts_class_priors(self) -> bool:
         """Whether the map has a free term per class (a bias) that lets a fit weighted for deployment
         ``priors`` move its posteriors to those priors; temperature scaling has none."""
@@ -216,23 +221,23 @@ class Calibrator(nn.Module):
                 for name, p in self.named_parameters():
                     p.requires_grad_(name not in frozen)
         record = self.fit_record_
-        # judged after the fit, with the penalty strengths it used (cross-validated ones included)
-        # (samples that priors weigh zero count for nothing)
-        if missing and self._unbounded_without_samples(features if weights is None else features[weights[labels] > 0], missing,
-                                                       process_group):
+        # judged after the fit, with the penalty strengths it used (cross-validated ones included);
+        # samples that priors weigh zero count for nothing, so their classes are missing too
+        unweighted = missing if weights is None else sorted(set(missing) | set((weights == 0).nonzero().flatten().tolist()))
+        if unweighted and self._unbounded_without_samples(features if weights is None else features[weights[labels] > 0],
+                                                          unweighted, process_group):
             # (the solver stops where the gradient of those scores falls below its tolerance: K = 4,
             # 800 samples without class 3, its probability on its test samples about 1e-9 after
             # MatrixScaling or DirichletCalibration, 1e-16 after VectorScaling)
+            why = "have no calibration sample" if unweighted == missing else "have no calibration sample or prior 0"
             warnings.warn(
-                f"{type(self).__name__} leaves the scores of classes {missing}, which have no calibration sample, "
-                "unpenalised: the fit drives them towards 0 (no finite optimum). Use a regularised calibrator "
-                "(reg='odir' for MatrixScaling or DirichletCalibration, with reg_lambda and reg_mu > 0; "
-                "StructuredVectorScaling; TemperatureScaling).",
+                f"{type(self).__name__} leaves the scores of classes {unweighted}, which {why}, unpenalised: the fit "
+                f"drives them towards 0 (no finite optimum). {self._regularisation_advice()}",
                 ConvergenceWarning,
                 stacklevel=stacklevel_outside_package(),
             )
             record = self.fit_record_ = dataclasses.replace(
-                record, converged=False, message=f"no finite optimum: classes {missing} have no sample ({record.message})")
+                record, converged=False, message=f"no finite optimum: classes {unweighted} {why} ({record.message})")
         if record.converged and record.loss < _SEPARATED_LOSS and not self._penalised_everywhere():
             warnings.warn(
                 f"the calibration data are perfectly separated by the fitted {type(self).__name__} (mean {loss} loss "

@@ -204,6 +204,9 @@ class _StructuredScaling(Calibrator):
     def _unbounded_without_samples(self, features: Tensor, missing: list[int], process_group: ProcessGroup | None = None) -> bool:
         return self.reg_lambda_ == 0  # (the bias's penalty too)
 
+    def _regularisation_advice(self) -> str:
+        return "Use reg_lambda > 0, or None (cross-validated from reg_grid)."
+
     def _penalised_everywhere(self) -> bool:
         return bool(self.reg_lambda_)
 

@@ -173,6 +173,9 @@ def binomial_interval(successes: Tensor, trials: Tensor, confidence: float = 0.9
         centre = (p + z**2 / (2 * n)) / (1 + z**2 / n)
         half = z / (1 + z**2 / n) * torch.sqrt(p * (1 - p) / n + z**2 / (4 * n**2))
         lower, upper = (centre - half).clamp_min(0), (centre + half).clamp_max(1)
+        # exactly 0 at k = 0 and 1 at k = n, where round-off left 1e-17 and 1 - 1e-16: an end beyond
+        # the bin's frequency, whose error bar matplotlib refuses as negative
+        lower, upper = torch.where(successes <= 0, 0.0, lower), torch.where(successes >= trials, 1.0, upper)
     else:
         raise ValueError(f'method must be "clopper-pearson" or "wilson", got {method!r}.')
     nan = torch.full_like(lower, float("nan"))

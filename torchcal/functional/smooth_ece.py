@@ -450,15 +450,13 @@ def smooth_reliability_curve(
         >>> curve.frequency.shape, bool((curve.lower <= curve.upper).all())
         (torch.Size([200]), True)
     """
-    if kind not in ("top-label", "binary"):
-        raise ValueError(f'kind must be "top-label" or "binary", got {kind!r}.')
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must lie strictly between 0 and 1, got {confidence}.")
     check_count(num_replicates, "num_replicates", 2)  # a percentile band needs two replicates
     check_grid_points(mesh_points, "mesh_points", 2)
     if bandwidth is not None:
         check_bandwidth(bandwidth)
-    columns = _columns(logits, labels, kind)
+    columns = binary_problems(logits, labels, kind, ("top-label", "binary"))  # (one curve: no classwise kind)
     values, bandwidths = _per_column(*columns, bandwidth, None)
     (scores, targets), value, sigma = (x[:, 0] for x in columns), values[0], float(bandwidths[0])
     points = grid_points_for_bandwidth(sigma)

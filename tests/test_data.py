@@ -323,12 +323,19 @@ def test_csv_layouts_of_other_tools(tmp_path):
         load_scores(tmp_path / "no_header.csv", labels_path=tmp_path / "labels.npy")
     # the numbered header is said so, from 3 columns: a headerless file of two columns whose first row
     # is 0, 1 (a row of probabilities) lost that row (the diff review); blank lines before a header
-    assert read.read_as.endswith("; its first line, the column numbers 0..9, read as the header")
+    assert read.read_as.endswith("; its line 1, the column numbers 0..9, read as the header")
     (tmp_path / "two.csv").write_text("0,1\n0.3,0.7\n0.8,0.2\n")
-    with pytest.raises(ValueError, match="needs a header row"):
+    with pytest.raises(ValueError, match="the first line, '0,1', may be pandas' column numbers or a row of scores"):
         load_scores(tmp_path / "two.csv", require_labels=False)
     (tmp_path / "blank_first.csv").write_text("\n  \na,b,label\n0.3,0.7,1\n0.8,0.2,0\n")
     assert load_scores(tmp_path / "blank_first.csv").logits.shape == (2, 2)
+    # line numbers count the blank lines before the header (the second diff review)
+    (tmp_path / "blank_bad.csv").write_text("\n\n\na,b,c,label\n1,2,3,0\n1,x,3,0\n")
+    with pytest.raises(ValueError, match="line 6, column 'b' holds 'x'"):
+        load_scores(tmp_path / "blank_bad.csv")
+    (tmp_path / "blank_short.csv").write_text("\n\n\na,b,c,label\n1,2,3,0\n1,3,0\n")
+    with pytest.raises(ValueError, match="line 6 has 3"):
+        load_scores(tmp_path / "blank_short.csv")
 
 
 def test_labels_files_with_a_byte_order_mark_or_as_a_dict(tmp_path):
@@ -343,6 +350,14 @@ def test_labels_files_with_a_byte_order_mark_or_as_a_dict(tmp_path):
     torch.save({"y": torch.from_numpy(labels[:20])}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match=r"a dict without a key 'labels' or 'targets'; found keys \['y'\]"):
         load_scores(tmp_path / "scores.npy", labels_path=tmp_path / "other.pt")
+
+
+def test_long_double_scores_load_as_float64(tmp_path):
+    """NumPy's longdouble, which torch has no type for, raised a raw TypeError (the second diff review)."""
+    logits = np.random.default_rng(0).standard_normal((30, 3))
+    np.savez(tmp_path / "ld.npz", logits=logits.astype(np.longdouble), labels=np.arange(30) % 3)
+    read = load_scores(tmp_path / "ld.npz")
+    assert read.logits.dtype == torch.float64 and np.array_equal(read.logits.numpy(), logits)
 
 
 def test_big_endian_scores_load(tmp_path):
@@ -476,6 +491,7 @@ def test_distort_likelihoods_takes_arrays_and_keeps_the_device():
     expected = 0.5 * llk + np.array([0.5, 0.0, 0.0])
     np.testing.assert_array_equal(distort_likelihoods(llk).numpy(), expected)
     assert distort_likelihoods(torch.from_numpy(llk).to("meta")).is_meta
+    np.testing.assert_array_equal(distort_likelihoods(np.array([[-3, -1], [-2, -5]])).numpy(), [[-1.0, -0.5], [-0.5, -2.5]])
 
 
 def test_priors_and_truncated_class_sizes():

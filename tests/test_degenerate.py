@@ -388,6 +388,20 @@ def test_a_class_without_samples_and_a_free_bias_has_no_finite_optimum(make, unb
         assert any("Use reg_lambda > 0, or None (cross-validated from reg_grid)." in m for m in messages)
 
 
+@pytest.mark.parametrize("make", [torchcal.BetaCalibration, torchcal.QuadraticScaling])
+def test_binary_maps_with_a_free_intercept_say_a_class_is_missing(make):
+    """Beta and quadratic scaling called a missing class "perfectly separated" and advised a
+    penalty (the second diff review); their unpenalised intercept has no finite optimum there."""
+    gen = torch.Generator().manual_seed(0)
+    llr = torch.randn(200, generator=gen, dtype=torch.float64)
+    logits, labels = torch.stack([torch.zeros_like(llr), llr], 1), torch.zeros(200, dtype=torch.long)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cal = make().fit(logits, labels)
+    assert cal.fit_record_.message.startswith("no finite optimum: classes [1] have no calibration sample")
+    assert not any("perfectly separated" in str(w.message) for w in caught)
+
+
 @pytest.mark.parametrize("make", [torchcal.AffineCalibration, lambda: torchcal.StructuredVectorScaling(reg_lambda=0.0)],
                          ids=["affine", "svs-0"])
 def test_a_class_of_prior_0_and_a_free_bias_has_no_finite_optimum_either(make):

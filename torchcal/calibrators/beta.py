@@ -8,6 +8,7 @@ from torch import Tensor
 from torchcal.calibrators._linear import BinaryLogisticDesign, finish_newton, fit_linear_newton
 from torchcal.calibrators.base import Calibrator
 from torchcal.calibrators.temperature import inverse_temperature_start
+from torchcal.distributed import ProcessGroup
 from torchcal.fit import FitRecord
 
 __all__ = ["BetaCalibration"]
@@ -30,6 +31,9 @@ class BetaCalibration(Calibrator):
     a: Tensor
     b: Tensor
     c: Tensor
+
+    def _unbounded_without_samples(self, features: Tensor, missing: list[int], process_group: ProcessGroup | None = None) -> bool:
+        return True  # (an unpenalised intercept: the missing class's probability falls without bound)
 
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
         return {"a": torch.ones(()), "b": torch.ones(()), "c": torch.zeros(())}

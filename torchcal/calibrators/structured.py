@@ -700,6 +700,9 @@ class QuadraticScaling(Calibrator):
     supported_num_classes = 2
     coefficients: Tensor  # registered by Calibrator._materialize
 
+    def _unbounded_without_samples(self, features: Tensor, missing: list[int], process_group: ProcessGroup | None = None) -> bool:
+        return True  # (an unpenalised intercept: the missing class's probability falls without bound)
+
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
         return {"coefficients": torch.tensor([0.0, 1.0, 0.0])}
 

@@ -14,7 +14,9 @@ Supported files:
   tensor with ``labels_path``. Loaded with ``weights_only=True``. Tensors may be sparse, still
   attached to autograd, or in half precision (bfloat16, float16: read as float32).
 - ``.csv``: a header row, one column named ``label`` (or ``labels``, ``target``, ``y``); every
-  other column is a class score, in order. A first column that is the row index pandas writes
+  other column is a class score, in order. A header of the column numbers ``0,1,...,K-1`` (pandas'
+  for a frame without column names) is taken as such from K = 3; a first line ``0`` or ``0,1`` is
+  as likely a row of scores, and is refused. A first column that is the row index pandas writes
   (``df.to_csv()``) is dropped, and the note says so: whole numbers under an empty header, an
   index-like one (``id``, ``index``, ... :data:`CSV_INDEX_NAMES`) or one ending in ``_id`` (also
   the index of a slice, of a shuffled frame, or of frames concatenated, which repeats values), or
@@ -564,8 +566,8 @@ def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None, str]:
     if not rows:
         raise ValueError("the CSV file is empty.")
     rows = [row if any(cell.strip() for cell in row) else [] for row in rows]  # (blank lines: none)
-    while rows and not rows[0]:  # (blank lines before the header)
-        rows.pop(0)
+    skipped = next((i for i, row in enumerate(rows) if row), len(rows))  # (blank lines before the header)
+    rows = rows[skipped:]
     if not rows:
         raise ValueError("the CSV file is empty.")
     header = [name.strip() for name in rows[0]]
@@ -575,25 +577,29 @@ def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None, str]:
                          f"values with '.' as the decimal point (pandas: to_csv(sep=',', decimal='.')).")
     # A header of the column numbers 0..K-1 is pandas' for a frame without column names; from 3
     # columns (a first row 0, 1 of two columns is as likely a row of probabilities), and said so.
-    numbered = len(header) >= 3 and header == [str(i) for i in range(len(header))]
+    numbered = header == [str(i) for i in range(len(header))]
+    if numbered and len(header) < 3:
+        raise ValueError(f"the first line, {','.join(header)!r}, may be pandas' column numbers or a row of scores: name "
+                         f"the columns in a header row (e.g. c0,c1, and 'label' for the labels' column).")
     if all(_is_number(cell) for cell in header) and not numbered:
-        raise ValueError("a CSV file needs a header row naming its columns, with one column 'label'.")
+        raise ValueError("a CSV file needs a header row naming its columns (and a column 'label', unless a labels file "
+                         "gives the labels).")
     if not any(rows[1:]):
         raise ValueError("the CSV file has a header but no rows of scores.")
     label_cols = [i for i, name in enumerate(header) if name.lower() in _CSV_LABEL_COLUMNS]
     if len(label_cols) > 1:  # (the second would be read as a class's scores)
         names = ", ".join(repr(header[i]) for i in label_cols)
         raise ValueError(f"the CSV file has {len(label_cols)} label columns ({names}); keep the one with the labels.")
-    short = next((i for i, row in enumerate(rows[1:], start=2) if row and len(row) != len(header)), None)
+    short = next((i for i, row in enumerate(rows[1:], start=2 + skipped) if row and len(row) != len(header)), None)
     if short is not None:  # before parsing: a ragged table fails there with a misleading message
         raise ValueError(
             f"every CSV row must have {len(header)} cells, like the header; line {short} has "
-            f"{len(rows[short - 1])} (is the file truncated?)."
+            f"{len(rows[short - 1 - skipped])} (is the file truncated?)."
         )
     try:
         table = np.array([[float(cell) for cell in row] for row in rows[1:] if row], dtype=np.float64)
     except ValueError:
-        line, column, cell = next((line, column, cell) for line, row in enumerate(rows[1:], start=2)
+        line, column, cell = next((line, column, cell) for line, row in enumerate(rows[1:], start=2 + skipped)
                                   for column, cell in enumerate(row) if not _is_number(cell))
         raise ValueError(f"every CSV cell after the header must be a number; line {line}, column {header[column]!r} "
                          f"holds {cell!r}.") from None
@@ -602,7 +608,7 @@ def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None, str]:
     index = None if label_cols[:1] == [0] else _row_index(header[0], table[:, 0])
     note = f"; the first column ({index}) is a row index as pandas writes it, left out" if index else ""
     if numbered:
-        note += f"; its first line, the column numbers 0..{len(header) - 1}, read as the header"
+        note += f"; its line {1 + skipped}, the column numbers 0..{len(header) - 1}, read as the header"
     score_cols = [i for i in range(int(index is not None), len(header)) if not (label_cols and i == label_cols[0])]
     return table[:, score_cols], table[:, label_cols[0]] if label_cols else None, note
 
@@ -675,8 +681,10 @@ def _to_logits(
     if scores.dtype.kind not in "fiub" or scores.ndim not in (1, 2) or scores.size == 0:
         raise ValueError(f"scores must be a non-empty (N, K) or (N,) array of numbers, got shape "
                          f"{scores.shape} and dtype {scores.dtype}.")
-    # (in native byte order: torch reads no other, and a big-endian .npy raised its internal message)
-    scores = np.ascontiguousarray(scores, dtype=scores.dtype.newbyteorder("="))
+    # (in native byte order: torch reads no other, and a big-endian .npy raised its internal message;
+    # a float torch has no type for, NumPy's longdouble, as float64)
+    wider = scores.dtype.kind == "f" and scores.dtype.itemsize > 8
+    scores = np.ascontiguousarray(scores, dtype=np.float64 if wider else scores.dtype.newbyteorder("="))
     dtype = torch.float64 if scores.dtype == np.float64 else torch.float32
     values = torch.from_numpy(scores).to(dtype)
     if not bool(torch.isfinite(values).all()):

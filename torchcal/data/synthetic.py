@@ -138,6 +138,8 @@ def log_posteriors(log_likelihoods: Tensor, priors: Tensor) -> Tensor:
 def distort_likelihoods(log_likelihoods: Tensor, scale: float = 0.5, shift_first: float = 0.5) -> Tensor:
     """The "mc1" distortion: ``scale * llk``, then ``shift_first`` added to class 0's column."""
     log_likelihoods = as_tensor(log_likelihoods, "log_likelihoods")
+    if not log_likelihoods.is_floating_point():  # (an int shift would drop shift_first's fraction)
+        log_likelihoods = log_likelihoods.to(torch.float64)
     shift = torch.zeros(log_likelihoods.shape[1], dtype=log_likelihoods.dtype, device=log_likelihoods.device)
     shift[0] = shift_first
     return scale * log_likelihoods + shift

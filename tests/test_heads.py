@@ -600,3 +600,45 @@ def test_a_fitted_head_runs_on_meta_and_fake_tensors(cls):
         head.calibrator(torch.empty(5, k, device="meta"))
     out = head.to("meta")(torch.empty(5, 6, device="meta"))
     assert out.shape == (5, k) and out.is_meta
+
+
+# ------------------------------------------------------- review findings: containers of batches
+def test_namedtuple_and_userdict_batches_and_tuple_outputs_keep_their_types():
+    """Review findings: a namedtuple argument was rebuilt from a generator (a TypeError, or a
+    generator handed to the network), a UserDict (Hugging Face's BatchEncoding) was not moved to
+    the network's device, and tuple subclasses other than namedtuples (torch.return_types)
+    failed in replace_logits."""
+    from collections import UserDict, namedtuple
+
+    from torchcal.heads import _to_device
+
+    pair = namedtuple("Pair", ["a", "b"])
+    x, y = make_data(200)
+
+    class TwoInputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_net()
+
+        def forward(self, inputs):
+            return self.net(inputs.a + inputs.b)
+
+    model = TwoInputs()
+    batches = [(pair(x[i : i + 50] / 2, x[i : i + 50] / 2), y[i : i + 50]) for i in range(0, 200, 50)]
+    logits, labels = collect_scores(model, batches)
+    torch.testing.assert_close(logits.double(), model.net.eval()(x).detach().double(), rtol=0, atol=1e-6)
+    assert labels.equal(y)
+    moved = _to_device(UserDict(x=x), torch.device("meta"))
+    assert isinstance(moved, UserDict) and moved["x"].is_meta
+    top = torch.topk(torch.randn(5, K), 2)
+    replaced = replace_logits(top, 0, torch.zeros(5, 2))
+    assert type(replaced) is type(top) and torch.equal(replaced.values, torch.zeros(5, 2)) and replaced.indices is top.indices
+
+
+def test_split_batch_returning_a_bare_tensor_is_named():
+    """`lambda b: (b["x"], b["y"])` split the tensor into its rows as the network's arguments: a
+    TypeError about forward's arguments, or at batch size 1 a wrong row count (review finding)."""
+    x, y = make_data(40)
+    loader = [{"x": x[i : i + 8], "y": y[i : i + 8]} for i in range(0, 40, 8)]
+    with pytest.raises(TypeError, match=r"split_batch must return \(arguments, labels\) .* e.g. \(\(x,\), y\)"):
+        collect_scores(make_net(), loader, split_batch=lambda b: (b["x"], b["y"]))

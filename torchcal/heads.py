@@ -144,26 +144,26 @@ def replace_logits(output: Any, key: LogitsKey, logits: Tensor) -> Any:
         return logits
     select_logits(output, key)  # same checks and message
     if isinstance(output, Mapping):
-        return _with_item(output, key, logits)
+        return _with_items(output, {key: logits})
     assert isinstance(key, int)
     items = list(output)
     items[key] = logits
-    return type(output)(items) if isinstance(output, list) else tuple(items) if type(output) is tuple else type(output)(*items)
+    return _same_sequence(output, items)
 
 
-def _with_item(output: Mapping[Any, Any], key: Any, value: Any) -> Mapping[Any, Any]:
+def _with_items(output: Mapping[Any, Any], items: Mapping[Any, Any]) -> Mapping[Any, Any]:
     """A shallow copy of ``output`` of its own type (attribute access of ``ModelOutput`` and the
-    like included) with ``key`` set to ``value``; a plain dict for immutable mappings and types
-    that cannot be copied without arguments."""
+    like included) with ``items`` set; a plain dict for immutable mappings and types that cannot
+    be copied without arguments."""
     if type(output) is not dict and isinstance(output, MutableMapping):
         try:
             copied = copy.copy(output)
         except TypeError:  # e.g. an OrderedDict subclass whose __init__ requires arguments
             pass
         else:
-            copied[key] = value
+            copied.update(items)
             return copied
-    return {**output, key: value}
+    return {**output, **items}
 
 
 def _default_split(batch: Any) -> tuple[Sequence[Any], Tensor]:
@@ -177,13 +177,29 @@ def _default_split(batch: Any) -> tuple[Sequence[Any], Tensor]:
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor in it moved to ``device``, containers rebuilt as their own types
+    (namedtuples, ``UserDict``s such as Hugging Face's ``BatchEncoding``: a mapping that is no dict
+    had stayed on the CPU)."""
     if isinstance(value, Tensor):
         return value.to(device)
     if isinstance(value, (tuple, list)):
-        return type(value)(_to_device(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
+        return _same_sequence(value, [_to_device(v, device) for v in value])
+    if isinstance(value, Mapping):
+        moved = {k: _to_device(v, device) for k, v in value.items()}
+        return moved if type(value) is dict else _with_items(value, moved)
     return value
+
+
+def _same_sequence(value: tuple | list, items: list[Any]) -> Any:
+    """``items`` in a sequence of ``value``'s type: a namedtuple by its fields, other tuple types
+    (``torch.return_types``) and lists from the list, a plain tuple where the type takes no list."""
+    kind: Any = type(value)
+    if hasattr(value, "_fields"):
+        return kind._make(items)
+    try:
+        return kind(items)
+    except TypeError:
+        return tuple(items)
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -228,6 +244,9 @@ def collect_scores(
         with torch.no_grad():
             for index, batch in enumerate(dataloader):
                 args, y = split(batch)
+                if not isinstance(args, (tuple, list)):  # (a tensor would be split into its rows)
+                    raise TypeError(f"split_batch must return (arguments, labels) with the network's arguments as a tuple, "
+                                    f"e.g. ((x,), y); got arguments of type {type(args).__name__}.")
                 outputs.append(select_logits(model(*_to_device(tuple(args), device)), logits_key))
                 labels.append(torch.as_tensor(y).to(device))
                 rows, count = (len(outputs[-1]) if outputs[-1].ndim else 1), (len(labels[-1]) if labels[-1].ndim else 1)

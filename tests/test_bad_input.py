@@ -988,3 +988,12 @@ def test_a_method_whose_constructor_takes_any_keyword_gets_its_options(monkeypat
 
     monkeypatch.setitem(report.METHODS, "wrapped", Wrapped)
     assert report.make_calibrator("wrapped", reg="odir", reg_lambda=0.1).reg_lambda == 0.1
+
+
+def test_fold_indices_refuses_scores_of_other_rows():
+    """Scores for other rows than the labels' built the folds from uninitialised memory (fold sizes
+    399,200 / 200 / ... at N = 400,000), or raised an IndexError (review finding)."""
+    labels = torch.arange(50) % 3
+    for scores in (torch.randn(20, 3), torch.randn(50)):
+        with pytest.raises(ValueError, match=r"scores must have shape \(N, K\) with the labels' N = 50 rows"):
+            torchcal.fit.fold_indices(labels, 5, scores=scores)

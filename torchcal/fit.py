@@ -429,6 +429,10 @@ def fold_indices(
         """The labels, and each sample's group as ``torch.unique`` gives them, or refuse."""
         checked = as_tensor(labels, "labels")
         if scores is not None:
+            # (scores of other rows than the labels' had built the folds from uninitialised memory)
+            if scores.ndim != 2 or scores.shape[0] != (checked.shape[0] if checked.ndim else 1):
+                raise ValueError(f"scores must have shape (N, K) with the labels' N = {checked.shape[0] if checked.ndim else 1} "
+                                 f"rows, got {tuple(scores.shape)}.")
             num_classes = scores.shape[1]
         else:  # (any bound: the indices' type, shape and sign are what is checked)
             num_classes = int(checked.max()) + 1 if checked.numel() and not torch.is_floating_point(checked) else 1

@@ -34,7 +34,7 @@ import contextlib
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -545,7 +545,7 @@ def moving_only(fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
 _NEWTON_FINISH_PARAMETERS = 20
 
 
-def _newton_finish(objective: Callable[[], Tensor], params: list[nn.Parameter], record: FitRecord, max_iter: int,
+def _newton_finish(objective: Callable[[], Tensor], params: Sequence[Tensor], record: FitRecord, max_iter: int,
                    process_group: ProcessGroup | None) -> FitRecord:
     """Newton's method from the L-BFGS fit ``record`` ended at, on ``objective()`` of ``params``
     (this process's share of the loss), where the Hessian there is positive semi-definite (else

@@ -88,3 +88,13 @@ def make_awkward(n: int, num_classes: int, seed: int, dtype: torch.dtype = torch
 @pytest.fixture
 def awkward():
     return make_awkward
+
+
+def one_confidence_two_accuracies(n: int = 1000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Posteriors (N, 3), half (0.6, 0.3, 0.1) and half (0.6, 0.2, 0.2), and labels (N,) with class 0
+    right 70 % and 50 % of the time: one confidence, 0.6, which their log-probabilities give as
+    0.6 and one ulp below (the reproducer of a review of ties up to round-off)."""
+    rs = np.random.default_rng(seed)
+    split = rs.random(n) < 0.5
+    probs = np.where(split[:, None], [0.6, 0.3, 0.1], [0.6, 0.2, 0.2])
+    return probs, np.where(rs.random(n) < np.where(split, 0.7, 0.5), 0, 1)

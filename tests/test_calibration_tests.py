@@ -543,11 +543,9 @@ def test_ks_and_kuiper_pool_confidences_equal_up_to_round_off():
     """K = 3 posteriors (0.6, 0.3, 0.1) and (0.6, 0.2, 0.2) have one confidence, 0.6, which the
     log-probabilities give as 0.6 and one ulp below: the walk stepped between them (KS 2.143 and
     Kuiper 3.628 against 1.485 for the one tie group; a review's reproducer)."""
-    rs = np.random.default_rng(0)
-    n = 1000
-    split = rs.random(n) < 0.5
-    p = np.where(split[:, None], [0.6, 0.3, 0.1], [0.6, 0.2, 0.2])
-    y = np.where(rs.random(n) < np.where(split, 0.7, 0.5), 0, 1)
+    from conftest import one_confidence_two_accuracies
+
+    p, y = one_confidence_two_accuracies()
     confidence, correct = p.max(1), (y == 0).astype(np.float64)
     expected = abs((correct - confidence).sum()) / np.sqrt((confidence * (1 - confidence)).sum())  # a walk of one point
     logits, labels = torch.from_numpy(np.log(p)), torch.from_numpy(y)

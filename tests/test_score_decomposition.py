@@ -144,11 +144,9 @@ def test_corp_pools_confidences_equal_up_to_round_off():
     """K = 3 posteriors (0.6, 0.3, 0.1) and (0.6, 0.2, 0.2) have one confidence, 0.6, which the
     log-probabilities give as 0.6 and one ulp below: PAV fitted them apart (their accuracies differ,
     0.7 and 0.5), MCB 0.0088 and DSC 0.0082 against 0.00053 and 0 (a review's reproducer)."""
-    rs = np.random.default_rng(0)
-    n = 1000
-    split = rs.random(n) < 0.5
-    p = np.where(split[:, None], [0.6, 0.3, 0.1], [0.6, 0.2, 0.2])
-    y = np.where(rs.random(n) < np.where(split, 0.7, 0.5), 0, 1)
+    from conftest import one_confidence_two_accuracies
+
+    p, y = one_confidence_two_accuracies()
     confidence, correct = p.max(1), (y == 0).astype(np.float64)
     expected = _corp_numpy(confidence, correct, "brier")
     got = corp_decomposition(torch.from_numpy(np.log(p)), torch.from_numpy(y))

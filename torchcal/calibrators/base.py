@@ -601,7 +601,9 @@ def _newton_finish(objective: Callable[[], Tensor], params: Sequence[Tensor], re
         assign(theta)
         size = start.numel()
         return FitRecord(record.iterations + polished.iterations, record.evaluations + polished.evaluations, polished.loss,
-                         polished.grad_max, True, f"{record.message}; then Newton on the exact {size} x {size} Hessian: {polished.message}")
+                         polished.grad_max, True,
+                         f"{record.message}; then Newton on the exact {size} x {size} Hessian: {polished.message} "
+                         f"(gradient {polished.grad_max:.2e})")
     assign(start)
     return record
 

@@ -401,11 +401,12 @@ class MatrixScaling(Calibrator):
         record = minimize(lambda: objective_at(phi / scale), [phi], max_iter=lbfgs_cap,
                           tol_change=1e-12 if tol_change is None else tol_change, loose=tol_change is not None,
                           process_group=process_group, gradient=gradient, warn=not finish)
+        theta = (phi.detach() / scale).requires_grad_(True)
         if finish and math.isfinite(record.loss):
-            if record.iterations < max_iter:  # (the cap counts Newton's steps too)
-                record = _newton_finish(lambda: objective_at(phi / scale), [phi], record, max_iter, process_group)
+            if record.iterations < max_iter:  # (the cap counts Newton's steps too; in [W | b], whose gradient it records)
+                record = _newton_finish(lambda: objective_at(theta), [theta], record, max_iter, process_group)
             warn_unconverged(record, "L-BFGS")  # (the warning minimize left to this verdict)
-        self._set_theta(phi.detach() / scale)
+        self._set_theta(theta.detach())
         return record
 
     def _cross_validate_grid(self, features, labels, weights, loss, max_iter, process_group=None) -> tuple[list[float], Tensor]:

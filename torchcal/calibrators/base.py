@@ -329,11 +329,7 @@ class Calibrator(nn.Module):
         finish = tol_change is None and sum(p.numel() for p in params) <= _NEWTON_FINISH_PARAMETERS
         record = minimize(objective, params, max_iter=max_iter, tol_change=1e-12 if tol_change is None else tol_change,
                           loose=tol_change is not None, process_group=process_group, warn=not finish)
-        if finish and math.isfinite(record.loss):
-            if record.iterations < max_iter:  # (the cap counts Newton's steps too)
-                record = _newton_finish(objective, params, record, max_iter, process_group)
-            warn_unconverged(record, "L-BFGS")  # (the warning minimize left to this verdict)
-        return record
+        return finish_lbfgs_with_newton(objective, params, record, max_iter, process_group) if finish else record
 
     def _data_term(self, features: Tensor, labels: Tensor, sample_w: Tensor, loss: str) -> Tensor:
         """This process's weighted sum of the per-sample ``loss`` (float64 scalar)."""
@@ -543,6 +539,18 @@ def moving_only(fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
 #: logits met the iteration cap in one row order and stopped after 205 iterations in another,
 #: its weights 3.6e-4 apart (after Newton, 2.7e-9).
 _NEWTON_FINISH_PARAMETERS = 20
+
+
+def finish_lbfgs_with_newton(objective: Callable[[], Tensor], params: Sequence[Tensor], record: FitRecord, max_iter: int,
+                             process_group: ProcessGroup | None) -> FitRecord:
+    """An L-BFGS fit's ``record`` (of ``minimize(warn=False)``) finished by :func:`_newton_finish`
+    where its loss is finite and it left some of the cap (which counts Newton's steps too), with
+    the convergence warning ``minimize`` left to this verdict."""
+    if not math.isfinite(record.loss):
+        return record
+    if record.iterations < max_iter:
+        record = _newton_finish(objective, params, record, max_iter, process_group)
+    return warn_unconverged(record, "L-BFGS")
 
 
 def _newton_finish(objective: Callable[[], Tensor], params: Sequence[Tensor], record: FitRecord, max_iter: int,

@@ -21,7 +21,13 @@ from torchcal.calibrators._multinomial import (
     TIE_TOLERANCES,
     fit_multinomial_logistic,
 )
-from torchcal.calibrators.base import Calibrator, _newton_finish, sample_weights, total_samples, weighted_loss_sum
+from torchcal.calibrators.base import (
+    Calibrator,
+    finish_lbfgs_with_newton,
+    sample_weights,
+    total_samples,
+    weighted_loss_sum,
+)
 from torchcal.calibrators.temperature import inverse_temperature_start
 from torchcal.distributed import ProcessGroup, all_reduce_, world_size
 from torchcal.fit import (
@@ -30,19 +36,18 @@ from torchcal.fit import (
     cross_validate_warm_path,
     fold_indices,
     minimize,
-    warn_unconverged,
 )
 from torchcal.functional.scoring import PER_SAMPLE_SCORES, weighted_terms
 
 __all__ = ["DEFAULT_REG_GRID", "DirichletCalibration", "MatrixScaling"]
 
 #: Final fits of L-BFGS (the Brier fits; Newton-CG's fallback) of at most this many parameters, K (K
-#: + 1) up to K = 15, end with Newton's method on the exact Hessian (base._newton_finish, a pass
+#: + 1) up to K = 15, end with Newton's method on the exact Hessian (base.finish_lbfgs_with_newton, a pass
 #: per parameter per step). L-BFGS's absolute gradient tolerance left Dir-ODIR's Brier fit at
 #: lambda = 1e-3 on the CIFAR-10 ResNet-110 logits 4e-7 (relative) above its optimum, weights 1e-2
 #: off, reported converged, and in another row order at the iteration cap (a review finding);
 #: one or two Newton steps reach gradients of 1e-10.
-_NEWTON_FINISH_PARAMETERS = 256
+_MATRIX_NEWTON_FINISH_PARAMETERS = 256
 _NEWTON_FINISH_STEPS = 20
 
 #: Regularisation strengths tried by cross-validation when none is given (mu = lambda). Wide on
@@ -395,17 +400,15 @@ class MatrixScaling(Calibrator):
             theta = (phi.detach() / scale).requires_grad_(True)
             return torch.autograd.grad(objective_at(theta), theta)[0]
 
-        finish = tol_change is None and phi.numel() <= _NEWTON_FINISH_PARAMETERS
+        finish = tol_change is None and phi.numel() <= _MATRIX_NEWTON_FINISH_PARAMETERS
         # (Newton keeps _NEWTON_FINISH_STEPS of the cap: L-BFGS met it in one row order, see above)
         lbfgs_cap = max_iter - min(_NEWTON_FINISH_STEPS, max_iter // 2) if finish else max_iter
         record = minimize(lambda: objective_at(phi / scale), [phi], max_iter=lbfgs_cap,
                           tol_change=1e-12 if tol_change is None else tol_change, loose=tol_change is not None,
                           process_group=process_group, gradient=gradient, warn=not finish)
         theta = (phi.detach() / scale).requires_grad_(True)
-        if finish and math.isfinite(record.loss):
-            if record.iterations < max_iter:  # (the cap counts Newton's steps too; in [W | b], whose gradient it records)
-                record = _newton_finish(lambda: objective_at(theta), [theta], record, max_iter, process_group)
-            warn_unconverged(record, "L-BFGS")  # (the warning minimize left to this verdict)
+        if finish:  # (in [W | b], whose gradient the record gives)
+            record = finish_lbfgs_with_newton(lambda: objective_at(theta), [theta], record, max_iter, process_group)
         self._set_theta(theta.detach())
         return record
 

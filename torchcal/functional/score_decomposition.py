@@ -67,17 +67,23 @@ def _log(p: Tensor, y: Tensor) -> Tensor:
 SCORES: dict[str, BinaryScore] = {"brier": _brier, "log": _log}
 
 
-def _binary_problem(logits: Tensor, labels: Tensor, kind: str) -> tuple[Tensor, Tensor]:
+class _BinaryProblem(NamedTuple):
+    scores: Tensor  # (N,) the probability of the event ``kind`` selects (the top label, or class 1)
+    targets: Tensor  # (N,) 1 where it happened
+    log_odds: Tensor  # (N,) its exact log-odds: the scores' order where confident scores round to 1
+
+
+def _binary_problem(logits: Tensor, labels: Tensor, kind: str) -> _BinaryProblem:
     scores, targets = binary_problems(logits, labels, kind)
-    return scores[:, 0], targets[:, 0]
-
-
-def _log_score_of_logits(logits: Tensor, targets: Tensor, kind: str) -> Tensor:
-    """The mean log score of the event ``kind`` selects (the top label, or class 1), from its
-    one-vs-rest log-odds ``t``: ``-log sigmoid(t)`` where it happened, ``-log sigmoid(-t)`` where not."""
-    log_odds = one_vs_rest_log_odds(logits)
+    log_odds = one_vs_rest_log_odds(as_tensor(logits, "logits"))
     event = log_odds.max(dim=1).values if kind == "top-label" else log_odds[:, 1]
-    return F.softplus(torch.where(targets > 0, -event, event)).mean()
+    return _BinaryProblem(scores[:, 0], targets[:, 0], event)
+
+
+def _mean_log_score(problem: _BinaryProblem) -> Tensor:
+    """The mean log score of the event from its log-odds ``t``: ``-log sigmoid(t)`` where it
+    happened, ``-log sigmoid(-t)`` where not (``1 - p`` loses digits, or all of them where p rounds to 1)."""
+    return F.softplus(torch.where(problem.targets > 0, -problem.log_odds, problem.log_odds)).mean()
 
 
 def corp_recalibration(scores: Tensor, targets: Tensor) -> Tensor:
@@ -108,9 +114,10 @@ def corp_reliability_curve(
         >>> scores.round(decimals=4).tolist(), recalibrated.round(decimals=4).tolist()
         ([0.1, 0.2, 0.6, 0.7], [0.0, 0.6667, 0.6667, 0.6667])
     """
-    x, y = _binary_problem(logits, labels, kind)
-    order = x.argsort()
-    return x[order], corp_recalibration(x, y)[order]
+    problem = _binary_problem(logits, labels, kind)
+    # PAV on the log-odds: distinct confident scores that round to the same probability keep their order
+    order = problem.log_odds.argsort()
+    return problem.scores[order], corp_recalibration(problem.log_odds, problem.targets)[order]
 
 
 def corp_decomposition(
@@ -138,12 +145,13 @@ def corp_decomposition(
         if score not in SCORES:
             raise ValueError(f'score must be "brier", "log" or a function score(p, y), got {score!r}.')
         score = SCORES[score]
-    x, y = _binary_problem(logits, labels, kind)
-    recalibrated = corp_recalibration(x, y)
+    problem = _binary_problem(logits, labels, kind)
+    y = problem.targets
+    # PAV on the log-odds: confident rows whose probabilities all round to 1 are not pooled
+    recalibrated = corp_recalibration(problem.log_odds, y)
     climatology = y.mean().expand_as(y)
     recalibrated_score, uncertainty = (score(p, y).mean() for p in (recalibrated, climatology))
-    # the log score from the exact log-odds: 1 - x loses digits, or all of them where x rounds to 1
-    mean_score = _log_score_of_logits(as_tensor(logits, "logits"), y, kind) if score is _log else score(x, y).mean()
+    mean_score = _mean_log_score(problem) if score is _log else score(problem.scores, y).mean()
     return CorpDecomposition(mean_score, mean_score - recalibrated_score, uncertainty - recalibrated_score, uncertainty)
 
 

@@ -247,3 +247,16 @@ def test_llrs_equal_up_to_round_off_are_one_score():
     for got, want in zip(curve, det_curve(exact, labels)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-15)
     assert float(equal_error_rate(offset, labels)) == pytest.approx(float(equal_error_rate(exact, labels)), rel=1e-12)
+
+
+def test_llrs_with_given_priors_need_no_second_class():
+    """With priors the LLRs do not read the labels, yet a batch of targets only was refused
+    ("need both target and non-target samples"); without priors the class frequencies still need both."""
+    logits = torch.tensor([[0.0, 1.0], [0.0, 2.0]], dtype=torch.float64)
+    for labels in (torch.tensor([1, 1]), torch.tensor([0, 0])):
+        llr = log_likelihood_ratios(logits, labels, priors=torch.tensor([0.25, 0.75]))
+        torch.testing.assert_close(llr, torch.tensor([1.0, 2.0], dtype=torch.float64) - math.log(3), rtol=0, atol=1e-15)
+        with pytest.raises(ValueError, match="both target"):
+            log_likelihood_ratios(logits, labels)
+        with pytest.raises(ValueError, match="both target"):
+            cllr(logits, labels, priors=torch.tensor([0.25, 0.75]))

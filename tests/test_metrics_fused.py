@@ -162,6 +162,25 @@ def test_reset_and_empty_normalisation():
     assert all(float(m.class_sums.sum()) == 0 for m in metric.values(copy_state=False))
 
 
+@pytest.mark.parametrize("given_priors", [False, True])
+def test_the_functional_bundle_gives_nan_where_the_naive_score_is_0_as_the_metric_does(given_priors):
+    """One class holds every label (or every prior): the functional raised "the naive system has a
+    score of 0" for the whole bundle, the metric gave NaN for NCE and NBS and the four other values."""
+    logits = torch.tensor([[2.0, 0.0, -1.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
+    labels = torch.tensor([0, 0])
+    priors = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64) if given_priors else None
+    bundle = F.posterior_quality(logits, labels, priors=priors)._asdict()
+    metric = PosteriorQuality(3, priors=priors)
+    metric.update(logits, labels)
+    streamed = metric.compute()
+    for name, value in bundle.items():
+        if name in ("nce", "nbs"):
+            assert torch.isnan(value) and torch.isnan(streamed[name])
+        else:
+            torch.testing.assert_close(value, streamed[name], rtol=1e-12, atol=0)
+    torch.testing.assert_close(bundle["cross_entropy"], F.cross_entropy(logits, labels, priors))
+
+
 @pytest.mark.parametrize(
     "logits, labels, message",
     [

@@ -8,7 +8,12 @@ import torch
 from sklearn.isotonic import IsotonicRegression, isotonic_regression
 
 from torchcal.functional import brier_score, cross_entropy
-from torchcal.functional.score_decomposition import corp_decomposition, corp_reliability_curve, murphy_decomposition
+from torchcal.functional.score_decomposition import (
+    corp_decomposition,
+    corp_recalibration,
+    corp_reliability_curve,
+    murphy_decomposition,
+)
 from torchcal.metrics.score_decomposition import MurphyDecomposition
 
 
@@ -185,3 +190,17 @@ def test_corp_finds_the_perfect_ranking_of_distinct_log_odds():
     result = corp_decomposition(logits, torch.tensor([1, 0, 0]), "log", kind="binary")
     uncertainty = -(np.log(1 / 3) / 3 + 2 * np.log(2 / 3) / 3)
     np.testing.assert_allclose([float(v) for v in result], [50 / 3, 50 / 3, uncertainty, uncertainty], rtol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "scores, targets, message",
+    [
+        ([0.1, float("nan"), 0.3], [0.0, 1.0, 1.0], "NaN or infinite"),  # silently [0, 1, 1]
+        ([0.1, 0.2, 0.3], [0.0, 1.0], "same length"),  # NumPy's IndexError
+        ([[0.1, 0.2]], [[0.0, 1.0]], "1-D"),
+        ([0.1, 0.2], [0.0, 2.0], "0 or 1"),
+    ],
+)
+def test_corp_recalibration_names_bad_input(scores, targets, message):
+    with pytest.raises(ValueError, match=message):
+        corp_recalibration(torch.tensor(scores), torch.tensor(targets))

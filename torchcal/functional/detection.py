@@ -73,12 +73,13 @@ def _check_both_classes(counts: Tensor) -> None:
         raise ValueError("detection metrics need both target (label 1) and non-target (label 0) samples.")
 
 
-def _binary(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+def _binary(logits: Tensor, labels: Tensor, both_classes: bool = True) -> tuple[Tensor, Tensor]:
     logits, labels = check_logits_and_labels(logits, labels)
     if logits.shape[1] != 2:
         raise ValueError(f"detection metrics need K = 2 classes (class 1 the target), got K = {logits.shape[1]}.")
-    is_target = labels == 1
-    _check_both_classes(torch.stack([(~is_target).sum(), is_target.sum()]))
+    if both_classes:
+        is_target = labels == 1
+        _check_both_classes(torch.stack([(~is_target).sum(), is_target.sum()]))
     return logits, labels
 
 
@@ -90,21 +91,26 @@ def log_likelihood_ratios(logits: Tensor, labels: Tensor, priors: Tensor | None 
         >>> log_likelihood_ratios(probs.log(), torch.tensor([0, 1])).round(decimals=4)
         tensor([-1.3863,  1.3863], dtype=torch.float64)
     """
-    return _llrs_and_labels(logits, labels, priors)[0]
+    # given priors, the labels are not used: one class alone is enough
+    return _llrs_and_labels(logits, labels, priors, both_classes=priors is None)[0]
 
 
-def _log_odds_and_labels(logits: Tensor, labels: Tensor, priors: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def _log_odds_and_labels(
+    logits: Tensor, labels: Tensor, priors: Tensor | None = None, both_classes: bool = True
+) -> tuple[Tensor, Tensor, Tensor]:
     """The posterior log-odds (N,), the priors' log-odds (a scalar; their difference is the LLR)
     and the validated int64 labels (N,) on their device."""
-    logits, labels = _binary(logits, labels)
+    logits, labels = _binary(logits, labels, both_classes)
     log_probs = to_log_probs(logits)
     p = class_frequencies(labels, 2) if priors is None else check_detection_priors(priors, device=logits.device)
     return log_probs[:, 1] - log_probs[:, 0], p[1].log() - p[0].log(), labels
 
 
-def _llrs_and_labels(logits: Tensor, labels: Tensor, priors: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def _llrs_and_labels(
+    logits: Tensor, labels: Tensor, priors: Tensor | None = None, both_classes: bool = True
+) -> tuple[Tensor, Tensor]:
     """``log_likelihood_ratios`` (N,) and the validated int64 labels (N,) on their device."""
-    log_odds, prior_log_odds, labels = _log_odds_and_labels(logits, labels, priors)
+    log_odds, prior_log_odds, labels = _log_odds_and_labels(logits, labels, priors, both_classes)
     return log_odds - prior_log_odds, labels
 
 

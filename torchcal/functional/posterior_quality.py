@@ -8,12 +8,19 @@ from __future__ import annotations
 
 from typing import Literal, NamedTuple, get_args
 
+import torch
 from torch import Tensor
 
 from torchcal._validation import check_logits_and_labels, check_priors
 from torchcal.functional.decisions import bayes_risk, error_rate, zero_one_costs
 from torchcal.functional.diagnostics import expected_calibration_error
-from torchcal.functional.scoring import brier_score, cross_entropy
+from torchcal.functional.scoring import (
+    brier_score,
+    class_frequencies,
+    cross_entropy,
+    naive_brier_score,
+    naive_cross_entropy,
+)
 
 __all__ = ["STATISTICS", "PosteriorQualityResult", "Statistic", "posterior_quality"]
 
@@ -39,7 +46,9 @@ def posterior_quality(
 
     Each value is that of its own functional form (``cross_entropy``, ``brier_score``,
     ``error_rate`` or, with ``priors``, ``bayes_risk(..., zero_one_costs(K), priors)``, and
-    ``expected_calibration_error(n_bins=n_bins)``); the ECE is never prior-weighted.
+    ``expected_calibration_error(n_bins=n_bins)``); the ECE is never prior-weighted. NCE and NBS
+    are NaN where the naive system scores 0 (one class holds all the labels, or all the priors),
+    as the metric's are; the other values are still defined there.
 
     Args:
         logits: (N, K) scores; any unnormalised log-posteriors.
@@ -60,11 +69,17 @@ def posterior_quality(
     errors = (
         error_rate(logits, labels) if priors is None else bayes_risk(logits, labels, zero_one_costs(logits.shape[1]), priors)
     )
+    naive_priors = class_frequencies(labels, logits.shape[1]) if priors is None else priors
+
+    def normalized(score: Tensor, naive_score: Tensor) -> Tensor:
+        return score / naive_score if bool(naive_score > 0) else torch.full_like(score, float("nan"))
+
+    ce, brier = cross_entropy(logits, labels, priors), brier_score(logits, labels, priors)
     return PosteriorQualityResult(
-        cross_entropy(logits, labels, priors),
-        cross_entropy(logits, labels, priors, normalize=True),
-        brier_score(logits, labels, priors),
-        brier_score(logits, labels, priors, normalize=True),
+        ce,
+        normalized(ce, naive_cross_entropy(naive_priors)),
+        brier,
+        normalized(brier, naive_brier_score(naive_priors)),
         errors,
         expected_calibration_error(logits, labels, n_bins=n_bins),
     )

@@ -96,6 +96,16 @@ def corp_recalibration(scores: Tensor, targets: Tensor) -> Tensor:
         >>> corp_recalibration(torch.tensor([0.1, 0.4, 0.6, 0.9]), torch.tensor([0., 1., 0., 1.]))
         tensor([0.0000, 0.5000, 0.5000, 1.0000], dtype=torch.float64)
     """
+    scores, targets = as_tensor(scores, "scores"), as_tensor(targets, "targets")
+    if scores.ndim != 1 or targets.shape != scores.shape:
+        raise ValueError(
+            f"scores and targets must be two 1-D tensors of the same length, got shapes {tuple(scores.shape)} and "
+            f"{tuple(targets.shape)}."
+        )
+    if not bool(torch.isfinite(scores).all()):
+        raise ValueError("scores contain NaN or infinite values; PAV needs finite scores to order.")
+    if not bool(((targets == 0) | (targets == 1)).all()):
+        raise ValueError("targets must be 0 or 1 (whether each forecast event happened).")
     x = scores.detach().to(torch.float64).cpu().numpy()
     boundaries, values = pool_adjacent_violators(x, targets.detach().to(torch.float64).cpu().numpy(), np.ones_like(x))
     fitted = values[np.searchsorted(boundaries, x, side="right") - 1]

@@ -248,6 +248,43 @@ def test_standard_errors_are_infinite_where_the_data_leave_priors_unidentified()
     assert full_rank.stderr.isfinite().all()
 
 
+def test_a_flat_likelihood_converges_at_once_with_every_prior_unidentified():
+    """Posteriors equal to non-uniform source priors (what BCTS gives a useless classifier): every
+    prior vector is a maximum. Newton's regularised steps wandered along the flat likelihood, driven
+    by round-off, for 190 steps to the cap (with a warning) and one finite standard error of 1.2e7."""
+    source = torch.tensor([0.1, 0.2, 0.3, 0.2, 0.2], dtype=torch.float64)
+    estimate = estimate_priors(source.log().expand(50, 5), source)
+    assert estimate.record.converged and estimate.record.iterations == 10
+    assert "within" in estimate.record.message and estimate.record.grad_max <= 1e-14
+    torch.testing.assert_close(estimate.priors, source, rtol=0, atol=1e-15)
+    assert estimate.stderr.isinf().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_copy_of_a_class_at_zero_leaves_both_unidentified_in_either_precision(dtype):
+    """Class 3's scores copy class 0's, so only the sum of their priors is identified. From float32
+    scores the copies differ by round-off, the maximum put class 3 at 0 (its gradient 1 - 1e-9), and
+    the standard errors claimed class 0 to 0.010 and class 3 NaN: 2N times the log-likelihood
+    ratio moves by 1.3e-5 over the whole range of the split (a review's reproducer)."""
+    rng = np.random.default_rng(0)
+    means = np.array([[2.0, 0.0], [0.0, 2.0], [-1.5, -1.5], [2.0, 0.0]])
+    source, target = np.array([0.1, 0.3, 0.4, 0.2]), np.array([0.3, 0.2, 0.2, 0.3])
+    y = rng.choice(4, 3000, p=target)
+    x = means[y] + rng.standard_normal((3000, 2))
+    logits = -0.5 * ((x[:, None] - means[None]) ** 2).sum(-1) + np.log(source)  # exact posteriors for source
+    merged_logits = np.column_stack([np.logaddexp(logits[:, 0], logits[:, 3]), logits[:, 1:3]])
+    merged = estimate_priors(torch.from_numpy(merged_logits), torch.tensor([0.3, 0.3, 0.4], dtype=torch.float64))
+    for seed in (None, 1):
+        z = torch.from_numpy(logits).to(dtype)
+        if seed is not None:
+            z = z[torch.randperm(3000, generator=torch.Generator().manual_seed(seed))]
+        estimate = estimate_priors(z, torch.from_numpy(source))
+        assert estimate.record.converged
+        assert estimate.stderr[[0, 3]].isinf().all() and estimate.stderr[[1, 2]].isfinite().all()
+        torch.testing.assert_close(estimate.priors[0] + estimate.priors[3], merged.priors[0], rtol=0, atol=1e-7)
+        torch.testing.assert_close(estimate.stderr[[1, 2]], merged.stderr[[1, 2]], rtol=1e-4, atol=0)
+
+
 def test_adapt_to_priors_is_bayes_rule():
     gen = torch.Generator().manual_seed(0)
     probs = torch.softmax(torch.randn(50, 4, generator=gen, dtype=torch.float64), 1)

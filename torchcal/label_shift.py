@@ -66,6 +66,16 @@ __all__ = ["LabelShiftAdapter", "PriorEstimate", "adapt_to_priors", "estimate_pr
 _EM_STEPS = 10
 # priors below this count as 0: their standard error is NaN, and below it Newton steps may treat them as 0
 _BOUNDARY = 1e-6
+# the run has converged once the mean log-likelihood is this close to its maximum (the largest entry of
+# its gradient is 1 up to round-off): where the likelihood is flat, as for posteriors that carry no
+# information, Newton's regularised steps would otherwise wander along it, driven by round-off, to
+# the iteration cap. Priors it leaves unsettled then move by sqrt(2 gap / curvature), a tiny
+# fraction, sqrt(2 gap N), of their standard error.
+_OPTIMAL_GAP = 16 * torch.finfo(torch.float64).eps
+# a class at 0 whose gradient is this close to 1 costs no likelihood to move mass to: its data may
+# not tell it from a free class (copies of a class's scores, rounded to float32, are not exact
+# copies), so it joins the free ones in the search for directions the data leave unidentified
+_FLAT_GRADIENT = 1e-6
 _ARMIJO = 1e-4  # sufficient decrease: a fraction of the one the gradient predicts
 _MAX_HALVINGS = 40  # of the step length, in one line search
 _ROUND_OFF = 64 * torch.finfo(torch.float64).eps  # relative, of the objective's value
@@ -76,8 +86,11 @@ class PriorEstimate(NamedTuple):
     """Result of :func:`estimate_priors`.
 
     ``priors``: (K,) estimated target priors, float64. ``stderr``: (K,) their standard errors from
-    the observed information of the target likelihood (NaN where a prior is at the boundary, 0);
-    they do not include the uncertainty of the calibration itself. ``record``: the run: iterations
+    the observed information of the target likelihood; they do not include the uncertainty of the
+    calibration itself. NaN for priors at the boundary (at most 1e-6), and for every class when
+    fewer than two are off it; inf for priors the data leave unidentified (e.g. two classes whose
+    posteriors are always proportional, where only the sum of their priors is informed), also where
+    one of those is at 0 with nothing in the likelihood to hold it there. ``record``: the run: iterations
     (EM and Newton steps), evaluations (passes over the target scores: one per EM step; per Newton
     step one for the gradient, one for the Hessian and one per step length its line search tried),
     the final negative mean log-likelihood ratio against "no shift" (``loss``; <= 0), and
@@ -204,7 +217,9 @@ def estimate_priors(
         source_priors: (K,) priors the posteriors are calibrated for (all positive).
         max_iter: cap on the steps, EM and Newton together; reaching it issues a
             :class:`~torchcal.fit.ConvergenceWarning`. tol: converged when a full Newton step changes
-            no prior by more than this (the error is then about its square).
+            no prior by more than this (the error is then about its square), or once the mean
+            log-likelihood is within round-off (16 eps) of its maximum, which a flat likelihood
+            reaches with priors it cannot settle.
         process_group: data-parallel over a ``torch.distributed`` group: every process passes its
             own shard of the target scores and all get the estimate from the union (per step, K
             sums travel for the gradient, K_f^2 for the Hessian of the K_f classes it moves and
@@ -235,6 +250,11 @@ def estimate_priors(
     mean_log, gradient = likelihood.value_and_gradient(run.priors)
     free = (run.priors > _BOUNDARY).nonzero().flatten()
     stderr = _standard_errors(likelihood.information(run.priors, free) * likelihood.count, run.priors, free)
+    flat = ((run.priors <= _BOUNDARY) & (gradient >= 1 - _FLAT_GRADIENT)).nonzero().flatten()
+    if flat.numel():
+        classes = torch.cat([free, flat])
+        moved = _unidentified(likelihood.information(run.priors, classes) * likelihood.count, classes.numel())
+        stderr[classes[moved]] = math.inf
     record = _record(run, float(mean_log), float(gradient.max()) - 1)
     if not record.converged:
         warnings.warn(f"estimate_priors {record.message}", ConvergenceWarning, stacklevel=stacklevel_outside_package())
@@ -281,6 +301,7 @@ class _Run(NamedTuple):
     evaluations: int  # passes over the scores
     last_step: float  # the largest change of a prior in the last step
     stopped_by: str | None  # why it stopped short of convergence; None if it converged
+    at_optimum: bool  # it converged by the likelihood's gap, not by a short Newton step
 
 
 def _maximise(likelihood: _TargetLikelihood, source: Tensor, max_iter: int, tol: float) -> _Run:
@@ -293,12 +314,19 @@ def _maximise(likelihood: _TargetLikelihood, source: Tensor, max_iter: int, tol:
     for _ in range(em_steps):
         updated = _em_step(likelihood, priors)
         priors, step = updated, (updated - priors).abs().max()
-    newton_steps, evaluations = 0, em_steps
+    newton_steps, evaluations, at_optimum = 0, em_steps, False
     stopped_by: str | None = f"the iteration cap (max_iter={max_iter})"
     while em_steps + newton_steps < max_iter:
-        updated, trials, accepted = _projected_newton_step(likelihood, priors)
+        mean_log, gradient = likelihood.value_and_gradient(priors)
+        evaluations += 1
+        # the gap of the normalised priors (Newton's iterates sum to one only at the maximum),
+        # where the gradient is sum(priors) times this one: by concavity, how far L is below its maximum
+        if float(priors.sum() * gradient.max()) - 1 <= _OPTIMAL_GAP:
+            stopped_by, at_optimum = None, True
+            break
+        updated, trials, accepted = _projected_newton_step(likelihood, priors, mean_log, gradient)
         priors, step = updated, (updated - priors).abs().max()
-        newton_steps, evaluations = newton_steps + 1, evaluations + 2 + trials  # gradient, Hessian, trials
+        newton_steps, evaluations = newton_steps + 1, evaluations + 1 + trials  # Hessian, trials
         if not accepted:
             stopped_by = "a line search that found no ascent"
             break
@@ -306,7 +334,7 @@ def _maximise(likelihood: _TargetLikelihood, source: Tensor, max_iter: int, tol:
             stopped_by = None
             break
     # Newton's iterates sum to one only at the maximum
-    return _Run(priors / priors.sum(), em_steps, newton_steps, evaluations, float(step), stopped_by)
+    return _Run(priors / priors.sum(), em_steps, newton_steps, evaluations, float(step), stopped_by, at_optimum)
 
 
 def _record(run: _Run, mean_log: float, gap: float) -> FitRecord:
@@ -314,7 +342,9 @@ def _record(run: _Run, mean_log: float, gap: float) -> FitRecord:
     gradient entry of ``1 + gap``; its message says how far a run that stopped short got."""
     steps = f"{run.em_steps} EM and {run.newton_steps} Newton steps"
     gap = max(gap, 0.0)  # (it is >= 0 but for round-off)
-    if run.stopped_by is None:
+    if run.at_optimum:
+        message = f"converged: the mean log-likelihood within {gap:.1e} of its maximum after {steps}"
+    elif run.stopped_by is None:
         message = f"converged: a full Newton step below tol after {steps}"
     else:
         message = (
@@ -330,13 +360,15 @@ def _em_step(likelihood: _TargetLikelihood, priors: Tensor) -> Tensor:
     return updated / updated.sum()  # the sum is 1 up to round-off; keep it exact
 
 
-def _projected_newton_step(likelihood: _TargetLikelihood, priors: Tensor) -> tuple[Tensor, int, bool]:
+def _projected_newton_step(
+    likelihood: _TargetLikelihood, priors: Tensor, mean_log: Tensor, gradient: Tensor
+) -> tuple[Tensor, int, bool]:
     """One projected Newton step (Bertsekas 1982) on ``f(x) = -L(x) + sum(x)`` over ``x >= 0``,
     whose minimiser is the maximum of ``L`` on the simplex (there the gradient of ``L`` is 1
-    wherever ``x > 0``, so ``sum(x) = x . grad L(x) = 1``). Coordinates at or near 0 that the
-    gradient pushes down take a gradient step and are cut at 0, the others a Newton step. Returns
+    wherever ``x > 0``, so ``sum(x) = x . grad L(x) = 1``), from ``priors`` where ``L`` is
+    ``mean_log`` with ``gradient``. Coordinates at or near 0 that the gradient pushes down take a
+    gradient step and are cut at 0, the others a Newton step. Returns
     :func:`_projected_line_search`'s answer."""
-    mean_log, gradient = likelihood.value_and_gradient(priors)
     descent = 1 - gradient  # of f
     # Bertsekas' epsilon shrinks with the distance to optimality, so that the last Newton steps
     # see the classes at 0 as they are at the maximum
@@ -390,19 +422,38 @@ def _standard_errors(information: Tensor, priors: Tensor, free: Tensor) -> Tenso
     stderr = torch.full_like(priors, float("nan"))
     if free.numel() < 2:
         return stderr
-    # parametrise the free priors by all but the last of them: J maps the K_f - 1 to the K_f
-    k = free.numel()
-    jacobian = torch.cat([torch.eye(k - 1, dtype=priors.dtype, device=priors.device), -torch.ones(1, k - 1, dtype=priors.dtype, device=priors.device)])
-    values, vectors = torch.linalg.eigh(jacobian.T @ information @ jacobian)
-    # directions the data do not inform (e.g. two classes whose posteriors are always equal: only
-    # their sum is identified): infinite standard errors for the priors they move, as pinv's
-    # finite ones would claim a precision the data do not have
-    null = values <= k * torch.finfo(values.dtype).eps * values.amax().clamp_min(torch.finfo(values.dtype).tiny)
+    jacobian, values, vectors, null = _simplex_eigenproblem(information, free.numel())
     informed = (vectors[:, ~null] / values[~null]) @ vectors[:, ~null].T
     variance = (jacobian @ informed @ jacobian.T).diagonal().clamp_min(0)
     moved = ((jacobian @ vectors[:, null]).abs() > 1e-8).any(1)
     stderr[free] = torch.where(moved, math.inf, variance.sqrt())
     return stderr
+
+
+def _unidentified(information: Tensor, k: int) -> Tensor:
+    """Which of the k classes (k,) of ``information`` a direction the data do not inform moves."""
+    if k < 2:
+        return torch.zeros(k, dtype=torch.bool, device=information.device)
+    jacobian, _, vectors, null = _simplex_eigenproblem(information, k)
+    return ((jacobian @ vectors[:, null]).abs() > 1e-8).any(1)
+
+
+def _simplex_eigenproblem(information: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The information (k, k) (summed over the samples) of k >= 2 priors on the simplex in the coordinates of all but the
+    last of them: the Jacobian J (k, k - 1) that maps those to the k, the eigenvalues (k - 1,) and
+    eigenvectors of ``J^T information J``, and which eigenvalues are null to round-off."""
+    eye = torch.eye(k - 1, dtype=information.dtype, device=information.device)
+    jacobian = torch.cat([eye, -torch.ones(1, k - 1, dtype=information.dtype, device=information.device)])
+    values, vectors = torch.linalg.eigh(jacobian.T @ information @ jacobian)
+    # directions the data do not inform (e.g. two classes whose posteriors are always equal: only
+    # their sum is identified): infinite standard errors for the priors they move, as pinv's
+    # finite ones would claim a precision the data do not have. Null relative to the information's
+    # own scale too (where no direction is informed, the largest eigenvalue is round-off), and where
+    # the standard error along a direction exceeds 1, the whole simplex: copies of a class's scores
+    # rounded to float32 differ by about 1e-7, whose curvature (1e-14 N) passes a round-off test
+    scale = torch.maximum(values.amax(), information.diagonal().amax()).clamp_min(torch.finfo(values.dtype).tiny)
+    null = (values <= k * torch.finfo(values.dtype).eps * scale) | (values < 1)
+    return jacobian, values, vectors, null
 
 
 class LabelShiftAdapter(nn.Module):

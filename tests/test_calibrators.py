@@ -502,6 +502,20 @@ def test_beta_calibration_reaches_the_bounded_optimum_on_under_confident_scores(
     _assert_beta_reaches_the_bounded_optimum(0.01 * torch.stack([torch.zeros_like(llr), llr], dim=1).double(), labels)
 
 
+def test_beta_calibration_stays_monotone_on_scores_that_rank_the_wrong_way_round():
+    """The unconstrained fit had a >= 0 > b; its refit with b = 0 turned a negative (-5.77), which
+    the single pass over a then b never checked: a decreasing map, reported converged, with a
+    log-loss of 0.2405 outside the bounds. The bounded optimum is the base rate, a = b = 0."""
+    gen = torch.Generator().manual_seed(5)
+    s = 2 * torch.randn(300, generator=gen, dtype=torch.float64) + 2
+    labels = (torch.rand(300, generator=gen, dtype=torch.float64) < torch.sigmoid(-2 * s)).long()
+    logits = torch.stack([torch.zeros_like(s), s], 1)
+    _assert_beta_reaches_the_bounded_optimum(logits, labels)
+    cal = torchcal.BetaCalibration().fit(logits, labels)
+    assert cal.a.item() == 0 and cal.b.item() == 0
+    assert cal.c.item() == pytest.approx(float(torch.logit(labels.double().mean())), abs=1e-9)
+
+
 def test_isotonic_is_pav_and_matches_scikit_learn():
     sklearn_isotonic = pytest.importorskip("sklearn.isotonic")
     rs = np.random.RandomState(0)

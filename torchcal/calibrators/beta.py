@@ -19,9 +19,10 @@ class BetaCalibration(Calibrator):
 
     ``q = softmax(logits)``. It contains the identity (``a = b = 1, c = 0``) and both sigmoid and
     inverse-sigmoid shapes; with ``a = b`` it is Platt scaling on the log-odds. As in the
-    reference implementation, the unconstrained fit is refitted with ``a = 0`` (then ``b = 0``) if
-    a coefficient comes out negative, which keeps the map monotone; the refit starts from the
-    identity of the remaining coefficients. The log-loss fits are convex: Newton's method with the
+    reference implementation, the unconstrained fit is refitted with ``a = 0`` (else ``b = 0``) if
+    a coefficient comes out negative, and again with both at 0 (the base rate) if the refit turns
+    the other negative, which keeps the map monotone; each refit starts from the identity of the
+    remaining coefficients. The log-loss fits are convex: Newton's method with the
     exact 3 x 3 Hessian, started from temperature scaling of the log-odds. Under other losses (the
     Brier score) they are not, and each fit starts from the better of the identity and the log-loss
     fit of the same coefficients.
@@ -49,19 +50,19 @@ class BetaCalibration(Calibrator):
     def _fit(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
         try:
             record = self._fit_free(features, labels, weights, loss, max_iter, process_group)
-            for name in ("a", "b"):
-                param = getattr(self, name)
-                if param.item() < 0:
-                    # The unconstrained fit's other coefficients compensate for the negative one;
-                    # without it they saturate the scores, and under the Brier score the gradient
-                    # underflows there: the refit starts afresh.
-                    param.requires_grad_(False)
-                    with torch.no_grad():
-                        param.zero_()
-                        for other, value in self._identity(2).items():
-                            if getattr(self, other).requires_grad:
-                                getattr(self, other).copy_(value)
-                    record = self._fit_free(features, labels, weights, loss, max_iter, process_group)
+            # a first, as the reference does; a refit with b = 0 can turn a negative (scores that
+            # rank the classes the wrong way round), so the check runs until neither is
+            while negative := [p for p in (self.a, self.b) if p.requires_grad and p.item() < 0]:
+                # The unconstrained fit's other coefficients compensate for the negative one;
+                # without it they saturate the scores, and under the Brier score the gradient
+                # underflows there: the refit starts afresh.
+                negative[0].requires_grad_(False)
+                with torch.no_grad():
+                    negative[0].zero_()
+                    for other, value in self._identity(2).items():
+                        if getattr(self, other).requires_grad:
+                            getattr(self, other).copy_(value)
+                record = self._fit_free(features, labels, weights, loss, max_iter, process_group)
         finally:
             for p in (self.a, self.b):
                 p.requires_grad_(True)

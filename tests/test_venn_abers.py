@@ -74,16 +74,14 @@ def test_binary_ivap_matches_venn_abers_package(name, n):
     np.testing.assert_allclose(brier, hi + 0.5 * lo**2 - 0.5 * hi**2, rtol=0, atol=1e-12)
 
 
-def test_cross_vap_merges_fold_ivaps_by_geometric_means():
-    z_cal, y_cal, z_test, _ = _split("sst2_gpt2-0shot_ferrer")
-    folds = 4
+def _assert_cross_vap_merges_the_fold_ivaps(z_cal, y_cal, z_test, folds):
+    """The CVAP against the venn_abers package's IVAP on each fold of the documented split (in
+    order of (label, score), dealt to the folds in turn), merged by geometric means."""
     llr_cal, llr_test = (z_cal[:, 1] - z_cal[:, 0]).numpy(), (z_test[:, 1] - z_test[:, 0]).numpy()
     y = y_cal.numpy()
-    # the documented split: within each label, in order of score, dealt to the folds in turn
     fold = np.empty(len(y), dtype=int)
-    for label in (0, 1):
-        members = np.flatnonzero(y == label)
-        fold[members[np.argsort(llr_cal[members], kind="stable")]] = np.arange(len(members)) % folds
+    fold[np.lexsort((llr_cal, y))] = np.arange(len(y)) % folds
+    assert set(fold.tolist()) == set(range(folds))
     intervals = []
     for f in range(folds):
         p_cal = np.c_[np.zeros(np.sum(fold == f)), llr_cal[fold == f]]  # any increasing score works
@@ -97,6 +95,20 @@ def test_cross_vap_merges_fold_ivaps_by_geometric_means():
     lower, upper = cvap.predict_interval(z_test)
     np.testing.assert_allclose(lower[:, 0].numpy(), p0, rtol=0, atol=1e-12)
     np.testing.assert_allclose(upper[:, 0].numpy(), p1, rtol=0, atol=1e-12)
+
+
+def test_cross_vap_merges_fold_ivaps_by_geometric_means():
+    z_cal, y_cal, z_test, _ = _split("sst2_gpt2-0shot_ferrer")
+    _assert_cross_vap_merges_the_fold_ivaps(z_cal, y_cal, z_test, folds=4)
+
+
+def test_cross_vap_leaves_no_fold_empty():
+    """Four samples of each label in five folds: each label dealt from fold 0 left fold 4 empty, whose
+    uninformative interval (0, 1) entered the merge (P(1) 0.3648 for the first row, 0.3333 from
+    the four filled folds)."""
+    s = torch.tensor([-3.0, -2.0, -1.0, 0.5, -0.5, 1.0, 2.0, 3.0], dtype=torch.float64)
+    z = torch.stack([torch.zeros_like(s), s], 1)
+    _assert_cross_vap_merges_the_fold_ivaps(z, torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), z, folds=5)
 
 
 @pytest.fixture(scope="module")

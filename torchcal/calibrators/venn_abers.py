@@ -194,8 +194,9 @@ class VennAbersCalibration(Calibrator):
 
     Args:
         folds: F, the number of folds of a cross Venn–Abers predictor (1: inductive). Folds are
-            stratified: within each label, samples in order of score are dealt to the folds in turn,
-            so the split does not depend on the order of the rows.
+            stratified: the samples in order of (label, score) are dealt to the folds in turn, the
+            positives going on from the fold after the last negative's, so the split does not
+            depend on the order of the rows and leaves no fold empty.
         multiclass: ``"ovr"`` (one-vs-rest) or ``"pairwise"``, for K > 2. Pairwise scoring holds
             about 56 bytes per pair and row (K = 100: 270 KB per row, so apply it in batches of a
             few thousand rows); it is refused above 20,000 pairs (K > 200).
@@ -260,13 +261,14 @@ class VennAbersCalibration(Calibrator):
         }
 
     def _fold_of(self, scores: Tensor, targets: Tensor) -> Tensor:
-        """Fold index (N,) of each sample: stratified, dealt in order of (target, score)."""
+        """Fold index (N,) of each sample: stratified, dealt in turn in order of (target, score),
+        the positives going on where the negatives ended, so that no fold is empty when N >= F
+        (each label dealt from fold 0 left the last folds empty when both had fewer than F)."""
         order = torch.argsort(scores, stable=True)
         order = order[torch.argsort(targets[order].to(torch.int8), stable=True)]
-        rank_in_target = torch.empty_like(order)
-        rank_in_target[order] = torch.arange(order.numel(), device=order.device)
-        rank_in_target -= torch.where(targets, (~targets).sum(), 0)
-        return rank_in_target % self.folds
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel(), device=order.device)
+        return rank % self.folds
 
     def _fit(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
         pairs = self._pairs(self.num_classes)

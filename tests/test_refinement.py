@@ -214,6 +214,27 @@ def test_merging_a_state_of_other_options_is_refused(val):
         assert float(fresh.compute()) == pytest.approx(float(b.compute()), rel=1e-12)
 
 
+def test_numpy_counts_and_half_precision_states(val):
+    """``num_temperatures`` from NumPy was refused as "not an integer >= 3"; ``set_dtype`` to
+    float16 failed in compute (``linalg.solve`` has no half kernel), to bfloat16 in the first update
+    (the grid buffer, cast too, was hashed through NumPy). The grid stays float64, and the value is
+    computed in float64 from the half-precision sums, returned in their dtype."""
+    logits, labels = val
+    for count in np.arange(25, 50, 24):
+        assert RefinementLoss(num_temperatures=count).num_temperatures == int(count)
+    reference = RefinementLoss()
+    reference.update(logits, labels)
+    for dtype in (torch.float16, torch.bfloat16):
+        metric = RefinementLoss().set_dtype(dtype)
+        metric.update(logits, labels)
+        assert metric.log_inverse_temperatures.dtype == torch.float64
+        value = metric.compute()
+        assert value.dtype == dtype
+        assert float(value) == pytest.approx(float(reference.compute()), rel=2e-2)
+    with pytest.raises(ValueError, match="other options"):  # the grid still tells states apart
+        RefinementLoss(num_temperatures=25).merge_state(reference)
+
+
 def test_empty_batch_is_a_no_op_and_range_warning(val):
     logits, labels = val
     metric = RefinementLoss()

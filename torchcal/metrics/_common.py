@@ -238,7 +238,9 @@ class BatchMetric(Metric):
                 options.update((f"{prefix}.{name}", t) for name, t in module.state_dict(keep_vars=True).items())
             for name, value in sorted(options.items()):
                 if isinstance(value, Tensor):
-                    value = (value.dtype, tuple(value.shape), value.detach().cpu().contiguous().numpy().tobytes())
+                    # (as bytes: NumPy has no bfloat16)
+                    raw = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                    value = (value.dtype, tuple(value.shape), raw.numpy().tobytes())
                 digest.update(f"{name}={value!r};".encode())
             self._options_digest = torch.tensor(list(digest.digest()[:_DIGEST_BYTES]), dtype=torch.float64, device=self.options_digest.device)
         self.options_digest.copy_(self._options_digest)

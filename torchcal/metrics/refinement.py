@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from torchcal._tempered_moments import tempered_moments
-from torchcal._validation import compute_dtype, stacklevel_outside_package
+from torchcal._validation import check_count, compute_dtype, stacklevel_outside_package
 from torchcal.metrics._common import ScoreMetric, add_sum_state
 
 __all__ = ["RefinementLoss"]
@@ -73,7 +73,6 @@ class RefinementLoss(ScoreMetric):
     full_state_update = False
     plot_lower_bound = 0.0
 
-    log_inverse_temperatures: Tensor
     loss_sums: Tensor
     slope_sums: Tensor
     curvature_sums: Tensor
@@ -88,15 +87,15 @@ class RefinementLoss(ScoreMetric):
     ) -> None:
         super().__init__(num_classes, **kwargs)
         low, high = temperature_range
-        if not (isinstance(num_temperatures, int) and num_temperatures >= 3):
-            raise ValueError(f"num_temperatures must be an integer >= 3, got {num_temperatures!r}.")
+        self.num_temperatures = check_count(num_temperatures, "num_temperatures", minimum=3)
         if not 0 < low < high < math.inf:
             raise ValueError(f"temperature_range must be (T_min, T_max) with 0 < T_min < T_max, got {temperature_range!r}.")
         self.temperature_range = (float(low), float(high))
-        # u = log(1/T), increasing; buffers follow the metric's device
-        grid = torch.linspace(-math.log(high), -math.log(low), num_temperatures, dtype=torch.float64)
-        self.register_buffer("log_inverse_temperatures", grid, persistent=False)
-        self._inverse_temperatures = grid.exp().tolist()  # on the host: the passes take them as numbers
+        # u = log(1/T), increasing; kept on the host, not as a buffer, so that set_dtype leaves the
+        # grid in float64 (in bfloat16 its spacing would be off by 0.4 %)
+        grid = torch.linspace(-math.log(high), -math.log(low), self.num_temperatures, dtype=torch.float64)
+        self._log_inverse_temperatures = grid.tolist()
+        self._inverse_temperatures = grid.exp().tolist()  # the passes take them as numbers
         add_sum_state(self, "loss_sums", num_temperatures)
         add_sum_state(self, "slope_sums", num_temperatures)
         add_sum_state(self, "curvature_sums", num_temperatures)
@@ -110,17 +109,28 @@ class RefinementLoss(ScoreMetric):
         logits, labels = batch
         # the sums of the loss and of its derivatives in beta = e^u, at every grid point
         loss, grad, hess = tempered_moments(logits, labels, self._inverse_temperatures, dtype=compute_dtype(logits.dtype)).T
-        beta = self.log_inverse_temperatures.exp()
+        beta = torch.tensor(self._inverse_temperatures, dtype=torch.float64, device=loss.device)
         self.loss_sums += loss
         self.slope_sums += beta * grad  # d/du = beta d/dbeta
         self.curvature_sums += beta * beta * hess + beta * grad
         self.count += labels.shape[0]
 
+    @property
+    def log_inverse_temperatures(self) -> Tensor:
+        """The grid of ``u = log(1/T)``: (num_temperatures,) float64, increasing."""
+        return torch.tensor(self._log_inverse_temperatures, dtype=torch.float64, device=self.count.device)
+
     def compute(self) -> Tensor:
-        """The refinement log-loss (nats), float64 scalar; NaN before any update."""
+        """The refinement log-loss (nats), a scalar of the states' dtype (float64 unless ``set_dtype``
+        changed it; computed in float64 either way); NaN before any update."""
         if not bool(self.count > 0):
-            return torch.full((), math.nan, dtype=torch.float64, device=self.count.device)
-        f, df, d2f = (s / self.count for s in (self.loss_sums, self.slope_sums, self.curvature_sums))
+            return torch.full((), math.nan, dtype=self.loss_sums.dtype, device=self.count.device)
+        sums = (self.loss_sums, self.slope_sums, self.curvature_sums)
+        f, df, d2f = (s.to(torch.float64) / self.count.to(torch.float64) for s in sums)
+        return self._minimum(f, df, d2f).to(self.loss_sums.dtype)
+
+    def _minimum(self, f: Tensor, df: Tensor, d2f: Tensor) -> Tensor:
+        """The minimum of the loss from its values and derivatives (num_temperatures,) on the grid."""
         grid = self.log_inverse_temperatures
         if bool((df == 0).all()):  # every score row constant: the loss does not depend on T
             return f[0]

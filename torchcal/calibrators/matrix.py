@@ -17,9 +17,9 @@ from torchcal.calibrators._linear import FullDesign, hand_over_to_lbfgs
 from torchcal.calibrators._multinomial import (
     DIVERGING,
     MAX_NEWTON_STEPS,
-    SELECTION_TOLERANCES,
     TIE_TOLERANCES,
     fit_multinomial_logistic,
+    selection_tolerances,
 )
 from torchcal.calibrators.base import (
     Calibrator,
@@ -417,12 +417,15 @@ class MatrixScaling(Calibrator):
         :func:`~torchcal.fit.cross_validate_warm_path` (``inf`` for the points it abandoned), and
         the folds' mean ``[W | b]`` at the best point (a start for the final fit).
 
-        Fits are solved to ``SELECTION_TOLERANCES`` (and ``_NONCONVEX_TOL_CHANGE``): the selection
-        only compares losses, and near-ties are fitted again to ``TIE_TOLERANCES``; the final fit
-        is tight.
+        Fits are solved to ``SELECTION_TOLERANCES`` (and ``_NONCONVEX_TOL_CHANGE``; on small
+        problems to ``TIE_TOLERANCES``, see ``selection_tolerances``): the selection only compares
+        losses, and near-ties are fitted again to ``TIE_TOLERANCES``; the final fit is tight.
         """
         order = sorted(range(len(self.reg_grid)), key=lambda i: tuple(-v for v in self.reg_grid[i]))
         per_sample = PER_SAMPLE_SCORES[loss]
+        # (the rows of all the processes: each must solve to the same tolerances)
+        rows = int(float(total_samples(labels, process_group)) * (self.cv_folds - 1) / self.cv_folds)
+        selection = selection_tolerances(rows, features.shape[1], self.num_classes)
         folds, trains = [], []
         for test in fold_indices(labels, self.cv_folds, self.cv_seed, process_group=process_group, scores=features):
             test = test.to(features.device)
@@ -442,7 +445,7 @@ class MatrixScaling(Calibrator):
             model.reg_lambda_, model.reg_mu_ = self.reg_grid[point]
             if start is not None:
                 model._set_theta(start)
-            tolerances = TIE_TOLERANCES if tight else SELECTION_TOLERANCES
+            tolerances = TIE_TOLERANCES if tight else selection
             tol_change = _NONCONVEX_TOL_CHANGE["tie" if tight else "selection"]
             model._fit_fixed_penalty(train_x, train_y, weights, loss, max_iter, process_group, **tolerances, tol_change=tol_change)
             return test_loss(fold), model._theta()
@@ -462,7 +465,7 @@ class MatrixScaling(Calibrator):
                 thetas.append(model._theta() - anchors[-1])
                 penalties.append(model._penalty_weights(k))
             anchor = torch.stack(anchors)
-            tolerances = TIE_TOLERANCES if tight else SELECTION_TOLERANCES
+            tolerances = TIE_TOLERANCES if tight else selection
             theta, record = fit_multinomial_logistic(
                 features, labels, fold_w, torch.stack(thetas), torch.stack(penalties), anchor=anchor,
                 tol_grad=tolerances["tol_grad"], tol_decrease=tolerances.get("tol_decrease"), max_iter=min(max_iter, MAX_NEWTON_STEPS),

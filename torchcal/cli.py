@@ -551,10 +551,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
                          f"{', '.join(APPLY_FORMATS)}.")
     _check_output("--out", args.out, folder=False)
     method, calibrator, saved_label_shift, llr_priors, input_kind = load_saved_calibrator(args.head)
-    declared = args.input == "auto" and input_kind is not None  # (as at the fit: e.g. rounded probabilities)
-    if declared:
-        args.input = input_kind
-    scores = _load(args.scores, args, require_labels=False, priors=llr_priors)  # LLRs: as at the fit
+    # read as at the fit (e.g. rounded probabilities) where the file does not say otherwise
+    scores = _load(args.scores, args, require_labels=False, priors=llr_priors, fallback=input_kind)  # LLRs: as at the fit
     if scores.num_classes != calibrator.num_classes:
         raise ValueError(f"{args.scores}: {scores.num_classes} classes, but the calibrator was fitted on {calibrator.num_classes}.")
     label_shift = None if args.no_label_shift else saved_label_shift
@@ -572,8 +570,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
             note += (f"; cross-entropy {before:.4f} -> {after:.4f} nats (every label is class {int(present[0])}: "
                      f"no NCE, which needs two classes)" if one_class else
                      f"; NCE (at these labels' class frequencies) {before:.3f} -> {after:.3f}")
-        read = f"--input {input_kind}, saved with the calibrator" if declared else scores.read_as
-        print(f"applied {method} to {scores.num_samples} samples (scores read as {read}){note}; wrote "
+        print(f"applied {method} to {scores.num_samples} samples (scores read as {scores.read_as}){note}; wrote "
               f"{APPLY_FORMATS[out_path.suffix.lower()]} to {args.out}")
     return 0
 
@@ -655,7 +652,9 @@ def _calibrate_options(p: argparse.ArgumentParser) -> None:
 
 def _apply_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("head", metavar="CALIBRATOR", help="a .pt file from `torchcal calibrate --save` or evaluate's calibrator.pt")
-    p.add_argument("scores", metavar="SCORES", help="scores to calibrate; labels optional")
+    p.add_argument("scores", metavar="SCORES", help="scores to calibrate; labels optional; with --input auto, "
+                   "scores whose file does not say what they are (an .npz key such as 'probs') are read as the "
+                   "calibrator's were, where their values allow it")
     _input_options(p)
     p.add_argument("--out", required=True, metavar="FILE", help="output file; its extension says what is written: "
                    + "; ".join(f"{ext} {what}" for ext, what in APPLY_FORMATS.items()))

@@ -203,6 +203,7 @@ def load_scores(
     priors: Any = None,
     require_labels: bool = True,
     labels_option: str = "--labels",
+    fallback: InputKind | None = None,
 ) -> Scores:
     """Load and validate scores and labels from ``path`` (formats in the module docstring).
 
@@ -220,6 +221,10 @@ def load_scores(
         require_labels: with ``False``, scores without labels load with ``labels=None``
             (for applying a fitted calibrator).
         labels_option: the command-line option that gives ``labels_path``, named in messages.
+        fallback: with ``input="auto"``, how to read scores whose file does not say what they are
+            (no key, or ``logits`` over rows, which detection still reads) where their values
+            allow it (probabilities in [0, 1], log-probabilities <= 0, LLRs in one column): a
+            calibrator's saved reading. A key that names the kind (``probs``, ``llr``) wins.
 
     Raises:
         FileNotFoundError: no such file. ValueError: anything wrong with the content, with a
@@ -246,7 +251,10 @@ def load_scores(
         labels = None if labels is None else _as_labels(labels)
         reason = "as requested" if input != "auto" else "as the file's key says"
         kind = input if input != "auto" else hint
-        logits, read_as, llr_priors = _to_logits(_as_array(raw, "scores"), kind, reason, priors, labels)
+        raw = _as_array(raw, "scores")
+        if input == "auto" and fallback is not None and hint in ("auto", _AUTO_LOGITS) and _values_allow(raw, fallback):
+            kind, reason = fallback, f"as the calibrator's were: --input {fallback}, saved with it"
+        logits, read_as, llr_priors = _to_logits(raw, kind, reason, priors, labels)
         read_as += note
         if labels is not None:
             logits, labels = check_logits_and_labels(logits, labels, warn_probs=False)  # read_as says
@@ -692,6 +700,18 @@ def _to_logits(
     if values.ndim == 1 or values.shape[1] == 1:
         return _one_column_to_logits(values.reshape(-1), kind, reason, priors, labels)
     return (*_columns_to_logits(values, kind, reason), None)
+
+
+def _values_allow(scores: np.ndarray, kind: str) -> bool:
+    """Whether ``scores`` can be of ``kind`` (an input kind): probabilities in [0, 1] (up to
+    round-off), log-probabilities at most 0, LLRs in one column; anything can be logits."""
+    if scores.dtype.kind not in "fiub" or scores.size == 0:
+        return True  # (the reading's own checks name what is wrong)
+    if kind == "probs":
+        return bool(np.all((scores >= -_UNIT_SLACK) & (scores <= 1 + _UNIT_SLACK)))
+    if kind == "log_probs":
+        return bool(np.all(scores <= _UNIT_SLACK))
+    return kind != "llr" or scores.ndim == 1 or scores.shape[1] == 1
 
 
 #: How ``read_as`` of binary LLRs begins, and how it goes on to name the priors that made them posteriors.

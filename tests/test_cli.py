@@ -171,6 +171,28 @@ def test_priors_costs_and_inputs(tmp_path, capsys):
     assert "priors: 0.7, 0.3; costs: costs.csv" in out and "platt" in out and "isotonic" in out
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--costs", "abstain:0", "--costs abstain:ALPHA needs ALPHA > 0"),  # was: "use normalize=False"
+        ("--costs", "zeros.csv", "--costs zeros.csv: decision 0 costs 0 whatever the class"),
+        ("--costs", "negative.csv", "--costs negative.csv: costs must be non-negative"),
+        ("--costs", "wide.csv", "--costs wide.csv: costs must have shape (K, M) = (3, M)"),
+        ("--priors", "0.5,0.3,0.3", "--priors: priors must sum to one"),
+    ],
+)
+def test_bad_costs_and_priors_are_named_by_their_option(scores_file, capsys, tmp_path, option, value, message):
+    """The library's messages reached the command line as they were: "use normalize=False" (no such
+    option), "costs must have shape ...", "priors must sum to one", none naming the option."""
+    np.savetxt(tmp_path / "zeros.csv", np.zeros((3, 3)), delimiter=",")
+    np.savetxt(tmp_path / "negative.csv", [[0, 1, 1], [1, 0, -1], [1, 1, 0]], delimiter=",")
+    np.savetxt(tmp_path / "wide.csv", np.ones((2, 3)), delimiter=",")
+    value = str(tmp_path / value) if value.endswith(".csv") else value
+    code, _, err = run(capsys, "evaluate", scores_file, option, value, "--cv", "2", "--bootstrap", "0", "--no-figures",
+                       "--quiet", "--out", tmp_path / "o")
+    assert code == 2 and message in err, err
+
+
 def test_calibrate_and_apply_say_which_priors_their_nce_is_under(scores_file, capsys, tmp_path):
     """calibrate --priors printed NCE under the fit's priors, apply on the same file under the
     labels' class frequencies, neither saying so (review finding: 1.020 -> 0.562 against 0.814 -> 0.585)."""
@@ -610,6 +632,13 @@ def test_target_names_where_the_source_priors_come_from(scores_file, capsys, tmp
     frequencies = np.bincount(np.load(scores_file)["labels"], minlength=3) / len(np.load(scores_file)["labels"])
     code, out, _ = run(capsys, "calibrate", scores_file, "--method", "affine", "--target", target)
     assert code == 0 and f"(calibration data: {frequencies[1]:.4f})" in out
+    # priors from a config: named by it (they were labelled "calibration data", the NCE "under --priors")
+    config = tmp_path / "priors.yaml"
+    config.write_text("priors: [0.5, 0.3, 0.2]\n")
+    code, out, _ = run(capsys, "calibrate", scores_file, "--method", "affine", "--target", target, "--config", config,
+                       "--save", tmp_path / "head.pt")
+    assert code == 0 and f"({config}: priors: 0.3000)" in out and f"NCE under {config}: priors on" in out
+    assert "calibration data" not in out and "--priors" not in out
 
 
 def test_target_refuses_priors_for_a_method_without_a_class_bias(scores_file, capsys, tmp_path):
@@ -741,3 +770,20 @@ def test_apply_reads_a_log_odds_column_as_the_fit_read_it_in_any_file(real, caps
         assert run(capsys, "apply", head, tmp_path / name, "--out", out, "--quiet")[0] == 0
         outputs.append(np.load(out)["probs"])
     np.testing.assert_allclose(outputs[1], outputs[0], rtol=0, atol=1e-12)
+
+
+def test_evaluate_refuses_calibration_data_of_one_class(capsys, tmp_path, synthetic):
+    """calibrate refused labels of one class; evaluate fitted degenerate calibrators on such
+    --calibration data (temperature: uniform posteriors; affine: NCE 11.2) and concluded that
+    calibration would not help. Both the --calibration file and a file's validation split."""
+    logits, labels = synthetic(3, 600, seed=4)
+    np.savez(tmp_path / "scores.npz", logits=logits[:300], labels=labels[:300])
+    np.savez(tmp_path / "one.npz", logits=logits[300:][labels[300:] == 0], labels=labels[300:][labels[300:] == 0])
+    np.savez(tmp_path / "split.npz", logits=logits[:300], labels=labels[:300], logits_val=logits[300:][labels[300:] == 0],
+             labels_val=labels[300:][labels[300:] == 0])
+    options = ["--method", "temperature", "--bootstrap", "0", "--no-figures", "--quiet", "--out", tmp_path / "rep"]
+    code, _, err = run(capsys, "evaluate", tmp_path / "scores.npz", "--calibration", tmp_path / "one.npz", *options)
+    assert code == 2 and f"{tmp_path / 'one.npz'}: every label is class 0" in err
+    code, _, err = run(capsys, "evaluate", tmp_path / "split.npz", *options)
+    assert code == 2 and "(validation split): every label is class 0" in err
+    assert not (tmp_path / "rep" / "calibrator.pt").exists()

@@ -69,6 +69,8 @@ def parse_priors(spec: Any, num_classes: int, where: str = "--priors") -> torch.
     messages name ``where`` the spec came from."""
     import torch
 
+    from torchcal._validation import check_priors
+
     if spec is None or spec == "data":
         return None
     if spec == "uniform":
@@ -80,11 +82,14 @@ def parse_priors(spec: Any, num_classes: int, where: str = "--priors") -> torch.
     if len(values) != num_classes:
         raise UsageError(f"{where} needs {num_classes} numbers (one per class), got {len(values)}.")
     positive = [k for k, v in enumerate(values) if v > 0]
-    if len(positive) == 1 and all(v >= 0 for v in values):  # (other bad values: check_priors says what is wrong)
+    if len(positive) == 1 and all(v >= 0 for v in values):
         raise UsageError(f"{where} gives every class but class {positive[0]} prior 0: with one possible class there is "
                          f"nothing to calibrate or normalise by (the naive system is never wrong); give at least two "
                          f"classes a positive prior.")
-    return torch.tensor(values, dtype=torch.float64)
+    try:
+        return check_priors(torch.tensor(values, dtype=torch.float64), num_classes)
+    except ValueError as err:
+        raise UsageError(f"{where}: {err}") from None
 
 
 def parse_costs(spec: Any, num_classes: int, where: str = "--costs") -> tuple[torch.Tensor, str]:
@@ -100,25 +105,46 @@ def parse_costs(spec: Any, num_classes: int, where: str = "--costs") -> tuple[to
         return zero_one_costs(num_classes), "0-1"
     if isinstance(spec, list):
         try:
-            return torch.tensor(spec, dtype=torch.float64), "custom"
+            matrix = torch.tensor(spec, dtype=torch.float64)
         except (TypeError, ValueError, RuntimeError):  # ragged rows, or cells that are no numbers
             raise UsageError(f"{where} must be a K x M matrix of numbers, one list of M costs per class (e.g. "
                              f"[[0, 1], [1, 0]]), got {spec!r}.") from None
+        return _checked_costs(matrix, num_classes, where), "custom"
     spec = str(spec)
     if spec.startswith("abstain:"):
         try:
             alpha = float(spec.split(":", 1)[1])
         except ValueError:
             raise UsageError(f"{where} abstain:ALPHA needs a number, got {spec!r}.") from None
+        if not alpha > 0:
+            raise UsageError(f"{where} abstain:ALPHA needs ALPHA > 0, got {spec!r}: abstaining at no cost is always the best "
+                             f"decision, and the normalised expected cost is undefined.")
         return zero_one_costs(num_classes, abstain=alpha), f"0-1 + abstain {alpha:g}"
     path = Path(spec)
     if not path.is_file():
         raise UsageError(f"{where} must be '0-1', 'abstain:ALPHA' or a cost-matrix file; no such file: {spec}.")
     try:
-        matrix = np.load(path) if path.suffix == ".npy" else np.loadtxt(path, delimiter="," if path.suffix == ".csv" else None, ndmin=2)
+        stored = np.load(path) if path.suffix == ".npy" else np.loadtxt(path, delimiter="," if path.suffix == ".csv" else None, ndmin=2)
     except ValueError as err:
         raise ValueError(f"{path}: not a readable cost matrix ({err}).") from None
-    return torch.as_tensor(matrix, dtype=torch.float64), path.name
+    return _checked_costs(stored, num_classes, f"{where} {path.name}"), path.name
+
+
+def _checked_costs(matrix: Any, num_classes: int, where: str) -> torch.Tensor:
+    """``matrix`` as a valid (K, M) cost matrix with no decision that is free whatever the class
+    (then the naive system's cost, and the normalised cost's denominator, is 0), or a
+    ``UsageError`` naming ``where``."""
+    from torchcal._validation import check_costs
+
+    try:
+        costs = check_costs(matrix, num_classes)
+    except ValueError as err:
+        raise UsageError(f"{where}: {err}") from None
+    free = (costs == 0).all(0).nonzero().flatten().tolist()
+    if free:
+        raise UsageError(f"{where}: decision {free[0]} costs 0 whatever the class, so choosing it always is free and the "
+                         f"normalised expected cost is undefined; give it a positive cost.")
+    return costs
 
 
 def load_config(name: str | Path) -> dict[str, Any]:
@@ -330,6 +356,8 @@ def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | 
         # the file's own held-out split; --cv on the command line chooses cross-validation instead,
         # a config's cv does not (it is a preset's default, as in the demo: see _warn_of_unused_options)
         calibration = load_scores(scores_path, input=args.input, split="val", priors=scores.llr_priors)
+    if calibration is not None:  # (one class: the calibrators fitted degenerate maps, and the verdict blamed them)
+        calibration = _with_two_classes(calibration, getattr(args, "calibration", None) or f"{scores_path} (validation split)")
     costs, costs_name = parse_costs(settings.get("costs"), k, _where(args, "costs"))
     methods = _methods(settings.get("methods", default_methods), k)
     separate = None if calibration is None else args.calibration or f"the validation split of {scores_path}"
@@ -436,11 +464,12 @@ def _load_target(args: argparse.Namespace, scores: Scores) -> Scores:
 
 
 def _estimate_target_priors(
-    args: argparse.Namespace, source: torch.Tensor, target: Scores, calibrator: Calibrator, method: str
+    args: argparse.Namespace, source: torch.Tensor, target: Scores, calibrator: Calibrator, method: str, source_name: str
 ) -> dict[str, torch.Tensor]:
     """Label shift: the class priors of the unlabelled ``--target`` scores, by maximum likelihood on
     their calibrated posteriors (``torchcal.label_shift.estimate_priors``), printed with their
-    standard errors; a warning if the estimate stopped short of the maximum."""
+    standard errors beside the ``source`` priors (named ``source_name``); a warning if the estimate
+    stopped short of the maximum."""
     import torch
 
     from torchcal.fit import ConvergenceWarning
@@ -454,8 +483,6 @@ def _estimate_target_priors(
                       ConvergenceWarning, stacklevel=2)
     print(f"target priors estimated from {target.num_samples} unlabelled samples of {args.target} "
           f"(maximum likelihood on the {method}-calibrated scores; +- one standard error):")
-    # the source priors are --priors where given, else the calibration data's class frequencies
-    source_name = "--priors" if args.priors is not None else "calibration data"
     for k, (p, se, s) in enumerate(zip(estimate.priors.tolist(), estimate.stderr.tolist(), source.tolist())):
         print(f"  class {k}: {p:.4f} +- {se:.4f}   ({source_name}: {s:.4f})")
     # what `apply` adapts to: half a target sample added to every class, so none gets probability 0
@@ -487,7 +514,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(f"fitting {method} on {where} ...", file=sys.stderr, flush=True)
     calibrator = fit_calibrator(method, options, scores.logits, labels, priors=priors)
-    label_shift = None if shift is None else _estimate_target_priors(args, *shift, calibrator, method)
+    # the source priors are the given priors (--priors or the config's), else the class frequencies
+    priors_name = "calibration data" if priors is None else _where(args, "priors")
+    label_shift = None if shift is None else _estimate_target_priors(args, *shift, calibrator, method, priors_name)
     if args.save is None:
         return 0
     save_calibrator(args.save, method, calibrator, options, label_shift, scores.llr_priors,
@@ -496,7 +525,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         with torch.no_grad():
             after = cross_entropy(calibrator(scores.logits), labels, priors=priors, normalize=True)
         before = cross_entropy(scores.logits, labels, priors=priors, normalize=True)
-        weighted = "" if priors is None else " under --priors"
+        weighted = "" if priors is None else f" under {priors_name}"
         print(f"fitted {method} on {where} ({scores.num_classes} classes; scores read as "
               f"{scores.read_as}); NCE{weighted} on these same samples {float(before):.3f} -> {float(after):.3f} "
               f"(optimistic: use `torchcal evaluate` for an honest estimate)")
@@ -644,7 +673,8 @@ def _calibrate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", metavar="TARGET_SCORES", help="unlabelled deployment scores: estimate their class "
                    "priors (label shift) and print them with standard errors")
     p.add_argument("--priors", help="deployment priors the fit weights the classes to (venn-abers: its posteriors moved to them by Bayes' rule)")
-    p.add_argument("--config", metavar="NAME|FILE", help="YAML configuration supplying method options")
+    p.add_argument("--config", metavar="NAME|FILE", help="YAML configuration supplying method options and priors "
+                   "(--priors wins)")
     p.add_argument("--quiet", action="store_true", help="no progress line or summary (the --target priors and warnings still print)")
     _verbose_option(p)
     p.set_defaults(run=cmd_calibrate)

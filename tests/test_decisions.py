@@ -87,6 +87,22 @@ def test_bayes_decisions_ties_go_to_lowest_index():
     assert bayes_decisions(torch.zeros(4, 5), zero_one_costs(5)).tolist() == [0, 0, 0, 0]
 
 
+@pytest.mark.parametrize(("dtype", "gap", "expensive"), [(torch.float64, 5e-12, 1e4), (torch.float32, 6e-8, 1e8)])
+def test_a_decision_never_worth_taking_does_not_tie_the_others(dtype, gap, expensive):
+    """The tie slack was K eps times the row's largest expected cost: an extra decision costing
+    1e4 whatever the class tied decisions 1 and 0 of expected costs 0.4999999999975 and
+    0.5000000000025 (NumPy), and decision 0 was taken (the 2 x 2 matrix alone takes 1)."""
+    two = torch.tensor([[0.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
+    three = torch.cat([two, torch.full((2, 1), expensive, dtype=torch.float64)], dim=1)
+    logits = torch.tensor([[0.0, gap]], dtype=dtype)
+    q = torch.softmax(logits.double(), 1).numpy()
+    assert int(np.argmin(q @ three.numpy(), axis=1)[0]) == 1
+    assert bayes_decisions(logits, two).item() == bayes_decisions(logits, three).item() == 1
+    labels = torch.tensor([1])
+    assert bayes_risk(logits, labels, three).item() == bayes_risk(logits, labels, two).item() == 0.0
+
+
+EPS64 = torch.finfo(torch.float64).eps
 EPS64 = torch.finfo(torch.float64).eps
 
 

@@ -430,3 +430,22 @@ def test_ferrer_table4_decision_columns():
             got = bayes_risk(logits, task.labels, zero_one_costs(10), normalize=True).item()
             got_abstain = bayes_risk(logits, task.labels, zero_one_costs(10, 0.1), normalize=True).item()
             assert (got, got_abstain) == pytest.approx((a, b), abs=5e-3)
+
+
+def test_balanced_error_rate_names_a_class_without_samples():
+    """It said "classes [2] have a positive prior ...; give them prior 0", though neither the
+    function nor the metric takes priors."""
+    from torchcal.metrics import BalancedErrorRate
+
+    logits, labels = torch.randn(6, 3, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 0, 1, 0, 1])
+    metric = BalancedErrorRate(3)
+    metric.update(logits, labels)
+    for call in (lambda: balanced_error_rate(logits, labels), metric.compute):
+        with pytest.raises(ValueError, match=r"but class 2 has no sample: add samples, or leave its column out") as error:
+            call()
+        assert "prior" not in str(error.value)
+    ignored = BalancedErrorRate(3, ignore_index=2)  # (the class it leaves out needs none)
+    ignored.update(logits, labels)
+    decisions = logits.argmax(1)
+    per_class = [float((decisions[labels == k] != k).double().mean()) for k in (0, 1)]
+    assert float(ignored.compute()) == pytest.approx(sum(per_class) / 2)

@@ -388,7 +388,7 @@ def error_rate_terms(logits: Tensor, labels: Tensor) -> SumDecomposition:
 def balanced_error_rate(logits: Tensor, labels: Tensor) -> Tensor:
     """Mean over classes of the per-class error rate: the 0-1 Bayes risk with uniform priors.
 
-    Every class must have at least one sample.
+    Every class must have at least one sample (``ValueError`` naming those without).
 
     Example:
         >>> import torch
@@ -409,5 +409,19 @@ def balanced_error_rate_terms(logits: Tensor, labels: Tensor) -> SumDecompositio
     """
     logits, labels = check_logits_and_labels(logits, labels)
     num_classes = logits.shape[1]
+    check_every_class_counted(torch.bincount(labels, minlength=num_classes), torch.ones(num_classes))
     uniform = torch.full((num_classes,), 1 / num_classes, dtype=torch.float64)
     return _bayes_risk_terms(logits, labels, zero_one_costs(num_classes), priors=uniform)
+
+
+def check_every_class_counted(counts: Tensor, averaged: Tensor) -> None:
+    """Raise unless every class the balanced error rate averages (``averaged: (K,)``, positive)
+    has a sample among ``counts: (K,)`` (the generic message offers priors, which it takes none of)."""
+    missing = ((counts == 0) & (averaged.to(counts.device) > 0)).nonzero().flatten().tolist()
+    if missing:
+        which = f"classes {missing} have" if len(missing) > 1 else f"class {missing[0]} has"
+        raise ValueError(
+            f"the balanced error rate averages the error rate of every class, but {which} no sample: add samples, "
+            f"or leave {'their columns' if len(missing) > 1 else 'its column'} out of the scores (a metric's "
+            f"ignore_index leaves out one class in [0, K))."
+        )

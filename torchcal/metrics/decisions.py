@@ -15,6 +15,7 @@ from torchcal._validation import as_tensor, check_costs, check_priors
 from torchcal.functional.decisions import (
     bayes_decisions,
     check_decisions,
+    check_every_class_counted,
     decision_counts,
     expected_cost_from_counts,
     zero_one_costs,
@@ -167,3 +168,9 @@ class BalancedErrorRate(ErrorRate):
         if isinstance(ignored, int) and not isinstance(ignored, bool) and 0 <= ignored < num_classes:
             priors[ignored] = 0
         super().__init__(num_classes, priors / priors.sum(), **kwargs)
+
+    def compute(self) -> Tensor:
+        """The balanced error rate, a float64 scalar."""
+        assert self.priors is not None  # (uniform over the classes it averages)
+        check_every_class_counted(self.counts.sum(-1), self.priors)
+        return super().compute()

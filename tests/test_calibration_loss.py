@@ -85,6 +85,20 @@ def test_calibration_loss_rejects_bad_input():
         calibration_loss(perfect, torch.zeros(3, 2), labels)
     with pytest.raises(ValueError, match="calibrated_logits contain 1 NaN"):
         calibration_loss(perfect, torch.tensor([[0.0, float("nan")], [0.0, 0.0]]), labels)
+    # the raw scores are named as the argument is (they were "logits")
+    with pytest.raises(ValueError, match="raw_logits is empty"):
+        calibration_loss(torch.zeros(0, 2), torch.zeros(0, 2), torch.zeros(0, dtype=torch.long))
+    with pytest.raises(ValueError, match="raw_logits contain 1 NaN"):
+        calibration_loss(torch.tensor([[0.0, float("nan")], [0.0, 0.0]]), perfect, labels)
+    # a calibrator class instead of an instance: "Calibrator.fit() missing 1 required positional argument"
+    from torchcal import TemperatureScaling
+    from torchcal.functional import cross_validated_calibration_loss
+    from torchcal.metrics import CalibrationLoss
+
+    for call in (lambda: cross_validated_calibration_loss(3 * torch.randn(60, 3), torch.arange(60) % 3, TemperatureScaling),
+                 lambda: CalibrationLoss(TemperatureScaling, 3)):
+        with pytest.raises(TypeError, match=r"got the class TemperatureScaling; pass TemperatureScaling\(\)"):
+            call()
 
 
 def test_cross_validated_loss_leaves_the_calibrator_unfitted():

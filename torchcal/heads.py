@@ -59,7 +59,7 @@ import torch
 from torch import Tensor, nn
 
 from torchcal._validation import check_probs, floored_log, looks_like_probs
-from torchcal.calibrators.base import Calibrator
+from torchcal.calibrators.base import Calibrator, check_calibrator
 
 __all__ = [
     "CHECKPOINT_KEY",
@@ -325,11 +325,7 @@ class CalibratedModel(nn.Module):
         self, model: nn.Module, calibrator: Calibrator, output: OutputKind = "logits", logits_key: LogitsKey = None
     ) -> None:
         super().__init__()
-        if not isinstance(calibrator, Calibrator):
-            raise TypeError(
-                f"calibrator must be a torchcal calibrator such as torchcal.TemperatureScaling(), got "
-                f"{type(calibrator).__name__}."
-            )
+        check_calibrator(calibrator)
         _check_output_kind(output)
         self.model = model
         self.calibrator = calibrator

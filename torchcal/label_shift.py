@@ -54,7 +54,7 @@ from torchcal._validation import (
     stacklevel_outside_package,
 )
 from torchcal.calibrators.affine import AffineCalibration
-from torchcal.calibrators.base import Calibrator, moving_only
+from torchcal.calibrators.base import Calibrator, check_calibrator, moving_only
 from torchcal.distributed import ProcessGroup, all_reduce_, validate_together
 from torchcal.fit import ConvergenceWarning, FitRecord
 
@@ -487,9 +487,7 @@ class LabelShiftAdapter(nn.Module):
 
     def __init__(self, calibrator: Calibrator | None = None) -> None:
         super().__init__()
-        self.calibrator = AffineCalibration() if calibrator is None else calibrator
-        if not isinstance(self.calibrator, Calibrator):
-            raise TypeError(f"calibrator must be a torchcal calibrator, got {type(self.calibrator).__name__}.")
+        self.calibrator = AffineCalibration() if calibrator is None else check_calibrator(calibrator)
         self.register_buffer("source_priors", torch.empty(0, dtype=torch.float64))
         self.register_buffer("target_priors", torch.empty(0, dtype=torch.float64))
         self.estimate_: PriorEstimate | None = None

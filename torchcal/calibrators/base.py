@@ -501,6 +501,17 @@ class Calibrator(nn.Module):
         return f"num_classes={self.num_classes}" if self.is_fitted else "not fitted"
 
 
+def check_calibrator(calibrator: Any) -> Calibrator:
+    """``calibrator``, if it is a torchcal calibrator; else ``TypeError`` saying what to pass."""
+    if isinstance(calibrator, Calibrator):
+        return calibrator
+    if isinstance(calibrator, type) and issubclass(calibrator, Calibrator):
+        raise TypeError(f"calibrator must be a calibrator instance, got the class {calibrator.__name__}; pass "
+                        f"{calibrator.__name__}().")
+    raise TypeError(f"calibrator must be a torchcal calibrator such as torchcal.TemperatureScaling(), got "
+                    f"{type(calibrator).__name__}.")
+
+
 def _drop_extra_state_in_legacy_onnx_export(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     # The legacy (TorchScript) ONNX exporter calls .detach() on every state_dict entry, and a
     # calibrator's extra state (num_classes) is a dict; the traced graph does not need it. A hook on

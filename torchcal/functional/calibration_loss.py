@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from torchcal._validation import check_logits, check_logits_and_labels
+from torchcal._validation import check_labels, check_logits, check_logits_and_labels
 from torchcal.functional.scoring import cross_entropy
 
 __all__ = [
@@ -88,7 +88,8 @@ def calibration_loss(
         (0.5972, 38.56)
     """
     _check_score(score)
-    raw_logits, labels = check_logits_and_labels(raw_logits, labels)
+    raw_logits = check_logits(raw_logits, "raw_logits")
+    labels = check_labels(labels, raw_logits.shape[0], raw_logits.shape[1]).to(raw_logits.device)
     calibrated_logits = check_logits(calibrated_logits, "calibrated_logits", num_classes=raw_logits.shape[1])
     if calibrated_logits.shape[0] != raw_logits.shape[0]:
         raise ValueError(
@@ -133,7 +134,9 @@ def cross_validated_calibration_loss(
         True
     """
     from torchcal import cross_validate  # torchcal's top level imports this module
+    from torchcal.calibrators.base import check_calibrator
 
+    check_calibrator(calibrator)
     _check_score(score)
     logits, labels = check_logits_and_labels(logits, labels)
     # the fold calibrators are fitted for the priors they are scored with (their posteriors are for them)

@@ -33,6 +33,7 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 
 from torchcal._validation import check_count
 from torchcal.calibrators import Calibrator, TemperatureScaling
+from torchcal.calibrators.base import check_calibrator
 from torchcal.distributed import ProcessGroup
 from torchcal.fit import cross_validate
 from torchcal.functional import (
@@ -275,9 +276,7 @@ class CalibrationCallback(Callback):
         labels_key: str = "labels",
         fit_options: Mapping[str, Any] | None = None,
     ) -> None:
-        calibrator = TemperatureScaling() if calibrator is None else calibrator
-        if not isinstance(calibrator, Calibrator):
-            raise TypeError(f"calibrator must be a torchcal calibrator, got {type(calibrator).__name__}.")
+        calibrator = TemperatureScaling() if calibrator is None else check_calibrator(calibrator)
         _check_metric_names(metrics)
         _check_output_kind(output)
         if isinstance(every_n_epochs, bool) or not isinstance(every_n_epochs, int) or every_n_epochs < 0:

@@ -1,6 +1,8 @@
 """Streaming calibration loss (Ferrer & Ramos): how much a calibrator lowers a proper score.
 
-Two modes, chosen by whether the calibrator is fitted:
+Two modes, chosen by whether the calibrator is fitted when the metric is built (the metric keeps
+a copy: fitting the calibrator afterwards, or again, does not reach it; build a new metric, or
+use ``functional.calibration_loss`` with the calibrator's outputs):
 
 - fitted (``calibrator.is_fitted``): each batch is scored raw and after the calibrator, side by
   side; the state is per-class sums of both per-sample scores and per-class counts, (K,) each;
@@ -22,7 +24,7 @@ from torch import Tensor
 from torchmetrics.utilities import dim_zero_cat
 
 from torchcal._validation import check_folds, check_priors
-from torchcal.calibrators.base import Calibrator
+from torchcal.calibrators.base import Calibrator, check_calibrator
 from torchcal.functional.bootstrap import sum_decomposition, sum_reduction
 from torchcal.functional.calibration_loss import (
     CalibrationLossResult,
@@ -43,7 +45,8 @@ class CalibrationLoss(ScoreMetric):
 
     Args:
         calibrator: a torchcal calibrator, fitted (applied to each batch) or not (cross-validated
-            at ``compute()``).
+            at ``compute()``). The metric holds a frozen copy made here, and the mode is set here:
+            a later fit of ``calibrator`` changes neither (the module docs).
         num_classes: K.
         score: the proper score, as in ``functional.calibration_loss``; with a fitted calibrator it
             must be a mean of per-sample values (``cross_entropy``, ``brier_score``, ``bayes_risk``,
@@ -90,11 +93,7 @@ class CalibrationLoss(ScoreMetric):
         relative: bool = True,
         **kwargs: Any,
     ) -> None:
-        if not isinstance(calibrator, Calibrator):
-            raise TypeError(
-                f"calibrator must be a torchcal calibrator such as torchcal.TemperatureScaling(), got "
-                f"{type(calibrator).__name__}."
-            )
+        check_calibrator(calibrator)
         super().__init__(num_classes, **kwargs)
         self.relative = relative
         # a copy, frozen: a fitted calibrator's trainable parameters in a LightningModule's metric

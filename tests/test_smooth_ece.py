@@ -262,3 +262,25 @@ def test_smooth_reliability_curve_offers_only_its_own_kinds():
     logits, labels = torch.randn(300, 3, dtype=torch.float64), torch.randint(0, 3, (300,))
     with pytest.raises(ValueError, match=r'needs K = 2 classes, got K = 3; use kind="top-label"\.$'):
         smooth_reliability_curve(logits, labels, kind="binary")
+
+
+def test_a_bandwidth_from_smooth_ece_bandwidth_is_taken_as_given():
+    """The (1,) tensor smooth_ece_bandwidth returns passed the check and failed later ("type Tensor
+    doesn't define __round__"; the metric at compute()). One-element tensors and NumPy numbers are
+    taken as floats; several bandwidths are refused, naming bandwidth=None for per-column ones."""
+    gen = torch.Generator().manual_seed(0)
+    logits = 2 * torch.randn(500, 3, generator=gen, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(logits / 2, 1), 1, generator=gen).squeeze(1)
+    bandwidth = smooth_ece_bandwidth(logits, labels)
+    assert bandwidth.shape == (1,)
+    expected = smooth_calibration_error(logits, labels, bandwidth=float(bandwidth))
+    for given in (bandwidth, bandwidth[0], np.float64(float(bandwidth)), bandwidth.numpy()):
+        assert float(smooth_calibration_error(logits, labels, bandwidth=given)) == float(expected)
+        metric = SmoothCalibrationError(3, bandwidth=given)
+        metric.update(logits, labels)
+        assert float(metric.compute()) == pytest.approx(float(expected), rel=1e-12)
+        assert smooth_reliability_curve(logits, labels, bandwidth=given) is not None
+    with pytest.raises(ValueError, match=r"bandwidth must be one number, got \(3,\).*bandwidth=None"):
+        smooth_calibration_error(logits, labels, bandwidth=smooth_ece_bandwidth(logits, labels, kind="classwise"))
+    with pytest.raises(ValueError, match="bandwidth must lie in"):
+        SmoothCalibrationError(3, bandwidth="0.1")

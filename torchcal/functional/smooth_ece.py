@@ -32,10 +32,12 @@ bracket, one batch per distinct bandwidth tried in a step.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from functools import lru_cache, partial
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -70,14 +72,22 @@ MAX_GRID_POINTS = 1_000_001
 SMALLEST_BANDWIDTH = 1e-5
 
 
-def check_bandwidth(bandwidth: float) -> None:
-    """``ValueError`` unless ``bandwidth`` lies in [:data:`SMALLEST_BANDWIDTH`, 1]."""
-    if isinstance(bandwidth, bool) or not SMALLEST_BANDWIDTH <= bandwidth <= 1:
+def check_bandwidth(bandwidth: Any) -> float:
+    """``bandwidth`` as a float (a number, NumPy's or a one-element tensor, such as
+    :func:`smooth_ece_bandwidth` returns), or ``ValueError`` unless it lies in
+    [:data:`SMALLEST_BANDWIDTH`, 1]."""
+    if isinstance(bandwidth, (torch.Tensor, np.ndarray)):
+        if bandwidth.size != 1 if isinstance(bandwidth, np.ndarray) else bandwidth.numel() != 1:
+            raise ValueError(f"bandwidth must be one number, got {tuple(bandwidth.shape)} of them; for one bandwidth per "
+                             f"column (kind='classwise'), pass bandwidth=None (each column's automatic one).")
+        bandwidth = bandwidth.item()
+    if isinstance(bandwidth, bool) or not isinstance(bandwidth, numbers.Real) or not SMALLEST_BANDWIDTH <= float(bandwidth) <= 1:
         raise ValueError(
             f"bandwidth must lie in [{SMALLEST_BANDWIDTH:g}, 1], got {bandwidth!r}: a smaller one needs a grid of "
             f"about 10 / bandwidth points, more than the {MAX_GRID_POINTS:,} allowed. Pass bandwidth=None for the "
             f"automatic (fixed-point) bandwidth."
         )
+    return float(bandwidth)
 
 
 def check_grid_points(points: int, name: str = "grid_points", minimum: int = 3) -> None:
@@ -257,7 +267,7 @@ def _smooth_ece_columns(
     columns = torch.arange(num_columns)
     if bandwidth is None:
         return _at_fixed_points(at, columns)
-    check_bandwidth(bandwidth)
+    bandwidth = check_bandwidth(bandwidth)
     values = at(columns, bandwidth)
     return values, torch.full_like(values, bandwidth)
 
@@ -401,7 +411,7 @@ def smooth_calibration_error_columns(
     if grid_points is not None:
         check_grid_points(grid_points)
     if bandwidth is not None:
-        check_bandwidth(bandwidth)
+        bandwidth = check_bandwidth(bandwidth)
     scores, targets = _columns(logits, labels, kind)
     return ColumnDecomposition(scores, targets, partial(_mean_over_columns, bandwidth=bandwidth, grid_points=grid_points))
 
@@ -455,7 +465,7 @@ def smooth_reliability_curve(
     check_count(num_replicates, "num_replicates", 2)  # a percentile band needs two replicates
     check_grid_points(mesh_points, "mesh_points", 2)
     if bandwidth is not None:
-        check_bandwidth(bandwidth)
+        bandwidth = check_bandwidth(bandwidth)
     columns = binary_problems(logits, labels, kind, ("top-label", "binary"))  # (one curve: no classwise kind)
     values, bandwidths = _per_column(*columns, bandwidth, None)
     (scores, targets), value, sigma = (x[:, 0] for x in columns), values[0], float(bandwidths[0])

@@ -82,7 +82,7 @@ class SmoothCalibrationError(ScoreMetric):
             raise ValueError(f'kind="binary" needs K = 2 classes, got K = {num_classes}; use "classwise".')
         check_grid_points(grid_points)
         if bandwidth is not None:
-            check_bandwidth(bandwidth)
+            bandwidth = check_bandwidth(bandwidth)
         self.kind, self.bandwidth, self.grid_points = kind, bandwidth, grid_points
         add_sum_state(self, "grid", num_classes if kind == "classwise" else 1, 2, grid_points)
 

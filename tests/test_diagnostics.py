@@ -597,3 +597,29 @@ def test_numpy_integer_bin_counts_and_messages_that_offer_only_accepted_kinds():
             metric.update(logits, labels)
     with pytest.raises(ValueError, match=r'K = 3; use kind="top-label"\.$'):
         torchcal.metrics.SignedCalibrationError(3, kind="binary")
+
+
+def test_metric_constructors_and_bins_name_misused_arguments():
+    """A top-label metric's ``reliability_bins(2)`` returned the top-label bins (and
+    ``plot_reliability(class_index=2)`` drew them), a classwise one took ``True`` for class 1 and
+    returned bins of shape (1, 3, 15); ``num_classes=None`` with ``kind="binary"`` said "use
+    classwise", and the debiased error's ``norm=`` raised Python's "got multiple values"."""
+    from torchcal.metrics import DebiasedCalibrationError, ExpectedCalibrationError, SmoothCalibrationError
+
+    gen = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(300, 3, generator=gen), torch.randint(0, 3, (300,), generator=gen)
+    top = ExpectedCalibrationError(3)
+    top.update(logits, labels)
+    with pytest.raises(ValueError, match='class_index picks a class of kind="classwise"; this metric is kind="top-label"'):
+        top.reliability_bins(2)
+    assert top.reliability_bins().counts.shape == (15,)
+    classwise = ExpectedCalibrationError(3, kind="classwise")
+    classwise.update(logits, labels)
+    with pytest.raises(ValueError, match=r"needs class_index in \[0, 3\), got True"):
+        classwise.reliability_bins(True)
+    assert classwise.reliability_bins(np.int64(1)).counts.shape == (15,)
+    for metric in (ExpectedCalibrationError, SmoothCalibrationError):
+        with pytest.raises(ValueError, match='kind="binary" scores class 1 of K = 2 classes: pass num_classes=2'):
+            metric(None, kind="binary")
+    with pytest.raises(ValueError, match="an l2 error.*leave norm out"):
+        DebiasedCalibrationError(3, norm="l1")

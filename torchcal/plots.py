@@ -137,7 +137,7 @@ def reliability_diagram(
         ax: draw into these axes instead of a new figure.
         show_histogram: draw the bin counts.
         intervals: ``"clopper-pearson"`` or ``"wilson"`` draws each bin's 95 % binomial interval
-            (:func:`torchcal.functional.reliability_intervals.reliability_intervals`) as an error bar.
+            (:func:`torchcal.functional.reliability_intervals`) as an error bar.
 
     Returns:
         ``(fig, ax)``; ``ax`` holds the reliability curves (the histogram is on a twin axis).

@@ -123,9 +123,12 @@ def binary_problems(
     return scores.to(torch.float64), targets.to(torch.float64)
 
 
-def check_binary_kind(kind: str, num_classes: int, allowed: Sequence[str]) -> None:
+def check_binary_kind(kind: str, num_classes: int | None, allowed: Sequence[str]) -> None:
     """Raise where ``kind="binary"`` meets K != 2 classes, naming the caller's ``allowed`` kinds
-    (:func:`binning_scores`'s message offers "class" and "classwise", which not every caller takes)."""
+    (:func:`binning_scores`'s message offers "class" and "classwise", which not every caller takes);
+    ``num_classes=None``: a metric built for any K, which the binary kind needs to be 2."""
+    if kind == "binary" and num_classes is None:
+        raise ValueError('kind="binary" scores class 1 of K = 2 classes: pass num_classes=2.')
     if kind == "binary" and num_classes != 2:
         others = " or ".join(f'kind="{name}"' + (" with class_index=j" if name == "class" else "") for name in allowed if name != "binary")
         raise ValueError(f'kind="binary" needs K = 2 classes, got K = {num_classes}' + (f"; use {others}." if others else "."))

@@ -51,6 +51,9 @@ class DebiasedCalibrationError(CalibrationError):
     ) -> None:
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}.")
+        if "norm" in kwargs:  # (the base class takes one; this error is l2 by construction)
+            raise ValueError(f"the debiased calibration error is an l2 error (norm='l2' always), got norm={kwargs['norm']!r}; "
+                             f"leave norm out.")
         # (the base class knows the binned ECE's reductions; compute() reads this one)
         super().__init__(num_classes, n_bins=n_bins, strategy=strategy, kind=kind, norm="l2", **kwargs)
         self.reduction = reduction  # type: ignore[assignment]  # also "rms", which only this compute() reads

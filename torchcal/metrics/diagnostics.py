@@ -10,6 +10,7 @@ memory; gathered across processes at ``compute()``). ``EntropicCalibrationDiffer
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Literal
 
 import torch
@@ -113,8 +114,7 @@ class ExpectedCalibrationError(ScoreMetric):
         super().__init__(num_classes, **kwargs)
         if kind not in ("top-label", "binary", "classwise"):
             raise ValueError(f'kind must be "top-label", "binary" or "classwise", got {kind!r}.')
-        if kind == "binary" and num_classes != 2:
-            raise ValueError(f'kind="binary" needs K = 2 classes, got K = {num_classes}; use "classwise".')
+        check_binary_kind(kind, num_classes, ("top-label", "binary", "classwise"))
         _check_strategy(strategy)
         if norm not in ("l1", "l2", "max") or reduction not in ("mean", "sum", "max", "none"):
             raise ValueError(
@@ -168,9 +168,13 @@ class ExpectedCalibrationError(ScoreMetric):
     def reliability_bins(self, class_index: int | None = None) -> ReliabilityBins:
         """The accumulated ``ReliabilityBins``; ``class_index`` picks the class for ``"classwise"``."""
         if self.kind == "classwise":
-            if class_index is None or not 0 <= class_index < self.num_classes:
-                raise ValueError(f'kind="classwise" needs class_index in [0, {self.num_classes}), got {class_index}.')
-            column = class_index
+            valid = isinstance(class_index, numbers.Integral) and not isinstance(class_index, bool)
+            if not valid or not 0 <= class_index < self.num_classes:  # type: ignore[operator]
+                raise ValueError(f'kind="classwise" needs class_index in [0, {self.num_classes}), got {class_index!r}.')
+            column = int(class_index)  # type: ignore[arg-type]
+        elif class_index is not None:
+            raise ValueError(f'class_index picks a class of kind="classwise"; this metric is kind="{self.kind}", which has '
+                             f'one set of bins: leave class_index out.')
         else:
             column = 0
         edges, statistics = self._binned()

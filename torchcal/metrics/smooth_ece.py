@@ -1,7 +1,7 @@
 """Streaming smooth ECE: grid sums of ones and residuals, (C, 2, G), summed across batches and processes.
 
-The scores are rounded onto a fixed grid of G points (``functional.smooth_ece.round_to_grid``),
-so the state does not grow with N. relplot rounds onto ``max(2000, round(20 / sigma)) // 2 + 1``
+The scores are rounded onto a fixed grid of G points (``round_to_grid`` of the module
+``torchcal.functional.smooth_ece``), so the state does not grow with N. relplot rounds onto ``max(2000, round(20 / sigma)) // 2 + 1``
 points, which is the default G = 1001 whenever the bandwidth sigma is at least 0.01: there the two
 agree to round-off (1e-16 on the top-label smECE of CIFAR-10/100, SST-2, AG News and FVCAUS
 scores). Below 0.01 relplot's grid is finer and the two differ (6e-6 on the classwise smECE of
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torchcal.functional.diagnostics import check_binary_kind
 from torchcal.functional.smooth_ece import (
     SmoothKind,
     check_bandwidth,
@@ -78,8 +79,7 @@ class SmoothCalibrationError(ScoreMetric):
         super().__init__(num_classes, **kwargs)
         if kind not in ("top-label", "binary", "classwise"):
             raise ValueError(f'kind must be "top-label", "binary" or "classwise", got {kind!r}.')
-        if kind == "binary" and num_classes != 2:
-            raise ValueError(f'kind="binary" needs K = 2 classes, got K = {num_classes}; use "classwise".')
+        check_binary_kind(kind, num_classes, ("top-label", "binary", "classwise"))
         check_grid_points(grid_points)
         if bandwidth is not None:
             bandwidth = check_bandwidth(bandwidth)

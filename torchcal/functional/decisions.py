@@ -419,7 +419,8 @@ def check_every_class_counted(counts: Tensor, averaged: Tensor) -> None:
     has a sample among ``counts: (K,)`` (the generic message offers priors, which it takes none of)."""
     missing = ((counts == 0) & (averaged.to(counts.device) > 0)).nonzero().flatten().tolist()
     if missing:
-        which = f"classes {missing} have" if len(missing) > 1 else f"class {missing[0]} has"
+        listed = f"{missing}" if len(missing) <= 10 else f"{missing[:10]} (and {len(missing) - 10} more)"
+        which = f"classes {listed} have" if len(missing) > 1 else f"class {missing[0]} has"
         raise ValueError(
             f"the balanced error rate averages the error rate of every class, but {which} no sample: add samples, "
             f"or leave {'their columns' if len(missing) > 1 else 'its column'} out of the scores (a metric's "

@@ -373,3 +373,35 @@ def test_resamples_that_leave_a_normalised_score_undefined_are_left_out(fast):
     assert float(result.lower) == pytest.approx(lower, rel=1e-12) and float(result.upper) == pytest.approx(upper, rel=1e-12)
     with pytest.raises(ValueError, match="undefined on every bootstrap resample"):
         bootstrap(metric, logits[:3], torch.tensor([0, 0, 1]), num_replicates=2, seed=8)  # (neither draws the positive)
+
+
+def test_a_metric_of_several_values_leaves_out_resamples_where_some_are_undefined():
+    """posterior_quality's NCE and NBS are NaN on a one-class resample: only replicates NaN in every
+    value counted as undefined, so those two intervals were NaN, with no warning."""
+    from torchcal.functional import posterior_quality
+
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.zeros(20, dtype=torch.long)
+    labels[[3, 11]] = 1
+    logits = torch.randn(20, 2, generator=gen, dtype=torch.float64)
+    with pytest.warns(UserWarning, match=r"posterior_quality \(some of its values\) is undefined on (\d+) of 500"):
+        result = bootstrap(posterior_quality, logits, labels, num_replicates=500, seed=1)
+    assert not result.lower.isnan().any() and not result.upper.isnan().any()
+    with pytest.warns(UserWarning, match="cross_entropy is undefined"):
+        alone = bootstrap(partial(cross_entropy, normalize=True), logits, labels, num_replicates=500, seed=1)
+    nce = 1  # (cross_entropy, nce, brier, nbs, error_rate, ece)
+    assert float(result.lower[nce]) == float(alone.lower) and float(result.upper[nce]) == float(alone.upper)
+
+
+def test_sum_reduction_of_the_expected_cost_of_decisions():
+    """It built a float dummy of logits for expected_cost, which takes decisions ("decisions must
+    be an integer tensor"), though its own message offers expected_cost."""
+    from torchcal.functional import expected_cost
+    from torchcal.functional.bootstrap import sum_reduction
+
+    costs = torch.tensor([[0.0, 1.0, 0.3], [2.0, 0.0, 0.3]], dtype=torch.float64)
+    decisions, labels = torch.tensor([0, 1, 2, 1, 0]), torch.tensor([0, 0, 1, 1, 1])
+    sums = torch.zeros(2, dtype=torch.float64).index_add_(0, labels, costs[labels, decisions])
+    counts = torch.bincount(labels, minlength=2).double()
+    reduce = sum_reduction(expected_cost, 2, costs=costs)
+    assert float(reduce(sums, counts)) == pytest.approx(float(expected_cost(decisions, labels, costs)), rel=1e-15)

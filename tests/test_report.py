@@ -156,6 +156,8 @@ def test_bad_requests_raise_value_errors(small):
         evaluate(small, ["platt"])
     with pytest.raises(ValueError, match="bootstrap must be"):
         evaluate(small, ["affine"], bootstrap=-1)
+    with pytest.raises(ValueError, match=r"bootstrap must be 0 \(no intervals\) or a number of replicates >= 2, got 1"):
+        evaluate(small, ["affine"], bootstrap=1)  # (it failed inside, naming num_replicates)
     with pytest.raises(ValueError, match="at least 2 folds"):
         evaluate(small, ["affine"], folds=1)
     with pytest.raises(ValueError, match="bad options for method 'affine'"):
@@ -445,3 +447,33 @@ def test_llr_scores_evaluated_under_priors_from_python_as_from_the_command_line(
     assert moved.read_as.endswith("; labels from llr_labels.npy")
     probs = load_scores(tmp_path / "llr.npz", input="logits")  # a sigmoid head's log-odds: posteriors already
     assert probs.with_llr_priors(torch.tensor([0.3, 0.7], dtype=torch.float64)) is probs
+
+
+def test_the_paired_test_leaves_out_resamples_of_one_class(real):
+    """16 AdrenalMNIST3D rows, 2 positive: the paired NCE difference divided by the naive
+    cross-entropy of each resample, 0 on the 113 that drew one class, so its interval was NaN, the
+    lowest-NCE method (affine) won without a test, and the verdict said temperature scaling "does
+    not improve the raw posteriors". Those replicates are left out, as the NCE's own are."""
+    data = real("adrenalmnist3d_resnet50_ferrer")
+    logits, labels = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"])
+    positive, negative = (torch.nonzero(labels == c).flatten() for c in (1, 0))
+    calibration = torch.cat([negative[:120], positive[:40]])
+    test = torch.tensor([200, 279, 168, 265, 260, 183, 184, 247, 236, 153, 167, 275, 269, 158, 206, 256])
+    assert int(labels[test].sum()) == 2
+    with pytest.warns(UserWarning, match="nce_difference is undefined on 113 of 1000"):
+        report = evaluate((logits[test], labels[test]), ["temperature", "affine"], calibration=(logits[calibration], labels[calibration]),
+                          bootstrap=1000, seed=0)
+    difference = report.lowest_vs_temperature
+    assert math.isfinite(difference.lower) and math.isfinite(difference.upper)
+    # NumPy on the same resamples, the one-class ones left out
+    y = labels[test].numpy()
+    per_sample = {m: -torch.log_softmax(report.calibrated[m].double(), 1).numpy()[np.arange(16), y] for m in ("affine", "temperature")}
+    replicates = []
+    for index in torch.cat(list(resample_indices(16, 1000, 0))).numpy():
+        frequencies = np.bincount(y[index], minlength=2) / 16
+        if (frequencies > 0).all():
+            naive = -(frequencies * np.log(frequencies)).sum()
+            replicates.append((per_sample["affine"][index] - per_sample["temperature"][index]).mean() / naive)
+    assert len(replicates) == 887
+    np.testing.assert_allclose([difference.lower, difference.upper], np.quantile(replicates, [0.025, 0.975]), rtol=1e-10)
+    assert report.lowest == "affine" and difference.upper >= 0 and report.best == "temperature"

@@ -624,8 +624,8 @@ def evaluate(
         supported = make_calibrator(method, **method_options.get(method, {})).supported_num_classes
         if supported is not None and supported != num_classes:
             raise ValueError(f"method {method!r} is for K = {supported} classes, but the scores have K = {num_classes}.")
-    if isinstance(bootstrap, bool) or not isinstance(bootstrap, int) or bootstrap < 0:
-        raise ValueError(f"bootstrap must be a number of replicates >= 0, got {bootstrap!r}.")
+    if isinstance(bootstrap, bool) or not isinstance(bootstrap, int) or bootstrap < 0 or bootstrap == 1:
+        raise ValueError(f"bootstrap must be 0 (no intervals) or a number of replicates >= 2, got {bootstrap!r}.")
     if calibration is None and folds < 2:
         raise ValueError(f"cross-validation needs at least 2 folds, got {folds}.")
     if priors is not None:
@@ -796,8 +796,11 @@ class _Metrics:
 
         def nce_difference(pair: Tensor, labels: Tensor) -> Tensor:  # (its name labels the progress bar)
             reference = class_frequencies(labels, num_classes) if self.priors is None else self.priors
+            naive = naive_cross_entropy(reference)
+            if not bool(naive > 0):  # a resample of one class: undefined, as the NCE's own replicates are
+                raise ValueError("the naive system of a resample of one class scores 0: no NCE")
             sums, counts = class_sums(pair[:, 0] - pair[:, 1], labels, num_classes)
-            return prior_weighted_mean(sums, counts, self.priors) / naive_cross_entropy(reference)
+            return prior_weighted_mean(sums, counts, self.priors) / naive
 
         result = bootstrap_metric(nce_difference, losses, self.labels, num_replicates=self.replicates, seed=self.seed,
                                   stratify=self.priors is not None, progress=self.progress)

@@ -211,7 +211,8 @@ def metric_decomposition(
 
 
 def sum_reduction(metric_fn: Callable[..., Any], num_classes: int, **metric_kwargs: Any) -> Callable[[Tensor, Tensor], Tensor]:
-    """The reduction ``(sums (..., K), counts (..., K)) -> value`` of a sum-decomposable metric of logits.
+    """The reduction ``(sums (..., K), counts (..., K)) -> value`` of a sum-decomposable metric (of
+    logits, or of decisions for ``expected_cost``).
 
     The reduction depends on the options only, not on the data, so it is read off the
     decomposition of one sample per class. ``ValueError`` if ``metric_fn`` is not decomposable.
@@ -227,7 +228,9 @@ def sum_reduction(metric_fn: Callable[..., Any], num_classes: int, **metric_kwar
             f"{getattr(metric_fn, '__name__', metric_fn)!s} is not a mean of per-sample values; use one of "
             f"{', '.join(fn.__name__ for fn in _SUM_DECOMPOSITIONS)} (optionally through functools.partial)."
         )
-    dummy = torch.zeros(num_classes, num_classes, dtype=torch.float64)
+    # one sample per class: logits, or decisions for expected_cost
+    takes_decisions = _unwrapped(metric_fn)[0] is expected_cost
+    dummy = torch.zeros(num_classes, dtype=torch.int64) if takes_decisions else torch.zeros(num_classes, num_classes, dtype=torch.float64)
     return terms(dummy, torch.arange(num_classes), **metric_kwargs).reduce
 
 
@@ -396,17 +399,21 @@ def bootstrap(
         estimate, on_resample = _evaluator(metric_fn, logits, labels, calibrator, metric_kwargs)
         resamples = _resamples(labels.shape[0], num_replicates, seed, strata, progress, _metric_name(metric_fn))
         replicates = torch.stack([_or_nan(estimate, on_resample, index) for index in resamples])
-    undefined = int(replicates.isnan().reshape(num_replicates, -1).all(1).sum())
-    if undefined == num_replicates:
+    nan = replicates.isnan().reshape(num_replicates, -1)
+    if bool(nan.all(1).all()):
         raise ValueError(f"{_metric_name(metric_fn)} is undefined on every bootstrap resample of these data (e.g. a class "
                          f"drawn no sample); resample within classes (stratify=True).")
+    # a metric of several values (posterior_quality's NCE, say) can lose some of them on a resample;
+    # those the data themselves leave undefined (NaN estimates) are no news
+    undefined = int(nan[:, ~estimate.isnan().reshape(-1)].any(1).sum())
     if undefined:
-        warnings.warn(f"{_metric_name(metric_fn)} is undefined on {undefined} of {num_replicates} bootstrap resamples (a "
-                      f"class drawn no sample, say); the interval is that of the other replicates. stratify=True keeps "
+        some = " (some of its values)" if nan.shape[1] > 1 else ""
+        warnings.warn(f"{_metric_name(metric_fn)}{some} is undefined on {undefined} of {num_replicates} bootstrap resamples "
+                      f"(a class drawn no sample, say); the interval is that of the other replicates. stratify=True keeps "
                       f"every class in every resample.", stacklevel=stacklevel_outside_package())
     alpha = (1 - confidence) / 2
     levels = torch.tensor([alpha, 1 - alpha], dtype=torch.float64, device=replicates.device)
-    lower, upper = (torch.nanquantile if undefined else torch.quantile)(replicates, levels, dim=0)
+    lower, upper = (torch.nanquantile if bool(nan.any()) else torch.quantile)(replicates, levels, dim=0)
     return BootstrapResult(estimate, lower, upper, replicates)
 
 

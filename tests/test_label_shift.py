@@ -285,6 +285,28 @@ def test_a_copy_of_a_class_at_zero_leaves_both_unidentified_in_either_precision(
         torch.testing.assert_close(estimate.stderr[[1, 2]], merged.stderr[[1, 2]], rtol=1e-4, atol=0)
 
 
+def test_a_weakly_informed_split_leaves_the_other_standard_errors_finite():
+    """Classes 2 and 3 nearly alike (means 0.04 apart), 0 and 1 well apart: a rule that took the
+    weak direction for a null one put inf on every class (a review of this change). The other
+    classes keep the inverse observed information's values; the two alike ones, whose standard
+    errors (1.06) exceed the simplex's width, are unidentified."""
+    rng = np.random.default_rng(4)
+    means = np.array([[3.0, 0.0], [0.0, 3.0], [-2.0, -2.0], [-2.04, -2.0]])
+    source = np.full(4, 0.25)
+    y = rng.choice(4, 300, p=[0.3, 0.3, 0.2, 0.2])
+    x = means[y] + rng.standard_normal((300, 2))
+    logits = -0.5 * ((x[:, None] - means[None]) ** 2).sum(-1) + np.log(source)
+    estimate = estimate_priors(torch.from_numpy(logits), torch.from_numpy(source))
+    a = np.exp(logits - logits.max(1, keepdims=True))
+    a = a / a.sum(1, keepdims=True) / source
+    b = a / (a @ estimate.priors.numpy())[:, None]
+    jacobian = np.vstack([np.eye(3), -np.ones((1, 3))])
+    expected = np.sqrt(np.diag(jacobian @ np.linalg.inv(jacobian.T @ (b.T @ b) @ jacobian) @ jacobian.T))
+    assert (expected[2:] > 1).all() and (expected[:2] < 0.03).all()
+    np.testing.assert_allclose(estimate.stderr[:2].numpy(), expected[:2], rtol=1e-8)
+    assert estimate.stderr[2:].isinf().all()
+
+
 def test_adapt_to_priors_is_bayes_rule():
     gen = torch.Generator().manual_seed(0)
     probs = torch.softmax(torch.randn(50, 4, generator=gen, dtype=torch.float64), 1)

@@ -90,7 +90,8 @@ class PriorEstimate(NamedTuple):
     calibration itself. NaN for priors at the boundary (at most 1e-6), and for every class when
     fewer than two are off it; inf for priors the data leave unidentified (e.g. two classes whose
     posteriors are always proportional, where only the sum of their priors is informed), also where
-    one of those is at 0 with nothing in the likelihood to hold it there. ``record``: the run: iterations
+    one of those is at 0 with nothing in the likelihood to hold it there, and for priors whose
+    standard error would exceed 1, the width of the simplex. ``record``: the run: iterations
     (EM and Newton steps), evaluations (passes over the target scores: one per EM step; per Newton
     step one for the gradient, one for the Hessian and one per step length its line search tried),
     the final negative mean log-likelihood ratio against "no shift" (``loss``; <= 0), and
@@ -418,42 +419,41 @@ def _standard_errors(information: Tensor, priors: Tensor, free: Tensor) -> Tenso
     """Standard errors (K,) of priors on the simplex from the information matrix ``sum_n g g^T``
     (``g = a / (a . pi)``, the gradient of one sample's log-likelihood) of the ``free`` classes,
     those off the boundary, of which the last prior is one minus the others; NaN for the rest, and
-    inf for priors the data leave unidentified."""
+    inf for priors the data leave unidentified (:func:`_simplex_variances`)."""
     stderr = torch.full_like(priors, float("nan"))
     if free.numel() < 2:
         return stderr
-    jacobian, values, vectors, null = _simplex_eigenproblem(information, free.numel())
-    informed = (vectors[:, ~null] / values[~null]) @ vectors[:, ~null].T
-    variance = (jacobian @ informed @ jacobian.T).diagonal().clamp_min(0)
-    moved = ((jacobian @ vectors[:, null]).abs() > 1e-8).any(1)
-    stderr[free] = torch.where(moved, math.inf, variance.sqrt())
+    variance, unidentified = _simplex_variances(information, free.numel())
+    stderr[free] = torch.where(unidentified, math.inf, variance.sqrt())
     return stderr
 
 
 def _unidentified(information: Tensor, k: int) -> Tensor:
-    """Which of the k classes (k,) of ``information`` a direction the data do not inform moves."""
+    """Which of the k classes (k,) of ``information`` the data leave unidentified."""
     if k < 2:
         return torch.zeros(k, dtype=torch.bool, device=information.device)
-    jacobian, _, vectors, null = _simplex_eigenproblem(information, k)
-    return ((jacobian @ vectors[:, null]).abs() > 1e-8).any(1)
+    return _simplex_variances(information, k)[1]
 
 
-def _simplex_eigenproblem(information: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The information (k, k) (summed over the samples) of k >= 2 priors on the simplex in the coordinates of all but the
-    last of them: the Jacobian J (k, k - 1) that maps those to the k, the eigenvalues (k - 1,) and
-    eigenvectors of ``J^T information J``, and which eigenvalues are null to round-off."""
+def _simplex_variances(information: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The variances (k,) of k >= 2 priors on the simplex from their information (k, k) (summed
+    over the samples), in the coordinates of all but the last of them, and which priors the data
+    leave unidentified: those a direction of no information moves (e.g. two classes whose
+    posteriors are always equal: only their sum is identified; pinv's finite variances would
+    claim a precision the data do not have), and those whose standard error exceeds 1, the width
+    of the simplex (copies of a class's scores rounded to float32 differ by about 1e-7, whose
+    curvature, 1e-14 N, passes a round-off test)."""
     eye = torch.eye(k - 1, dtype=information.dtype, device=information.device)
     jacobian = torch.cat([eye, -torch.ones(1, k - 1, dtype=information.dtype, device=information.device)])
     values, vectors = torch.linalg.eigh(jacobian.T @ information @ jacobian)
-    # directions the data do not inform (e.g. two classes whose posteriors are always equal: only
-    # their sum is identified): infinite standard errors for the priors they move, as pinv's
-    # finite ones would claim a precision the data do not have. Null relative to the information's
-    # own scale too (where no direction is informed, the largest eigenvalue is round-off), and where
-    # the standard error along a direction exceeds 1, the whole simplex: copies of a class's scores
-    # rounded to float32 differ by about 1e-7, whose curvature (1e-14 N) passes a round-off test
+    # null relative to the information's own scale too: where no direction is informed, the
+    # largest eigenvalue is round-off
     scale = torch.maximum(values.amax(), information.diagonal().amax()).clamp_min(torch.finfo(values.dtype).tiny)
-    null = (values <= k * torch.finfo(values.dtype).eps * scale) | (values < 1)
-    return jacobian, values, vectors, null
+    null = values <= k * torch.finfo(values.dtype).eps * scale
+    moved = (jacobian @ vectors[:, ~null]) ** 2 / values[~null]  # (k, directions): each direction's variance
+    variance = moved.sum(1)
+    unidentified = ((jacobian @ vectors[:, null]).abs() > 1e-8).any(1) | (variance > 1)
+    return variance, unidentified
 
 
 class LabelShiftAdapter(nn.Module):

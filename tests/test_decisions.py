@@ -17,7 +17,7 @@ from torchcal.functional import (
     expected_cost,
     zero_one_costs,
 )
-from torchcal.functional.decisions import _first_maximal_decisions, _least_cost_decisions
+from torchcal.functional.decisions import _first_maximal_decisions, _first_near_maximal, _least_cost_decisions
 
 # --------------------------------------------------------------------------- NumPy references
 
@@ -449,3 +449,12 @@ def test_balanced_error_rate_names_a_class_without_samples():
     decisions = logits.argmax(1)
     per_class = [float((decisions[labels == k] != k).double().mean()) for k in (0, 1)]
     assert float(ignored.compute()) == pytest.approx(sum(per_class) / 2)
+
+
+def test_the_zero_one_fast_path_ties_as_the_product_does():
+    """The fast path kept the slack of before (``K eps (sum(e) - min(e))``) when the product's
+    became that of the two costs compared: logits 3 eps apart were tied (decision 0) under
+    2 x 0-1 costs and not under 0-1 costs (decision 1)."""
+    logits = torch.tensor([[-3 * EPS64, 0.0]], dtype=torch.float64)
+    assert bayes_decisions(logits, zero_one_costs(2)).item() == bayes_decisions(logits, 2 * zero_one_costs(2)).item() == 0
+    assert _first_near_maximal(logits).item() == 0

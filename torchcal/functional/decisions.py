@@ -162,11 +162,11 @@ def _rounded_down(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _first_near_maximal(logits: Tensor) -> Tensor:
     """The first logit of each row of ``logits: (N, K)`` that the 0-1 slack ties with the maximum
-    (``1 - e_j <= K eps (sum(e) - min(e))``, see ``_first_maximal_decisions``); (N,) int64."""
+    (``1 - e_j <= K eps (2 sum(e) - e_j - 1)``, see ``_first_maximal_decisions``); (N,) int64."""
     z = logits.detach().double()
     e = (z - z.amax(dim=1, keepdim=True)).exp_()
-    slack = z.shape[1] * _EPS * (e.sum(dim=1, keepdim=True) - e.amin(dim=1, keepdim=True))
-    return (e >= 1 - slack).view(torch.uint8).argmax(dim=1)
+    slack = z.shape[1] * _EPS * (2 * e.sum(dim=1, keepdim=True) - e - 1)
+    return (1 - e <= slack).view(torch.uint8).argmax(dim=1)
 
 
 def expected_cost_from_class_sums(

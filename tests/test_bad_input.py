@@ -862,6 +862,7 @@ def test_bad_arguments_of_helpers(call, pattern):
     ({"input": "bogus"}, r"input must be one of \['auto', 'logits', 'probs', 'log_probs', 'llr'\].*got 'bogus'"),
     ({"input": "probabilities"}, "input must be one of"),
     ({"split": "train"}, "split must be 'test' or 'val', got 'train'"),
+    ({"fallback": "bogus"}, r"fallback must be None or one of \['auto', 'logits'.*got 'bogus'"),  # (read as probabilities)
 ])
 def test_load_scores_checks_its_options(tmp_path, option, pattern):
     probs = torch.softmax(good_data()[0], dim=1).numpy()

@@ -91,12 +91,14 @@ def test_calibration_loss_rejects_bad_input():
     with pytest.raises(ValueError, match="raw_logits contain 1 NaN"):
         calibration_loss(torch.tensor([[0.0, float("nan")], [0.0, 0.0]]), perfect, labels)
     # a calibrator class instead of an instance: "Calibrator.fit() missing 1 required positional argument"
+    import torchcal
     from torchcal import TemperatureScaling
     from torchcal.functional import cross_validated_calibration_loss
     from torchcal.metrics import CalibrationLoss
 
     for call in (lambda: cross_validated_calibration_loss(3 * torch.randn(60, 3), torch.arange(60) % 3, TemperatureScaling),
-                 lambda: CalibrationLoss(TemperatureScaling, 3)):
+                 lambda: CalibrationLoss(TemperatureScaling, 3),
+                 lambda: torchcal.cross_validate(TemperatureScaling, 3 * torch.randn(60, 3), torch.arange(60) % 3)):
         with pytest.raises(TypeError, match=r"got the class TemperatureScaling; pass TemperatureScaling\(\)"):
             call()
 

@@ -174,8 +174,10 @@ def test_priors_costs_and_inputs(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("option", "value", "message"),
     [
-        ("--costs", "abstain:0", "--costs abstain:ALPHA needs ALPHA > 0"),  # was: "use normalize=False"
-        ("--costs", "zeros.csv", "--costs zeros.csv: decision 0 costs 0 whatever the class"),
+        ("--costs", "abstain:0", "--costs abstain:ALPHA needs a finite ALPHA > 0"),  # was: "use normalize=False"
+        ("--costs", "abstain:inf", "--costs abstain:ALPHA needs a finite ALPHA > 0"),
+        ("--costs", "zeros.csv", "--costs: decision 0 costs 0 for every class that the labels' class frequencies give weight"),
+        ("--costs", "free_for_two.csv", "--costs: decision 2 costs 0 for every class that --priors give weight"),
         ("--costs", "negative.csv", "--costs negative.csv: costs must be non-negative"),
         ("--costs", "wide.csv", "--costs wide.csv: costs must have shape (K, M) = (3, M)"),
         ("--priors", "0.5,0.3,0.3", "--priors: priors must sum to one"),
@@ -187,8 +189,10 @@ def test_bad_costs_and_priors_are_named_by_their_option(scores_file, capsys, tmp
     np.savetxt(tmp_path / "zeros.csv", np.zeros((3, 3)), delimiter=",")
     np.savetxt(tmp_path / "negative.csv", [[0, 1, 1], [1, 0, -1], [1, 1, 0]], delimiter=",")
     np.savetxt(tmp_path / "wide.csv", np.ones((2, 3)), delimiter=",")
+    np.savetxt(tmp_path / "free_for_two.csv", [[0, 1, 0], [1, 0, 0], [1, 1, 1]], delimiter=",")  # with priors (.5, .5, 0)
+    priors = ["--priors", "0.5,0.5,0"] if value == "free_for_two.csv" else []
     value = str(tmp_path / value) if value.endswith(".csv") else value
-    code, _, err = run(capsys, "evaluate", scores_file, option, value, "--cv", "2", "--bootstrap", "0", "--no-figures",
+    code, _, err = run(capsys, "evaluate", scores_file, option, value, *priors, "--cv", "2", "--bootstrap", "0", "--no-figures",
                        "--quiet", "--out", tmp_path / "o")
     assert code == 2 and message in err, err
 

@@ -615,9 +615,10 @@ def test_metric_constructors_and_bins_name_misused_arguments():
     assert top.reliability_bins().counts.shape == (15,)
     classwise = ExpectedCalibrationError(3, kind="classwise")
     classwise.update(logits, labels)
-    with pytest.raises(ValueError, match=r"needs class_index in \[0, 3\), got True"):
+    with pytest.raises(ValueError, match=r"needs an integer class_index in \[0, 3\), got True"):
         classwise.reliability_bins(True)
     assert classwise.reliability_bins(np.int64(1)).counts.shape == (15,)
+    torch.testing.assert_close(classwise.reliability_bins(torch.tensor(2)).counts, classwise.reliability_bins(2).counts)
     for metric in (ExpectedCalibrationError, SmoothCalibrationError):
         with pytest.raises(ValueError, match='kind="binary" scores class 1 of K = 2 classes: pass num_classes=2'):
             metric(None, kind="binary")

@@ -164,6 +164,9 @@ def test_bad_requests_raise_value_errors(small):
         evaluate(small, ["affine"], method_options={"affine": {"n_bins": 3}})
     with pytest.raises(ValueError, match="method_options for unknown method 'Affine'; choose from temperature"):
         evaluate(small, ["affine"], method_options={"Affine": {"bias": False}})
+    one_class = (small[0][:50], torch.zeros(50, dtype=torch.long))  # (degenerate calibrators, reported as methods)
+    with pytest.raises(ValueError, match="every label of the calibration scores is class 0"):
+        evaluate((small[0][50:], small[1][50:]), ["temperature"], calibration=one_class)
     unlabelled = Scores(small[0], None, "logits", "x.npy")
     with pytest.raises(ValueError, match="evaluating needs labels"):
         evaluate(unlabelled, ["affine"])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib.resources
 import logging
+import math
 import os
 import re
 import sys
@@ -116,9 +117,9 @@ def parse_costs(spec: Any, num_classes: int, where: str = "--costs") -> tuple[to
             alpha = float(spec.split(":", 1)[1])
         except ValueError:
             raise UsageError(f"{where} abstain:ALPHA needs a number, got {spec!r}.") from None
-        if not alpha > 0:
-            raise UsageError(f"{where} abstain:ALPHA needs ALPHA > 0, got {spec!r}: abstaining at no cost is always the best "
-                             f"decision, and the normalised expected cost is undefined.")
+        if not 0 < alpha < math.inf:
+            raise UsageError(f"{where} abstain:ALPHA needs a finite ALPHA > 0, got {spec!r} (abstaining at no cost is always "
+                             f"the best decision, and the normalised expected cost is undefined).")
         return zero_one_costs(num_classes, abstain=alpha), f"0-1 + abstain {alpha:g}"
     path = Path(spec)
     if not path.is_file():
@@ -131,20 +132,29 @@ def parse_costs(spec: Any, num_classes: int, where: str = "--costs") -> tuple[to
 
 
 def _checked_costs(matrix: Any, num_classes: int, where: str) -> torch.Tensor:
-    """``matrix`` as a valid (K, M) cost matrix with no decision that is free whatever the class
-    (then the naive system's cost, and the normalised cost's denominator, is 0), or a
-    ``UsageError`` naming ``where``."""
+    """``matrix`` as a valid (K, M) cost matrix, or a ``UsageError`` naming ``where``."""
     from torchcal._validation import check_costs
 
     try:
-        costs = check_costs(matrix, num_classes)
+        return check_costs(matrix, num_classes)
     except ValueError as err:
         raise UsageError(f"{where}: {err}") from None
-    free = (costs == 0).all(0).nonzero().flatten().tolist()
-    if free:
-        raise UsageError(f"{where}: decision {free[0]} costs 0 whatever the class, so choosing it always is free and the "
-                         f"normalised expected cost is undefined; give it a positive cost.")
-    return costs
+
+
+def _check_naive_cost(args: argparse.Namespace, costs: torch.Tensor, priors: torch.Tensor | None, scores: Scores) -> None:
+    """Refuse costs under which the best decision made without looking at the input costs nothing
+    (the NEC's denominator): a decision free for every class the priors, or the labels' class
+    frequencies, give weight."""
+    from torchcal.functional import class_frequencies
+
+    assert scores.labels is not None  # evaluated scores have labels
+    reference = class_frequencies(scores.labels, scores.num_classes) if priors is None else priors
+    naive = reference @ costs
+    if not bool(naive.amin() > 0):
+        weighted = "the labels' class frequencies" if priors is None else _where(args, "priors")
+        raise UsageError(f"{_where(args, 'costs')}: decision {int(naive.argmin())} costs 0 for every class that "
+                         f"{weighted} give weight, so the naive system is never wrong and the normalised expected cost "
+                         f"(NEC) is undefined; give it a positive cost for one of those classes.")
 
 
 def load_config(name: str | Path) -> dict[str, Any]:
@@ -359,6 +369,8 @@ def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | 
     if calibration is not None:  # (one class: the calibrators fitted degenerate maps, and the verdict blamed them)
         calibration = _with_two_classes(calibration, getattr(args, "calibration", None) or f"{scores_path} (validation split)")
     costs, costs_name = parse_costs(settings.get("costs"), k, _where(args, "costs"))
+    priors = parse_priors(raw_priors, k, _where(args, "priors"))
+    _check_naive_cost(args, costs, priors, scores)
     methods = _methods(settings.get("methods", default_methods), k)
     separate = None if calibration is None else args.calibration or f"the validation split of {scores_path}"
     _warn_of_unused_options(args, settings, methods, separate)
@@ -367,7 +379,7 @@ def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | 
         methods,
         calibration=calibration,
         folds=_integer(args, settings, "cv", 5, 2, "an integer >= 2 (the number of folds)"),
-        priors=parse_priors(raw_priors, k, _where(args, "priors")),
+        priors=priors,
         costs=costs,
         costs_name=costs_name,
         bootstrap=_integer(args, settings, "bootstrap", 1000, 0, "0 (no intervals) or an integer >= 2 (replicates)"),

@@ -579,6 +579,9 @@ def cross_validate(
         >>> torchcal.cross_validate(torchcal.TemperatureScaling(), logits, labels).shape
         torch.Size([200, 4])
     """
+    from torchcal.calibrators.base import check_calibrator  # (the calibrators import this module)
+
+    check_calibrator(calibrator)
     logits, labels = validate_together(lambda: check_logits_and_labels(logits, labels), fit_options.get("process_group"), logits)
     out: Tensor | None = None
     splits = fold_indices(labels, folds, seed, stratified, groups, fit_options.get("process_group"), scores=logits)

@@ -635,6 +635,9 @@ def evaluate(
         cal_logits, cal_labels, cal_source, cal_read_as = _unpack(calibration, "calibration scores")
         if cal_logits.shape[1] != num_classes:
             raise ValueError(f"the calibration scores have K = {cal_logits.shape[1]} classes, the evaluated scores K = {num_classes}.")
+        if cal_labels.unique().numel() < 2:  # (the calibrators' degenerate maps would be reported as methods)
+            raise ValueError(f"every label of the calibration scores is class {int(cal_labels[0])}; calibration needs two "
+                             f"classes present.")
         _check_held_out(logits, labels, cal_logits, cal_labels)
         if isinstance(scores, Scores) and isinstance(calibration, Scores):
             check_read_alike(scores, calibration, "the evaluated scores", "the calibration scores")

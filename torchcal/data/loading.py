@@ -237,6 +237,8 @@ def load_scores(
     """
     if input not in get_args(InputKind):
         raise ValueError(f"input must be one of {list(get_args(InputKind))} (as --input of the command line), got {input!r}.")
+    if fallback is not None and fallback not in get_args(InputKind):
+        raise ValueError(f"fallback must be None or one of {list(get_args(InputKind))}, got {fallback!r}.")
     if split not in ("test", "val"):
         raise ValueError(f"split must be 'test' or 'val', got {split!r}.")
     path = Path(path)

@@ -1,9 +1,9 @@
 """Pure functions: scoring rules, expected cost and Bayes decisions, calibration diagnostics.
 
-Two functions share the name of their module, ``smooth_ece`` and ``reliability_intervals``, and
-as attributes of this package they are the functions: ``import torchcal.functional.smooth_ece as m``
-gives the function. Import the modules' other names directly, e.g.
-``from torchcal.functional.smooth_ece import round_to_grid``.
+Five functions share the name of their module (``bootstrap``, ``calibration_loss``,
+``posterior_quality``, ``reliability_intervals`` and ``smooth_ece``), and as attributes of this
+package they are the functions: ``import torchcal.functional.smooth_ece as m`` gives the function.
+Import the modules' other names directly, e.g. ``from torchcal.functional.smooth_ece import round_to_grid``.
 """
 
 from torchcal.functional.bootstrap import BootstrapResult, bootstrap

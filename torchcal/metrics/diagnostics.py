@@ -10,7 +10,7 @@ memory; gathered across processes at ``compute()``). ``EntropicCalibrationDiffer
 
 from __future__ import annotations
 
-import numbers
+import operator
 from typing import Any, Literal
 
 import torch
@@ -168,10 +168,12 @@ class ExpectedCalibrationError(ScoreMetric):
     def reliability_bins(self, class_index: int | None = None) -> ReliabilityBins:
         """The accumulated ``ReliabilityBins``; ``class_index`` picks the class for ``"classwise"``."""
         if self.kind == "classwise":
-            valid = isinstance(class_index, numbers.Integral) and not isinstance(class_index, bool)
-            if not valid or not 0 <= class_index < self.num_classes:  # type: ignore[operator]
-                raise ValueError(f'kind="classwise" needs class_index in [0, {self.num_classes}), got {class_index!r}.')
-            column = int(class_index)  # type: ignore[arg-type]
+            try:  # (any integer, a 0-d integer tensor among them; not a bool)
+                column = -1 if isinstance(class_index, bool) else operator.index(class_index)  # type: ignore[arg-type]
+            except TypeError:
+                column = -1
+            if not 0 <= column < self.num_classes:
+                raise ValueError(f'kind="classwise" needs an integer class_index in [0, {self.num_classes}), got {class_index!r}.')
         elif class_index is not None:
             raise ValueError(f'class_index picks a class of kind="classwise"; this metric is kind="{self.kind}", which has '
                              f'one set of bins: leave class_index out.')

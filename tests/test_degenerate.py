@@ -436,6 +436,25 @@ def test_a_free_row_of_w_that_lowers_a_missing_class_everywhere_has_no_finite_op
     assert not cal.fit_record_.converged and cal.fit_record_.message.startswith("no finite optimum: classes [3]")
 
 
+@pytest.mark.parametrize(("name", "rows", "left_out"), [("cifar10_resnet20_ferrer", 500, 3), ("cifar10_vgg19bn_ferrer", 1000, 9)])
+def test_a_row_that_ran_off_another_way_than_its_departure_shows_is_found(real, name, rows, left_out):
+    """The row ran off (norm 1e5 to 2e6, the class's largest posterior 4e-8 on its calibration
+    rows, its bias 1e-11) along a direction that the signs of its fitted departure did not show: 19
+    of 30 leave-one-class-out fits reported convergence (a review). An escape direction exists
+    (a linear program), and the class suppressed by its row rather than its bias says so."""
+    from scipy.optimize import linprog
+
+    d = real(name)
+    keep = np.random.default_rng(8).choice(len(d["labels"]), rows, replace=False)
+    logits, labels = torch.from_numpy(d["logits"][keep]).double(), torch.from_numpy(d["labels"][keep]).long()
+    present = labels != left_out
+    escape = linprog(np.zeros(10), A_ub=logits[present].numpy(), b_ub=-np.ones(int(present.sum())), bounds=[(None, None)] * 10)
+    assert escape.status == 0
+    with pytest.warns(torchcal.ConvergenceWarning, match="no finite optimum"):
+        cal = torchcal.MatrixScaling(reg="odir", reg_lambda=0.0, reg_mu=1.0).fit(logits[present], labels[present])
+    assert cal.fit_record_.message.startswith(f"no finite optimum: classes [{left_out}]")
+
+
 def test_samples_that_priors_weigh_zero_do_not_hold_a_free_row():
     """The samples of a class that the priors weigh zero count for nothing in the fit: here they
     surround the origin, the others have positive logits, so a missing class's free row runs off

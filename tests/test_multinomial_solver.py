@@ -702,3 +702,21 @@ def test_a_batched_fit_finds_each_group_s_own_blind_directions():
     x = torch.cat([logits[~held_out], torch.ones(480, 1, dtype=torch.float64)], 1)
     loss = lambda theta: torch.nn.functional.cross_entropy(x @ theta.T, labels[~held_out]).item()
     assert loss(together[0]) == pytest.approx(loss(alone), abs=1e-12)
+
+
+def test_a_fit_that_converges_on_its_last_allowed_step_says_so():
+    """The test ran only at the top of the loop: with max_iter equal to the Newton steps a fit
+    needs, the same parameters came back reported as stopped at the cap, with a warning."""
+    import warnings
+
+    from torchcal import MatrixScaling
+
+    gen = torch.Generator().manual_seed(0)
+    x = 3 * torch.randn(2000, 4, dtype=torch.float64, generator=gen)
+    y = torch.distributions.Categorical(logits=x / 3).sample()
+    full = MatrixScaling(reg="odir", reg_lambda=1e-2).fit(x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        capped = MatrixScaling(reg="odir", reg_lambda=1e-2).fit(x, y, max_iter=full.fit_record_.iterations)
+    assert capped.fit_record_.converged and capped.fit_record_.message == "gradient below tolerance"
+    assert torch.equal(capped.weight, full.weight) and torch.equal(capped.bias, full.bias)

@@ -374,7 +374,8 @@ class Calibrator(nn.Module):
             else:
                 start = "the identity map"
         record = self._fit_lbfgs(features, labels, weights, loss, max_iter, process_group, tol_change)
-        note = f"; the {loss} objective of {type(self).__name__} is not convex: a local optimum, started from {start}"
+        found = "a local optimum" if record.converged else "a search for a local optimum"
+        note = f"; the {loss} objective of {type(self).__name__} is not convex: {found}, started from {start}"
         return dataclasses.replace(record, message=record.message + note)
 
     def _at_identity(self) -> bool:

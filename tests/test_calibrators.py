@@ -1179,6 +1179,31 @@ def _masked(n: int, seed: int, dtype=torch.float64, sharpness: float = 1 / 3):
     return logits.to(dtype), labels
 
 
+@pytest.mark.filterwarnings(r"ignore:classes \[4\] have no sample")
+def test_temperature_of_tiny_logits_with_a_class_masked_at_float64_s_lowest():
+    """Logits whose margins are about 1e-6 are searched on logits / 2^-20: a class masked at
+    float64's lowest became -inf there, every moment NaN, and the fit returned T = 5e294 with a
+    NaN loss (refinement_loss: log 4, the uniform posteriors'). It equals the fit without the
+    masked column, and SciPy's."""
+    from scipy.optimize import minimize_scalar
+    from scipy.special import log_softmax
+
+    from torchcal.functional import refinement_loss
+
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(2000, 5, dtype=torch.float64, generator=gen)
+    labels = torch.multinomial(torch.softmax(z[:, :4], 1), 1, generator=gen).squeeze(1)
+    logits = 1e-6 * z
+    logits[:, 4] = torch.finfo(torch.float64).min
+    masked, unmasked = (torchcal.TemperatureScaling().fit(x, labels) for x in (logits, logits[:, :4]))
+    assert masked.temperature == pytest.approx(unmasked.temperature, rel=1e-12)
+    x, y = logits[:, :4].numpy(), labels.numpy()
+    objective = lambda log_t: -log_softmax(x / np.exp(log_t), axis=1)[np.arange(len(y)), y].mean()
+    best = minimize_scalar(objective, bracket=(-15.0, -13.0), tol=1e-12)
+    assert masked.temperature == pytest.approx(float(np.exp(best.x)), rel=1e-6)
+    assert float(refinement_loss(logits, labels)) == pytest.approx(best.fun, rel=1e-12)
+
+
 @pytest.mark.parametrize("make", [torchcal.MatrixScaling, torchcal.DirichletCalibration])
 def test_a_fit_of_the_linear_maps_on_masked_logits_warns(make):
     """A class masked at finfo.min made every masked row one-hot after matrix scaling or Dirichlet

@@ -192,8 +192,9 @@ def fit_inverse_temperature(
     unit = math.ldexp(1.0, octave) if abs(octave) > _RESCALE_OCTAVES else 1.0
     if unit > 1:
         logits = logits / unit
-    elif unit < 1:  # in float64: a masked class at float32's lowest would overflow
-        logits = logits.double() / unit
+    elif unit < 1:  # in float64: a masked class at float32's lowest would overflow; clamped, so
+        # that one at float64's lowest does not either (-inf made every moment NaN: T = 5e294)
+        logits = logits.double().clamp_min(torch.finfo(torch.float64).min * unit) / unit
     beta_max = _MAX_SCALED_MARGIN / max(margin / unit, 1e-300)
 
     start, lo, hi = 1.0, 0.0, math.inf

@@ -20,7 +20,12 @@ from torchcal.calibrators._linear import (
     newton_stalled,
 )
 from torchcal.calibrators.base import Calibrator, sample_weights
-from torchcal.calibrators.temperature import fit_inverse_temperature, inverse_temperature_start
+from torchcal.calibrators.temperature import (
+    fit_inverse_temperature,
+    in_units,
+    inverse_temperature_start,
+    margin_and_unit,
+)
 from torchcal.distributed import ProcessGroup, all_reduce_
 from torchcal.fit import ConvergenceWarning, FitRecord, warn_unconverged
 
@@ -98,6 +103,24 @@ class AffineCalibration(Calibrator):
             with torch.no_grad():
                 self.log_alpha.fill_(math.log(alpha) if alpha > 0 else -math.inf)
             return record
+        _, unit = margin_and_unit(features, process_group)
+        if unit == 1.0:
+            return self._fit_affine(features, labels, weights, loss, max_iter, process_group)
+        # alpha absorbs any scale of the log-posteriors: the fit runs on them / unit (centred per
+        # row, which softmax ignores), where alpha's curvature is of order 1. (Log-posteriors 1e-9
+        # apart: the float32 start erased their differences, and Newton stopped on its absolute
+        # tolerance at alpha 3 % of the optimum's, a log-loss of 1.59 against 1.30, "converged".)
+        scaled = in_units(features - features.amax(dim=1, keepdim=True), unit)
+        with torch.no_grad():  # a fresh fit starts at alpha = 1 in the new units, a warm one where it was
+            self.log_alpha.add_(0.0 if self._at_identity() else math.log(unit))
+        try:
+            return self._fit_affine(scaled, labels, weights, loss, max_iter, process_group)
+        finally:
+            with torch.no_grad():
+                self.log_alpha.sub_(math.log(unit))
+
+    def _fit_affine(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
+        """:meth:`_fit` with a bias, on log-posteriors of typical margins within 2^16 of 1."""
         if loss != "log":  # (from the identity, logits of 1e3 kept alpha = 1: a Brier plateau)
             record = self._fit_nonconvex(features, labels, weights, loss, max_iter, process_group)
             if self.bias:

@@ -172,29 +172,11 @@ def fit_inverse_temperature(
     convex = loss == "log"
     if convex and uniform_grad >= 0:
         return uniform_is_best()
-    # The cap scales with a typical row's margin between its two largest logits (from evenly spaced
-    # rows, about _SUBSAMPLE_ELEMENTS logits): not the largest margin, as one saturated row must not
-    # stop the search short of an optimum that the other rows place at a low temperature, nor the
-    # row's whole range, which a class masked by a logit of -1e4 sets to 1e4 (T was capped at 1).
-    rows = logits[:: max(1, n * k // _SUBSAMPLE_ELEMENTS)]
-    # the two largest of each row as the largest, then the largest of the rest: a third of topk(2)'s
-    # time (10,000 x 100: 3.3 against 10.0 ms, a quarter of the fit); equal maxima give a margin of 0
-    top, where = rows.max(dim=1, keepdim=True)
-    second = rows.scatter(1, where, -math.inf).amax(dim=1, keepdim=True)
-    margins = (top.to(torch.float64) - second.to(torch.float64)).squeeze(1)
-    margins = margins[margins > 0]
-    typical_margin = margins.median() if margins.numel() else margins.new_zeros(())
-    margin = float(all_reduce_(typical_margin, process_group, op="max"))
     # Temperature scaling absorbs any scale of the logits into beta, so the search runs on logits /
     # unit: the curvature sums e^(beta w) w^2, whose w^2 overflow float32 from logits of about 1e19
     # (a fit at T = inf reported converged), and beta, near float32's smallest normal number there.
-    octave = math.frexp(margin)[1] - 1  # margin in [2^octave, 2^(octave + 1)); 0 for 0, inf and NaN
-    unit = math.ldexp(1.0, octave) if abs(octave) > _RESCALE_OCTAVES else 1.0
-    if unit > 1:
-        logits = logits / unit
-    elif unit < 1:  # in float64: a masked class at float32's lowest would overflow; clamped, so
-        # that one at float64's lowest does not either (-inf made every moment NaN: T = 5e294)
-        logits = logits.double().clamp_min(torch.finfo(torch.float64).min * unit) / unit
+    margin, unit = margin_and_unit(logits, process_group)
+    logits = in_units(logits, unit)
     beta_max = _MAX_SCALED_MARGIN / max(margin / unit, 1e-300)
 
     start, lo, hi = 1.0, 0.0, math.inf
@@ -271,7 +253,42 @@ def fit_inverse_temperature(
             return converged(candidate, iteration, value, grad)
         beta = candidate
     warnings.warn("temperature fit did not converge", ConvergenceWarning, stacklevel=stacklevel_outside_package())
+    value, grad, _ = moments(beta)  # (the record's loss and gradient are the returned temperature's)
+    evaluations += 1
     return beta / unit, FitRecord(max_iter, evaluations, value, abs(grad) * unit, False, f"stopped at the iteration cap ({max_iter})")
+
+
+def margin_and_unit(logits: Tensor, process_group: ProcessGroup | None = None) -> tuple[float, float]:
+    """A typical row's margin between its two largest scores of ``logits: (N, K)``, and the power
+    of 2 near it to divide scores by, where it lies beyond 2^16 either way (else 1).
+
+    The margin comes from evenly spaced rows, about ``_SUBSAMPLE_ELEMENTS`` scores: not the largest
+    margin, as one saturated row must not stop a temperature search short of an optimum that the
+    other rows place at a low temperature, nor the row's whole range, which a class masked by a
+    logit of -1e4 sets to 1e4 (T was capped at 1)."""
+    n, k = logits.shape
+    rows = logits[:: max(1, n * k // _SUBSAMPLE_ELEMENTS)]
+    # the two largest of each row as the largest, then the largest of the rest: a third of topk(2)'s
+    # time (10,000 x 100: 3.3 against 10.0 ms, a quarter of the fit); equal maxima give a margin of 0
+    top, where = rows.max(dim=1, keepdim=True)
+    second = rows.scatter(1, where, -math.inf).amax(dim=1, keepdim=True)
+    margins = (top.to(torch.float64) - second.to(torch.float64)).squeeze(1)
+    margins = margins[margins > 0]
+    typical_margin = margins.median() if margins.numel() else margins.new_zeros(())
+    margin = float(all_reduce_(typical_margin, process_group, op="max"))
+    octave = math.frexp(margin)[1] - 1  # margin in [2^octave, 2^(octave + 1)); 0 for 0, inf and NaN
+    return margin, math.ldexp(1.0, octave) if abs(octave) > _RESCALE_OCTAVES else 1.0
+
+
+def in_units(logits: Tensor, unit: float) -> Tensor:
+    """``logits / unit`` (:func:`margin_and_unit`); scaled up in float64, where a masked class at
+    float32's lowest would overflow, and clamped, so that one at float64's lowest does not either
+    (-inf made every moment of a temperature fit NaN: T = 5e294)."""
+    if unit > 1:
+        return logits / unit
+    if unit < 1:
+        return logits.double().clamp_min(torch.finfo(torch.float64).min * unit) / unit
+    return logits
 
 
 def inverse_temperature_start(

@@ -940,7 +940,7 @@ def fit_multinomial_logistic(
                     return (shift(c) / scale).to(theta.dtype).view(shape), FitRecord(iteration + 1, passes, loss_value, grad_max, False, message)
     else:
         # the last step's point, tested as the loop's top would (a float32 gradient is not trusted below _FLOAT32_TOL_GRAD)
-        trusted = dtype == full_dtype or tol_grad >= _FLOAT32_TOL_GRAD
+        trusted = q.dtype == full_dtype or tol_grad >= _FLOAT32_TOL_GRAD  # (the precision its gradient was formed in)
         if trusted and max(grad_max, size) <= tol_grad and (tol_decrease is None or decrease <= tol_decrease):
             return (shift(c) / scale).to(theta.dtype).view(shape), FitRecord(max_iter, passes, loss_value, grad_max, True, "gradient below tolerance")
         warnings.warn(f"Newton-CG did not converge in {max_iter} iterations", ConvergenceWarning, stacklevel=stacklevel_outside_package())

@@ -679,7 +679,7 @@ def cross_validate_path(
                 best_so_far = best_terms[: so_far.numel()]
                 difference = so_far - best_so_far  # paired: the same test samples
                 by_fold = difference.split([t.numel() for t in terms])
-                first, second, paired, level, *fold_sums, = summed(
+                first, second, paired, level, *fold_sums = summed(
                     difference.sum(), difference.square().sum(), difference.new_tensor(float(difference.numel())),
                     best_so_far.sum(), *(d.sum() for d in by_fold), *(d.new_tensor(float(d.numel())) for d in by_fold))
                 spread = math.sqrt(max(second - first * first / paired, 0.0))  # sqrt(n) times the standard error

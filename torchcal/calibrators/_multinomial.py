@@ -100,6 +100,8 @@ _TIGHT_SELECTION_MAX_PRODUCT = 2e7
 def selection_tolerances(rows: int, features: int, classes: int) -> dict[str, float]:
     """The tolerances of the cross-validation's selection fits of a problem of this size."""
     return TIE_TOLERANCES if rows * (features + 1) * classes <= _TIGHT_SELECTION_MAX_PRODUCT else SELECTION_TOLERANCES
+
+
 #: Newton steps before a fit falls back to L-BFGS. At K = 1,000 (CG stopped where the objective
 #: stops decreasing) a converging fit took 100 steps with the plain diagonal preconditioner, 68
 #: with the rank-one one (10,000 samples, lambda = 1000).

@@ -120,7 +120,7 @@ class AffineCalibration(Calibrator):
                 self.log_alpha.sub_(math.log(unit))
 
     def _fit_affine(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
-        """:meth:`_fit` with a bias, on log-posteriors of typical margins within 2^16 of 1."""
+        """:meth:`_fit` but temperature scaling's, on log-posteriors of typical margins within 2^16 of 1."""
         if loss != "log":  # (from the identity, logits of 1e3 kept alpha = 1: a Brier plateau)
             record = self._fit_nonconvex(features, labels, weights, loss, max_iter, process_group)
             if self.bias:

@@ -78,7 +78,7 @@ _SENTINEL = 1e30
 
 #: Iterations of Gilbert's algorithm in :func:`_separating_direction` (one product with the
 #: samples each: at most about a second at 10,000 x 100, and only for a class without samples at
-#: ODIR's lambda = 0; 500 certified 29 of the 30 escapes above, 2,000 all), and how near the
+#: ODIR's lambda = 0; of 30 leave-one-class-out escapes on CIFAR-10 subsets, 500 certified 29, 2,000 all), and how near the
 #: origin its point must come to count as inside their hull.
 _GILBERT_STEPS = 2000
 _GILBERT_TOL = 1e-9

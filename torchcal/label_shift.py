@@ -254,8 +254,9 @@ def estimate_priors(
     flat = ((run.priors <= _BOUNDARY) & (gradient >= 1 - _FLAT_GRADIENT)).nonzero().flatten()
     if flat.numel():
         classes = torch.cat([free, flat])
-        moved = _unidentified(likelihood.information(run.priors, classes) * likelihood.count, classes.numel())
-        stderr[classes[moved]] = math.inf
+        # (free holds a class at least, the priors summing to one: k >= 2)
+        _, unidentified = _simplex_variances(likelihood.information(run.priors, classes) * likelihood.count, classes.numel())
+        stderr[classes[unidentified]] = math.inf
     record = _record(run, float(mean_log), float(gradient.max()) - 1)
     if not record.converged:
         warnings.warn(f"estimate_priors {record.message}", ConvergenceWarning, stacklevel=stacklevel_outside_package())
@@ -426,13 +427,6 @@ def _standard_errors(information: Tensor, priors: Tensor, free: Tensor) -> Tenso
     variance, unidentified = _simplex_variances(information, free.numel())
     stderr[free] = torch.where(unidentified, math.inf, variance.sqrt())
     return stderr
-
-
-def _unidentified(information: Tensor, k: int) -> Tensor:
-    """Which of the k classes (k,) of ``information`` the data leave unidentified."""
-    if k < 2:
-        return torch.zeros(k, dtype=torch.bool, device=information.device)
-    return _simplex_variances(information, k)[1]
 
 
 def _simplex_variances(information: Tensor, k: int) -> tuple[Tensor, Tensor]:

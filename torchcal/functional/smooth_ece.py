@@ -77,7 +77,7 @@ def check_bandwidth(bandwidth: Any) -> float:
     :func:`smooth_ece_bandwidth` returns), or ``ValueError`` unless it lies in
     [:data:`SMALLEST_BANDWIDTH`, 1]."""
     if isinstance(bandwidth, (torch.Tensor, np.ndarray)):
-        if bandwidth.size != 1 if isinstance(bandwidth, np.ndarray) else bandwidth.numel() != 1:
+        if math.prod(bandwidth.shape) != 1:
             raise ValueError(f"bandwidth must be one number, got {tuple(bandwidth.shape)} of them; for one bandwidth per "
                              f"column (kind='classwise'), pass bandwidth=None (each column's automatic one).")
         bandwidth = bandwidth.item()

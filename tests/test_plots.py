@@ -99,6 +99,33 @@ def test_sweep_is_the_bayes_risk_of_the_documented_cost_family(synthetic):
     assert float(at_01) == pytest.approx(float(error_rate(logits, labels)) / (1 - float(p.max())), rel=1e-9)
 
 
+@pytest.mark.parametrize("num_classes", [2, 4])
+def test_sweep_is_finite_far_out(synthetic, num_classes):
+    """``1 - sigmoid(t)`` rounds to 0 from t = 37: the sweep returned NaN there and inf at t = -40
+    for K = 2 (review finding). Against the definition in 100 digits (mpmath), with the
+    decisions taken as documented: k where ``log q_k - max_j log q_j > logit(P_k) - t``."""
+    mpmath = pytest.importorskip("mpmath")
+    logits, labels = (torch.from_numpy(x) for x in synthetic(num_classes, 2000, seed=3))
+    p = torch.bincount(labels, minlength=num_classes).double() / len(labels)
+    k = 1
+    t = torch.tensor([-100.0, -40.0, -37.0, 0.5, 37.0, 40.0, 100.0], dtype=torch.float64)
+    _, nec = bayes_risk_sweep(logits, labels, class_index=k, log_odds=t)
+    others = logits.double().clone()
+    others[:, k] = -math.inf
+    best_other = others.argmax(1)
+    margin = logits[:, k].double() - others.amax(1)
+    with mpmath.workdps(100):  # 1 - (1 - sigmoid(-100)) keeps 56 of them
+        for value, ti in zip(nec.tolist(), t.tolist()):
+            pi_k = 1 / (1 + mpmath.exp(-ti))
+            rest = mpmath.fsum(mpmath.mpf(float(p[j])) for j in range(num_classes) if j != k)  # 1 - P_k, exactly as the P_j sum
+            pi = [(1 - pi_k) * mpmath.mpf(float(p[j])) / rest for j in range(num_classes)]
+            pi[k] = pi_k
+            decision = torch.where(margin > math.log(p[k] / (1 - p[k])) - ti, k, best_other)
+            errors = [float((decision[labels == j] != j).double().mean()) for j in range(num_classes)]
+            expected = sum(pi[j] * errors[j] for j in range(num_classes)) / (1 - max(pi))
+            assert value == pytest.approx(float(expected), rel=1e-12)
+
+
 def test_binary_curve_integrates_to_the_cross_entropy(binary):
     """Ferrer & Ramos Fig. 1: with costs C(a) = [[0, 1/a], [1/(1-a), 0]] the Bayes risk integrated
     over a in (0, 1) is the cross-entropy. The sweep's point t = logit(P_1) + logit(a) has costs

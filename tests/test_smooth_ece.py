@@ -284,3 +284,18 @@ def test_a_bandwidth_from_smooth_ece_bandwidth_is_taken_as_given():
         smooth_calibration_error(logits, labels, bandwidth=smooth_ece_bandwidth(logits, labels, kind="classwise"))
     with pytest.raises(ValueError, match="bandwidth must lie in"):
         SmoothCalibrationError(3, bandwidth="0.1")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["top-label", "classwise"])
+def test_the_metric_computes_after_set_dtype_to_half_precision(dtype, kind):
+    """torch.fft has no float16 or bfloat16: after ``set_dtype`` to either, compute() raised
+    (review finding). The grid is smoothed in float64; only its rounding to ``dtype`` remains."""
+    g = torch.Generator().manual_seed(0)
+    logits = 2 * torch.randn(3000, 4, generator=g, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(logits / 2, 1), 1, generator=g).squeeze(1)
+    metric = SmoothCalibrationError(4, kind=kind).set_dtype(dtype)
+    metric.update(logits, labels)
+    reference = SmoothCalibrationError(4, kind=kind)
+    reference.update(logits, labels)
+    torch.testing.assert_close(metric.compute().double(), reference.compute(), rtol=2e-2, atol=1e-3)

@@ -726,3 +726,36 @@ def test_lazy_submodules_after_a_plain_import():
     assert done.stdout.split() == ["torchcal.report", "torchcal.plots", "torchcal.lightning", "torchcal.data"]
     with pytest.raises(AttributeError, match="no attribute 'metric'"):
         torchcal.metric  # noqa: B018
+
+
+def test_calibration_loss_state_saved_in_another_process_loads_and_merges(tmp_path):
+    """The options digest hashed ``repr`` of the score function and its reduction, which hold
+    memory addresses: a ``CalibrationLoss`` state saved by one process was refused ("accumulated
+    under other options") by an identically built metric in another (review finding)."""
+    code = (
+        "import torch, torchcal\n"
+        "from torchcal import metrics as M\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "logits = 3 * torch.randn(2000, 4, generator=g, dtype=torch.float64)\n"
+        "labels = torch.multinomial(torch.softmax(logits / 3, 1), 1, generator=g).squeeze(1)\n"
+        "calibrator = torchcal.TemperatureScaling().fit(logits[:1000], labels[:1000])\n"
+        "metric = M.CalibrationLoss(calibrator, num_classes=4)\n"
+        "metric.persistent(True)\n"
+        "metric.update(logits[1000:1500], labels[1000:1500])\n"
+        f"torch.save({{'calibrator': calibrator.state_dict(), 'metric': metric.state_dict(), 'data': (logits, labels)}}, {str(tmp_path / 'saved.pt')!r})\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    saved = torch.load(tmp_path / "saved.pt")
+    logits, labels = saved["data"]
+    calibrator = torchcal.TemperatureScaling()
+    calibrator.load_state_dict(saved["calibrator"])
+    loaded, rest, whole = (M.CalibrationLoss(calibrator, num_classes=4) for _ in range(3))
+    loaded.persistent(True)
+    loaded.load_state_dict(saved["metric"])
+    rest.update(logits[1500:], labels[1500:])
+    loaded.merge_state(rest)
+    whole.update(logits[1000:], labels[1000:])
+    raw = logits[1000:]
+    expected = F.calibration_loss(raw, calibrator(raw).detach(), labels[1000:]).relative
+    _close(loaded.compute(), expected)
+    _close(whole.compute(), expected)

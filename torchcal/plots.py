@@ -329,9 +329,15 @@ def bayes_risk_sweep(
         raise ValueError(f"log_odds must be finite operating points, at least one; got {t.numel()}, of which "
                          f"{int((~torch.isfinite(t)).sum())} not finite.")
     log_odds, t = t, t.reshape(-1, 1)
-    pi_k = torch.sigmoid(t)
-    pi = (1 - pi_k) * p / (1 - p[class_index])
+    # 1 - pi_k as sigmoid(-t), and 1 - max_i pi_i from such complements, below: 1 - sigmoid(t)
+    # rounds to 0 from t = 37 (NaN or inf where NEC is 1: every decision k, or none)
+    pi_k, rest = torch.sigmoid(t), torch.sigmoid(-t)
+    pi = rest * p / (1 - p[class_index])
     pi[:, class_index] = pi_k[:, 0]
+    largest_other = int(p.index_fill(0, torch.tensor([class_index], device=p.device), -1.0).argmax())
+    neither = float(p.sum() - p[class_index] - p[largest_other]) if num_classes > 2 else 0.0
+    unit = torch.where(pi_k >= pi[:, largest_other : largest_other + 1], rest,
+                       pi_k + rest * max(neither, 0.0) / (1 - p[class_index]))[:, 0]  # 1 - max_i pi_i
     # The re-weighting only raises or lowers class k against all the others, so each sample's
     # decision is either k or its best other class, whichever wins by the margin below: a
     # difference of two scores, which the log-softmax's per-row constant leaves as it is.
@@ -347,7 +353,7 @@ def bayes_risk_sweep(
     counts = torch.zeros(num_classes, dtype=torch.float64, device=labels.device).index_add_(0, labels, torch.ones_like(margin))
     _check_classes_present(counts, p)  # their error rate is unknown: not 0
     errors = torch.zeros(len(t), num_classes, dtype=torch.float64, device=labels.device).index_add_(1, labels, wrong)
-    return log_odds, (pi * errors / counts.clamp_min(1)).sum(1) / (1 - pi.max(dim=1).values)
+    return log_odds, (pi * errors / counts.clamp_min(1)).sum(1) / unit
 
 
 def _zero_one_log_odds(priors: Tensor, class_index: int) -> float:

@@ -100,4 +100,5 @@ class SmoothCalibrationError(ScoreMetric):
         """The smooth ECE, a float64 scalar (the mean over classes for ``"classwise"``); NaN without samples."""
         if not bool(self.sample_count > 0):  # (an empty grid's smECE would read 0: perfectly calibrated)
             return self.grid.new_tensor(math.nan)
-        return smooth_ece_from_grids(self.grid, self.bandwidth)[0].mean()
+        # (in float64 whatever set_dtype made of the grid: torch.fft has no float16 or bfloat16)
+        return smooth_ece_from_grids(self.grid.to(torch.float64), self.bandwidth)[0].mean()

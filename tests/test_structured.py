@@ -418,6 +418,31 @@ def test_dtype_and_row_order_invariance(name):
     torch.testing.assert_close(out64.logsumexp(1), torch.zeros(len(labels), dtype=torch.float64), atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_float32_forward_keeps_small_margins(name):
+    """The features were float32 log-softmaxes, whose log-sum-exp rounds margins of 1e-4, which
+    the fitted beta (about 6e4 here) multiplies: float32 logits came out 2e-2 off the float64
+    ones, against temperature scaling's 4e-6 (review finding). Fitted on float64 logits."""
+    logits, labels = _data(2000, 5, seed=4)
+    small = 1e-5 * logits.double()
+    model = MODELS[name](reg_lambda=1.0).fit(small, labels)
+    assert float(model.inverse_temperature) > 1e3
+    torch.testing.assert_close(model(small.float()).double(), model(small), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("name", "num_classes", "loss"), [("svs", 20, "log"), ("svs", 4, "brier"), ("sms", 4, "brier")])
+def test_scores_that_say_nothing_fit_the_class_frequencies(name, num_classes, loss):
+    """Constant logits (a collapsed model): the ts-mix fit's beta is 0, every per-class block of
+    the preconditioner rank one, and its float32 sums' round-off failed their Cholesky
+    factorisation under the grid's weak penalties (review finding). The fit is the penalised
+    intercepts' optimum: the class frequencies, up to the ridge's shrinkage."""
+    n = 20000
+    labels = torch.randint(0, num_classes, (n,), generator=torch.Generator().manual_seed(n))
+    model = MODELS[name]().fit(torch.zeros(n, num_classes), labels, loss=loss)
+    frequencies = torch.bincount(labels, minlength=num_classes).double() / n
+    torch.testing.assert_close(model.predict_proba(torch.zeros(1, num_classes)).double()[0], frequencies, atol=2e-3, rtol=0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_fits_on_the_logits_device(name):

@@ -258,7 +258,10 @@ class _StructuredScaling(Calibrator):
         }
 
     def _features(self, logits: Tensor) -> Tensor:
-        return torch.log_softmax(logits, dim=1)
+        # softmax(beta z) = softmax(beta log_softmax(z)); the log-softmax's log-sum-exp, added
+        # to every score, rounds margins of 1e-4 in float32 that beta then multiplies (forward
+        # on float32 logits was 2e-2 off the float64 one, against temperature scaling's 4e-6)
+        return logits - logits.amax(dim=1, keepdim=True)
 
     def _ts_mix(self, log_probs: Tensor) -> Tensor:
         """``log((1 - eps) softmax(beta * log_probs) + eps / K)`` for log-posteriors (n, K)."""
@@ -513,7 +516,10 @@ def _per_class_blocks(
     """The change of variables of the exact per-class 2 x 2 Hessian blocks in ``theta = [v; b]``
     (2, K) of the map ``(1 + v) * x + b`` at posteriors ``q: (n, K)``, cross-class terms dropped:
     ``B_k = sum_i w_i q_ik (1 - q_ik) [x_ik, 1]^T [x_ik, 1] + 2 diag(penalty[:, k])``. The sums
-    are formed in the inputs' precision and factorised in ``penalty``'s."""
+    are formed in float64 (O(n K)): a constant ``x`` (scores that say nothing, whose ts-mix
+    fit's beta is 0) makes every block rank one, and float32 sums' round-off made its Cholesky
+    factorisation fail under weak penalties, which the jitter below cannot outweigh."""
+    q, x, sample_w = q.to(torch.float64), x.to(torch.float64), sample_w.to(torch.float64)
     r = torch.addcmul(q, q, q, value=-1)  # q (1 - q), then times x, then x^2, in one buffer
     bias = sample_w @ r
     cross = sample_w @ r.mul_(x)

@@ -48,6 +48,26 @@ def test_bundled_example_matches_the_published_numbers():
     assert "Copyright (c) 2018 Markus" in licence
 
 
+def test_a_torch_dict_with_the_npz_keys_keeps_its_validation_split(tmp_path, capsys):
+    """A ``.pt`` dict with ``logits_val`` / ``labels_val`` was read without its split: the command
+    line fitted a head on the test rows, where the same arrays in an ``.npz`` use the split
+    (review finding)."""
+    with np.load(EXAMPLE_PATH) as f:
+        arrays = {k: torch.from_numpy(f[k]) for k in ("logits", "labels", "logits_val", "labels_val")}
+    torch.save(arrays, tmp_path / "split.pt")
+    torch.save((arrays["logits"], arrays["labels"]), tmp_path / "pair.pt")
+    assert has_split(tmp_path / "split.pt") and not has_split(tmp_path / "pair.pt")
+    val, test = load_scores(tmp_path / "split.pt", split="val"), load_scores(tmp_path / "split.pt")
+    assert torch.equal(val.logits, arrays["logits_val"].float()) and torch.equal(val.labels, arrays["labels_val"].long())
+    assert test.num_samples == 10000
+    with pytest.raises(ValueError, match=r"a 'val' split is stored in a dict \(keys 'logits_val', 'labels_val'\); the file holds a tuple"):
+        load_scores(tmp_path / "pair.pt", split="val")
+    from torchcal.cli import main
+
+    assert main(["calibrate", str(tmp_path / "split.pt"), "--method", "temperature", "--save", str(tmp_path / "head.pt")]) == 0
+    assert "fitted temperature on 5000 samples (the file's validation split)" in capsys.readouterr().out
+
+
 def test_half_a_validation_split_is_refused_naming_the_missing_key(small, tmp_path):
     logits, labels = small
     np.savez(tmp_path / "scores.npz", logits=logits, labels=labels, logits_val=logits)
@@ -464,7 +484,7 @@ def test_bad_files(tmp_path, small):
     (tmp_path / "noheader.csv").write_text("0.1,0.9,1\n")
     with pytest.raises(ValueError, match="needs a header row"):
         load_scores(tmp_path / "noheader.csv")
-    with pytest.raises(ValueError, match="only .npz files store a 'val' split"):
+    with pytest.raises(ValueError, match=r"only .npz files and .pt/.pth dicts store a 'val' split"):
         load_scores(tmp_path / "lonely.npy", split="val")
 
 
@@ -648,3 +668,28 @@ def test_labels_csv_with_a_header_as_pandas_writes_it(tmp_path):
 def test_a_nan_probability_is_named_as_such():
     with pytest.raises(ValueError, match="found 1 NaN and 0 infinite values"):
         binary_scores_to_logits(torch.tensor([0.2, float("nan")]))
+
+
+def test_labels_files_that_read_wrong_are_named(small, tmp_path):
+    """Review findings: pandas writes the header ``0`` for an unnamed Series, which was read as a
+    first label and the error blamed the counts; float labels beyond int64 were named as the
+    wrapped value (-9223372036854775808); probabilities saved in bfloat16, whose rounding moves a
+    row's sum by up to 2^-8, were read as logits (NLL 1.55 for 0.38)."""
+    logits, labels = small
+    np.save(tmp_path / "s.npy", logits)
+    (tmp_path / "labels.csv").write_text("0\n" + "\n".join(str(int(v)) for v in labels) + "\n")
+    with pytest.raises(ValueError, match=r"labels.csv has one entry more than the scores have rows, and its first line is '0'"):
+        load_scores(tmp_path / "s.npy", labels_path=tmp_path / "labels.csv")
+    np.save(tmp_path / "huge.npy", np.full(len(labels), 1e20))
+    with pytest.raises(ValueError, match=r"labels must be class indices 0..K-1; found 1e\+20"):
+        load_scores(tmp_path / "s.npy", labels_path=tmp_path / "huge.npy")
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(3 * torch.randn(2000, 10, generator=g, dtype=torch.float64), 1)
+    stored = probs.to(torch.bfloat16)
+    assert float((stored.double().sum(1) - 1).abs().max()) > 1e-3  # (else this tests nothing)
+    torch.save({"probs": stored, "labels": torch.zeros(2000, dtype=torch.long)}, tmp_path / "keyed.pt")
+    torch.save({"logits": stored, "labels": torch.zeros(2000, dtype=torch.long)}, tmp_path / "bf16.pt")
+    read = load_scores(tmp_path / "bf16.pt")
+    assert read.read_as.startswith("probabilities")
+    torch.testing.assert_close(read.logits.double(), load_scores(tmp_path / "keyed.pt").logits.double(), rtol=0, atol=0)
+    torch.testing.assert_close(torch.log_softmax(read.logits.double(), 1), probs.log(), rtol=0, atol=2e-2)

@@ -10,7 +10,7 @@ Supported files:
   name, the word ``logits``, ``scores`` or ``probs`` in it replaced by ``labels`` or ``targets``:
   ``x_logits.npy`` -> ``x_labels.npy`` or ``x_targets.npy``, ``scores.npy`` -> ``labels.npy`` or
   ``targets.npy`` (a name without those words takes no sibling).
-- ``.pt`` / ``.pth``: a dict with the ``.npz`` keys, a ``(scores, labels)`` pair, or a scores
+- ``.pt`` / ``.pth``: a dict with the ``.npz`` keys (its calibration split too), a ``(scores, labels)`` pair, or a scores
   tensor with ``labels_path``. Loaded with ``weights_only=True``. Tensors may be sparse, still
   attached to autograd, or in half precision (bfloat16, float16: read as float32).
 - ``.csv``: a header row, one column named ``label`` (or ``labels``, ``target``, ``y``); every
@@ -26,10 +26,11 @@ Scores are read as logits in the wide sense (any unnormalised log-posteriors) un
 says otherwise (``input="probs"`` / ``"log_probs"`` / ``"llr"``), the file says so (key ``probs`` /
 ``log_probs`` / ``llr``), or the rows are provably probabilities: every value in [0, 1] and every
 row summing to one within :data:`SIMPLEX_TOLERANCE` (the one tolerance, whether detected or
-requested; values up to 1e-5 outside [0, 1] count as round-off and are clamped). Rows that lie in
-[0, 1] but do not sum to one so (e.g. probabilities rounded to two decimals) stay logits, and the
-note says so; ``input="probs"`` renormalises rows that sum to one within :data:`ROUNDED_TOLERANCE`
-(or K half-units of the second decimal, where more, up to 0.5).
+requested; a bfloat16 tensor's rows, within its rounding; values up to 1e-5 outside [0, 1] count
+as round-off and are clamped). Rows that lie in [0, 1] but do not sum to one so (e.g.
+probabilities rounded to two decimals) stay logits, and the note says so; ``input="probs"``
+renormalises rows that sum to one within :data:`ROUNDED_TOLERANCE` (or K half-units of the second
+decimal, where more, up to 0.5).
 
 A single score column is a binary task: probabilities of class 1, log-probabilities of class 1,
 log-likelihood ratios (LLRs), or the posterior log-odds a sigmoid head outputs (its one logit,
@@ -214,7 +215,7 @@ def load_scores(
             ``"probs"`` (rows of probabilities, or one column of probabilities of class 1),
             ``"log_probs"`` (rows of log-probabilities, or one column of log-probabilities of
             class 1), ``"llr"`` (one column of log-likelihood ratios) or ``"auto"``.
-        split: ``"val"`` reads the ``logits_val``/``labels_val`` split of an ``.npz``.
+        split: ``"val"`` reads the ``logits_val``/``labels_val`` split of an ``.npz`` or a ``.pt`` dict.
         priors: (2,) priors used only to turn binary LLRs into posteriors; None: the labels'
             class frequencies (the priors every metric assumes when given none), or uniform priors
             for a file without labels or with a class absent.
@@ -253,11 +254,16 @@ def load_scores(
         labels = None if labels is None else _as_labels(labels)
         reason = "as requested" if input != "auto" else "as the file's key says"
         kind = input if input != "auto" else hint
+        tolerance = _simplex_tolerance(raw)
         raw = _as_array(raw, "scores")
         if input == "auto" and fallback is not None and hint in ("auto", _AUTO_LOGITS) and _values_allow(raw, fallback):
             kind, reason = fallback, f"as the calibrator's were: --input {fallback}, saved with it"
-        logits, read_as, llr_priors = _to_logits(raw, kind, reason, priors, labels)
+        logits, read_as, llr_priors = _to_logits(raw, kind, reason, priors, labels, tolerance)
         read_as += note
+        if labels is not None and labels_path is not None and len(labels) == len(logits) + 1 and _header_zero(Path(labels_path)):
+            raise ValueError(f"the labels file {Path(labels_path).name} has one entry more than the scores have rows, and its "
+                             f"first line is '0': the header pandas writes for an unnamed Series (Series.to_csv(index=False))? "
+                             f"Drop that line, or name the column: .to_csv(index=False, header=['label']).")
         if labels is not None:
             logits, labels = check_logits_and_labels(logits, labels, warn_probs=False)  # read_as says
         elif require_labels:
@@ -272,19 +278,29 @@ def load_scores(
     return Scores(logits=logits, labels=labels, read_as=read_as, source=source, llr_priors=llr_priors)
 
 
+#: The files that can store a calibration split (a ``.pt`` / ``.pth`` one as a dict).
+_SPLIT_SUFFIXES = (".npz", ".pt", ".pth")
+
+
 def has_split(path: str | Path, split: Literal["val"] = "val") -> bool:
-    """Whether the ``.npz`` at ``path`` stores a ``logits_val``/``labels_val`` calibration split
-    (not a file that cannot be read: :func:`load_scores` says what is wrong with it).
+    """Whether the ``.npz`` (or the ``.pt`` / ``.pth`` dict) at ``path`` stores a
+    ``logits_val``/``labels_val`` calibration split (not a file that cannot be read:
+    :func:`load_scores` says what is wrong with it).
 
     Raises:
         ValueError: the file stores half a split, its scores without its labels or the reverse.
     """
     path = Path(path)
-    if path.suffix.lower() != ".npz" or not path.is_file():
+    suffix = path.suffix.lower()
+    if suffix not in _SPLIT_SUFFIXES or not path.is_file():
         return False
     try:
-        with np.load(path, allow_pickle=False) as f:
-            files = f.files
+        if suffix == ".npz":
+            with np.load(path, allow_pickle=False) as f:
+                files = f.files
+        else:
+            obj = _torch_load(path, mmap=True)  # (the keys: the tensors are mapped, not read)
+            files = list(obj) if isinstance(obj, dict) else []
     except (OSError, ValueError, EOFError, zipfile.BadZipFile):
         return False
     scores = next((f"{k}_{split}" for k in _SCORE_KEYS if f"{k}_{split}" in files), None)
@@ -314,8 +330,9 @@ def _read(
     several score keys, the one ``input`` names.
     Messages name ``labels_option`` as the way to give a labels file."""
     suffix = path.suffix.lower()
-    if split != "test" and suffix != ".npz":
-        raise ValueError(f"only .npz files store a '{split}' split.")
+    if split != "test" and suffix not in _SPLIT_SUFFIXES:
+        raise ValueError(f"only .npz files and .pt/.pth dicts store a '{split}' split.")
+    key_suffix = "" if split == "test" else f"_{split}"
     given = None if labels_path is None else _load_labels(labels_path)
     if suffix == ".npz":
         try:
@@ -323,9 +340,9 @@ def _read(
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
             raise _unreadable(".npz", err) from None
         with npz:
-            return (*_from_mapping(_UsedArrays(npz), given, input, labels_option, suffix="" if split == "test" else f"_{split}"), "")
+            return (*_from_mapping(_UsedArrays(npz), given, input, labels_option, suffix=key_suffix), "")
     if suffix in (".pt", ".pth"):
-        return (*_from_torch(path, given, input, labels_option), "")
+        return (*_from_torch(path, given, input, labels_option, key_suffix), "")
     if suffix == ".npy":
         sibling, looked_for = _sibling_labels(path)
         labels = given if given is not None or sibling is None else _load_labels(sibling)
@@ -401,11 +418,16 @@ def _from_mapping(found: Mapping[str, Any], given: Any, input: InputKind, labels
     return scores, labels, kind, missing
 
 
-def _torch_load(path: Path) -> Any:
+def _torch_load(path: Path, mmap: bool = False) -> Any:
     try:
         with warnings.catch_warnings():  # torch warns about the pickle protocol of a bad file
             warnings.simplefilter("ignore")
-            return torch.load(path, map_location="cpu", weights_only=True)
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            except RuntimeError:
+                if not mmap:
+                    raise
+                return torch.load(path, map_location="cpu", weights_only=True)  # (a legacy file: not mappable)
     except Exception as err:  # torch raises many exception types for a bad file
         if "Weights only load failed" in str(err):  # (objects other than tensors: not unpickled, it is unsafe)
             raise ValueError("not a readable torch file of tensors: torchcal unpickles nothing else (e.g. NumPy arrays: "
@@ -414,10 +436,13 @@ def _torch_load(path: Path) -> Any:
         raise ValueError(f"not a readable torch file ({type(err).__name__}: {first_line}).") from None
 
 
-def _from_torch(path: Path, given: Any, input: InputKind, labels_option: str):
+def _from_torch(path: Path, given: Any, input: InputKind, labels_option: str, suffix: str = ""):
     obj = _torch_load(path)
     if isinstance(obj, dict):
-        return _from_mapping(obj, given, input, labels_option)
+        return _from_mapping(obj, given, input, labels_option, suffix=suffix)
+    if suffix:
+        raise ValueError(f"a '{suffix[1:]}' split is stored in a dict (keys 'logits{suffix}', 'labels{suffix}'); "
+                         f"the file holds a {type(obj).__name__}.")
     if isinstance(obj, (tuple, list)) and len(obj) == 2:
         if given is not None:
             raise ValueError(_two_labels("a (scores, labels) pair", labels_option))
@@ -513,6 +538,14 @@ def _load_labels(path: str | Path) -> Any:
         except ValueError as err:
             raise ValueError(f"{path}: labels must be one number per line ({err}).") from None
     raise ValueError(f"unsupported labels file type {path.suffix!r}; use .npy, .pt, .csv or .txt.")
+
+
+def _header_zero(path: Path) -> bool:
+    """Whether a ``.csv`` / ``.txt`` labels file's first line is a lone ``0``."""
+    if path.suffix.lower() not in (".csv", ".txt"):
+        return False
+    with path.open(encoding="utf-8-sig") as f:
+        return f.readline().strip() == "0"
 
 
 def _labels_csv(path: Path) -> np.ndarray:
@@ -680,14 +713,18 @@ def _as_labels(labels: Any) -> Tensor:
             raise ValueError("labels contain NaN or infinite values.")
         if not bool((labels == labels.round()).all()):
             raise ValueError("labels must be whole numbers (class indices 0..K-1).")
+        largest = float(labels.flatten()[labels.abs().argmax()]) if labels.numel() else 0.0
+        if abs(largest) >= 2.0**62:  # (.long() would wrap it, and the range check name the wrapped value)
+            raise ValueError(f"labels must be class indices 0..K-1; found {largest:.6g}.")
     return labels.long()
 
 
 def _to_logits(
-    scores: np.ndarray, kind: str, reason: str, priors: Any, labels: Tensor | None
+    scores: np.ndarray, kind: str, reason: str, priors: Any, labels: Tensor | None, tolerance: float = SIMPLEX_TOLERANCE
 ) -> tuple[Tensor, str, Tensor | None]:
-    """Interpret ``scores`` as ``kind`` (or detect it for ``"auto"``); return logits, a note and the
-    priors that turned LLRs into them (see :func:`load_scores`; None for other kinds)."""
+    """Interpret ``scores`` as ``kind`` (or detect it for ``"auto"``; rows of probabilities sum to 1
+    within ``tolerance``); return logits, a note and the priors that turned LLRs into them (see
+    :func:`load_scores`; None for other kinds)."""
     if scores.dtype.kind not in "fiub" or scores.ndim not in (1, 2) or scores.size == 0:
         raise ValueError(f"scores must be a non-empty (N, K) or (N,) array of numbers, got shape "
                          f"{scores.shape} and dtype {scores.dtype}.")
@@ -701,7 +738,15 @@ def _to_logits(
         raise ValueError(f"scores contain {int((~torch.isfinite(values)).sum())} NaN or infinite values.")
     if values.ndim == 1 or values.shape[1] == 1:
         return _one_column_to_logits(values.reshape(-1), kind, reason, priors, labels)
-    return (*_columns_to_logits(values, kind, reason), None)
+    return (*_columns_to_logits(values, kind, reason, tolerance), None)
+
+
+def _simplex_tolerance(scores: Any) -> float:
+    """SIMPLEX_TOLERANCE, or a tensor's precision where that is coarser: bfloat16 rounds a row's
+    sum by up to 2^-8 (probabilities saved so were read as logits: NLL 1.55 for 0.38)."""
+    if isinstance(scores, Tensor) and scores.is_floating_point():
+        return max(SIMPLEX_TOLERANCE, torch.finfo(scores.dtype).eps)
+    return SIMPLEX_TOLERANCE
 
 
 def _values_allow(scores: np.ndarray, kind: str) -> bool:
@@ -783,7 +828,7 @@ def _label_frequencies(labels: Tensor | None, num_samples: int) -> tuple[Tensor,
     return torch.full((2,), 0.5, dtype=torch.float64), "uniform priors"
 
 
-def _columns_to_logits(values: Tensor, kind: str, reason: str) -> tuple[Tensor, str]:
+def _columns_to_logits(values: Tensor, kind: str, reason: str, tolerance: float = SIMPLEX_TOLERANCE) -> tuple[Tensor, str]:
     if kind == "llr":
         raise ValueError(f"LLRs must be one score column; these scores have {values.shape[1]} columns.")
     if kind == "log_probs" and bool((values > 0).any()):  # (as for one column: probabilities read as logs)
@@ -798,12 +843,12 @@ def _columns_to_logits(values: Tensor, kind: str, reason: str) -> tuple[Tensor, 
     if kind == "auto":
         if not _in_unit_interval(values):
             return values, "logits"
-        if deviation > SIMPLEX_TOLERANCE:
+        if deviation > tolerance:
             advice = ("If these are rounded probabilities, pass input='probs' (--input probs) to renormalise the rows"
                       if deviation <= rounded_tolerance else "Too far from 1 for rounded probabilities: input='probs' refuses them too")
             return values, (
                 f"{ROUNDED_READ_AS_LOGITS} and sums to 1 within {deviation:.2g} (row {worst}); "
-                f"probabilities must sum to 1 within {SIMPLEX_TOLERANCE:g}. {advice}"
+                f"probabilities must sum to 1 within {tolerance:g}. {advice}"
             )
         note = "probabilities (every row lies in [0, 1] and sums to 1; input='logits' / --input logits overrides)"
     else:
@@ -812,7 +857,7 @@ def _columns_to_logits(values: Tensor, kind: str, reason: str) -> tuple[Tensor, 
             raise ValueError("scores read as probabilities must lie in [0, 1]; found values outside. Are these logits?")
         if deviation > rounded_tolerance:
             raise ValueError(f"rows of probabilities must sum to one; row {worst} sums to {float(row_sums[worst]):.6g}.")
-        if deviation > SIMPLEX_TOLERANCE:
+        if deviation > tolerance:
             note += f"; rows renormalised, they summed to 1 only within {deviation:.2g} (row {worst})"
             values = values / row_sums.unsqueeze(1).to(values.dtype)
     values = values.clamp(0, 1)  # (round-off outside it: _UNIT_SLACK)

@@ -160,13 +160,24 @@ def test_structured_outputs_calibrate_the_logits_and_pass_the_rest(val):
 
 
 class ModelOutput(collections.OrderedDict):
-    """The essence of Hugging Face's ``ModelOutput``: an ordered dict with attribute access."""
+    """The essence of Hugging Face's ``ModelOutput``: an ordered dict with attribute access, whose
+    ``update``, ``pop`` and ``setdefault`` raise (replace_logits called update: every real
+    ModelOutput raised, review finding)."""
 
     def __getattr__(self, name: str) -> torch.Tensor:
         try:
             return self[name]
         except KeyError:
             raise AttributeError(name) from None
+
+    def update(self, *args, **kwargs) -> None:
+        raise Exception(f"You cannot use ``update`` on a {type(self).__name__} instance.")
+
+    def pop(self, *args, **kwargs) -> None:
+        raise Exception(f"You cannot use ``pop`` on a {type(self).__name__} instance.")
+
+    def setdefault(self, *args, **kwargs) -> None:
+        raise Exception(f"You cannot use ``setdefault`` on a {type(self).__name__} instance.")
 
 
 class NeedsArguments(collections.OrderedDict):
@@ -642,3 +653,17 @@ def test_split_batch_returning_a_bare_tensor_is_named():
     loader = [{"x": x[i : i + 8], "y": y[i : i + 8]} for i in range(0, 40, 8)]
     with pytest.raises(TypeError, match=r"split_batch must return \(arguments, labels\) .* e.g. \(\(x,\), y\)"):
         collect_scores(make_net(), loader, split_batch=lambda b: (b["x"], b["y"]))
+
+
+def test_float32_inputs_of_a_float64_map_stay_finite():
+    """Quadratic scaling computes in float64: a log-posterior below float32's range came out -inf
+    for float32 inputs (review finding); it is float32's lowest, as for every other calibrator."""
+    gen = torch.Generator().manual_seed(0)
+    llr = 3 * torch.randn(4000, generator=gen, dtype=torch.float64)
+    labels = torch.bernoulli(torch.sigmoid(llr / 3 + 0.5 + 0.02 * llr**2), generator=gen).long()
+    model = torchcal.QuadraticScaling().fit(torch.stack([torch.zeros_like(llr), llr], 1), labels)
+    test = torch.tensor([[0.0, 1e21], [0.0, -1e21], [0.0, 5.0]])
+    wide, narrow = model(test.double()).detach(), model(test).detach()
+    assert float(wide.min()) < -1e39 and bool(torch.isfinite(narrow).all())
+    expected = wide.clamp_min(torch.finfo(torch.float32).min).float()
+    torch.testing.assert_close(narrow, expected, rtol=1e-6, atol=0)

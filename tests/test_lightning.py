@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import math
 import subprocess
 import sys
 import warnings
@@ -286,6 +287,31 @@ def test_two_callbacks_keep_their_own_heads(tmp_path):
         )
 
 
+def test_a_callback_that_has_not_fitted_takes_no_sibling_head(tmp_path):
+    """A checkpoint saved while only one of two callbacks had fitted (the other fits at the end of
+    fitting, every_n_epochs=0) holds one head: the other callback took it as its own, refusing the
+    checkpoint where its class differed and silently keeping the wrong head where it matched
+    (review finding)."""
+    def callbacks():
+        return [CalibrationCallback(torchcal.TemperatureScaling(), metrics=("nce",), prefix="ts/"),
+                CalibrationCallback(torchcal.VectorScaling(), metrics=("nce",), prefix="late/", every_n_epochs=0),
+                CalibrationCallback(torchcal.TemperatureScaling(), metrics=("nce",), prefix="brier/", every_n_epochs=0,
+                                    fit_options={"loss": "brier"})]
+
+    saving = ModelCheckpoint(dirpath=tmp_path, filename="epoch{epoch}", save_top_k=-1)
+    fitted = callbacks()
+    trainer = Trainer(**{**TRAINER_DEFAULTS, "enable_checkpointing": True}, max_epochs=1, callbacks=[*fitted, saving])
+    trainer.fit(Classifier(), loader(200, 0), loader(300, 1))
+    checkpoint = torch.load(tmp_path / "epochepoch=0.ckpt", weights_only=True)
+    assert sorted(checkpoint[CHECKPOINT_KEY]) == [fitted[0].state_key]
+    restored = callbacks()
+    with pytest.warns(UserWarning, match="CalibrationCallback has no fitted head"):
+        Trainer(**TRAINER_DEFAULTS, callbacks=restored).test(Classifier(), loader(100, 3), ckpt_path=tmp_path / "epochepoch=0.ckpt",
+                                                            verbose=False)
+    assert restored[0].calibrator.temperature == fitted[0].calibrator.temperature
+    assert not restored[1].calibrator.is_fitted and not restored[2].calibrator.is_fitted
+
+
 FRESH_PROCESS = """
 import sys, torch
 sys.path.insert(0, {tests!r})
@@ -340,10 +366,18 @@ def test_a_head_of_other_options_loads_into_the_calibrator_built_with_defaults(t
     no_bias = torchcal.AffineCalibration(bias=False).fit(raw_outputs(model, data), data.tensors[1])
     checkpoint[CHECKPOINT_KEY] = head_checkpoint(no_bias)
     torch.save(checkpoint, tmp_path / "no_bias.ckpt")
-    for calibrator in (None, torchcal.AffineCalibration(bias=False), torchcal.AffineCalibration()):
+    fitted_with_bias = torchcal.AffineCalibration().fit(raw_outputs(model, data), data.tensors[1])  # (its beta stayed: review finding)
+    for calibrator in (None, torchcal.AffineCalibration(bias=False), torchcal.AffineCalibration(), fitted_with_bias):
         loaded = CalibratedModel.from_checkpoint(tmp_path / "no_bias.ckpt", Classifier(), calibrator)
-        assert loaded.calibrator.bias is False
+        assert loaded.calibrator.bias is False and "beta" not in loaded.calibrator.state_dict()
         torch.testing.assert_close(loaded.calibrator.log_alpha, no_bias.log_alpha)
+        torch.testing.assert_close(loaded.calibrator(raw_outputs(model, data)), no_bias(raw_outputs(model, data)), rtol=0, atol=0)
+    # a checkpoint that pickles more than tensors (hyperparameters holding a Path) loads where trusted
+    checkpoint["hyper_parameters"] = {"data_dir": Path("/data")}
+    torch.save(checkpoint, tmp_path / "pickled.ckpt")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        CalibratedModel.from_checkpoint(tmp_path / "pickled.ckpt", Classifier())
+    assert CalibratedModel.from_checkpoint(tmp_path / "pickled.ckpt", Classifier(), weights_only=False).calibrator.bias is False
     callback = CalibrationCallback(torchcal.AffineCalibration())
     Trainer(**TRAINER_DEFAULTS, callbacks=[callback]).test(Classifier(), loader(100, 3), ckpt_path=tmp_path / "no_bias.ckpt", verbose=False)
     assert callback.calibrator.bias is False
@@ -534,9 +568,12 @@ class ForwardBypassedInTest(Classifier):
 
 
 def test_no_validation_logits_says_how_to_provide_them():
+    """Said in the sanity check, before the first training epoch (it came after one: review finding)."""
     trainer = Trainer(**TRAINER_DEFAULTS, max_epochs=1, callbacks=[CalibrationCallback()])
+    model = LossOnlyValidation()
     with pytest.raises(RuntimeError, match=r"found no validation logits.*override extract\(\)"):
-        trainer.fit(LossOnlyValidation(), loader(100, 0), loader(100, 1))
+        trainer.fit(model, loader(100, 0), loader(100, 1))
+    assert trainer.global_step == 0  # (no training step ran)
 
 
 class DictBatches(Classifier):
@@ -704,6 +741,20 @@ def test_a_fit_without_validation_says_it_fitted_no_head():
     assert not callback.calibrator.is_fitted
 
 
+
+def test_a_second_fit_without_validation_keeps_no_report_of_the_first(tmp_path):
+    """The first fit's report stayed ``report_``, and a second fit without validation logged it
+    again as its own (review finding)."""
+    callback = CalibrationCallback(metrics=("nce",))
+    model = Classifier()
+    Trainer(**TRAINER_DEFAULTS, max_epochs=1, callbacks=[callback]).fit(model, loader(100, 0), loader(100, 1))
+    assert callback.report_ is not None
+    logger = CSVLogger(tmp_path)
+    Trainer(**{**TRAINER_DEFAULTS, "logger": logger}, max_epochs=1, callbacks=[callback]).fit(model, loader(100, 2))
+    assert callback.report_ is None and callback.calibrator.is_fitted  # (the first fit's head stays)
+    logged = Path(logger.log_dir) / "metrics.csv"
+    assert not logged.exists() or "calibration/before" not in logged.read_text()
+
 def test_argument_errors():
     with pytest.raises(TypeError, match="torchcal calibrator"):
         CalibrationCallback(nn.Identity())
@@ -818,6 +869,37 @@ def test_ddp_two_processes_fit_the_same_head_as_one(tmp_path):
     assert ranks[0]["metrics"]["calibration/rcl"] == pytest.approx(float(rcl), rel=1e-5)
 
 
+
+class NaNOnRankOne(RankSplitClassifier):
+    def validation_step(self, batch, batch_idx):
+        out = super().validation_step(batch, batch_idx)
+        return {**out, "logits": torch.full_like(out["logits"], math.nan)} if self.global_rank == 1 else out
+
+
+class RecordingErrors(CalibrationCallback):
+    def __init__(self, out: Path) -> None:
+        super().__init__(metrics=("nce",))
+        self.out = out
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        try:
+            super().on_validation_epoch_end(trainer, pl_module)
+        except ValueError as err:
+            (self.out / f"rank{trainer.global_rank}.txt").write_text(str(err))
+            raise
+
+
+def test_ddp_bad_outputs_on_one_process_are_named_on_every_process(tmp_path):
+    """The metrics-only path (trainer.validate without fit_on_validate) checked each process's
+    outputs alone: the process with NaN logits said so, the other waited in the metric's sync and
+    got gloo's "Connection closed by peer" (review finding)."""
+    trainer = Trainer(**TRAINER_DEFAULTS, strategy="ddp_fork", devices=2, use_distributed_sampler=False,
+                      callbacks=[RecordingErrors(tmp_path)])
+    with pytest.raises(Exception, match="NaN|refused its shard"):  # (the first process to fail: either)
+        trainer.validate(NaNOnRankOne(), verbose=False)
+    assert "NaN" in (tmp_path / "rank1.txt").read_text()
+    assert "another process of the group refused its shard" in (tmp_path / "rank0.txt").read_text()
+
 def test_ddp_spawn_returns_the_head_to_the_main_process(tmp_path):
     """ddp_spawn trains in two spawned processes: the main process ends with their head and report
     (not an unfitted one), so trainer.test there is calibrated. Histogram binning cannot fit
@@ -849,6 +931,11 @@ def test_ddp_spawn_returns_the_head_to_the_main_process(tmp_path):
     with torch.no_grad():
         expected = F.nll_loss(callback.calibrator(raw_outputs(model, test, batch_size=50)), test.tensors[1])
     assert nll == pytest.approx(float(expected), rel=1e-5)
+    # trainer.validate refits the head (fit_on_validate) on the main process's weights: it comes back
+    trainer.validate(model, DataLoader(make_data(151, seed=4), batch_size=50), verbose=False)
+    worker = torch.load(tmp_path / "rank0.pt")
+    assert not all(torch.equal(v, head[k]) for k, v in worker["head"].items() if k != "_extra_state")
+    assert all(torch.equal(v, worker["head"][k]) for k, v in callback.calibrator.state_dict().items() if k != "_extra_state")
 
 
 DDP_SCRIPT = """

@@ -161,7 +161,8 @@ def _with_items(output: Mapping[Any, Any], items: Mapping[Any, Any]) -> Mapping[
         except TypeError:  # e.g. an OrderedDict subclass whose __init__ requires arguments
             pass
         else:
-            copied.update(items)
+            for key, value in items.items():  # (item by item: transformers' ModelOutput refuses update())
+                copied[key] = value
             return copied
     return {**output, **items}
 
@@ -370,6 +371,7 @@ class CalibratedModel(nn.Module):
         prefix: str | None = None,
         load_weights: bool = True,
         map_location: str | torch.device | None = "cpu",
+        weights_only: bool = True,
     ) -> CalibratedModel:
         """The calibrated network stored in a Lightning checkpoint, without a ``Trainer``.
 
@@ -387,8 +389,10 @@ class CalibratedModel(nn.Module):
             load_weights: load the checkpoint's ``state_dict`` (the LightningModule's weights) into
                 ``model``; ``False`` keeps ``model``'s own weights.
             map_location: as in ``torch.load``.
+            weights_only: as in ``torch.load``: ``False`` for a checkpoint that pickles other
+                objects (e.g. hyperparameters holding a ``pathlib.Path``), of a source you trust.
         """
-        checkpoint = torch.load(path, map_location=map_location, weights_only=True)
+        checkpoint = torch.load(path, map_location=map_location, weights_only=weights_only)
         heads = _stored_heads(checkpoint)
         if not heads:
             raise KeyError(
@@ -475,8 +479,8 @@ def _select_head(heads: Mapping[str, dict[str, Any]], path: str, prefix: str | N
 
 
 def _load_head_state(calibrator: Calibrator, entry: Mapping[str, Any], remedy: str) -> None:
-    """Load a stored head's state into ``calibrator``; a state of other options (e.g. a head
-    without biases into one with) raises with ``remedy`` rather than a bare key list."""
+    """Load a stored head's state into ``calibrator``; a state its options cannot take raises
+    with ``remedy`` rather than a bare key list."""
     described = repr(calibrator)  # its options, before the failed load changes it
     try:
         calibrator.load_state_dict(entry["state_dict"])

@@ -282,9 +282,10 @@ class Calibrator(nn.Module):
         # A scaled score beyond the dtype's range (a class masked at finfo.min, times 1 / T > 1) is
         # its largest finite value: a probability of 0 whose log stays finite, as every score is.
         # (In place: the scores are the maps' own output, which no backward pass reads.) Maps that
-        # compute in float64 (the non-parametric ones, quadratic scaling) normalise there.
+        # compute in float64 (the non-parametric ones, quadratic scaling) normalise there, and a
+        # log-posterior below the output dtype's range is its lowest too (it was -inf in float32).
         finfo = torch.finfo(scores.dtype)
-        return torch.log_softmax(scores.clamp_(finfo.min, finfo.max), dim=1).to(dtype)
+        return torch.log_softmax(scores.clamp_(finfo.min, finfo.max), dim=1).clamp_min(torch.finfo(dtype).min).to(dtype)
 
     def predict_proba(self, logits: Tensor) -> Tensor:
         """Calibrated posteriors (N, K): ``forward(logits).exp()``."""
@@ -406,8 +407,13 @@ class Calibrator(nn.Module):
     def _materialize(self, num_classes: int, device: torch.device | None = None) -> None:
         """(Re)create the fitted tensors at the identity map for ``num_classes`` classes. A parameter
         that is there already with that shape is kept, set in place (as ``nn.Linear``'s reset is):
-        an optimizer built before a refit or a load holds it, and a frozen one stays frozen."""
-        for name, value in self._identity(num_classes).items():
+        an optimizer built before a refit or a load holds it, and a frozen one stays frozen. One
+        the options no longer have goes (``AffineCalibration``'s ``beta`` once ``bias=False``: a
+        head without biases did not load into a fitted instance with them)."""
+        identity = self._identity(num_classes)
+        for name in [name for name in self._parameters if name not in identity]:
+            del self._parameters[name]
+        for name, value in identity.items():
             value = value.to(device=device, dtype=torch.float64)
             old = self._parameters.get(name)
             if name in self._buffer_names:

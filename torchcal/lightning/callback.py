@@ -1,8 +1,8 @@
 """A Lightning callback that watches calibration during training and fits a calibration head.
 
 At the end of validation epochs, :class:`CalibrationCallback` logs calibration metrics of the
-validation outputs and fits its calibrator on them, so that checkpoints hold a head for their
-weights. ``trainer.test`` and ``trainer.predict`` then return calibrated outputs; at the end of
+validation outputs and fits its calibrator on them, so that checkpoints hold the head of the
+latest fit (with ``every_n_epochs > 1``, an epoch without a fit leaves the head of an earlier one). ``trainer.test`` and ``trainer.predict`` then return calibrated outputs; at the end of
 fitting the callback logs the validation metrics before and after calibration. Under DDP the
 metrics and the fit are data-parallel: each process keeps its own validation outputs and only sums
 travel (``Calibrator.fit(..., process_group=...)``).
@@ -18,7 +18,7 @@ import os
 import tempfile
 import uuid
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 from torchcal._validation import check_count
 from torchcal.calibrators import Calibrator, TemperatureScaling
 from torchcal.calibrators.base import check_calibrator
-from torchcal.distributed import ProcessGroup
+from torchcal.distributed import ProcessGroup, validate_together
 from torchcal.fit import cross_validate
 from torchcal.functional import (
     brier_score,
@@ -375,13 +375,14 @@ class CalibrationCallback(Callback):
     def on_validation_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        if dataloader_idx != 0 or trainer.sanity_checking:
+        if dataloader_idx != 0:
             return
         found = self.extract(outputs, batch)
-        if found is None:
+        if found is None:  # (the sanity check's batches too: they are kept for nothing else)
             raise RuntimeError(self._not_found_message(outputs, batch))
-        logits, labels = found
-        self._batches.append((logits.detach(), labels.detach()))
+        if not trainer.sanity_checking:
+            logits, labels = found
+            self._batches.append((logits.detach(), labels.detach()))
 
     def _not_found_message(self, outputs: Any, batch: Any) -> str:
         """Why the default :meth:`extract` found nothing: no logits, logits of the wrong shape, or no labels."""
@@ -496,7 +497,8 @@ class CalibrationCallback(Callback):
             precision="float64" if scores.dtype == torch.float64 else "float32",
             sync_on_compute=group is not None,
         ).to(scores.device)
-        quality.update(scores, labels)
+        # (a process's bad outputs raise on every process: the others would wait in the sync)
+        validate_together(lambda: quality.update(scores, labels), group, scores)
         return {name: float(value) for name, value in quality.compute().items()}
 
     def _out_of_fold(self, scores: Tensor, labels: Tensor, group: ProcessGroup | None) -> Tensor:
@@ -556,10 +558,12 @@ class CalibrationCallback(Callback):
             self._hook.remove()
             self._hook = None
         launched = isinstance(trainer.strategy.launcher, _MultiProcessingLauncher) and os.getpid() != self._owner_pid
-        # Only a fit hands its head back, as Lightning hands back only a fit's weights: after
+        # A fit hands its head back, as Lightning hands back a fit's weights; so does a validate
+        # that refitted it on the main process's own weights (no ckpt_path). After
         # trainer.test(ckpt_path=...) the main process would hold that checkpoint's head on the
         # final weights.
-        if launched and stage == "fit" and trainer.global_rank == 0 and self._calibrator.is_fitted:
+        refitted = stage == "validate" and self.fit_on_validate and trainer.ckpt_path is None
+        if launched and (stage == "fit" or refitted) and trainer.global_rank == 0 and self._calibrator.is_fitted:
             torch.save({"calibrator": self._calibrator.state_dict(), "report": self._report}, self._handoff_path)
 
     def _receive_handoff(self) -> None:
@@ -614,6 +618,11 @@ class CalibrationCallback(Callback):
         self._end_calibrated_run("predict")
 
     # ---------------------------------------------------------------------- before / after
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # an earlier fit's outputs and report are not this fit's (a second fit without validation
+        # logged them again, as its own, at its own step)
+        self._latest = self._latest_quality = self._report = None
+
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._latest is None:
             if not self._calibrator.is_fitted:  # (said here, not first at trainer.test)
@@ -660,8 +669,10 @@ class CalibrationCallback(Callback):
             entry = {**head_checkpoint(calibrator, self.output, self.logits_key), "prefix": self.prefix}
             checkpoint.setdefault(CHECKPOINT_KEY, {})[self.state_key] = entry
 
-    def _load_head(self, checkpoint: dict[str, Any]) -> None:
-        heads = _stored_heads(checkpoint)
+    def _load_head(self, checkpoint: dict[str, Any], siblings: Collection[str] = ()) -> None:
+        """Restore this callback's head from ``checkpoint``; ``siblings``: the state keys of the
+        trainer's other CalibrationCallbacks, whose heads are theirs alone."""
+        heads = {key: entry for key, entry in _stored_heads(checkpoint).items() if key == self.state_key or key not in siblings}
         entry = heads.get(self.state_key)
         if entry is None and len(heads) == 1:
             (entry,) = heads.values()  # an old checkpoint, or a callback with another prefix resuming
@@ -712,12 +723,12 @@ class _WithCalibrationHeads:
 
     def __call__(self, checkpoint: dict[str, Any]) -> None:
         getattr(type(self.module), self.hook)(self.module, checkpoint)
-        for callback in self.module.trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(callback, CalibrationCallback):
-                if self.hook == "on_save_checkpoint":
-                    callback._save_head(checkpoint)
-                else:
-                    callback._load_head(checkpoint)
+        callbacks = [c for c in self.module.trainer.callbacks if isinstance(c, CalibrationCallback)]  # type: ignore[attr-defined]
+        for callback in callbacks:
+            if self.hook == "on_save_checkpoint":
+                callback._save_head(checkpoint)
+            else:
+                callback._load_head(checkpoint, siblings={c.state_key for c in callbacks if c is not callback})
 
 
 def _remove_if_present(path: str) -> None:

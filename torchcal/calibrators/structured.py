@@ -516,15 +516,19 @@ def _per_class_blocks(
     """The change of variables of the exact per-class 2 x 2 Hessian blocks in ``theta = [v; b]``
     (2, K) of the map ``(1 + v) * x + b`` at posteriors ``q: (n, K)``, cross-class terms dropped:
     ``B_k = sum_i w_i q_ik (1 - q_ik) [x_ik, 1]^T [x_ik, 1] + 2 diag(penalty[:, k])``. The sums
-    are formed in float64 (O(n K)): a constant ``x`` (scores that say nothing, whose ts-mix
-    fit's beta is 0) makes every block rank one, and float32 sums' round-off made its Cholesky
-    factorisation fail under weak penalties, which the jitter below cannot outweigh."""
-    q, x, sample_w = q.to(torch.float64), x.to(torch.float64), sample_w.to(torch.float64)
-    r = torch.addcmul(q, q, q, value=-1)  # q (1 - q), then times x, then x^2, in one buffer
-    bias = sample_w @ r
-    cross = sample_w @ r.mul_(x)
-    sums = torch.stack([sample_w @ r.mul_(x), cross, cross, bias], dim=1).view(-1, 2, 2).to(penalty.dtype)
-    blocks = all_reduce_(sums, process_group) + torch.diag_embed(2 * penalty.T)
+    are formed from each class's curvature-weighted total ``S``, mean ``m`` and variance ``v``
+    of ``x``, ``B = S [[v + m^2, m], [m, 1]]``, the variance as a sum of squares about the mean:
+    never negative, so the blocks' determinants ``S^2 v`` are not either. (A constant ``x``,
+    scores that say nothing, whose ts-mix fit's beta is 0, makes every block rank one; formed as
+    sums of ``x^2``, ``x`` and 1, their float32 round-off made the Cholesky factorisation fail
+    under weak penalties, which the jitter below cannot outweigh.)"""
+    r = torch.addcmul(q, q, q, value=-1)  # q (1 - q)
+    total = all_reduce_(torch.stack([sample_w @ r, sample_w @ (r * x)]).to(penalty.dtype), process_group)
+    mean = total[1] / torch.where(total[0] > 0, total[0], 1.0)
+    spread = (x - mean.to(x.dtype)).square_().mul_(r)
+    variance = all_reduce_((sample_w @ spread).to(penalty.dtype), process_group) / torch.where(total[0] > 0, total[0], 1.0)
+    sums = total[0].view(-1, 1, 1) * torch.stack([variance + mean.square(), mean, mean, torch.ones_like(mean)], dim=1).view(-1, 2, 2)
+    blocks = sums + torch.diag_embed(2 * penalty.T)
     jitter = 1e-12 * blocks.diagonal(dim1=1, dim2=2).amax() + torch.finfo(blocks.dtype).tiny
     chol = torch.linalg.cholesky(blocks + jitter * torch.eye(2, dtype=blocks.dtype, device=x.device))  # B_k = L_k L_k^T
 

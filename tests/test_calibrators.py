@@ -1387,3 +1387,19 @@ def test_a_temperature_fit_at_its_cap_records_the_returned_temperature(loss):
             cal = torchcal.TemperatureScaling().fit(logits, labels, loss=loss, max_iter=max_iter)
         expected = float(score(logits / cal.temperature, labels))
         assert cal.fit_record_.loss == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_subclass_keeps_parameters_of_its_own():
+    """A calibrator subclass may own more parameters than the fit's: a fit keeps them (a version
+    of the fit that dropped every parameter the identity map does not list deleted them)."""
+
+    class Shifted(torchcal.TemperatureScaling):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shift = torch.nn.Parameter(torch.zeros(()))
+
+    logits = 3 * torch.randn(300, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    labels = torch.distributions.Categorical(logits=logits / 3).sample()
+    model = Shifted().fit(logits, labels)
+    assert "shift" in dict(model.named_parameters())
+    torch.testing.assert_close(model.temperature, torchcal.TemperatureScaling().fit(logits, labels).temperature)

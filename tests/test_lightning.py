@@ -257,14 +257,15 @@ def test_two_callbacks_keep_their_own_heads(tmp_path):
     both on reload): each head comes back to its own callback, from_checkpoint chooses by prefix
     and says how when it must, and a checkpoint with one entry, as earlier versions wrote it, loads."""
     log = CalibrationCallback(torchcal.TemperatureScaling(), metrics=("nce",), prefix="log/")
-    brier = CalibrationCallback(torchcal.TemperatureScaling(), metrics=("nce",), prefix="brier/", fit_options={"loss": "brier"})
+    brier = CalibrationCallback(torchcal.TemperatureScaling(), metrics=("nce",), prefix="brier/", fit_options={"loss": "brier"},
+                                attach=False)
     trainer = Trainer(**TRAINER_DEFAULTS, max_epochs=1, callbacks=[log, brier])
     trainer.fit(Classifier(), loader(200, 0), loader(300, 1))
     path = tmp_path / "two.ckpt"
     trainer.save_checkpoint(path)
     temperatures = [log.calibrator.temperature, brier.calibrator.temperature]
     assert temperatures[0] != temperatures[1]
-    restored = [CalibrationCallback(torchcal.TemperatureScaling(), prefix=prefix) for prefix in ("log/", "brier/")]
+    restored = [CalibrationCallback(torchcal.TemperatureScaling(), prefix=prefix, attach=prefix == "log/") for prefix in ("log/", "brier/")]
     Trainer(**TRAINER_DEFAULTS, callbacks=restored).test(Classifier(), loader(100, 3), ckpt_path=path, verbose=False)
     assert [callback.calibrator.temperature for callback in restored] == temperatures
     for prefix, temperature in zip(("log/", "brier/"), temperatures):
@@ -294,9 +295,9 @@ def test_a_callback_that_has_not_fitted_takes_no_sibling_head(tmp_path):
     (review finding)."""
     def callbacks():
         return [CalibrationCallback(torchcal.TemperatureScaling(), metrics=("nce",), prefix="ts/"),
-                CalibrationCallback(torchcal.VectorScaling(), metrics=("nce",), prefix="late/", every_n_epochs=0),
+                CalibrationCallback(torchcal.VectorScaling(), metrics=("nce",), prefix="late/", every_n_epochs=0, attach=False),
                 CalibrationCallback(torchcal.TemperatureScaling(), metrics=("nce",), prefix="brier/", every_n_epochs=0,
-                                    fit_options={"loss": "brier"})]
+                                    fit_options={"loss": "brier"}, attach=False)]
 
     saving = ModelCheckpoint(dirpath=tmp_path, filename="epoch{epoch}", save_top_k=-1)
     fitted = callbacks()
@@ -305,11 +306,53 @@ def test_a_callback_that_has_not_fitted_takes_no_sibling_head(tmp_path):
     checkpoint = torch.load(tmp_path / "epochepoch=0.ckpt", weights_only=True)
     assert sorted(checkpoint[CHECKPOINT_KEY]) == [fitted[0].state_key]
     restored = callbacks()
-    with pytest.warns(UserWarning, match="CalibrationCallback has no fitted head"):
-        Trainer(**TRAINER_DEFAULTS, callbacks=restored).test(Classifier(), loader(100, 3), ckpt_path=tmp_path / "epochepoch=0.ckpt",
-                                                            verbose=False)
+    Trainer(**TRAINER_DEFAULTS, callbacks=restored).test(Classifier(), loader(100, 3), ckpt_path=tmp_path / "epochepoch=0.ckpt", verbose=False)
     assert restored[0].calibrator.temperature == fitted[0].calibrator.temperature
     assert not restored[1].calibrator.is_fitted and not restored[2].calibrator.is_fitted
+
+
+def test_only_one_callback_may_calibrate_the_outputs():
+    """Two attached callbacks calibrated test and predict outputs twice, one head after the other
+    (a temperature of T1 T2; review finding)."""
+    both = [CalibrationCallback(torchcal.TemperatureScaling(), prefix="a/"), CalibrationCallback(torchcal.TemperatureScaling(), prefix="b/")]
+    with pytest.raises(ValueError, match="several CalibrationCallbacks with attach=True"):
+        Trainer(**TRAINER_DEFAULTS, max_epochs=1, callbacks=both).fit(Classifier(), loader(100, 0), loader(100, 1))
+
+
+class SequenceOutputs(Classifier):
+    """Returns the last step of (B, T, K) outputs: a view that keeps all T steps alive."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        steps = self(x).unsqueeze(1).expand(-1, 64, -1).contiguous()
+        return {"logits": steps[:, -1], "labels": y}
+
+
+class Keeping(CalibrationCallback):
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.kept = [(t.untyped_storage().nbytes(), t.numel() * t.element_size()) for batch in self._batches for t in batch]
+        super().on_validation_epoch_end(trainer, pl_module)
+
+
+def test_kept_validation_outputs_hold_no_more_than_themselves():
+    """A view into a larger tensor was kept as it was: 64 times the logits' memory until the
+    epoch's end (review finding). Also: calibrated_model() returns the network in eval mode (it
+    came back in training mode after fit, its dropout making two calls differ), and a deep copy
+    of the module (EMA / SWA weight averaging copies its forward hook, so the callback) leaves
+    the Trainer out (it copied it with its datasets)."""
+    import copy
+
+    callback = Keeping(metrics=("nce",))
+    trainer = Trainer(**TRAINER_DEFAULTS, max_epochs=1, callbacks=[callback])
+    model = SequenceOutputs()
+    trainer.fit(model, loader(100, 0), loader(100, 1))
+    assert callback.kept and all(held == own for held, own in callback.kept)
+    assert model.training and not callback.calibrated_model(model).training and not model.training
+    trainer.test(model, loader(50, 2), verbose=False)  # (the hook is there during test)
+    callback.setup(trainer, model, "test")  # attached again, as in a run
+    copied = copy.deepcopy(callback)
+    assert copied._trainer is None and copied._batches == []
+    callback.teardown(trainer, model, "test")
 
 
 FRESH_PROCESS = """
@@ -899,6 +942,29 @@ def test_ddp_bad_outputs_on_one_process_are_named_on_every_process(tmp_path):
         trainer.validate(NaNOnRankOne(), verbose=False)
     assert "NaN" in (tmp_path / "rank1.txt").read_text()
     assert "another process of the group refused its shard" in (tmp_path / "rank0.txt").read_text()
+
+
+class RecordingTestHead(CalibrationCallback):
+    def __init__(self, out: Path) -> None:
+        super().__init__(metrics=("nce",))
+        self.out = out
+
+    def on_test_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        torch.save(self._calibrator.state_dict() if self._calibrator.is_fitted else None, self.out / f"test{trainer.global_rank}.pt")
+        super().on_test_epoch_start(trainer, pl_module)
+
+
+def test_ddp_fork_test_after_fit_goes_through_the_fitted_head(tmp_path):
+    """ddp_fork forks trainer.test's workers from the main process, whose callback had not read
+    the head the fit's worker left: the test ran uncalibrated (review finding)."""
+    callback = RecordingTestHead(tmp_path)
+    trainer = Trainer(**TRAINER_DEFAULTS, strategy="ddp_fork", devices=2, max_epochs=1, callbacks=[callback])
+    trainer.fit(Classifier(), loader(200, 0), loader(300, 1))
+    trainer.test(trainer.lightning_module, DataLoader(make_data(100, seed=3), batch_size=50), verbose=False)
+    for rank in (0, 1):
+        head = torch.load(tmp_path / f"test{rank}.pt", weights_only=True)
+        assert head is not None
+        assert all(torch.equal(v, head[k]) for k, v in callback.calibrator.state_dict().items() if k != "_extra_state")
 
 def test_ddp_spawn_returns_the_head_to_the_main_process(tmp_path):
     """ddp_spawn trains in two spawned processes: the main process ends with their head and report

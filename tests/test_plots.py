@@ -99,17 +99,18 @@ def test_sweep_is_the_bayes_risk_of_the_documented_cost_family(synthetic):
     assert float(at_01) == pytest.approx(float(error_rate(logits, labels)) / (1 - float(p.max())), rel=1e-9)
 
 
-@pytest.mark.parametrize("num_classes", [2, 4])
-def test_sweep_is_finite_far_out(synthetic, num_classes):
+@pytest.mark.parametrize(("num_classes", "priors"), [(2, None), (4, None), (4, (0.3, 0.7, 0.0, 0.0))])
+def test_sweep_is_finite_far_out(synthetic, num_classes, priors):
     """``1 - sigmoid(t)`` rounds to 0 from t = 37: the sweep returned NaN there and inf at t = -40
-    for K = 2 (review finding). Against the definition in 100 digits (mpmath), with the
-    decisions taken as documented: k where ``log q_k - max_j log q_j > logit(P_k) - t``."""
+    for K = 2 (review finding); a class of prior 0 then left 1 - P_k - P_j's round-off where 0 is
+    (NEC 2e-28 for 1). Against the definition in 100 digits (mpmath), with the decisions taken as
+    documented: k where ``log q_k - max_j log q_j > logit(P_k) - t``."""
     mpmath = pytest.importorskip("mpmath")
     logits, labels = (torch.from_numpy(x) for x in synthetic(num_classes, 2000, seed=3))
-    p = torch.bincount(labels, minlength=num_classes).double() / len(labels)
+    p = torch.bincount(labels, minlength=num_classes).double() / len(labels) if priors is None else torch.tensor(priors, dtype=torch.float64)
     k = 1
     t = torch.tensor([-100.0, -40.0, -37.0, 0.5, 37.0, 40.0, 100.0], dtype=torch.float64)
-    _, nec = bayes_risk_sweep(logits, labels, class_index=k, log_odds=t)
+    _, nec = bayes_risk_sweep(logits, labels, class_index=k, log_odds=t, priors=None if priors is None else p)
     others = logits.double().clone()
     others[:, k] = -math.inf
     best_other = others.argmax(1)
@@ -121,7 +122,7 @@ def test_sweep_is_finite_far_out(synthetic, num_classes):
             pi = [(1 - pi_k) * mpmath.mpf(float(p[j])) / rest for j in range(num_classes)]
             pi[k] = pi_k
             decision = torch.where(margin > math.log(p[k] / (1 - p[k])) - ti, k, best_other)
-            errors = [float((decision[labels == j] != j).double().mean()) for j in range(num_classes)]
+            errors = [float((decision[labels == j] != j).double().mean()) if p[j] > 0 else 0.0 for j in range(num_classes)]
             expected = sum(pi[j] * errors[j] for j in range(num_classes)) / (1 - max(pi))
             assert value == pytest.approx(float(expected), rel=1e-12)
 

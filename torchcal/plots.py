@@ -335,9 +335,9 @@ def bayes_risk_sweep(
     pi = rest * p / (1 - p[class_index])
     pi[:, class_index] = pi_k[:, 0]
     largest_other = int(p.index_fill(0, torch.tensor([class_index], device=p.device), -1.0).argmax())
-    neither = float(p.sum() - p[class_index] - p[largest_other]) if num_classes > 2 else 0.0
+    neither = float(p.index_fill(0, torch.tensor([class_index, largest_other], device=p.device), 0.0).sum())  # (not 1 - P_k - P_j: round-off)
     unit = torch.where(pi_k >= pi[:, largest_other : largest_other + 1], rest,
-                       pi_k + rest * max(neither, 0.0) / (1 - p[class_index]))[:, 0]  # 1 - max_i pi_i
+                       pi_k + rest * neither / (1 - p[class_index]))[:, 0]  # 1 - max_i pi_i
     # The re-weighting only raises or lowers class k against all the others, so each sample's
     # decision is either k or its best other class, whichever wins by the margin below: a
     # difference of two scores, which the log-softmax's per-row constant leaves as it is.

@@ -77,6 +77,11 @@ class AffineCalibration(Calibrator):
         """Restores ``bias``, which decides whether there is a ``beta`` to load."""
         self.bias = bool(state.get("bias", self.bias))
 
+    def _materialize(self, num_classes: int, device: torch.device | None = None) -> None:
+        if not self.bias:  # (the beta of an earlier fit or load with biases: a head without them did not load)
+            self._parameters.pop("beta", None)
+        super()._materialize(num_classes, device)
+
     def _identity(self, num_classes: int) -> dict[str, Tensor]:
         params = {"log_alpha": torch.zeros(())}
         if self.bias:

@@ -407,13 +407,8 @@ class Calibrator(nn.Module):
     def _materialize(self, num_classes: int, device: torch.device | None = None) -> None:
         """(Re)create the fitted tensors at the identity map for ``num_classes`` classes. A parameter
         that is there already with that shape is kept, set in place (as ``nn.Linear``'s reset is):
-        an optimizer built before a refit or a load holds it, and a frozen one stays frozen. One
-        the options no longer have goes (``AffineCalibration``'s ``beta`` once ``bias=False``: a
-        head without biases did not load into a fitted instance with them)."""
-        identity = self._identity(num_classes)
-        for name in [name for name in self._parameters if name not in identity]:
-            del self._parameters[name]
-        for name, value in identity.items():
+        an optimizer built before a refit or a load holds it, and a frozen one stays frozen."""
+        for name, value in self._identity(num_classes).items():
             value = value.to(device=device, dtype=torch.float64)
             old = self._parameters.get(name)
             if name in self._buffer_names:

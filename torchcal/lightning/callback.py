@@ -382,7 +382,7 @@ class CalibrationCallback(Callback):
             raise RuntimeError(self._not_found_message(outputs, batch))
         if not trainer.sanity_checking:
             logits, labels = found
-            self._batches.append((logits.detach(), labels.detach()))
+            self._batches.append((_own_storage(logits.detach()), _own_storage(labels.detach())))
 
     def _not_found_message(self, outputs: Any, batch: Any) -> str:
         """Why the default :meth:`extract` found nothing: no logits, logits of the wrong shape, or no labels."""
@@ -535,8 +535,10 @@ class CalibrationCallback(Callback):
 
     # ------------------------------------------------------------------------------ the head
     def calibrated_model(self, model: nn.Module) -> CalibratedModel:
-        """``CalibratedModel(model, head)``: the network with this callback's fitted head."""
-        return CalibratedModel(model, self.calibrator, self.output, self.logits_key)
+        """``CalibratedModel(model, head)``: the network with this callback's fitted head, in eval
+        mode, as :meth:`CalibratedModel.attach` returns it (after ``trainer.fit`` the network is in
+        training mode: its dropout made two calls differ)."""
+        return CalibratedModel(model, self.calibrator, self.output, self.logits_key).eval()
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         others = [c for c in trainer.callbacks if isinstance(c, CalibrationCallback) and c is not self]  # type: ignore[attr-defined]
@@ -544,6 +546,12 @@ class CalibrationCallback(Callback):
             raise ValueError(
                 f"two CalibrationCallbacks with the same calibrator class and prefix {self.prefix!r} would log "
                 f"the same names and save their heads under one key: give each its own prefix."
+            )
+        if self.attach and any(other.attach for other in others):
+            raise ValueError(
+                "several CalibrationCallbacks with attach=True would each calibrate the test and predict outputs, "
+                "one head after the other: keep attach=True on the one whose head the outputs should go through, "
+                "and set attach=False on the others."
             )
         self._receive_handoff()
         self._trainer = trainer
@@ -567,16 +575,22 @@ class CalibrationCallback(Callback):
             torch.save({"calibrator": self._calibrator.state_dict(), "report": self._report}, self._handoff_path)
 
     def _receive_handoff(self) -> None:
-        """In the main process, take the head that a ``ddp_spawn``/``ddp_fork`` worker left."""
-        if os.getpid() == self._owner_pid and os.path.exists(self._handoff_path):
+        """Take the head that a ``ddp_spawn``/``ddp_fork`` worker left: in the main process, which
+        removes the file, and in a worker that ``ddp_fork`` forked from it before it read the
+        file (its ``trainer.test`` after a fit ran without the head), which leaves it."""
+        if os.path.exists(self._handoff_path):
             state = torch.load(self._handoff_path, weights_only=True)
-            os.remove(self._handoff_path)
+            if os.getpid() == self._owner_pid:
+                os.remove(self._handoff_path)
             self._calibrator.load_state_dict(state["calibrator"])
             self._report = state["report"]
 
     def __getstate__(self) -> dict[str, Any]:
         self._receive_handoff()  # a later spawned run (e.g. trainer.test) must get the fitted head
-        return self.__dict__.copy()
+        # not the trainer (setup sets it again) nor an epoch's outputs: a deep copy of the module
+        # (EMA or SWA weight averaging), which copies the forward hook and so this callback,
+        # copied the whole Trainer with its datasets, and failed on one holding an open file
+        return {**self.__dict__, "_trainer": None, "_batches": []}
 
     def _calibrate_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         trainer = self._trainer
@@ -729,6 +743,12 @@ class _WithCalibrationHeads:
                 callback._save_head(checkpoint)
             else:
                 callback._load_head(checkpoint, siblings={c.state_key for c in callbacks if c is not callback})
+
+
+def _own_storage(t: Tensor) -> Tensor:
+    """``t``, or a copy where it is a view into a larger tensor (``self(x)[:, -1]`` of a sequence
+    model's (B, T, K) outputs kept all T steps of every batch until the epoch's end)."""
+    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
 
 
 def _remove_if_present(path: str) -> None:

@@ -223,13 +223,14 @@ class CalibrationCallback(Callback):
 
     **Checkpoints** hold the head of the latest fit under the top-level key
     ``torchcal.heads.CHECKPOINT_KEY``, in a dict by the callback's :attr:`state_key` (its calibrator
-    class and prefix), so that several callbacks in one Trainer keep their own heads; weights-only
+    class and prefix), so that several callbacks in one Trainer keep their own heads (one of them,
+    at most, with ``attach=True``: the head the outputs go through); weights-only
     checkpoints (``ModelCheckpoint(save_weights_only=True)``) hold them too: Lightning calls a
     callback's checkpoint hooks for full checkpoints only, so :meth:`setup` wraps the
     LightningModule's ``on_save_checkpoint`` / ``on_load_checkpoint`` (after the module's own) to
     write and restore the heads. A callback restores its own head on resume and in
     ``trainer.test(..., ckpt_path=...)``, or the only head a checkpoint holds (one saved with another
-    prefix), and refuses a head fitted on the other domain (``output="probs"`` against
+    prefix, by no other callback of the Trainer), and refuses a head fitted on the other domain (``output="probs"`` against
     ``"logits"`` / ``"log_probs"``); ``CalibratedModel.from_checkpoint(path, network)`` loads a head without Lightning
     (``prefix=`` chooses among several). With ``every_n_epochs=0`` save a checkpoint after fitting
     (``trainer.save_checkpoint``).
@@ -238,7 +239,8 @@ class CalibrationCallback(Callback):
         calibrator: the head, unfitted. The default, temperature scaling, keeps every argmax.
         metrics: names from :data:`METRIC_NAMES`.
         output: what the module's ``forward`` returns: ``"logits"``, ``"log_probs"`` or ``"probs"``.
-        attach: apply the head during ``trainer.test`` / ``trainer.predict``.
+        attach: apply the head during ``trainer.test`` / ``trainer.predict`` (one callback of a
+            Trainer at most).
         every_n_epochs: fit and log at the validation of every this many training epochs; 0: only at
             the end of fitting.
         fit_on_validate: let ``trainer.validate`` refit the head on the loader it is given.

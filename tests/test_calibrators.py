@@ -1403,3 +1403,25 @@ def test_a_subclass_keeps_parameters_of_its_own():
     model = Shifted().fit(logits, labels)
     assert "shift" in dict(model.named_parameters())
     torch.testing.assert_close(model.temperature, torchcal.TemperatureScaling().fit(logits, labels).temperature)
+
+
+def test_a_brier_fit_that_stops_near_negative_curvature_is_not_called_an_optimum(real):
+    """Matrix scaling's Brier fit on the CIFAR-10 ResNet-110 validation logits: L-BFGS stopped on a
+    small change at 0.075824, reported converged to "a local optimum", where the Hessian has a
+    direction of negative curvature and SciPy goes on to 0.075232 (review finding). The Hessian
+    here is formed independently, by autograd of the Brier score written out."""
+    data = real("cifar10_resnet110_kangsepp")
+    logits, labels = torch.from_numpy(data["logits_val"]).double(), torch.from_numpy(data["labels_val"]).long()
+    with pytest.warns(torchcal.ConvergenceWarning, match="direction of negative curvature"):
+        model = torchcal.MatrixScaling().fit(logits, labels, loss="brier")
+    assert not model.fit_record_.converged and "a search for a local optimum" in model.fit_record_.message
+    onehot = torch.nn.functional.one_hot(labels, 10).double()
+
+    def brier(theta: torch.Tensor) -> torch.Tensor:
+        w, b = theta[:100].view(10, 10), theta[100:]
+        return (torch.softmax(logits @ w.T + b, dim=1) - onehot).square().sum(1).mean()
+
+    theta = torch.cat([model.weight.detach().flatten(), model.bias.detach()])
+    hessian = torch.autograd.functional.hessian(brier, theta)
+    scale = hessian.diagonal().rsqrt()
+    assert float(torch.linalg.eigvalsh(scale[:, None] * hessian * scale).min()) < -1e-9

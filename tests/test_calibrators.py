@@ -1425,3 +1425,19 @@ def test_a_brier_fit_that_stops_near_negative_curvature_is_not_called_an_optimum
     hessian = torch.autograd.functional.hessian(brier, theta)
     scale = hessian.diagonal().rsqrt()
     assert float(torch.linalg.eigvalsh(scale[:, None] * hessian * scale).min()) < -1e-9
+
+
+@pytest.mark.parametrize("loss", ["log", "brier"])
+def test_vector_scaling_is_equivariant_to_the_logits_scale(real, loss):
+    """The per-class scales absorb any scale of the logits. On the SST-2 GPT-2 log-posteriors times
+    1e9, with priors, the fit stopped "converged" at a log-loss of 2.5e6 where 0.257 is reached
+    (review finding): it now runs in units of the typical margin, as affine calibration's does."""
+    data = real("sst2_gpt2-0shot_ferrer")
+    logits, labels = torch.from_numpy(data["logits"]).double(), torch.from_numpy(data["labels"]).long()
+    priors = torch.tensor([0.8, 0.2], dtype=torch.float64)
+    plain = torchcal.VectorScaling().fit(logits, labels, priors=priors, loss=loss)
+    for scale in (1e-9, 1e9):
+        scaled = torchcal.VectorScaling().fit(logits * scale, labels, priors=priors, loss=loss)
+        assert scaled.fit_record_.converged
+        torch.testing.assert_close(scaled.weight.detach() * scale, plain.weight.detach(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(scaled.bias.detach(), plain.bias.detach(), rtol=0, atol=1e-6)

@@ -228,6 +228,21 @@ class VectorScaling(Calibrator):
         return features * self.weight.to(features.dtype) + self.bias.to(features.dtype)
 
     def _fit(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
+        # The scales absorb any scale of the logits: the fit runs on them / unit, as affine
+        # calibration's does (logits of 1e9 with priors: "converged" at a log-loss of 2.5e6, 0.257 reachable)
+        _, unit = margin_and_unit(features, process_group)
+        if unit == 1.0:
+            return self._fit_vector(features, labels, weights, loss, max_iter, process_group)
+        with torch.no_grad():  # a fresh fit starts at w = 1 in the new units, a warm one where it was
+            self.weight.mul_(1.0 if self._at_identity() else unit)
+        try:
+            return self._fit_vector(in_units(features, unit), labels, weights, loss, max_iter, process_group)
+        finally:
+            with torch.no_grad():
+                self.weight.div_(unit)
+
+    def _fit_vector(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
+        """:meth:`_fit` on logits of typical margins within 2^16 of 1."""
         if loss != "log":
             record = self._fit_nonconvex(features, labels, weights, loss, max_iter, process_group)
             with torch.no_grad():

@@ -314,7 +314,7 @@ def _uneven_content_worker(rank: int, out: str) -> None:
         cal = torchcal.MatrixScaling(reg="odir", reg_lambda=0.0, reg_mu=1.0).fit(kept_logits[half], kept_labels[half], process_group=world)
     results["escapes"] = cal.fit_record_.converged
     errors = []
-    for spoil in ("classes", "dtype", "platt", "max_iter"):
+    for spoil in ("classes", "dtype", "platt", "max_iter", "loss", "priors", "some priors"):
         x, y, make, options = logits[mine], labels[mine], torchcal.TemperatureScaling, {}
         if spoil == "classes" and rank == 1:
             x = x[:, :4]
@@ -325,6 +325,12 @@ def _uneven_content_worker(rank: int, out: str) -> None:
             make, x, y = torchcal.PlattScaling, (x[:, :2] if rank == 0 else x), (y.clamp(max=1) if rank == 0 else y)
         if spoil == "max_iter" and rank == 1:
             options = {"max_iter": 7}
+        if spoil == "loss":
+            options = {"loss": "brier" if rank == 1 else "log"}
+        if spoil == "priors":  # (each shard's own, say)
+            options = {"priors": torch.tensor([0.3, 0.1, 0.2, 0.2, 0.2]) if rank == 1 else torch.full((5,), 0.2)}
+        if spoil == "some priors" and rank == 1:
+            options = {"priors": torch.full((5,), 0.2)}
         try:
             make().fit(x, y, process_group=world, **options)
             errors.append(None)
@@ -360,3 +366,7 @@ def test_shards_of_different_content_and_disagreeing_shards(tmp_path):
     assert "differ in the scores' dtype" in ranks[0]["errors"][1]
     assert "PlattScaling is for K = 2" in ranks[1]["errors"][2] and "another process" in ranks[0]["errors"][2]
     assert "differ in max_iter" in ranks[0]["errors"][3]
+    # (review finding: a loss or priors that differ were not checked: the group aborted or hung, or
+    # the fit matched no single-process fit and said nothing)
+    assert all("differ in loss" in rank["errors"][4] for rank in ranks)
+    assert all("differ in priors" in rank["errors"][5] and "differ in priors" in rank["errors"][6] for rank in ranks)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -191,7 +192,8 @@ class Calibrator(nn.Module):
         logits, labels = validate_together(check, process_group, logits)
         num_classes = logits.shape[1]
         agree_across({"the number of classes K": num_classes, "the scores' dtype": _DTYPE_CODES.get(logits.dtype, 0),
-                      "max_iter": max_iter}, process_group, logits.device)
+                      "max_iter": max_iter, "loss": sorted(PER_SAMPLE_SCORES).index(loss), "warm_start": float(warm_start),
+                      "priors": _digest(priors)}, process_group, logits.device)
         counts = all_reduce_(torch.bincount(labels, minlength=num_classes), process_group)
         missing = (counts == 0).nonzero().flatten().tolist()
         if missing:
@@ -638,6 +640,16 @@ def _newton_finish(objective: Callable[[], Tensor], params: Sequence[Tensor], re
                          f"(gradient {polished.grad_max:.2e})")
     assign(start)
     return record
+
+
+def _digest(priors: Any) -> float:
+    """-1 for no priors, else a number that differs between priors that differ (in float64): one a
+    process of a data-parallel fit cannot leave out or change alone (the fit then matched no
+    single-process fit and said nothing)."""
+    if priors is None:
+        return -1.0
+    raw = as_tensor(priors, "priors").detach().to(device="cpu", dtype=torch.float64).contiguous().numpy().tobytes()
+    return float(int.from_bytes(hashlib.sha256(raw).digest()[:6], "big"))  # (48 bits: exact in float64)
 
 
 def total_samples(labels: Tensor, process_group: ProcessGroup | None = None) -> Tensor:

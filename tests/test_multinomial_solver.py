@@ -648,6 +648,22 @@ def test_a_batched_fit_solves_each_problem_as_alone(monkeypatch, path):
     torch.testing.assert_close(one[0], plain, rtol=0, atol=0)
 
 
+def test_unpenalised_fits_of_rows_that_sum_to_a_constant_score_shifted_rows_alike(real):
+    """Logits centred per row (each row sums to 0): ``W + v 1^T`` scores every such row alike, and
+    the fit had grown ``v`` to 93, so rows shifted by a constant (which softmax ignores) scored a
+    log-loss of 369 for 0.245 (review finding). The fit is the one with ``W 1 = 0`` (SciPy's
+    L-BFGS from the identity leaves it at 1e-14)."""
+    data = real("cifar10_resnet20_ferrer")
+    logits, labels = torch.from_numpy(data["logits"]).double(), torch.from_numpy(data["labels"]).long()
+    centred = logits - logits.mean(1, keepdim=True)
+    model = torchcal.MatrixScaling().fit(centred[:2000], labels[:2000])
+    assert model.fit_record_.converged
+    torch.testing.assert_close(model.weight.detach().sum(1), torch.zeros(10, dtype=torch.float64), rtol=0, atol=1e-12)
+    test = centred[2000:]
+    shifted = test + torch.randn(len(test), 1, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    torch.testing.assert_close(model(shifted).detach(), model(test).detach(), rtol=0, atol=1e-9)
+
+
 def test_unpenalised_fits_stay_off_the_directions_the_features_cannot_see():
     """A logit column that is constant (here 2: ``W[:, 0] + c, b - 2 c`` leaves every score as it
     is): without a penalty any move along that direction is an optimum too. The fit is the

@@ -487,32 +487,51 @@ class _LowRankBlocks:
         return solve
 
 
-def _blind_projections(x: Tensor, w: Tensor, groups: Tensor, process_group: ProcessGroup | None) -> Tensor | None:
+def _blind_projections(x: Tensor, w: Tensor, groups: Tensor, scale: Tensor,
+                       process_group: ProcessGroup | None) -> tuple[Tensor | None, Tensor | None]:
     """(B, D, D) float64: for each of the ``groups: (B,)`` marked (the unpenalised ones), the
     projection onto the directions of its parameters' rows that the features ``x: (N, D)`` (the
-    last column the bias's, of value ``u``) cannot see on the rows its weights ``w[:, b]`` count:
-    ``u e_j - c_j e_bias`` for each feature column ``j`` that is constant there, at ``c_j``
-    (exactly: its largest and smallest value agree); zero for the other groups, ``None`` where
-    there are none. (Found by thresholding the second moments' eigenvalues instead, a column
-    varying by 1e-8 of its size, which still carries information, was taken for blind: a loss of
-    0.980 where 0.651 is reached. Columns that copy one another are left alone: their weights
+    last column the bias's, of value ``u``; the features divided by ``scale: (D,)``) cannot see on
+    the rows its weights ``w[:, b]`` count: ``u e_j - c_j e_bias`` for each feature column ``j``
+    that is constant there, at ``c_j`` (exactly: its largest and smallest value agree), and
+    ``[scale_1 .. scale_F, -c / u]`` where every row's features sum to ``c`` (to round-off:
+    logits centred per row, whose map ``W + v 1^T`` scores alike; unpenalised matrix scaling of
+    such logits had grown ``v`` to 93, and rows shifted by a constant, which softmax ignores,
+    scored a log-loss of 369 for 0.245). Zero for the other groups, ``None`` where there are
+    none. Second, (B, D) the last direction in ``theta``'s own coordinates, ``[1 .. 1, -c]``, for
+    the groups whose rows sum to a constant (zero for the others; ``None`` where none do): the
+    fit's result is made orthogonal to it, ``W 1 = c b``-free, so that shifted rows score alike. (Found by thresholding the second moments' eigenvalues instead, a column varying by
+    1e-8 of its size, which still carries information, was taken for blind: a loss of 0.980
+    where 0.651 is reached. Other columns that copy one another are left alone: their weights
     drift, but mildly.)"""
+    f = x.shape[1] - 1
     projections = x.new_zeros(len(groups), x.shape[1], x.shape[1], dtype=torch.float64)
+    sum_directions = x.new_zeros(len(groups), x.shape[1], dtype=torch.float64)
     for b in groups.nonzero().flatten().tolist():
         counted = x[w[:, b] > 0].to(torch.float64)
         if counted.shape[0]:
-            high, low = counted.amax(0), -counted.amin(0)
+            sums = counted[:, :f] @ scale[:f]  # (each row's features, in their own units)
+            largest = (counted[:, :f].abs() @ scale[:f]).amax()
+            high = torch.cat([counted.amax(0), sums.amax().reshape(1), largest.reshape(1)])
+            low = -torch.cat([counted.amin(0), sums.amin().reshape(1)])
         else:  # (a process without rows of this group)
-            high = low = x.new_full((x.shape[1],), -math.inf, dtype=torch.float64)
+            high = x.new_full((x.shape[1] + 2,), -math.inf, dtype=torch.float64)
+            low = x.new_full((x.shape[1] + 1,), -math.inf, dtype=torch.float64)
         high, low = all_reduce_(high, process_group, op="max"), -all_reduce_(low, process_group, op="max")
-        constant = (high[:-1] == low[:-1]).nonzero().flatten()
-        if not constant.numel():
-            continue
-        directions = x.new_zeros(constant.numel(), x.shape[1], dtype=torch.float64)
-        directions[torch.arange(constant.numel()), constant] = high[-1]
-        directions[:, -1] = -high[constant]
-        projections[b] = torch.linalg.pinv(directions) @ directions
-    return projections if bool(projections.any()) else None
+        high, size = high[:-1], float(high[-1])
+        rows = [(j, float(high[j])) for j in range(f) if high[j] == low[j]]
+        directions = x.new_zeros(len(rows) + 1, x.shape[1], dtype=torch.float64)
+        for i, (j, value) in enumerate(rows):
+            directions[i, j], directions[i, -1] = high[f], -value
+        summed = float(high[-1] - low[-1]) <= 16 * f * torch.finfo(x.dtype).eps * size and f > 1
+        if summed:
+            common = float(high[-1] + low[-1]) / 2
+            directions[-1, :f], directions[-1, -1] = scale[:f], -common / float(high[f])
+            sum_directions[b, :f], sum_directions[b, -1] = 1.0, -common / float(high[f] * scale[f])
+        directions = directions if summed else directions[:-1]
+        if directions.shape[0]:
+            projections[b] = torch.linalg.pinv(directions) @ directions
+    return (projections if bool(projections.any()) else None), (sum_directions if bool(sum_directions.any()) else None)
 
 
 def _jitter(diagonal: Tensor) -> Tensor:
@@ -706,7 +725,17 @@ def fit_multinomial_logistic(
     # singular along them, let round-off walk the parameters out along them: a constant logit
     # column of MatrixScaling grew weights of 5e5 whose cancellation cost float32 inputs two
     # digits (probabilities off by 1e-2). Steps stay orthogonal to them: the smallest-norm optimum.
-    blind = _blind_projections(x, w, group_unpenalised, process_group)  # (B, D, D) or None
+    blind, summed = _blind_projections(x_full, w_full, group_unpenalised, scale, process_group)  # (B, D, D), (B, D) or None
+
+    def result(c: Tensor) -> Tensor:
+        """``theta`` (as it was given) at the centred ``c``: of the optimal maps, where the rows'
+        features sum to a constant, the one orthogonal to that direction (see _blind_projections)."""
+        theta_rows = shift(c) / scale
+        if summed is not None:  # (the map's, the anchor's part included)
+            d = summed.repeat_interleave(k, dim=0)  # (B K, D): each group's direction for its classes
+            full = theta_rows + anchor_scaled / scale
+            theta_rows = theta_rows - ((full * d).sum(1, keepdim=True) / d.square().sum(1, keepdim=True).clamp_min(1e-300)) * d
+        return theta_rows.to(theta.dtype).view(shape)
 
     def centre(v: Tensor) -> Tensor:
         grouped = v.view(groups, k, -1)
@@ -883,7 +912,7 @@ def fit_multinomial_logistic(
         if q.dtype != dtype:  # the passes' precision has just risen: the state again, in it
             loss_value, grad, q, grad_max, size, grad_norm = evaluate(c)
         if max(grad_max, size) <= tol_grad and (tol_decrease is None or decrease <= tol_decrease):
-            return (shift(c) / scale).to(theta.dtype).view(shape), FitRecord(iteration, passes, loss_value, grad_max, True, "gradient below tolerance")
+            return result(c), FitRecord(iteration, passes, loss_value, grad_max, True, "gradient below tolerance")
         if not math.isfinite(loss_value + grad_max):
             break
         # CG's residual is about the next gradient; the stopping test reads it times scale too
@@ -922,7 +951,7 @@ def fit_multinomial_logistic(
                 continue
             converged = grad_max <= STALL_GRAD
             message = "no further decrease" if converged else "line search failed"
-            return (shift(c) / scale).to(theta.dtype).view(shape), FitRecord(iteration, passes, loss_value, grad_max, converged, message)
+            return result(c), FitRecord(iteration, passes, loss_value, grad_max, converged, message)
         if t < 1 and dtype != full_dtype and -slope < 1e3 * torch.finfo(dtype).eps * abs(loss_value):
             passes_in_full_precision()  # a short step that round-off may have cut (see _FLOAT32_TOL_GRAD)
         c, grad, q = c + t * direction, new_grad, new_q
@@ -939,12 +968,12 @@ def fit_multinomial_logistic(
                     message = (f"{DIVERGING}: the parameters' norm grew {now / before:.3g}-fold over the last {2 * _DIVERGING_SPAN} "
                                f"Newton steps while the loss fell to {loss_value:.6g}; the data are (nearly) separable and the "
                                f"unpenalised fit has no finite optimum")
-                    return (shift(c) / scale).to(theta.dtype).view(shape), FitRecord(iteration + 1, passes, loss_value, grad_max, False, message)
+                    return result(c), FitRecord(iteration + 1, passes, loss_value, grad_max, False, message)
     else:
         # the last step's point, tested as the loop's top would (a float32 gradient is not trusted below _FLOAT32_TOL_GRAD)
         trusted = q.dtype == full_dtype or tol_grad >= _FLOAT32_TOL_GRAD  # (the precision its gradient was formed in)
         if trusted and max(grad_max, size) <= tol_grad and (tol_decrease is None or decrease <= tol_decrease):
-            return (shift(c) / scale).to(theta.dtype).view(shape), FitRecord(max_iter, passes, loss_value, grad_max, True, "gradient below tolerance")
+            return result(c), FitRecord(max_iter, passes, loss_value, grad_max, True, "gradient below tolerance")
         warnings.warn(f"Newton-CG did not converge in {max_iter} iterations", ConvergenceWarning, stacklevel=stacklevel_outside_package())
-        return (shift(c) / scale).to(theta.dtype).view(shape), FitRecord(max_iter, passes, loss_value, grad_max, False, f"stopped at the iteration cap ({max_iter})")
-    return (shift(c) / scale).to(theta.dtype).view(shape), FitRecord(iteration, passes, loss_value, grad_max, False, "the loss or its gradient is not finite")
+        return result(c), FitRecord(max_iter, passes, loss_value, grad_max, False, f"stopped at the iteration cap ({max_iter})")
+    return result(c), FitRecord(iteration, passes, loss_value, grad_max, False, "the loss or its gradient is not finite")

@@ -338,6 +338,14 @@ def test_calibration_data_that_hold_the_evaluated_samples_are_refused_or_warned_
     shared = torchcal.fit.shared_samples(copies[:3], torch.tensor([0, 1, 2]), copies, torch.arange(50) % 3)
     assert shared.tolist() == [True, True, True]
     assert not torchcal.fit.shared_samples(copies[:1], torch.tensor([3]), copies, torch.arange(50) % 3).any()
+    # the same rows stored again as float32 log-posteriors, written with six decimals, or shifted
+    # (exact keys of float32-rounded values found 6 % of them: review finding)
+    again = torch.log_softmax(logits.double(), 1).float()
+    perm = torch.randperm(800, generator=torch.Generator().manual_seed(0))
+    for copy in (again, torch.round(again.double() * 1e6) / 1e6, logits + 5):
+        with pytest.raises(ValueError, match=r"every evaluated sample \(800\) is in the calibration data too"):
+            evaluate(small, ["temperature"], calibration=(copy[perm], labels[perm]), bootstrap=0)
+    assert not torchcal.fit.shared_samples(logits[:400], labels[:400], again[400:], labels[400:]).any()
 
 
 @pytest.mark.parametrize("progress", [False, True])

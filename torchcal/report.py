@@ -544,8 +544,9 @@ def _check_held_out(logits: Tensor, labels: Tensor, cal_logits: Tensor, cal_labe
     (Ferrer & Ramos; the evaluated file given as its own calibration data raised the affine RCL of
     CIFAR-10 ResNet-20 from 17.28 % by cross-validation to 17.65 %).
 
-    Samples count as the same where their labels and :func:`~torchcal.fit.content_keys` are,
-    which tells samples apart only where the scores do: where fewer than
+    Samples count as the same where :func:`~torchcal.fit.shared_samples` finds them (their labels
+    agree, their log-posteriors within round-off), which tells samples apart only where the
+    scores do: where fewer than
     ``_DISTINCT_SCORES`` of the evaluated samples have scores of their own (scores of a few
     distinct values), different samples share them, and only data equal row by row are refused."""
     advice = "pass held-out calibration data, or none: then every sample is calibrated by cross-validation"

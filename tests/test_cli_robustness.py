@@ -341,10 +341,14 @@ def test_integer_settings_are_checked_where_they_were_given(tmp_path, capsys):
     for content, fragment in [
         ({"bootstrap": 2.7}, "c.yaml: bootstrap must be 0 (no intervals) or an integer >= 2 (replicates), got 2.7"),
         ({"cv": "abc"}, "c.yaml: cv must be an integer >= 2 (the number of folds), got 'abc'"),
-        ({"seed": -1}, "c.yaml: seed must be an integer >= 0, got -1"),
+        ({"seed": -1}, "c.yaml: seed must be an integer in [0, 2**64), got -1"),
     ]:
         config.write_text(yaml.safe_dump(content))
         assert_one_line_error(capsys, [*base, "--config", config], fragment)
+    # review findings: a seed beyond torch's generators was named as 'seed' after the bootstrap had
+    # begun; a negative first prior read as an option got argparse's bare "expected one argument"
+    assert_one_line_error(capsys, [*base, "--seed", str(2**64)], f"--seed must be an integer in [0, 2**64), got {2**64}")
+    assert_one_line_error(capsys, [*base, "--priors", "-0.1,1.1"], "expected one argument", "goes after '=', as in --priors=-0.1,1.1")
 
 
 def test_labels_of_one_class_only(tmp_path, capsys):

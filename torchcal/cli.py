@@ -60,6 +60,8 @@ class UsageError(ValueError):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line instead of usage + message
+        if message.endswith("expected one argument"):  # (argparse reads a value starting with '-' as an option)
+            message += " (a value that starts with '-' goes after '=', as in --priors=-0.1,1.1)"
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
@@ -313,10 +315,12 @@ def _where(args: argparse.Namespace, key: str) -> str:
     return f"--{key}" if getattr(args, key, None) is not None else f"{args.config}: {key}"
 
 
-def _integer(args: argparse.Namespace, settings: dict[str, Any], key: str, default: int, minimum: int, what: str) -> int:
-    """An integer setting, checked: given as ``--key`` or in the config file (which is named)."""
+def _integer(args: argparse.Namespace, settings: dict[str, Any], key: str, default: int, minimum: int, what: str,
+             below: float = math.inf) -> int:
+    """An integer setting in ``[minimum, below)``, checked: given as ``--key`` or in the config file (which is named)."""
     value = settings.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (key == "bootstrap" and value == 1):
+    if (isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < below
+            or (key == "bootstrap" and value == 1)):
         raise UsageError(f"{_where(args, key)} must be {what}, got {value!r}.")
     return value
 
@@ -383,7 +387,7 @@ def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | 
         costs=costs,
         costs_name=costs_name,
         bootstrap=_integer(args, settings, "bootstrap", 1000, 0, "0 (no intervals) or an integer >= 2 (replicates)"),
-        seed=_integer(args, settings, "seed", 0, 0, "an integer >= 0"),
+        seed=_integer(args, settings, "seed", 0, 0, "an integer in [0, 2**64)", below=2**64),  # (torch's generators' range)
         method_options=settings.get("options"),
         progress=not args.quiet,
     )

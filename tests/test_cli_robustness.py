@@ -349,6 +349,7 @@ def test_integer_settings_are_checked_where_they_were_given(tmp_path, capsys):
     # begun; a negative first prior read as an option got argparse's bare "expected one argument"
     assert_one_line_error(capsys, [*base, "--seed", str(2**64)], f"--seed must be an integer in [0, 2**64), got {2**64}")
     assert_one_line_error(capsys, [*base, "--priors", "-0.1,1.1"], "expected one argument", "goes after '=', as in --priors=-0.1,1.1")
+    assert "goes after '='" not in assert_one_line_error(capsys, [*base, "--seed"], "expected one argument")
 
 
 def test_labels_of_one_class_only(tmp_path, capsys):

@@ -350,8 +350,9 @@ def test_kept_validation_outputs_hold_no_more_than_themselves():
     assert model.training and not callback.calibrated_model(model).training and not model.training
     trainer.test(model, loader(50, 2), verbose=False)  # (the hook is there during test)
     callback.setup(trainer, model, "test")  # attached again, as in a run
-    copied = copy.deepcopy(callback)
-    assert copied._trainer is None and copied._batches == []
+    assert callback._latest is not None
+    copied = copy.deepcopy(callback)  # (under DDP the last outputs hold the process group: not copied)
+    assert copied._trainer is None and copied._batches == [] and copied._latest is None
     callback.teardown(trainer, model, "test")
 
 
@@ -965,6 +966,21 @@ def test_ddp_fork_test_after_fit_goes_through_the_fitted_head(tmp_path):
         head = torch.load(tmp_path / f"test{rank}.pt", weights_only=True)
         assert head is not None
         assert all(torch.equal(v, head[k]) for k, v in callback.calibrator.state_dict().items() if k != "_extra_state")
+
+
+
+def test_ddp_fork_a_second_fit_keeps_its_own_head(tmp_path):
+    """Two fits under ddp_fork, the main process reading nothing between them: the second fit's
+    workers, reading the callback's head for their checkpoints, reloaded the first fit's hand-off
+    over their own, and it came back (the diff review)."""
+    callback = CalibrationCallback(metrics=("nce",))
+    Trainer(**TRAINER_DEFAULTS, strategy="ddp_fork", devices=2, max_epochs=1, callbacks=[callback]).fit(Classifier(), loader(200, 0), loader(300, 1))
+    model = Classifier()
+    Trainer(**{**TRAINER_DEFAULTS, "enable_checkpointing": True}, default_root_dir=tmp_path, strategy="ddp_fork", devices=2,
+            max_epochs=2, callbacks=[callback]).fit(model, loader(200, 5), loader(300, 7))
+    validation = make_data(300, seed=7)
+    expected = torchcal.TemperatureScaling().fit(raw_outputs(model, validation), validation.tensors[1])
+    assert callback.calibrator.temperature == pytest.approx(expected.temperature, rel=1e-6)
 
 def test_ddp_spawn_returns_the_head_to_the_main_process(tmp_path):
     """ddp_spawn trains in two spawned processes: the main process ends with their head and report

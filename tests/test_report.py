@@ -346,6 +346,11 @@ def test_calibration_data_that_hold_the_evaluated_samples_are_refused_or_warned_
         with pytest.raises(ValueError, match=r"every evaluated sample \(800\) is in the calibration data too"):
             evaluate(small, ["temperature"], calibration=(copy[perm], labels[perm]), bootstrap=0)
     assert not torchcal.fit.shared_samples(logits[:400], labels[:400], again[400:], labels[400:]).any()
+    # a class masked at -1e30 (log-posterior floored at -708) widened a row-relative tolerance 700-fold:
+    # disjoint data were refused (the diff review); labels of another integer dtype raised
+    masked = torch.cat([logits, torch.full((800, 1), -1e30)], 1)
+    assert not torchcal.fit.shared_samples(masked[:400], labels[:400], masked[400:], labels[400:]).any()
+    assert torchcal.fit.shared_samples(masked[:400], labels[:400].int(), masked.flip(0), labels.flip(0).int()).all()
 
 
 @pytest.mark.parametrize("progress", [False, True])

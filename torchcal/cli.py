@@ -59,8 +59,11 @@ class UsageError(ValueError):
 
 
 class _Parser(argparse.ArgumentParser):
+    argv: Sequence[str] = ()  # (what main parses: error() looks for values that start with '-')
+
     def error(self, message: str) -> NoReturn:  # one line instead of usage + message
-        if message.endswith("expected one argument"):  # (argparse reads a value starting with '-' as an option)
+        if message.endswith("expected one argument") and any(re.fullmatch(r"-[\d.].*", a) for a in self.argv):
+            # (argparse reads a value that starts with '-' as an option: --priors -0.1,1.1)
             message += " (a value that starts with '-' goes after '=', as in --priors=-0.1,1.1)"
         raise UsageError(f"{message} (see {self.prog} --help)")
 
@@ -743,6 +746,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         argv = sys.argv[1:] if argv is None else list(argv)
         named = next((a for a in argv if not a.startswith("-")), "")
+        _Parser.argv = tuple(argv)  # (every parser's, the subcommands' included)
         args = build_parser(named if named in COMMANDS else "").parse_args(argv)
         if getattr(args, "verbose", False):
             _log_to_stderr()

@@ -537,17 +537,19 @@ def _order_by_content(scores: Tensor, labels: Tensor) -> Tensor:
     return order[torch.argsort(labels[order], stable=True)]
 
 
-#: Two samples are the same where their labels agree and their log-posteriors do within this,
-#: relative to 1 + the largest magnitude of the first's: the rows of a file stored again as float32
-#: log-posteriors, or written with six decimals. (Equal float32-rounded keys found 6 % of them.)
-SAME_SAMPLE_TOLERANCE = 1e-5
+#: Two samples are the same where their labels agree and each of their log-posteriors does within
+#: this plus 2^-20 of its magnitude (8 float32 units of its last place): the rows of a file stored
+#: again as float32 log-posteriors, or written with six decimals. (Equal float32-rounded keys found
+#: 6 % of them; a tolerance relative to a row's largest magnitude, a class masked at -1e30
+#: included, took disjoint data for the same.)
+SAME_SAMPLE_TOLERANCE = 6e-7
 #: Candidates compared per sample at most (those whose projections lie within reach of its own).
 _SAME_SAMPLE_CANDIDATES = 64
 
 
 def shared_samples(logits: Tensor, labels: Tensor, other_logits: Tensor, other_labels: Tensor) -> Tensor:
     """Which samples of ``logits: (N, K)``, ``labels: (N,)`` appear in the other data as well: one
-    of the same label whose log-posteriors lie within :data:`SAME_SAMPLE_TOLERANCE`; (N,) bool.
+    of the same label whose log-posteriors lie within round-off (:data:`SAME_SAMPLE_TOLERANCE`); (N,) bool.
     The other samples are sorted by label and by a fixed random projection of their
     log-posteriors; a sample's candidates are those within its tolerance's reach there."""
     floor = math.log(torch.finfo(torch.float64).tiny)
@@ -557,9 +559,9 @@ def shared_samples(logits: Tensor, labels: Tensor, other_logits: Tensor, other_l
 
     mine, theirs = log_posteriors(logits), log_posteriors(other_logits)
     direction = torch.randn(mine.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    tol = SAME_SAMPLE_TOLERANCE * (1 + mine.abs().amax(1))
-    key, reach = mine @ direction, tol * direction.abs().sum()
-    labels, other_labels = labels.cpu(), other_labels.cpu()
+    tol = SAME_SAMPLE_TOLERANCE + mine.abs() * 2.0**-20  # (N, K)
+    key, reach = mine @ direction, tol @ direction.abs()
+    labels, other_labels = labels.cpu().long(), other_labels.cpu().long()
     other_key = theirs @ direction
     order = torch.argsort(other_key, stable=True)
     order = order[torch.argsort(other_labels[order], stable=True)]
@@ -578,7 +580,7 @@ def shared_samples(logits: Tensor, labels: Tensor, other_logits: Tensor, other_l
             break
         rows = open_.nonzero().flatten()
         candidates = order[lo[rows] + offset]
-        shared[rows] = (mine[rows] - theirs[candidates]).abs().amax(1) <= tol[rows]
+        shared[rows] = ((mine[rows] - theirs[candidates]).abs() <= tol[rows]).all(1)
     return shared
 
 

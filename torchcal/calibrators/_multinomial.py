@@ -523,7 +523,9 @@ def _blind_projections(x: Tensor, w: Tensor, groups: Tensor, scale: Tensor,
         directions = x.new_zeros(len(rows) + 1, x.shape[1], dtype=torch.float64)
         for i, (j, value) in enumerate(rows):
             directions[i, j], directions[i, -1] = high[f], -value
-        summed = float(high[-1] - low[-1]) <= 16 * f * torch.finfo(x.dtype).eps * size and f > 1
+        # (float32's round-off at least: a fit's features are float64 copies of what may be float32
+        # logits, whose centred rows sum to 0 within 4e-6)
+        summed = float(high[-1] - low[-1]) <= 16 * f * torch.finfo(torch.float32).eps * size and f > 1
         if summed:
             common = float(high[-1] + low[-1]) / 2
             directions[-1, :f], directions[-1, -1] = scale[:f], -common / float(high[f])

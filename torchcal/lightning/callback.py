@@ -555,7 +555,7 @@ class CalibrationCallback(Callback):
                 "one head after the other: keep attach=True on the one whose head the outputs should go through, "
                 "and set attach=False on the others."
             )
-        self._receive_handoff()
+        self._receive_handoff(forked=os.getpid() != self._owner_pid)
         self._trainer = trainer
         if self.attach and self._hook is None:
             self._hook = pl_module.register_forward_hook(self._calibrate_forward)
@@ -576,11 +576,13 @@ class CalibrationCallback(Callback):
         if launched and (stage == "fit" or refitted) and trainer.global_rank == 0 and self._calibrator.is_fitted:
             torch.save({"calibrator": self._calibrator.state_dict(), "report": self._report}, self._handoff_path)
 
-    def _receive_handoff(self) -> None:
-        """Take the head that a ``ddp_spawn``/``ddp_fork`` worker left: in the main process, which
-        removes the file, and in a worker that ``ddp_fork`` forked from it before it read the
-        file (its ``trainer.test`` after a fit ran without the head), which leaves it."""
-        if os.path.exists(self._handoff_path):
+    def _receive_handoff(self, forked: bool = False) -> None:
+        """In the main process, take the head that a ``ddp_spawn``/``ddp_fork`` worker left (the
+        file goes). ``forked``: in a worker that ``ddp_fork`` forked from it before it read the
+        file (its ``trainer.test`` after a fit ran without the head): once, at setup, leaving the
+        file to the main process (read again later, a second fit's checkpoints took the first
+        fit's head back)."""
+        if (os.getpid() == self._owner_pid or forked) and os.path.exists(self._handoff_path):
             state = torch.load(self._handoff_path, weights_only=True)
             if os.getpid() == self._owner_pid:
                 os.remove(self._handoff_path)
@@ -592,7 +594,8 @@ class CalibrationCallback(Callback):
         # not the trainer (setup sets it again) nor an epoch's outputs: a deep copy of the module
         # (EMA or SWA weight averaging), which copies the forward hook and so this callback,
         # copied the whole Trainer with its datasets, and failed on one holding an open file
-        return {**self.__dict__, "_trainer": None, "_batches": []}
+        # (nor the last epoch's outputs: under DDP they hold the process group, which cannot be copied)
+        return {**self.__dict__, "_trainer": None, "_batches": [], "_latest": None, "_latest_quality": None}
 
     def _calibrate_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         trainer = self._trainer

@@ -513,8 +513,9 @@ def content_keys(scores: Tensor) -> Tensor:
     """A key (N,) float64 per sample that depends on its values only: a fixed random projection of
     the float32 roundings of its log-posteriors ``log_softmax(scores)`` (computed in float64, so
     that logits and their log-posteriors give one key; a copy stored in float32 can round
-    differently, which :func:`shared_samples` allows for). Identical samples share a key; samples with different scores practically never do (samples of equal scores do: with
-    scores of a few distinct values, different samples share keys). Log-posteriors are floored at
+    differently, which :func:`shared_samples` allows for). Identical samples share a key;
+    samples with different scores practically never do (samples of equal scores do: with scores
+    of a few distinct values, different samples share keys). Log-posteriors are floored at
     float64's smallest normal probability: a class masked at -1e30 swamped every other term of the
     projection, every sample shared one key, and the folds followed the order of the rows."""
     direction = torch.randn(scores.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -549,8 +550,8 @@ _SAME_SAMPLE_CANDIDATES = 64
 
 def shared_samples(logits: Tensor, labels: Tensor, other_logits: Tensor, other_labels: Tensor) -> Tensor:
     """Which samples of ``logits: (N, K)``, ``labels: (N,)`` appear in the other data as well: one
-    of the same label whose log-posteriors lie within round-off (:data:`SAME_SAMPLE_TOLERANCE`); (N,) bool.
-    The other samples are sorted by label and by a fixed random projection of their
+    of the same label whose log-posteriors lie within round-off (:data:`SAME_SAMPLE_TOLERANCE`);
+    (N,) bool. The other samples are sorted by label and by a fixed random projection of their
     log-posteriors; a sample's candidates are those within its tolerance's reach there."""
     floor = math.log(torch.finfo(torch.float64).tiny)
 

@@ -498,12 +498,13 @@ def _blind_projections(x: Tensor, w: Tensor, groups: Tensor, scale: Tensor,
     logits centred per row, whose map ``W + v 1^T`` scores alike; unpenalised matrix scaling of
     such logits had grown ``v`` to 93, and rows shifted by a constant, which softmax ignores,
     scored a log-loss of 369 for 0.245). Zero for the other groups, ``None`` where there are
-    none. Second, (B, D) the last direction in ``theta``'s own coordinates, ``[1 .. 1, -c]``, for
+    none. Second, (B, D) that last direction in ``theta``'s own coordinates, ``[1 .. 1, -c]``, for
     the groups whose rows sum to a constant (zero for the others; ``None`` where none do): the
-    fit's result is made orthogonal to it, ``W 1 = c b``-free, so that shifted rows score alike. (Found by thresholding the second moments' eigenvalues instead, a column varying by
-    1e-8 of its size, which still carries information, was taken for blind: a loss of 0.980
-    where 0.651 is reached. Other columns that copy one another are left alone: their weights
-    drift, but mildly.)"""
+    fit returns the optimal map orthogonal to it (``W 1 = c b``; 0 for rows centred at 0), which
+    scores rows shifted by a constant alike. (Found by thresholding the second moments'
+    eigenvalues instead, a column varying by 1e-8 of its size, which still carries information,
+    was taken for blind: a loss of 0.980 where 0.651 is reached. Other columns that copy one
+    another are left alone: their weights drift, but mildly.)"""
     f = x.shape[1] - 1
     projections = x.new_zeros(len(groups), x.shape[1], x.shape[1], dtype=torch.float64)
     sum_directions = x.new_zeros(len(groups), x.shape[1], dtype=torch.float64)
@@ -727,14 +728,14 @@ def fit_multinomial_logistic(
     # singular along them, let round-off walk the parameters out along them: a constant logit
     # column of MatrixScaling grew weights of 5e5 whose cancellation cost float32 inputs two
     # digits (probabilities off by 1e-2). Steps stay orthogonal to them: the smallest-norm optimum.
-    blind, summed = _blind_projections(x_full, w_full, group_unpenalised, scale, process_group)  # (B, D, D), (B, D) or None
+    blind, sum_directions = _blind_projections(x_full, w_full, group_unpenalised, scale, process_group)  # (B, D, D), (B, D) or None
 
     def result(c: Tensor) -> Tensor:
         """``theta`` (as it was given) at the centred ``c``: of the optimal maps, where the rows'
         features sum to a constant, the one orthogonal to that direction (see _blind_projections)."""
         theta_rows = shift(c) / scale
-        if summed is not None:  # (the map's, the anchor's part included)
-            d = summed.repeat_interleave(k, dim=0)  # (B K, D): each group's direction for its classes
+        if sum_directions is not None:  # (the map's, the anchor's part included)
+            d = sum_directions.repeat_interleave(k, dim=0)  # (B K, D): each group's direction for its classes
             full = theta_rows + anchor_scaled / scale
             theta_rows = theta_rows - ((full * d).sum(1, keepdim=True) / d.square().sum(1, keepdim=True).clamp_min(1e-300)) * d
         return theta_rows.to(theta.dtype).view(shape)

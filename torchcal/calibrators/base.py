@@ -621,9 +621,9 @@ def _newton_finish(objective: Callable[[], Tensor], params: Sequence[Tensor], re
     lowest = min(float(diagonal.min()), float(torch.linalg.eigvalsh(scale.unsqueeze(1) * hess * scale).min()))
     if lowest < -1e-10:
         assign(start)
-        # (L-BFGS's stop on a small change there is no optimum: Brier matrix scaling on the CIFAR-10
-        # ResNet-110 validation logits stopped at 0.075824, curvature -8e-9, where SciPy reaches 0.075232)
-        # (a stop on the gradient stays: there the loss is flat, e.g. separable data's, which the callers name)
+        # L-BFGS's stop on a small change there is no optimum (Brier matrix scaling on the CIFAR-10
+        # ResNet-110 validation logits stopped at 0.075824, curvature -8e-9; SciPy reaches 0.075232).
+        # A stop on the gradient stays: the loss is flat there (separable data's, which callers name).
         small_change = record.converged and record.message.startswith("no further decrease")
         return dataclasses.replace(record, converged=False, message=(
             f"{record.message}; but the Hessian there has a direction of negative curvature ({lowest:.2g} on its unit "

@@ -2,7 +2,8 @@
 
 At the end of validation epochs, :class:`CalibrationCallback` logs calibration metrics of the
 validation outputs and fits its calibrator on them, so that checkpoints hold the head of the
-latest fit (with ``every_n_epochs > 1``, an epoch without a fit leaves the head of an earlier one). ``trainer.test`` and ``trainer.predict`` then return calibrated outputs; at the end of
+latest fit (with ``every_n_epochs > 1``, an epoch without a fit leaves the head of an earlier
+one). ``trainer.test`` and ``trainer.predict`` then return calibrated outputs; at the end of
 fitting the callback logs the validation metrics before and after calibration. Under DDP the
 metrics and the fit are data-parallel: each process keeps its own validation outputs and only sums
 travel (``Calibrator.fit(..., process_group=...)``).
@@ -229,10 +230,11 @@ class CalibrationCallback(Callback):
     callback's checkpoint hooks for full checkpoints only, so :meth:`setup` wraps the
     LightningModule's ``on_save_checkpoint`` / ``on_load_checkpoint`` (after the module's own) to
     write and restore the heads. A callback restores its own head on resume and in
-    ``trainer.test(..., ckpt_path=...)``, or the only head a checkpoint holds (one saved with another
-    prefix, by no other callback of the Trainer), and refuses a head fitted on the other domain (``output="probs"`` against
-    ``"logits"`` / ``"log_probs"``); ``CalibratedModel.from_checkpoint(path, network)`` loads a head without Lightning
-    (``prefix=`` chooses among several). With ``every_n_epochs=0`` save a checkpoint after fitting
+    ``trainer.test(..., ckpt_path=...)``, or the only head a checkpoint holds (one saved with
+    another prefix, by no other callback of the Trainer), and refuses a head fitted on the other
+    domain (``output="probs"`` against ``"logits"`` / ``"log_probs"``);
+    ``CalibratedModel.from_checkpoint(path, network)`` loads a head without Lightning (``prefix=``
+    chooses among several). With ``every_n_epochs=0`` save a checkpoint after fitting
     (``trainer.save_checkpoint``).
 
     Args:
@@ -591,10 +593,10 @@ class CalibrationCallback(Callback):
 
     def __getstate__(self) -> dict[str, Any]:
         self._receive_handoff()  # a later spawned run (e.g. trainer.test) must get the fitted head
-        # not the trainer (setup sets it again) nor an epoch's outputs: a deep copy of the module
+        # Not the trainer (setup sets it again) nor any epoch's outputs: a deep copy of the module
         # (EMA or SWA weight averaging), which copies the forward hook and so this callback,
-        # copied the whole Trainer with its datasets, and failed on one holding an open file
-        # (nor the last epoch's outputs: under DDP they hold the process group, which cannot be copied)
+        # copied the whole Trainer with its datasets and failed on one holding an open file; and
+        # under DDP the last outputs hold the process group, which cannot be copied.
         return {**self.__dict__, "_trainer": None, "_batches": [], "_latest": None, "_latest_quality": None}
 
     def _calibrate_forward(self, module: nn.Module, args: Any, output: Any) -> Any:

@@ -118,7 +118,9 @@ class MatrixScaling(Calibrator):
         reg: ``None``, ``"odir"`` or ``"l2"``. The penalty is added to the mean loss:
 
             - ODIR (off-diagonal and intercept): ``lambda / (K (K-1)) * sum_{i != j} W_ij^2 +
-              mu / K * sum_k b_k^2``; the diagonal is free, so per-class scaling is not penalised.
+              mu / K * sum_k b_k^2``; the diagonal is free, so per-class scaling is not penalised
+              (but for a class without samples in the fitted data, whose diagonal entry is
+              penalised as the others, towards 1: free, the fit drives it to infinity).
             - L2: ``lambda / (K (K+1)) * (sum W^2 + sum b^2)`` (shrinks towards zero).
         reg_lambda, reg_mu: penalty strengths. Left as ``None`` with a regulariser, they are chosen
             by ``cv_folds``-fold cross-validation over ``reg_grid`` (``mu = lambda``, or pairs; a

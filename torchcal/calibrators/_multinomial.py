@@ -520,10 +520,10 @@ def _blind_projections(x: Tensor, w: Tensor, groups: Tensor, scale: Tensor,
             low = x.new_full((x.shape[1] + 1,), -math.inf, dtype=torch.float64)
         high, low = all_reduce_(high, process_group, op="max"), -all_reduce_(low, process_group, op="max")
         high, size = high[:-1], float(high[-1])
-        rows = [(j, float(high[j])) for j in range(f) if high[j] == low[j]]
-        directions = x.new_zeros(len(rows) + 1, x.shape[1], dtype=torch.float64)
-        for i, (j, value) in enumerate(rows):
-            directions[i, j], directions[i, -1] = high[f], -value
+        constant = (high[:f] == low[:f]).nonzero().flatten()
+        directions = x.new_zeros(constant.numel() + 1, x.shape[1], dtype=torch.float64)
+        directions[torch.arange(constant.numel()), constant] = high[f]
+        directions[: constant.numel(), -1] = -high[constant]
         # (float32's round-off at least: a fit's features are float64 copies of what may be float32
         # logits, whose centred rows sum to 0 within 4e-6)
         summed = float(high[-1] - low[-1]) <= 16 * f * torch.finfo(torch.float32).eps * size and f > 1

@@ -52,6 +52,15 @@ def finite_log(x: Tensor) -> Tensor:
     return x.to(torch.float64).clamp(min=torch.finfo(torch.float64).tiny).log()
 
 
+def name_classes(classes: list[int], limit: int = 10) -> str:
+    """``"class 3"``, ``"classes [1, 4]"``, or the first ``limit`` of many and how many more (an
+    error message that lists 700 absent classes of a K = 3,000 problem hides what it says)."""
+    if len(classes) == 1:
+        return f"class {classes[0]}"
+    listed = f"{classes}" if len(classes) <= limit else f"{classes[:limit]} (and {len(classes) - limit} more)"
+    return f"classes {listed}"
+
+
 def as_tensor(x: Any, name: str) -> Tensor:
     """Return ``x`` as a tensor without copying when it already is one (NumPy arrays are wrapped;
     lists and tuples are read as NumPy reads them: float64, not torch's float32)."""

@@ -32,6 +32,7 @@ from torchcal._validation import (
     check_logits,
     check_logits_and_labels,
     check_priors,
+    name_classes,
 )
 from torchcal.functional.scoring import SumDecomposition, prior_weighted_mean
 
@@ -45,6 +46,7 @@ __all__ = [
     "decision_counts",
     "error_rate",
     "error_rate_terms",
+    "errors_per_sample",
     "expected_cost",
     "expected_cost_from_class_sums",
     "expected_cost_from_counts",
@@ -100,9 +102,10 @@ def bayes_decisions(logits: Tensor, costs: Tensor) -> Tensor:
     return _bayes_decisions(logits, check_costs(costs, logits.shape[1], device=logits.device))
 
 
-def _bayes_decisions(logits: Tensor, costs: Tensor) -> Tensor:
-    """``bayes_decisions`` of valid ``logits: (N, K)`` and float64 ``costs: (K, M)``."""
-    if is_zero_one_costs(costs):
+def _bayes_decisions(logits: Tensor, costs: Tensor, zero_one: bool | None = None) -> Tensor:
+    """``bayes_decisions`` of valid ``logits: (N, K)`` and float64 ``costs: (K, M)``; ``zero_one``:
+    whether they are ``zero_one_costs(K)``, if known (the test builds a second (K, K) matrix)."""
+    if is_zero_one_costs(costs) if zero_one is None else zero_one:
         return _first_maximal_decisions(logits)
     return _least_cost_decisions(logits, costs)
 
@@ -360,10 +363,12 @@ def bayes_risk(
     return bayes_risk_terms(logits, labels, costs, priors, normalize).evaluate()
 
 
-def error_rate(logits: Tensor, labels: Tensor) -> Tensor:
-    """Fraction of samples whose first maximal posterior is not the true class.
+def error_rate(logits: Tensor, labels: Tensor, priors: Tensor | None = None) -> Tensor:
+    """Fraction of samples whose first maximal posterior is not the true class (the per-class
+    fractions weighted by ``priors``, if given).
 
-    The Bayes risk under 0-1 costs with the empirical priors (``bayes_risk(..., zero_one_costs(K))``).
+    The Bayes risk under 0-1 costs (``bayes_risk(..., zero_one_costs(K), priors)``), computed
+    without the (K, K) cost matrix: O(N K) work and memory at any K.
 
     Example:
         >>> import torch
@@ -371,10 +376,10 @@ def error_rate(logits: Tensor, labels: Tensor) -> Tensor:
         >>> round(float(error_rate(logits, torch.tensor([0, 0, 1]))), 6)
         0.666667
     """
-    return error_rate_terms(logits, labels).evaluate()
+    return error_rate_terms(logits, labels, priors).evaluate()
 
 
-def error_rate_terms(logits: Tensor, labels: Tensor) -> SumDecomposition:
+def error_rate_terms(logits: Tensor, labels: Tensor, priors: Tensor | None = None) -> SumDecomposition:
     """``SumDecomposition`` of ``error_rate``.
 
     Example:
@@ -382,7 +387,20 @@ def error_rate_terms(logits: Tensor, labels: Tensor) -> SumDecomposition:
         tensor([1., 0.], dtype=torch.float64)
     """
     logits, labels = check_logits_and_labels(logits, labels)
-    return _bayes_risk_terms(logits, labels, zero_one_costs(logits.shape[1]))
+    if priors is not None:
+        priors = check_priors(priors, logits.shape[1], device=logits.device)
+    return _error_rate_terms(logits, labels, priors)
+
+
+def _error_rate_terms(logits: Tensor, labels: Tensor, priors: Tensor | None) -> SumDecomposition:
+    """``error_rate_terms`` of valid ``logits``, ``labels`` and ``priors``."""
+    return SumDecomposition(errors_per_sample(logits, labels), labels, logits.shape[1], partial(prior_weighted_mean, priors=priors))
+
+
+def errors_per_sample(logits: Tensor, labels: Tensor) -> Tensor:
+    """1 where the first maximal posterior of valid ``logits: (N, K)`` is not ``labels: (N,)``,
+    else 0; (N,) float64: the per-sample cost of the Bayes decisions under ``zero_one_costs(K)``."""
+    return (_first_maximal_decisions(logits) != labels).to(torch.float64)
 
 
 def balanced_error_rate(logits: Tensor, labels: Tensor) -> Tensor:
@@ -410,8 +428,8 @@ def balanced_error_rate_terms(logits: Tensor, labels: Tensor) -> SumDecompositio
     logits, labels = check_logits_and_labels(logits, labels)
     num_classes = logits.shape[1]
     check_every_class_counted(torch.bincount(labels, minlength=num_classes), torch.ones(num_classes))
-    uniform = torch.full((num_classes,), 1 / num_classes, dtype=torch.float64)
-    return _bayes_risk_terms(logits, labels, zero_one_costs(num_classes), priors=uniform)
+    uniform = torch.full((num_classes,), 1 / num_classes, dtype=torch.float64, device=logits.device)
+    return _error_rate_terms(logits, labels, uniform)
 
 
 def check_every_class_counted(counts: Tensor, averaged: Tensor) -> None:
@@ -419,10 +437,9 @@ def check_every_class_counted(counts: Tensor, averaged: Tensor) -> None:
     has a sample among ``counts: (K,)`` (the generic message offers priors, which it takes none of)."""
     missing = ((counts == 0) & (averaged.to(counts.device) > 0)).nonzero().flatten().tolist()
     if missing:
-        listed = f"{missing}" if len(missing) <= 10 else f"{missing[:10]} (and {len(missing) - 10} more)"
-        which = f"classes {listed} have" if len(missing) > 1 else f"class {missing[0]} has"
         raise ValueError(
-            f"the balanced error rate averages the error rate of every class, but {which} no sample: add samples, "
+            f"the balanced error rate averages the error rate of every class, but {name_classes(missing)} "
+            f"{'have' if len(missing) > 1 else 'has'} no sample: add samples, "
             f"or leave {'their columns' if len(missing) > 1 else 'its column'} out of the scores (a metric's "
             f"ignore_index leaves out one class in [0, K))."
         )

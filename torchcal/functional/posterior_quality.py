@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from torchcal._validation import check_logits_and_labels, check_priors
-from torchcal.functional.decisions import bayes_risk, error_rate, zero_one_costs
+from torchcal.functional.decisions import error_rate
 from torchcal.functional.diagnostics import expected_calibration_error
 from torchcal.functional.scoring import (
     brier_score,
@@ -45,8 +45,8 @@ def posterior_quality(
     """Cross-entropy, NCE, Brier, NBS, error rate and top-label ECE of ``softmax(logits)``.
 
     Each value is that of its own functional form (``cross_entropy``, ``brier_score``,
-    ``error_rate`` or, with ``priors``, ``bayes_risk(..., zero_one_costs(K), priors)``, and
-    ``expected_calibration_error(n_bins=n_bins)``); the ECE is never prior-weighted. NCE and NBS
+    ``error_rate`` and ``expected_calibration_error(n_bins=n_bins)``); the ECE is never
+    prior-weighted. NCE and NBS
     are NaN where the naive system scores 0 (one class holds all the labels, or all the priors),
     as the metric's are; the other values are still defined there.
 
@@ -66,9 +66,7 @@ def posterior_quality(
     logits, labels = check_logits_and_labels(logits, labels)
     if priors is not None:
         priors = check_priors(priors, logits.shape[1], device=logits.device)
-    errors = (
-        error_rate(logits, labels) if priors is None else bayes_risk(logits, labels, zero_one_costs(logits.shape[1]), priors)
-    )
+    errors = error_rate(logits, labels, priors)
     naive_priors = class_frequencies(labels, logits.shape[1]) if priors is None else priors
 
     def normalized(score: Tensor, naive_score: Tensor) -> Tensor:

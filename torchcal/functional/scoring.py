@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from torchcal._validation import as_tensor, check_labels, check_logits_and_labels, check_priors
+from torchcal._validation import as_tensor, check_labels, check_logits_and_labels, check_priors, name_classes
 
 __all__ = [
     "PER_SAMPLE_SCORES",
@@ -112,8 +112,9 @@ def _check_classes_present(counts: Tensor, priors: Tensor) -> None:
     if bool(missing.any()):
         classes = missing.reshape(-1, priors.shape[-1]).any(0).nonzero().flatten().tolist()
         raise ValueError(
-            f"classes {classes} have a positive prior but no sample in the data, so they cannot be "
-            f"re-weighted; give them prior 0 or add samples."
+            f"{name_classes(classes)} {'has' if len(classes) == 1 else 'have'} a positive prior but no sample in the "
+            f"data, so {'it' if len(classes) == 1 else 'they'} cannot be re-weighted; give "
+            f"{'it' if len(classes) == 1 else 'them'} prior 0 or add samples."
         )
 
 

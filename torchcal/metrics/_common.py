@@ -114,8 +114,9 @@ def _stable_repr(value: Any) -> str:
     ``functools.partial`` by its parts (their reprs hold memory addresses: a ``CalibrationLoss``
     saved in one process was refused by an identical one in another)."""
     if isinstance(value, Tensor):
+        # by the hash of its bytes: the repr of a (K, K) cost matrix's bytes is four times their size
         raw = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        return repr((value.dtype, tuple(value.shape), raw.numpy().tobytes()))
+        return repr((value.dtype, tuple(value.shape), hashlib.sha256(raw.numpy().data).hexdigest()))
     if isinstance(value, functools.partial):
         return f"partial({_stable_repr(value.func)}, {_stable_repr(value.args)}, {_stable_repr(value.keywords)})"
     if isinstance(value, dict):

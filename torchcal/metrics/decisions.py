@@ -1,7 +1,8 @@
-"""Streaming expected cost of hard decisions and of Bayes decisions.
+"""Streaming expected cost of hard decisions and of Bayes decisions, and the error rates.
 
 State: the class-by-decision count matrix (K, M) float64, from which the expected cost is
-computed with any priors at ``compute()`` (``torchcal.functional.decisions.expected_cost_from_counts``).
+computed with any priors at ``compute()`` (``torchcal.functional.decisions.expected_cost_from_counts``);
+the error rates keep per-class error and sample counts (K,).
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ from torch import Tensor
 
 from torchcal._validation import as_tensor, check_costs, check_priors
 from torchcal.functional.decisions import (
-    bayes_decisions,
+    _bayes_decisions,
     check_decisions,
     check_every_class_counted,
     decision_counts,
+    errors_per_sample,
     expected_cost_from_counts,
-    zero_one_costs,
+    is_zero_one_costs,
 )
+from torchcal.functional.scoring import class_sums, prior_weighted_mean
 from torchcal.metrics._common import BatchMetric, ScoreMetric, add_sum_state, check_num_classes
 
 __all__ = ["BalancedErrorRate", "BayesRisk", "ErrorRate", "ExpectedCost"]
@@ -116,19 +119,26 @@ class BayesRisk(_CostMetric, ScoreMetric):
 
     _compute_only_options: tuple[str, ...] = ("priors", "normalize")  # the decisions depend on the costs
 
+    def __init__(self, costs: Tensor, priors: Tensor | None = None, normalize: bool = False, **kwargs: Any) -> None:
+        super().__init__(costs, priors, normalize, **kwargs)
+        self._zero_one = is_zero_one_costs(self.costs)  # (once: every batch's logits are checked, not the costs)
+
     def update(self, scores: Tensor, labels: Tensor) -> None:
         """Accumulate ``scores: (N, K)`` or ``(N, K, d1, ...)`` and ``labels: (N,)`` or ``(N, d1, ...)``."""
         batch = self._scores(scores, labels)
         if batch is None:
             return
         logits, labels = batch
-        self._accumulate(bayes_decisions(logits, self.costs), labels)
+        if logits.shape[1] != self.num_classes:
+            raise ValueError(f"{type(self).__name__} has costs for {self.num_classes} classes, but the scores have {logits.shape[1]}.")
+        self._accumulate(_bayes_decisions(logits, self.costs.to(torch.float64), self._zero_one), labels)
 
 
-class ErrorRate(BayesRisk):
+class ErrorRate(ScoreMetric):
     """Fraction of samples whose first maximal posterior is not the label, as ``functional.error_rate``.
 
-    ``BayesRisk`` with 0-1 costs; ``priors`` re-weight the classes.
+    The Bayes risk under 0-1 costs; ``priors`` re-weight the classes. State: per-class error and
+    sample counts, (K,) float64 each (not a (K, K) confusion matrix: O(K) at any K).
 
     Args:
         num_classes: K.
@@ -143,8 +153,38 @@ class ErrorRate(BayesRisk):
         0.666667
     """
 
+    is_differentiable = False
+    higher_is_better = False
+    full_state_update = False
+    plot_lower_bound = 0.0
+    plot_upper_bound = 1.0
+
+    num_classes: int
+    priors: Tensor | None
+    class_errors: Tensor
+    class_counts: Tensor
+
+    _compute_only_options = ("priors",)
+
     def __init__(self, num_classes: int, priors: Tensor | None = None, **kwargs: Any) -> None:
-        super().__init__(zero_one_costs(check_num_classes(num_classes)), priors, **kwargs)
+        super().__init__(check_num_classes(num_classes), **kwargs)
+        self.register_buffer("priors", None if priors is None else check_priors(priors, self.num_classes), persistent=False)
+        add_sum_state(self, "class_errors", self.num_classes)
+        add_sum_state(self, "class_counts", self.num_classes)
+
+    def update(self, scores: Tensor, labels: Tensor) -> None:
+        """Accumulate ``scores: (N, K)`` or ``(N, K, d1, ...)`` and ``labels: (N,)`` or ``(N, d1, ...)``."""
+        batch = self._scores(scores, labels)
+        if batch is None:
+            return
+        logits, labels = batch
+        errors, counts = class_sums(errors_per_sample(logits, labels), labels, self.num_classes)
+        self.class_errors += errors
+        self.class_counts += counts
+
+    def compute(self) -> Tensor:
+        """The error rate, a float64 scalar."""
+        return prior_weighted_mean(self.class_errors, self.class_counts, self.priors)
 
 
 class BalancedErrorRate(ErrorRate):
@@ -172,5 +212,5 @@ class BalancedErrorRate(ErrorRate):
     def compute(self) -> Tensor:
         """The balanced error rate, a float64 scalar."""
         assert self.priors is not None  # (uniform over the classes it averages)
-        check_every_class_counted(self.counts.sum(-1), self.priors)
+        check_every_class_counted(self.class_counts, self.priors)
         return super().compute()

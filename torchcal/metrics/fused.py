@@ -138,8 +138,8 @@ class PosteriorQuality(MetricCollection):
     - ``cross_entropy``, ``nce``: as ``functional.cross_entropy(..., priors, normalize)``;
     - ``brier``, ``nbs``: as ``functional.brier_score(..., priors, normalize)`` (0..2 scale);
     - ``error_rate``: the error of the first maximal class, prior-weighted like the scores
-      (``functional.error_rate`` without priors, ``bayes_risk(..., zero_one_costs(K), priors)``
-      with them; the functional forms also tie decisions within float64 round-off);
+      (``functional.error_rate(..., priors)``; the functional form also ties decisions within
+      float64 round-off);
     - ``ece``: ``functional.expected_calibration_error(kind="top-label", n_bins=n_bins)``, always
       over the samples as they are (not prior-weighted).
 

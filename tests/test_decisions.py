@@ -200,6 +200,26 @@ def test_error_rates_need_no_class_by_class_matrix():
         error_rate(logits[:100], labels[:100], priors)
 
 
+def test_priors_off_one_by_round_off_are_renormalised():
+    """Priors within 1e-6 of summing to one are divided by their sum: every decision wrong costs
+    exactly 1 under 0-1 costs whatever the priors (it had come out 1.0000009, above the largest
+    cost, for priors summing to 1.0000009), and float32 priors of 1/10 (summing to 1 + 1.5e-8)
+    give float64's result."""
+    from torchcal.metrics import ExpectedCost
+
+    labels = torch.tensor([0, 1, 2, 0])
+    wrong = (labels + 1) % 3
+    priors = torch.tensor([0.3, 0.3, 0.4000009], dtype=torch.float64)
+    assert expected_cost(wrong, labels, zero_one_costs(3), priors).item() == 1.0
+    metric = ExpectedCost(zero_one_costs(3), priors)
+    metric.update(wrong, labels)
+    assert metric.compute().item() == 1.0
+    labels = torch.arange(10)
+    right = labels.clone()
+    right[0] = 1
+    assert expected_cost(right, labels, zero_one_costs(10), torch.full((10,), 0.1)).item() == pytest.approx(0.1, abs=1e-17)
+
+
 def test_bayes_risk_without_validation_refuses_scores_of_another_width():
     """BayesRisk(validate_args=False) checks the scores' K against the costs' once per batch (it
     had done so through the costs' own checks, which now run once, at construction)."""

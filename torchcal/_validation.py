@@ -314,8 +314,9 @@ def total_may_be_of_probs(total: float, rows: int, dtype: torch.dtype) -> bool:
 
 
 def check_priors(priors: Any, num_classes: int, device: torch.device | None = None) -> Tensor:
-    """Validate class priors: K non-negative numbers summing to one (half-precision ones within
-    their round-off, then renormalised). Returned in float64."""
+    """Validate class priors: K non-negative numbers summing to one within 1e-6 (half-precision
+    ones within their round-off). Returned in float64, divided by their sum: priors that sum to
+    1 + 1e-7 would scale every prior-weighted value by it (an expected cost above the largest cost)."""
     given = as_tensor(priors, "priors")
     half = given.dtype in (torch.float16, torch.bfloat16)
     priors = given.to(dtype=torch.float64, device=device)
@@ -329,7 +330,7 @@ def check_priors(priors: Any, num_classes: int, device: torch.device | None = No
     # (each half-precision entry is within eps / 2 of its value, relatively, and so is their sum)
     if abs(total - 1) > (2 * torch.finfo(given.dtype).eps if half else 1e-6):
         raise ValueError(f"priors must sum to one, got sum {total:.8g}; divide them by their sum.")
-    return priors / total if half else priors
+    return priors if total == 1 else priors / total
 
 
 def check_costs(costs: Any, num_classes: int | None, device: torch.device | None = None) -> Tensor:

@@ -249,6 +249,22 @@ def test_llrs_equal_up_to_round_off_are_one_score():
     assert float(equal_error_rate(offset, labels)) == pytest.approx(float(equal_error_rate(exact, labels)), rel=1e-12)
 
 
+def test_the_actual_dcf_is_never_below_the_minimum_for_tied_llrs():
+    """LLRs that the minimum ties (0 and 3e-15, within 16 ulps of 1) are not split by the Bayes
+    threshold 0 between them: the actual DCF had come out 0 beside a minimum DCF of 1 (a review's
+    reproducer), which no threshold can beat."""
+    labels = torch.tensor([0, 1])
+    for gap in (1e-16, 1e-15, 3e-15, 3.5e-15):
+        logits = torch.tensor([[0.0, 0.0], [0.0, gap]], dtype=torch.float64)
+        actual, minimum = float(detection_cost(logits, labels)), float(min_detection_cost(logits, labels))
+        assert (actual, minimum) == (1.0, 1.0)
+        metric = DetectionCost()
+        metric.update(logits, labels)
+        assert float(metric.compute()) == 1.0
+    logits = torch.tensor([[0.0, 0.0], [0.0, 1e-14]], dtype=torch.float64)  # beyond the tie: separated by both
+    assert float(detection_cost(logits, labels)) == float(min_detection_cost(logits, labels)) == 0.0
+
+
 def test_llrs_with_given_priors_need_no_second_class():
     """With priors the LLRs do not read the labels, yet a batch of targets only was refused
     ("need both target and non-target samples"); without priors the class frequencies still need both."""

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from torchcal._validation import check_logits_and_labels, check_priors
-from torchcal.functional._ties import tie_group_starts
+from torchcal.functional._ties import tie_group_starts, tie_tolerance
 from torchcal.functional.isotonic import pool_adjacent_violators
 from torchcal.functional.scoring import class_frequencies, class_sums, to_log_probs
 
@@ -275,17 +275,20 @@ def bayes_threshold(target_prior: float, cost_miss: float, cost_false_alarm: flo
 
 def bayes_accepts(log_odds: Tensor, prior_log_odds: Tensor, threshold: float) -> Tensor:
     """The Bayes decisions (N,) bool: accept where the LLR ``log_odds - prior_log_odds`` exceeds
-    ``threshold`` by more than the three terms' round-off. An LLR that equals the threshold is a
-    miss, as the module says, however the terms round: posteriors of 1/2 under a target prior
-    equal to the priors' ``P_1`` sit exactly on it.
+    ``threshold`` by more than the three terms' round-off, and is not tied with it (``_ties``). An
+    LLR that equals the threshold is a miss, as the module says, however the terms round:
+    posteriors of 1/2 under a target prior equal to the priors' ``P_1`` sit exactly on it. (Scores
+    that ``min_detection_cost`` ties, such as 0 and 3e-15, are not split by the threshold 0
+    between them: the actual DCF had come out 0 beside a minimum of 1.)
 
     Example:
         >>> bool(bayes_accepts(torch.zeros(1, dtype=torch.float64), torch.tensor(math.log(4)), -math.log(4)))
         False
     """
     eps = torch.finfo(torch.float64).eps
+    llr = log_odds - prior_log_odds
     slack = 8 * eps * (1 + log_odds.abs() + prior_log_odds.abs() + abs(threshold))
-    return log_odds - prior_log_odds > threshold + slack
+    return llr > threshold + torch.maximum(slack, tie_tolerance(llr.abs().clamp_min(abs(threshold))))
 
 
 def detection_cost_from_class_sums(

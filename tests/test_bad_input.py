@@ -636,6 +636,8 @@ def test_fold_counts_and_groups():
         (lambda: F.smooth_reliability_curve(*good_data(), num_replicates=0), ValueError, "num_replicates must be an integer >= 2, got 0"),
         (lambda: binomial_interval(torch.tensor([12.0]), torch.tensor([10.0])), ValueError, r"successes must lie in \[0, trials\]"),
         (lambda: binomial_interval(torch.tensor([-1.0]), torch.tensor([10.0])), ValueError, r"successes must lie in \[0, trials\]"),
+        (lambda: binomial_interval(torch.tensor([1.0]), torch.tensor([float("inf")])), ValueError, "trials be finite"),  # ([0.5, 0.5] before)
+        (lambda: binomial_interval(torch.tensor([float("inf")]), torch.tensor([float("inf")]), method="wilson"), ValueError, "trials be finite"),
         (lambda: F.bootstrap(F.cross_entropy, *good_data(), confidence=1.0), ValueError, "confidence must lie strictly between 0 and 1"),
         (lambda: F.expected_calibration_error(*good_data(), n_bins=True), ValueError, "n_bins must be a positive integer, got True"),
         (lambda: F.entropic_calibration_difference(*good_data(), n_bins=0), ValueError, "n_bins must be a positive integer"),

@@ -150,8 +150,8 @@ def binomial_interval(successes: Tensor, trials: Tensor, confidence: float = 0.9
     """
     _check_confidence(confidence)
     successes, trials = successes.to(torch.float64), trials.to(torch.float64)
-    if not bool(((successes >= 0) & (successes <= trials)).all()):
-        raise ValueError("successes must lie in [0, trials] (and trials >= 0), element by element.")
+    if not bool(((successes >= 0) & (successes <= trials) & torch.isfinite(trials)).all()):
+        raise ValueError("successes must lie in [0, trials] (and trials >= 0), element by element, and trials be finite.")
     alpha = 1 - confidence
     empty = trials <= 0
     if method == "clopper-pearson":

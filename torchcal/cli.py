@@ -533,6 +533,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(f"fitting {method} on {where} ...", file=sys.stderr, flush=True)
     calibrator = fit_calibrator(method, options, scores.logits, labels, priors=priors)
+    if shift is not None and priors is None:
+        from torchcal.label_shift import warn_unless_calibrated_to_frequencies
+
+        warn_unless_calibrated_to_frequencies(calibrator, scores.logits, labels)
     # the source priors are the given priors (--priors or the config's), else the class frequencies
     priors_name = "calibration data" if priors is None else _where(args, "priors")
     label_shift = None if shift is None else _estimate_target_priors(args, *shift, calibrator, method, priors_name)

@@ -6,6 +6,7 @@ standard errors and a lower test log-loss after adaptation, next to the known-pr
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 
 import numpy as np
@@ -558,6 +559,20 @@ def test_a_calibrator_not_calibrated_to_the_class_frequencies_is_named(capsys, t
     assert "not calibrated to the class frequencies" in capsys.readouterr().err
     assert main(["calibrate", str(tmp_path / "cal.npz"), "--method", "affine", "--target", str(tmp_path / "target.npy")]) == 0
     assert "not calibrated" not in capsys.readouterr().err
+
+
+def test_a_target_prior_of_zero_leaves_its_class_at_the_floor_whatever_its_logit():
+    """A class of target prior 0 gets the log-posterior log(tiny), about -708, however far its logit
+    lies above the others' (a label-shift review: a gap of 720 left it at probability 1, a gap of
+    700 at 2.3e-4; exact Bayes gives 0); the other classes are renormalised among themselves."""
+    floor = float(torch.finfo(torch.float64).tiny)
+    for dtype in (torch.float64, torch.float32):
+        for gap in (0.0, 100.0, 700.0, 720.0, 800.0, 1e30):
+            logits = torch.tensor([[0.0, gap, -1.0]], dtype=dtype)
+            adapted = adapt_to_priors(logits, torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64), torch.tensor([0.6, 0.0, 0.4], dtype=torch.float64))
+            assert adapted.dtype == dtype and float(adapted[0, 1]) == pytest.approx(math.log(floor), rel=1e-6)
+            expected = torch.log_softmax(torch.tensor([math.log(0.6 / 0.5), -1 + math.log(0.4 / 0.25)], dtype=torch.float64), 0)
+            torch.testing.assert_close(adapted[0, [0, 2]].double(), expected, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-15)
 
 
 def test_smoothed_priors_in_half_precision_and_from_no_sample():

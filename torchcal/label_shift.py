@@ -53,7 +53,6 @@ from torchcal._validation import (
     check_logits_and_labels,
     check_priors,
     compute_dtype,
-    finite_log,
     stacklevel_outside_package,
 )
 from torchcal.calibrators.affine import AffineCalibration
@@ -134,7 +133,7 @@ def adapt_to_priors(logits: Tensor, source_priors: Tensor, target_priors: Tensor
     Args:
         logits: (N, K) calibrated scores (any unnormalised log-posteriors).
         source_priors: (K,) priors the posteriors are calibrated for (all positive).
-        target_priors: (K,) deployment priors; a class at 0 ends at about ``exp(-708)``, not at
+        target_priors: (K,) deployment priors; a class at 0 ends at ``exp(-708)``, not at
             probability 0 (whose log, -inf, torchcal's metrics refuse).
 
     Returns:
@@ -156,9 +155,13 @@ def adapt_to_priors(logits: Tensor, source_priors: Tensor, target_priors: Tensor
 
 def _shift(logits: Tensor, source: Tensor, target: Tensor) -> Tensor:
     """``log_softmax(logits + log(target / source))`` in the compute dtype, without input checks;
-    a target prior of 0 leaves its class at about exp(-708) (:func:`finite_log`)."""
+    a class of target prior 0 gets the log-posterior ``log(tiny)``, about -708, whatever its
+    logit (a logit 720 above the others' had left it at probability 1)."""
     dtype = compute_dtype(logits.dtype)
-    return torch.log_softmax(logits.to(dtype) + (finite_log(target) - source.to(torch.float64).log()).to(dtype), dim=1)
+    absent = target == 0  # (-inf in the softmax, then the floor; at least one prior is positive)
+    offset = torch.where(absent, -math.inf, target.to(torch.float64).log() - source.to(torch.float64).log())
+    shifted = torch.log_softmax(logits.to(dtype) + offset.to(dtype), dim=1)
+    return shifted.masked_fill(absent, math.log(torch.finfo(torch.float64).tiny))  # (finite_log(0))
 
 
 def smoothed_priors(priors: Any, num_samples: float | Tensor, pseudocount: float = 0.5) -> Tensor:

@@ -22,6 +22,7 @@ from torchcal.calibrators._multinomial import (
     selection_tolerances,
 )
 from torchcal.calibrators.base import (
+    NEWTON_FINISH_STEPS,
     Calibrator,
     finish_lbfgs_with_newton,
     sample_weights,
@@ -48,7 +49,6 @@ __all__ = ["DEFAULT_REG_GRID", "DirichletCalibration", "MatrixScaling"]
 #: off, reported converged, and in another row order at the iteration cap (a review finding);
 #: one or two Newton steps reach gradients of 1e-10.
 _MATRIX_NEWTON_FINISH_PARAMETERS = 256
-_NEWTON_FINISH_STEPS = 20
 
 #: Regularisation strengths tried by cross-validation when none is given (mu = lambda). Wide on
 #: purpose: the out-of-fold Dir-ODIR loss is lowest at 1e-4 on the AG News GPT-2 logits (K = 4;
@@ -446,8 +446,8 @@ class MatrixScaling(Calibrator):
             return torch.autograd.grad(objective_at(theta), theta)[0]
 
         finish = tol_change is None and phi.numel() <= _MATRIX_NEWTON_FINISH_PARAMETERS
-        # (Newton keeps _NEWTON_FINISH_STEPS of the cap: L-BFGS met it in one row order, see above)
-        lbfgs_cap = max_iter - min(_NEWTON_FINISH_STEPS, max_iter // 2) if finish else max_iter
+        # (Newton keeps NEWTON_FINISH_STEPS of the cap: L-BFGS met it in one row order, see above)
+        lbfgs_cap = max_iter - min(NEWTON_FINISH_STEPS, max_iter // 2) if finish else max_iter
         record = minimize(lambda: objective_at(phi / scale), [phi], max_iter=lbfgs_cap,
                           tol_change=1e-12 if tol_change is None else tol_change, loose=tol_change is not None,
                           process_group=process_group, gradient=gradient, warn=not finish)

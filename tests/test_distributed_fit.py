@@ -103,6 +103,45 @@ def test_two_processes_match_one_process_on_the_union(two_process_fits, name):
             assert torch.equal(value, two_process_fits[1][name]["state"][key])
 
 
+def _binary_with_a_masked_row() -> tuple[torch.Tensor, torch.Tensor]:
+    """Binary log-odds with a quadratic trend, and one row whose class 1 is masked (label 0)."""
+    gen = torch.Generator().manual_seed(12)
+    llr = 2.5 * torch.randn(1800, generator=gen, dtype=torch.float64)
+    labels = torch.bernoulli(torch.sigmoid(0.4 * llr + 0.1 * llr.square() - 0.5), generator=gen).long()
+    logits = torch.stack([torch.zeros_like(llr), llr], dim=1)
+    logits[1500], labels[1500] = torch.tensor([0.0, -1e30], dtype=torch.float64), 0
+    return logits, labels
+
+
+def _quadratic_worker(rank: int, out: str) -> None:
+    logits, labels = _binary_with_a_masked_row()
+    shard = slice(0, SPLIT) if rank == 0 else slice(SPLIT, None)  # (the masked row on rank 1)
+    fitted = {}
+    for loss in ("log", "brier"):
+        cal = torchcal.QuadraticScaling().fit(logits[shard], labels[shard], loss=loss, process_group=dist.group.WORLD)
+        fitted[loss] = (cal.coefficients.detach(), cal.fit_record_.loss)
+    torch.save(fitted, Path(out) / f"rank{rank}.pt")
+
+
+def test_quadratic_scaling_with_a_masked_row_on_one_process(tmp_path):
+    """QuadraticScaling's centre and scale of the log-odds (medians and quartiles of the shards)
+    and its rows saturated beyond 1e6 scales are the group's: two processes, one of them holding a
+    masked row, end with the one-process fit on the union (log-loss and Brier)."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    spawn_gloo(_quadratic_worker, 2, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    logits, labels = _binary_with_a_masked_row()
+    for loss in ("log", "brier"):
+        single = torchcal.QuadraticScaling().fit(logits, labels, loss=loss)
+        # the masked row rules out the upward quadratic term under the log-loss; its Brier score
+        # is bounded (2), which the quadratic term more than pays for on the other rows
+        assert (float(single.coefficients.detach()[2]) == 0.0) == (loss == "log")
+        for coefficients, fit_loss in (rank[loss] for rank in ranks):
+            torch.testing.assert_close(coefficients, single.coefficients.detach(), rtol=1e-6, atol=1e-7)
+            assert fit_loss == pytest.approx(single.fit_record_.loss, rel=1e-9)
+
+
 def test_calibrators_that_need_all_the_data_refuse_a_process_group():
     logits, labels = _data()
     with pytest.raises(NotImplementedError, match="all the data"):

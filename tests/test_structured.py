@@ -282,6 +282,41 @@ def test_quadratic_scaling_is_logistic_regression_on_llr_and_its_square():
     np.testing.assert_allclose(model.predict_proba(logits)[:, 1].detach().numpy(), p1, atol=1e-9)
 
 
+@pytest.mark.parametrize("masked", [-1e10, -1e30, "float32 min", "float64 min"])
+def test_quadratic_scaling_with_a_masked_row_fits_the_others(real, masked):
+    """SST-2 GPT-2 4-shot scores plus one row whose class 1 is masked by a large negative number
+    (label 0). Its loss is 0 only where the map's limit there says class 0, which rules out the
+    clean fit's upward quadratic term: the optimum is Platt's map (c = 0; SciPy on the other rows),
+    converged. The mean and standard deviation of the log-odds had been the masked row's, every
+    other row standardised to the same value, and the fit fell back to the intercept (log-loss
+    0.693 against 0.279, reported converged; a binary review); at float64's lowest value the
+    forward pass of a fitted map was NaN."""
+    data = real("sst2_gpt2-4shot_ferrer")
+    dtype = torch.float32 if masked == "float32 min" else torch.float64
+    logits, labels = torch.from_numpy(data["logits"]).to(dtype), torch.from_numpy(data["labels"])
+    low = torch.finfo(dtype).min if isinstance(masked, str) else masked
+    with_masked = torch.cat([logits, torch.tensor([[0.0, low]], dtype=dtype)])
+    model = torchcal.QuadraticScaling().fit(with_masked, torch.cat([labels, torch.tensor([0])]))
+
+    llr = (logits[:, 1].double() - logits[:, 0].double()).numpy()
+    y = labels.numpy()
+
+    def platt(c):
+        s = c[0] + c[1] * llr
+        return np.mean(np.logaddexp(0, s) - y * s), np.array([np.mean(1 / (1 + np.exp(-s)) - y), np.mean((1 / (1 + np.exp(-s)) - y) * llr)])
+
+    reference = minimize(platt, np.zeros(2), jac=True, method="BFGS", options={"gtol": 1e-12})
+    np.testing.assert_allclose(model.coefficients.detach().numpy(), [*reference.x, 0.0], rtol=1e-6, atol=1e-8)
+    assert model.fit_record_.converged
+    assert model.fit_record_.loss == pytest.approx(reference.fun * len(y) / (len(y) + 1), abs=1e-10)  # (the masked row: 0)
+    assert float(model(with_masked[-1:]).detach()[0, 1]) < -1e9  # its class 1 at probability 0
+
+    clean = torchcal.QuadraticScaling().fit(logits, labels)  # an upward quadratic term: class 1 at both ends
+    assert float(clean.coefficients.detach()[2]) > 0
+    far = torch.tensor([[0.0, torch.finfo(torch.float64).min], [0.0, -1e308]], dtype=torch.float64)
+    torch.testing.assert_close(clean(far).exp(), torch.tensor([[0.0, 1.0], [0.0, 1.0]], dtype=torch.float64))
+
+
 # --------------------------------------------------------------------- probmetrics, real logits
 def _probmetrics():
     """probmetrics' calibrators; it imports numba for its SAGA solvers, which are not used here:

@@ -686,6 +686,29 @@ class _VectorAboutIdentity(VectorDesign):
         return super().scores(x, theta) + x
 
 
+#: Log-odds beyond this many scales from the centre are saturated by any quadratic map (QuadraticScaling).
+_SATURATED = 1e6
+
+
+def _centre_and_scale(llr: Tensor, w: Tensor, process_group: ProcessGroup | None) -> tuple[float, float]:
+    """A centre and scale of the log-odds ``llr: (N,)`` that one row cannot dominate: the median and
+    the interquartile range / 1.349 (the standard deviation of normal data), each shard's averaged
+    over a group's by its rows; the ``w``-weighted mean and standard deviation where the quartiles
+    coincide. (The weighted mean and standard deviation alone: one row of log-odds -1e20, a class
+    masked by a large negative number, made every other row's standardised value the same, and
+    the fit fell back to the intercept, reported converged at log-loss 0.693 where 0.279 is
+    reached.)"""
+    ordered = llr.sort().values
+    n = ordered.numel()
+    quartiles = ordered[[round(q * (n - 1)) for q in (0.25, 0.5, 0.75)]] * n if n else llr.new_zeros(3)
+    q1, median, q3, total = all_reduce_(torch.cat([quartiles, llr.new_tensor([float(n)])]), process_group).tolist()
+    m, s = median / total, (q3 - q1) / total / 1.349
+    if s > 1e-12 * max(1.0, abs(m)):
+        return m, s
+    m = float(all_reduce_(w @ llr, process_group))
+    return m, math.sqrt(float(all_reduce_(w @ (llr - m).square(), process_group)))
+
+
 class QuadraticScaling(Calibrator):
     """Quadratic scaling for K = 2: ``P(class 1) = sigmoid(a + b * llr + c * llr^2)``.
 
@@ -693,7 +716,11 @@ class QuadraticScaling(Calibrator):
     quadratic term, so the map need not be monotone; it is the binary calibrator Berta et al.
     (2025) recommend (logistic regression on ``[1, llr, llr^2]``, unpenalised). The log-loss fit is
     Newton's method with the exact 3 x 3 Hessian. Other losses (not convex here) use the generic
-    L-BFGS driver, started from the better of the identity and the log-loss fit.
+    L-BFGS driver, started from the better of the identity and the log-loss fit. Log-odds more
+    than a million interquartile ranges from the median (a class masked by a large negative
+    number) are saturated by any map: the map is fitted to the other rows, and where its
+    quadratic term contradicts those rows' labels, the map without it (Platt's) is the fit if its
+    loss over all rows is lower.
 
     Example:
         >>> import torch
@@ -724,7 +751,11 @@ class QuadraticScaling(Calibrator):
         return torch.stack([llr, llr.square()], dim=1)
 
     def _scores(self, features: Tensor) -> Tensor:
-        return BinaryLogisticDesign().scores(features, self.coefficients.to(features.dtype))
+        # a + llr (b + c llr): a + b llr + c llr^2 summed -inf and +inf into NaN for log-odds near
+        # float64's lowest value (a class masked at finfo.min), whose probability is 1 or 0
+        a, b, c = self.coefficients.to(features.dtype).unbind()
+        llr = features[:, 0]
+        return torch.stack([torch.zeros_like(llr), a + llr * (b + c * llr)], dim=1)
 
     def _fit(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
         # On the standardised log-odds u = (llr - m) / s, the coefficients converted there and
@@ -733,28 +764,62 @@ class QuadraticScaling(Calibrator):
         # 5 % above the optimum, reported converged, and L-BFGS on the Brier score above it too.
         # From all-zero coefficients in u (the prior), unless warm-started.
         llr = features[:, 0]
-        w = sample_weights(labels, weights, process_group)
-        m = float(all_reduce_(w @ llr, process_group))
-        s = math.sqrt(float(all_reduce_(w @ (llr - m).square(), process_group)))
+        m, s = _centre_and_scale(llr, sample_weights(labels, weights, process_group), process_group)
         if not s > 1e-12 * max(1.0, abs(m)):  # constant log-odds (s is their round-off): only a fits
             u, s = torch.zeros_like(llr), 1.0
         else:
-            u = (llr - m) / s
+            u = ((llr - m) / s).clamp(-1e300, 1e300)  # (finite: a + u (b + c u) is then never NaN)
         a, b, c = self.coefficients.detach().tolist()
-        with torch.no_grad():
-            self.coefficients.copy_(self.coefficients.new_tensor([0.0, 0.0, 0.0] if self._at_identity() else
-                                                                 [a + b * m + c * m * m, s * (b + 2 * c * m), c * s * s]))
-        standardised = torch.stack([u, u.square()], dim=1)
+        start = [0.0, 0.0, 0.0] if self._at_identity() else [a + b * m + c * m * m, s * (b + 2 * c * m), c * s * s]
+        # Rows beyond _SATURATED scales (a class masked at -1e30) leave the fit: any map that does
+        # not vanish saturates them, to loss 0 where its sign there agrees with their labels. With
+        # them in, Newton's steps along u^2 ~ 1e60 went nowhere. Where the sign disagrees (a
+        # quadratic term opening towards them), the map without it (c = 0) is the other candidate;
+        # the one of lower loss over all rows is kept.
+        saturated = u.abs() > _SATURATED
+        kept = ~saturated
+        counts = all_reduce_(torch.stack([saturated.sum(), kept.sum()]).to(torch.float64), process_group).tolist()
+        split = counts[0] > 0 and counts[1] > 0
+        candidates = []
         try:
-            if loss == "log":
-                return self._fit_log_loss(standardised, labels, weights, max_iter, process_group)
-            return self._fit_nonconvex(standardised, labels, weights, loss, max_iter, process_group)
+            for quadratic in (True, False) if split else (True,):
+                with torch.no_grad():
+                    self.coefficients.copy_(self.coefficients.new_tensor(start if quadratic else [*start[:2], 0.0]))
+                x, y = (u[kept], labels[kept]) if split else (u, labels)
+                standardised = torch.stack([x, x.square() if quadratic else torch.zeros_like(x)], dim=1)
+                if loss == "log":
+                    record = self._fit_log_loss(standardised, y, weights, max_iter, process_group)
+                else:
+                    record = self._fit_nonconvex(standardised, y, weights, loss, max_iter, process_group)
+                if not split:
+                    return record
+                total = self._loss_in_units(u, labels, weights, loss, process_group)
+                candidates.append((total, dataclasses.replace(record, loss=total), self.coefficients.detach().clone()))
+                if quadratic and total <= record.loss * counts[1] / sum(counts) * (1 + 1e-12):
+                    break  # (the saturated rows cost nothing: this is the fit)
+            total, record, coefficients = min(candidates, key=lambda candidate: candidate[0])
+            with torch.no_grad():
+                self.coefficients.copy_(coefficients)
+            if not math.isfinite(total):
+                record = dataclasses.replace(record, converged=False, message=(
+                    f"no quadratic map gives a finite log-loss: {int(counts[0])} calibration rows have log-odds beyond "
+                    f"{_SATURATED:g} scales (masked scores?) on the side where every fitted map contradicts their labels"))
+            return record
         finally:
             a_u, b_u, c_u = self.coefficients.detach().tolist()
             c = c_u / (s * s)
             b = b_u / s - 2 * c * m
             with torch.no_grad():
                 self.coefficients.copy_(self.coefficients.new_tensor([a_u - b * m - c * m * m, b, c]))
+
+    def _loss_in_units(self, u: Tensor, labels: Tensor, weights: Tensor | None, loss: str, process_group: ProcessGroup | None) -> float:
+        """The (weighted) mean ``loss`` over all rows of the map on the standardised log-odds ``u`` (N,)."""
+        a, b, c = self.coefficients.detach().to(u.dtype).unbind()
+        score = a + u * (b + c * u)  # (+-inf where u^2 overflows: log-softmax's NaN there avoided)
+        log_q = -torch.nn.functional.softplus(torch.stack([score, -score], dim=1))
+        w = sample_weights(labels, weights, process_group)
+        terms = torch.where(w > 0, w * PER_SAMPLE_SCORES[loss](log_q, labels), 0.0)
+        return float(all_reduce_(terms.sum(), process_group))
 
     def _fit_log_loss(self, features, labels, weights, max_iter, process_group=None, tol_grad=None, tol_decrease=None) -> FitRecord:
         """Newton's method on the (standardised) ``features`` from the current coefficients."""

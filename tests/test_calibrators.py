@@ -1346,7 +1346,7 @@ def test_newton_after_lbfgs_forms_one_hessian_per_step_and_centres_the_biases(mo
     monkeypatch.setattr(base.torch.autograd, "grad", counting)
     fitted = torchcal.AffineCalibration().fit(logits, labels, loss="brier")
     record = fitted.fit_record_
-    assert "then Newton on the exact 9 x 9 Hessian" in record.message
+    assert "Newton on the exact 9 x 9 Hessian" in record.message
     assert sum(calls) <= 9 * 2  # Hessian rows: one Hessian for the check and the first step, at most one more
     assert abs(float(fitted.beta.mean())) < 1e-12
 

@@ -462,7 +462,7 @@ def test_small_lbfgs_fits_end_at_the_optimum_however_small_the_loss(real):
     fitted = torchcal.QuadraticScaling().fit(logits, labels, loss="brier")
     coefficients = fitted.coefficients.detach().numpy()
     reference = scipy_minimize(brier, coefficients, jac=True, method="L-BFGS-B", options={"gtol": 1e-12, "ftol": 1e-16, "maxiter": 10000})
-    assert fitted.fit_record_.converged and "then Newton on the exact 3 x 3 Hessian" in fitted.fit_record_.message
+    assert fitted.fit_record_.converged and "Newton on the exact 3 x 3 Hessian" in fitted.fit_record_.message
     assert brier(coefficients)[0] == pytest.approx(reference.fun, rel=1e-12)
     np.testing.assert_allclose(coefficients, reference.x, rtol=1e-7)
 

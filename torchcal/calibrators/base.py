@@ -332,6 +332,18 @@ class Calibrator(nn.Module):
             return self._data_term(features, labels, sample_w, loss) + penalty_share * self._penalty()
 
         finish = tol_change is None and sum(p.numel() for p in params) <= _NEWTON_FINISH_PARAMETERS
+        if finish:
+            # Newton from the start where the Hessian there is positive semi-definite: vector
+            # scaling's prior-weighted Brier fit on the CIFAR-10 ResNet-110 validation logits took
+            # L-BFGS 400-980 iterations from the log-loss fit (1-3 s), Newton 6 (0.2 s), to the same
+            # loss; elsewhere L-BFGS first, and Newton from where it stopped
+            with torch.no_grad():
+                start = FitRecord(0, 1, float(all_reduce_(objective().reshape(1), process_group)[0]), math.nan, False, "")
+            first = _newton_finish(objective, params, start, max_iter, process_group)
+            if first.converged:
+                size = sum(p.numel() for p in params)
+                return dataclasses.replace(first, message=f"Newton on the exact {size} x {size} Hessian from the start: "
+                                                          f"gradient below tolerance (gradient {first.grad_max:.2e})")
         lbfgs_cap = max_iter - min(NEWTON_FINISH_STEPS, max_iter // 2) if finish else max_iter
         record = minimize(objective, params, max_iter=lbfgs_cap, tol_change=1e-12 if tol_change is None else tol_change,
                           loose=tol_change is not None, process_group=process_group, warn=not finish)

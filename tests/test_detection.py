@@ -249,10 +249,12 @@ def test_llrs_equal_up_to_round_off_are_one_score():
     assert float(equal_error_rate(offset, labels)) == pytest.approx(float(equal_error_rate(exact, labels)), rel=1e-12)
 
 
-def test_the_actual_dcf_is_never_below_the_minimum_for_tied_llrs():
-    """LLRs that the minimum ties (0 and 3e-15, within 16 ulps of 1) are not split by the Bayes
-    threshold 0 between them: the actual DCF had come out 0 beside a minimum DCF of 1 (a review's
-    reproducer), which no threshold can beat."""
+def test_an_llr_tied_with_the_bayes_threshold_is_a_miss():
+    """LLRs tied (within 16 ulps of 1) with the Bayes threshold 0 are misses, so two LLRs that the
+    minimum ties (0 and 3e-15) are not split by it: the actual DCF had come out 0 beside a minimum
+    DCF of 1 (a review's reproducer), which no threshold can beat. (A chain of ties, 0, 3e-15,
+    6e-15, 9e-15, which the minimum groups into one, can still be split: the streaming metric
+    decides each score alone.)"""
     labels = torch.tensor([0, 1])
     for gap in (1e-16, 1e-15, 3e-15, 3.5e-15):
         logits = torch.tensor([[0.0, 0.0], [0.0, gap]], dtype=torch.float64)

@@ -38,6 +38,7 @@ import copy
 import dataclasses
 import functools
 import math
+import statistics
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -688,23 +689,28 @@ class _VectorAboutIdentity(VectorDesign):
 
 #: Log-odds beyond this many scales from the centre are saturated by any quadratic map (QuadraticScaling).
 _SATURATED = 1e6
+#: The lower quantiles of the spreads that give the log-odds' scale, tried in turn (_centre_and_scale).
+_SPREAD_TAILS = (0.25, 0.1, 0.01, 0.001)
 
 
 def _centre_and_scale(llr: Tensor, w: Tensor, process_group: ProcessGroup | None) -> tuple[float, float]:
     """A centre and scale of the log-odds ``llr: (N,)`` that one row cannot dominate: the median and
-    the interquartile range / 1.349 (the standard deviation of normal data), each shard's averaged
-    over a group's by its rows; the ``w``-weighted mean and standard deviation where the quartiles
-    coincide. (The weighted mean and standard deviation alone: one row of log-odds -1e20, a class
-    masked by a large negative number, made every other row's standardised value the same, and
-    the fit fell back to the intercept, reported converged at log-loss 0.693 where 0.279 is
-    reached.)"""
+    the spread between the quartiles, or where they coincide (most rows at one value: clipped
+    scores) between the 10th and 90th, 1st and 99th, 0.1th and 99.9th percentiles, each in units of
+    a normal distribution's standard deviation; each shard's quantiles averaged over a group's by
+    its rows; the ``w``-weighted mean and standard deviation where all of them coincide. (The
+    weighted mean and standard deviation alone: one row of log-odds -1e20, a class masked by a
+    large negative number, made every other row's standardised value the same, and the fit fell
+    back to the intercept, reported converged at log-loss 0.693 where 0.279 is reached.)"""
     ordered = llr.sort().values
     n = ordered.numel()
-    quartiles = ordered[[round(q * (n - 1)) for q in (0.25, 0.5, 0.75)]] * n if n else llr.new_zeros(3)
-    q1, median, q3, total = all_reduce_(torch.cat([quartiles, llr.new_tensor([float(n)])]), process_group).tolist()
-    m, s = median / total, (q3 - q1) / total / 1.349
-    if s > 1e-12 * max(1.0, abs(m)):
-        return m, s
+    levels = [0.5, *(p for tail in _SPREAD_TAILS for p in (tail, 1 - tail))]
+    quantiles = ordered[[round(p * (n - 1)) for p in levels]] * n if n else llr.new_zeros(len(levels))
+    sums = all_reduce_(torch.cat([quantiles, llr.new_tensor([float(n)])]), process_group)
+    m, *pairs = (sums[:-1] / sums[-1]).tolist()
+    for tail, low, high in zip(_SPREAD_TAILS, pairs[::2], pairs[1::2]):
+        if high - low > 1e-12 * max(1.0, abs(m)):
+            return m, (high - low) / (2 * statistics.NormalDist().inv_cdf(1 - tail))
     m = float(all_reduce_(w @ llr, process_group))
     return m, math.sqrt(float(all_reduce_(w @ (llr - m).square(), process_group)))
 

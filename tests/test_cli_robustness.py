@@ -256,6 +256,14 @@ def test_output_paths_that_cannot_be_written_are_refused_before_fitting(tmp_path
     head = tmp_path / "head.pt"
     assert run(capsys, "calibrate", good, "--method", "affine", "--save", head, "--quiet")[0] == 0
     assert_one_line_error(capsys, ["apply", head, good, "--out", a_folder], "--out", "a folder is already there; name a file")
+    # an input of the command (`apply head.pt s.npz --out head.pt` wrote over the calibrator; a fuzz review)
+    before = head.read_bytes()
+    assert_one_line_error(capsys, ["apply", head, good, "--out", head], "--out", "is also an input of this command", "name another file")
+    assert_one_line_error(capsys, ["apply", head, good, "--out", good], "is also an input of this command")
+    assert head.read_bytes() == before
+    torch_scores = tmp_path / "scores.pt"
+    assert run(capsys, "apply", head, good, "--out", torch_scores, "--quiet")[0] == 0
+    assert_one_line_error(capsys, ["calibrate", torch_scores, "--method", "affine", "--save", torch_scores], "--save", "is also an input")
 
 
 def _refuse_to_fit(monkeypatch):

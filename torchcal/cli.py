@@ -255,12 +255,16 @@ def _saved_reading(args: argparse.Namespace, scores: Scores) -> str | None:
     return "probs" if scores.read_as.startswith("probabilities") else None
 
 
-def _check_output(option: str, path: str, folder: bool) -> None:
+def _check_output(option: str, path: str, folder: bool, inputs: tuple[str | None, ...] = ()) -> None:
     """Refuse an output path that cannot be written before anything is fitted: a ``folder`` that
-    is a file, a file that is a folder, one whose parent is a file, or one in a folder where no
-    file can be created (no permission, a read-only file system, /proc). Nothing is left behind:
-    the nearest existing folder is tried with a file created and removed at once."""
+    is a file, a file that is a folder, one whose parent is a file, one of the command's ``inputs``
+    (`apply head.pt s.npz --out head.pt` wrote its posteriors over the calibrator), or one in a
+    folder where no file can be created (no permission, a read-only file system, /proc). Nothing
+    is left behind: the nearest existing folder is tried with a file created and removed at once."""
     target = Path(path)
+    for given in inputs:
+        if given is not None and target.exists() and Path(given).exists() and target.samefile(given):
+            raise UsageError(f"{option} {path} is also an input of this command ({given}): it would be overwritten; name another file.")
     if target.exists() and target.is_dir() != folder:
         raise UsageError(f"{option} {path}: {'a file' if folder else 'a folder'} is already there; name {'a folder' if folder else 'a file'}.")
     existing = next(p for p in (target, *target.parents) if p.exists())  # the last parent, '.' or '/', exists
@@ -528,7 +532,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.save is None and args.target is None:
         raise UsageError("calibrate needs --save PATH, --target TARGET_SCORES, or both (see torchcal calibrate --help)")
     if args.save is not None:
-        _check_output("--save", args.save, folder=False)
+        _check_output("--save", args.save, folder=False, inputs=(args.scores, args.target))
     shift = (_label_shift_source(args, scores, priors, unfitted), _load_target(args, scores)) if args.target else None
     if not args.quiet:
         print(f"fitting {method} on {where} ...", file=sys.stderr, flush=True)
@@ -601,7 +605,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     if out_path.suffix.lower() not in APPLY_FORMATS:
         raise UsageError(f"--out {args.out}: unsupported extension {out_path.suffix or '(none)'!r}; use "
                          f"{', '.join(APPLY_FORMATS)}.")
-    _check_output("--out", args.out, folder=False)
+    _check_output("--out", args.out, folder=False, inputs=(args.head, args.scores))
     method, calibrator, saved_label_shift, llr_priors, input_kind = load_saved_calibrator(args.head)
     # read as at the fit (e.g. rounded probabilities) where the file does not say otherwise
     scores = _load(args.scores, args, require_labels=False, priors=llr_priors, fallback=input_kind)  # LLRs: as at the fit

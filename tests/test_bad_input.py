@@ -648,6 +648,15 @@ def test_fold_counts_and_groups():
         (lambda: F.calibration_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([0]), torch.tensor([0.5, 0.5])), ValueError,
          "score must be a function"),
         (lambda: check_logits(torch.zeros(2, 3), num_classes=4), ValueError, "K = 3 classes but 4 were expected"),
+        # a fuzz review's findings: complex priors and costs lost their imaginary part; bias="no" meant bias=True;
+        # a model that is no module, NaN group ids and logits given for ReliabilityBins crashed or passed
+        (lambda: F.cross_entropy(*good_data(), priors=torch.tensor([0.2 + 0.5j, 0.3 - 0.5j, 0.5])), ValueError, "priors must be real"),
+        (lambda: F.expected_cost(torch.tensor([0, 1]), torch.tensor([0, 1]), F.zero_one_costs(2) + 1j), ValueError, "costs must be real"),
+        (lambda: torchcal.AffineCalibration(bias="no"), TypeError, "bias must be True or False, got 'no'"),
+        (lambda: torchcal.heads.attach("net", torchcal.TemperatureScaling()), TypeError, r"model must be the network \(a torch.nn.Module\)"),
+        (lambda: torchcal.cross_validate(torchcal.TemperatureScaling(), *good_data(), groups=torch.tensor([float("nan")] * 6 + [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])),
+         ValueError, "groups has NaN ids"),
+        (lambda: F.reliability_intervals(*good_data()), TypeError, r"call reliability_intervals\(reliability_bins\(logits, labels\)\)"),
     ],
 )
 def test_bad_options(call, error, pattern):

@@ -643,6 +643,16 @@ def test_csv_with_two_label_columns_is_refused(tmp_path):
         load_scores(tmp_path / "two.csv")
 
 
+def test_csv_rows_of_another_width_say_which_way_they_differ(tmp_path):
+    """A row with a trailing comma (one empty cell more than the header) was asked whether the file
+    was truncated (a fuzz review); a short row still is."""
+    for row, hint in (("0.1,0.9,1,", "a trailing comma?"), ("0.1,0.9,1,0.5", "a column without a name"), ("0.1,0.9", "is the file truncated?")):
+        path = tmp_path / "scores.csv"
+        path.write_text(f"c0,c1,label\n0.2,0.8,0\n{row}\n")
+        with pytest.raises(ValueError, match=rf"every CSV row must have 3 cells, like the header; line 3 has \d \({hint}"):
+            load_scores(path)
+
+
 def test_labels_csv_with_a_header_as_pandas_writes_it(tmp_path):
     logits, labels = np.random.default_rng(1).normal(size=(20, 3)), np.arange(20) % 3
     np.save(tmp_path / "s.npy", logits)

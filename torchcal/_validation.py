@@ -318,6 +318,8 @@ def check_priors(priors: Any, num_classes: int, device: torch.device | None = No
     ones within their round-off). Returned in float64, divided by their sum: priors that sum to
     1 + 1e-7 would scale every prior-weighted value by it (an expected cost above the largest cost)."""
     given = as_tensor(priors, "priors")
+    if given.is_complex():
+        raise ValueError(f"priors must be real numbers, got {given.dtype}.")
     half = given.dtype in (torch.float16, torch.bfloat16)
     priors = given.to(dtype=torch.float64, device=device)
     if priors.shape != (num_classes,):
@@ -336,7 +338,10 @@ def check_priors(priors: Any, num_classes: int, device: torch.device | None = No
 def check_costs(costs: Any, num_classes: int | None, device: torch.device | None = None) -> Tensor:
     """Validate a cost matrix of shape (K, M): rows are true classes, columns decisions; any K for
     ``num_classes=None``. Float64."""
-    costs = as_tensor(costs, "costs").to(dtype=torch.float64, device=device)
+    costs = as_tensor(costs, "costs")
+    if costs.is_complex():
+        raise ValueError(f"costs must be real numbers, got {costs.dtype}.")
+    costs = costs.to(dtype=torch.float64, device=device)
     if costs.ndim != 2 or costs.shape[0] != (num_classes or costs.shape[0]) or costs.shape[1] < 1:
         raise ValueError(
             f"costs must have shape (K, M) = ({num_classes or 'K'}, M) with rows for the true classes and "

@@ -452,6 +452,9 @@ def fold_indices(
         by_group = torch.as_tensor(groups).cpu()
         if by_group.shape != (n,):
             raise ValueError(f"groups must have shape ({n},), got {tuple(by_group.shape)}.")
+        if by_group.is_floating_point() and bool(by_group.isnan().any()):  # (torch.unique makes each NaN a group)
+            raise ValueError("groups has NaN ids, each of which would be a group of its own: give the samples without "
+                             "an id a shared one, or one each.")
         unique, inverse, counts = torch.unique(by_group, return_inverse=True, return_counts=True)
         if unique.numel() < folds:
             raise ValueError(f"{unique.numel()} groups cannot fill {folds} folds; use fewer folds.")

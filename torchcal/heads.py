@@ -326,6 +326,8 @@ class CalibratedModel(nn.Module):
         self, model: nn.Module, calibrator: Calibrator, output: OutputKind = "logits", logits_key: LogitsKey = None
     ) -> None:
         super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be the network (a torch.nn.Module) whose outputs are calibrated, got {type(model).__name__}.")
         check_calibrator(calibrator)
         _check_output_kind(output)
         self.model = model

@@ -61,6 +61,8 @@ class AffineCalibration(Calibrator):
     beta: Tensor
 
     def __init__(self, bias: bool = True) -> None:
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be True or False, got {bias!r}.")
         super().__init__()
         self.bias = bias
 

@@ -633,12 +633,12 @@ def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None, str]:
     if len(label_cols) > 1:  # (the second would be read as a class's scores)
         names = ", ".join(repr(header[i]) for i in label_cols)
         raise ValueError(f"the CSV file has {len(label_cols)} label columns ({names}); keep the one with the labels.")
-    short = next((i for i, row in enumerate(rows[1:], start=2 + skipped) if row and len(row) != len(header)), None)
-    if short is not None:  # before parsing: a ragged table fails there with a misleading message
-        raise ValueError(
-            f"every CSV row must have {len(header)} cells, like the header; line {short} has "
-            f"{len(rows[short - 1 - skipped])} (is the file truncated?)."
-        )
+    ragged = next((i for i, row in enumerate(rows[1:], start=2 + skipped) if row and len(row) != len(header)), None)
+    if ragged is not None:  # before parsing: a ragged table fails there with a misleading message
+        cells = rows[ragged - 1 - skipped]
+        why = ("is the file truncated?" if len(cells) < len(header) else
+               "a trailing comma?" if cells[-1].strip() == "" else "a column without a name in the header?")
+        raise ValueError(f"every CSV row must have {len(header)} cells, like the header; line {ragged} has {len(cells)} ({why}).")
     try:
         table = np.array([[float(cell) for cell in row] for row in rows[1:] if row], dtype=np.float64)
     except ValueError:

@@ -192,6 +192,12 @@ def reliability_intervals(bins: ReliabilityBins, confidence: float = 0.95, metho
         >>> intervals.upper.round(decimals=4).tolist()
         [nan, 0.9324]
     """
+    if not isinstance(bins, ReliabilityBins):
+        raise TypeError(f"bins must be the ReliabilityBins of reliability_bins(logits, labels), got {type(bins).__name__}; "
+                        f"call reliability_intervals(reliability_bins(logits, labels)).")
+    if bins.frequency.shape != bins.counts.shape:
+        raise ValueError(f"bins.frequency {tuple(bins.frequency.shape)} and bins.counts {tuple(bins.counts.shape)} must "
+                         f"have one entry per bin each; pass the ReliabilityBins of reliability_bins().")
     successes = (bins.frequency * bins.counts).round()
     return binomial_interval(successes, bins.counts, confidence, method)
 

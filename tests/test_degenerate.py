@@ -490,3 +490,20 @@ def test_samples_that_priors_weigh_zero_do_not_hold_a_free_row():
     with pytest.warns(torchcal.ConvergenceWarning, match="no finite optimum"):
         cal = make().fit(logits, labels, priors=torch.tensor([0.0, 0.5, 0.5, 0.0], dtype=torch.float64))
     assert not cal.fit_record_.converged
+
+
+def test_affine_calibration_of_scores_that_are_the_same_on_every_row():
+    """All-zero logits (a zero-initialised head) leave alpha unidentified: Newton had moved it on
+    round-off to 6.99 (4.0 or 8.86 for other labels), reported converged, and the head then turned
+    [2, 0, -1] into [1, 0, 0] (a fuzz review). The fit is now the class frequencies alone, alpha = 0,
+    with a warning; log-loss and Brier score are those of the frequencies (NumPy)."""
+    gen = torch.Generator().manual_seed(1)
+    labels = torch.randint(0, 3, (80,), generator=gen)
+    frequency = np.bincount(labels.numpy(), minlength=3) / 80
+    for logits in (torch.zeros(80, 3), torch.tensor([[1.0, 0.0, -1.0]], dtype=torch.float64).repeat(80, 1)):
+        for loss, expected in (("log", -(frequency * np.log(frequency)).sum()), ("brier", 1 - (frequency**2).sum())):
+            with pytest.warns(UserWarning, match="the same on every calibration row, so they carry no information"):
+                fitted = torchcal.AffineCalibration().fit(logits, labels, loss=loss)
+            assert fitted.alpha == 0.0 and fitted.fit_record_.converged
+            assert fitted.fit_record_.loss == pytest.approx(expected, rel=1e-12)
+            np.testing.assert_allclose(fitted(torch.tensor([[2.0, 0.0, -1.0]])).exp().detach().numpy()[0], frequency, rtol=1e-6)

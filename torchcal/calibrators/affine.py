@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from torchcal._tempered_moments import TEMPERED_LOSSES
+from torchcal._validation import stacklevel_outside_package
 from torchcal.calibrators._linear import (
     AffineDesign,
     VectorDesign,
@@ -110,6 +111,18 @@ class AffineCalibration(Calibrator):
             with torch.no_grad():
                 self.log_alpha.fill_(math.log(alpha) if alpha > 0 else -math.inf)
             return record
+        if self.bias and _same_on_every_row(features, process_group):
+            # every alpha fits equally (the biases absorb alpha times the one row), and Newton had
+            # moved alpha on round-off (6.99 on all-zero logits, reported converged): the priors alone
+            prior_only = self._prior_only_if_better(labels, weights, FitRecord(0, 0, math.inf, math.nan, False, ""), process_group)
+            if prior_only.converged:
+                warnings.warn(f"{type(self).__name__}: the scores' log-posteriors are the same on every calibration row, so "
+                              f"they carry no information: the fit is the class priors alone (alpha = 0).",
+                              UserWarning, stacklevel=stacklevel_outside_package())
+                if loss == "brier":  # (the best constant prediction under either score: the frequencies)
+                    frequency = torch.softmax(self.beta.detach(), dim=0)
+                    prior_only = dataclasses.replace(prior_only, loss=float(1 - frequency.square().sum()))
+                return prior_only
         _, unit = margin_and_unit(features, process_group)
         if unit == 1.0:
             return self._fit_affine(features, labels, weights, loss, max_iter, process_group)
@@ -183,6 +196,17 @@ class AffineCalibration(Calibrator):
 
     def extra_repr(self) -> str:
         return f"bias={self.bias}, " + super().extra_repr()
+
+
+def _same_on_every_row(features: Tensor, process_group: ProcessGroup | None) -> bool:
+    """Whether every row of ``features: (N, K)`` is the same up to a constant (and round-off), on
+    all of a group's shards."""
+    empty = torch.full(features.shape[1:], -math.inf, dtype=torch.float64, device=features.device)  # (a shard without rows)
+    centred = (features - features.amax(dim=1, keepdim=True)).to(torch.float64)
+    high = all_reduce_(centred.amax(0) if len(features) else empty, process_group, op="max")
+    low = -all_reduce_(-centred.amin(0) if len(features) else empty, process_group, op="max")
+    tolerance = 8 * torch.finfo(features.dtype).eps * torch.maximum(high.abs(), low.abs()).clamp_min(1)
+    return bool((high - low <= tolerance).all())
 
 
 class PlattScaling(AffineCalibration):

@@ -656,6 +656,8 @@ def test_fold_counts_and_groups():
         (lambda: torchcal.heads.attach("net", torchcal.TemperatureScaling()), TypeError, r"model must be the network \(a torch.nn.Module\)"),
         (lambda: torchcal.cross_validate(torchcal.TemperatureScaling(), *good_data(), groups=torch.tensor([float("nan")] * 6 + [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])),
          ValueError, "groups has NaN ids"),
+        (lambda: F.bootstrap(F.cross_entropy, *good_data(), normalise=True), TypeError, r"cross_entropy does not take the options \['normalise'\]"),
+        (lambda: F.bootstrap(F.cross_entropy, *good_data(), confidence="0.9"), ValueError, "confidence must lie strictly between 0 and 1, got '0.9'"),
         (lambda: F.reliability_intervals(*good_data()), TypeError, r"call reliability_intervals\(reliability_bins\(logits, labels\)\)"),
     ],
 )

@@ -44,7 +44,9 @@ size :func:`~torchcal.functional.debiased_ece.debiased_calibration_error`.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
+import numbers
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from functools import cache, partial
@@ -377,8 +379,9 @@ def bootstrap(
     """
     check_count(num_replicates, "num_replicates", 2)  # a percentile interval needs two replicates
     check_seed(seed)
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must lie strictly between 0 and 1, got {confidence}.")
+    if isinstance(confidence, bool) or not isinstance(confidence, numbers.Real) or not 0 < confidence < 1:
+        raise ValueError(f"confidence must lie strictly between 0 and 1, got {confidence!r}.")
+    _check_options(metric_fn, metric_kwargs, calibrator)
     # An interval is not differentiable; the fast paths' in-place sums refuse inputs that require grad.
     logits, labels = as_tensor(logits, "logits").detach(), as_tensor(labels, "labels")
     if logits.ndim == 0 or labels.ndim == 0 or logits.shape[0] != labels.shape[0]:
@@ -449,6 +452,22 @@ def _resamples(
     bar = tqdm(indices, total=num_replicates, desc=f"{metric_name}: bootstrap replicates",
                disable=None if progress else True, leave=False)
     return iter(bar)
+
+
+def _check_options(metric_fn: Callable[..., Any], metric_kwargs: dict[str, Any], calibrator: Any | None) -> None:
+    """Refuse ``metric_kwargs`` that ``metric_fn`` does not take, naming it: the fast paths pass them
+    to the metric's decomposition, whose name the error gave (``normalise=True`` for
+    ``cross_entropy``: "epsr_terms() got an unexpected keyword argument")."""
+    try:
+        signature = inspect.signature(metric_fn)
+    except (TypeError, ValueError):  # (a callable without a signature: it says so itself when called)
+        return
+    extra = {} if calibrator is None else {"calibrator": calibrator}
+    try:
+        signature.bind(None, None, **metric_kwargs, **extra)
+    except TypeError as err:
+        raise TypeError(f"{_metric_name(metric_fn)} does not take the options {sorted(metric_kwargs)}"
+                        f"{' and a calibrator' if extra else ''}: {err}.") from None
 
 
 def _metric_name(metric_fn: Callable[..., Any]) -> str:

@@ -755,15 +755,17 @@ def test_decision_metrics_validate_their_scores_once(metric):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_probabilities_of_zero_are_floored_in_every_dtype(dtype):
-    """A probability of 0 becomes log(1e-20) ~ -46 in every dtype, with a zero gradient: in
-    float16 the floor itself rounded to 0, so half-precision networks that return probabilities
-    gave -inf (CalibratedModel on a .half() network, Lightning's 16-true: 'diverged network')."""
+    """A probability of 0 becomes log(1e-20) ~ -46 in every dtype but float16, where it stands
+    for anything below 2^-25 and becomes log(2^-25) ~ -17.3 (probability_floor), with a zero
+    gradient: in float16 the floor itself rounded to 0, so half-precision networks that return
+    probabilities gave -inf (CalibratedModel on a .half() network, Lightning's 16-true: 'diverged network')."""
     from torchcal.heads import scores_from_outputs
 
     probs = torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.25, 0.25]], dtype=dtype, requires_grad=True)
     scores = scores_from_outputs(probs, "probs")
     assert scores.dtype == torch.promote_types(dtype, torch.float32) and bool(scores.isfinite().all())  # (not rounded back)
-    torch.testing.assert_close(scores[0, 1:].double(), torch.full((2,), np.log(1e-20), dtype=torch.float64), rtol=0, atol=0.1)
+    floor = 2.0**-25 if dtype == torch.float16 else 1e-20
+    torch.testing.assert_close(scores[0, 1:].double(), torch.full((2,), np.log(floor), dtype=torch.float64), rtol=1e-7, atol=0)
     scores.sum().backward()
     assert probs.grad is not None and probs.grad[0, 1:].eq(0).all() and probs.grad.isfinite().all()
     calibrated = torchcal.TemperatureScaling().fit(torch.randn(200, 3), torch.randint(0, 3, (200,)))

@@ -703,3 +703,26 @@ def test_labels_files_that_read_wrong_are_named(small, tmp_path):
     assert read.read_as.startswith("probabilities")
     torch.testing.assert_close(read.logits.double(), load_scores(tmp_path / "keyed.pt").logits.double(), rtol=0, atol=0)
     torch.testing.assert_close(torch.log_softmax(read.logits.double(), 1), probs.log(), rtol=0, atol=2e-2)
+
+
+def test_half_precision_probability_files_are_floored_at_what_their_zeros_stand_for(real, tmp_path):
+    """Probabilities stored in float16 (zeros below 2^-25) and a bfloat16 column of class-1
+    probabilities (ones above 1 - 2^-9): load_scores and binary_scores_to_logits floored them at
+    1e-20, 5.5 % and 25 % above the logits' cross-entropy (a review of the metrics' fix, which had
+    not reached them)."""
+    from torchcal.data import binary_scores_to_logits
+    from torchcal.functional import cross_entropy
+
+    data = real("cifar10_resnet110_kangsepp")
+    logits, labels = torch.from_numpy(data["logits_val"]).double(), torch.from_numpy(data["labels_val"])
+    np.savez(tmp_path / "p16.npz", probs=torch.softmax(logits, 1).half().numpy(), labels=labels.numpy())
+    loaded = load_scores(tmp_path / "p16.npz")
+    assert "below 2.98023e-08" in loaded.read_as
+    assert float(cross_entropy(loaded.logits, loaded.labels)) == pytest.approx(float(cross_entropy(logits, labels)), rel=5e-3)
+
+    data = real("fvcaus_xvector-plda_ferrer")
+    logits, labels = torch.from_numpy(data["logits"]).double(), torch.from_numpy(data["labels"])
+    p1 = torch.sigmoid(logits[:, 1] - logits[:, 0])
+    for stored in (torch.bfloat16, torch.float16):
+        read = binary_scores_to_logits(p1.to(stored), "probability")
+        assert float(cross_entropy(read, labels)) == pytest.approx(float(cross_entropy(logits, labels)), rel=1e-2)

@@ -46,6 +46,17 @@ def probability_floor(dtype: torch.dtype) -> float:
     return max(PROBABILITY_FLOOR, info.tiny * info.eps / 2)
 
 
+def binary_probability_columns(p1: Tensor, stored: torch.dtype) -> Tensor:
+    """(N, 2) probabilities ``[1 - p1, p1]`` of class-1 probabilities ``p1: (N,)`` (float32 or
+    float64) that were stored in ``stored``: half-precision ones held within what their rounding
+    leaves possible, above :func:`probability_floor` and below ``1 - eps / 4`` (a bfloat16
+    probability rounds to 1 from 1 - 2^-9: its complement is not 1e-20; FVCAUS's bfloat16
+    posteriors scored 25 % above their logits)."""
+    if stored in (torch.float16, torch.bfloat16):
+        p1 = p1.clamp(min=probability_floor(stored), max=1 - torch.finfo(stored).eps / 4)
+    return torch.stack([1 - p1, p1], dim=1)
+
+
 def floored_log(probs: Tensor) -> Tensor:
     """``log(probs)`` with probabilities below :func:`probability_floor` raised to it, in
     :func:`compute_dtype`: half precision in float32, where the floor does not round to 0 (and

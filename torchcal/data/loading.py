@@ -61,10 +61,12 @@ from torchcal._validation import (
     PROBABILITY_FLOOR,
     _describe_nonfinite,
     as_tensor,
+    binary_probability_columns,
     check_logits,
     check_logits_and_labels,
     check_priors,
     floored_log,
+    probability_floor,
 )
 from torchcal.functional.scoring import class_frequencies
 
@@ -177,7 +179,8 @@ def binary_scores_to_logits(
         >>> binary_scores_to_logits(torch.tensor([0.0]), kind="llr", priors=[0.9, 0.1]).softmax(1)
         tensor([[0.9000, 0.1000]], dtype=torch.float64)
     """
-    scores = as_tensor(scores, "scores").to(torch.float64)
+    given = as_tensor(scores, "scores")
+    scores = given.to(torch.float64)
     if scores.ndim == 2 and scores.shape[1] == 1:
         scores = scores[:, 0]
     if scores.ndim != 1:
@@ -187,7 +190,7 @@ def binary_scores_to_logits(
             raise ValueError(f"probabilities must be numbers in [0, 1]; found {_describe_nonfinite(scores)}. Drop or replace those samples.")
         if bool(((scores < 0) | (scores > 1)).any()):
             raise ValueError("probabilities must lie in [0, 1]; found values outside. Are these LLRs?")
-        return floored_log(torch.stack([1 - scores, scores], dim=1))
+        return floored_log(binary_probability_columns(scores, given.dtype))
     if kind == "llr":
         if not bool(torch.isfinite(scores).all()):
             raise ValueError(f"LLRs must be finite; found {_describe_nonfinite(scores)}. Drop or replace those samples.")
@@ -733,12 +736,13 @@ def _to_logits(
     wider = scores.dtype.kind == "f" and scores.dtype.itemsize > 8
     scores = np.ascontiguousarray(scores, dtype=np.float64 if wider else scores.dtype.newbyteorder("="))
     dtype = torch.float64 if scores.dtype == np.float64 else torch.float32
+    stored = torch.float16 if scores.dtype == np.float16 else dtype  # (whose probabilities of 0 stand for < 2^-25)
     values = torch.from_numpy(scores).to(dtype)
     if not bool(torch.isfinite(values).all()):
         raise ValueError(f"scores contain {int((~torch.isfinite(values)).sum())} NaN or infinite values.")
     if values.ndim == 1 or values.shape[1] == 1:
-        return _one_column_to_logits(values.reshape(-1), kind, reason, priors, labels)
-    return (*_columns_to_logits(values, kind, reason, tolerance), None)
+        return _one_column_to_logits(values.reshape(-1), kind, reason, priors, labels, stored)
+    return (*_columns_to_logits(values, kind, reason, tolerance, stored), None)
 
 
 def _simplex_tolerance(scores: Any) -> float:
@@ -778,7 +782,7 @@ _ONE_COLUMN_KINDS = {
 
 
 def _one_column_to_logits(
-    values: Tensor, kind: str, reason: str, priors: Any, labels: Tensor | None
+    values: Tensor, kind: str, reason: str, priors: Any, labels: Tensor | None, stored: torch.dtype
 ) -> tuple[Tensor, str, Tensor | None]:
     if kind in ("auto", _AUTO_LOGITS):
         under_logits = kind == _AUTO_LOGITS
@@ -815,7 +819,8 @@ def _one_column_to_logits(
     elif _in_unit_interval(values):  # (round-off outside [0, 1]: _UNIT_SLACK)
         values = values.clamp(0, 1)
     note = f"binary {'probabilities' if kind == 'probs' else 'log-probabilities'} of class 1 ({reason})"
-    return binary_scores_to_logits(values, "probability"), note + _floor_note(torch.stack([1 - values, values], 1)), None
+    given = values.to(stored) if kind == "probs" else values  # (exact: float16's values, read into float32)
+    return binary_scores_to_logits(given, "probability"), note + _floor_note(torch.stack([1 - values, values], 1), stored), None
 
 
 def _label_frequencies(labels: Tensor | None, num_samples: int) -> tuple[Tensor, str]:
@@ -828,7 +833,8 @@ def _label_frequencies(labels: Tensor | None, num_samples: int) -> tuple[Tensor,
     return torch.full((2,), 0.5, dtype=torch.float64), "uniform priors"
 
 
-def _columns_to_logits(values: Tensor, kind: str, reason: str, tolerance: float = SIMPLEX_TOLERANCE) -> tuple[Tensor, str]:
+def _columns_to_logits(values: Tensor, kind: str, reason: str, tolerance: float = SIMPLEX_TOLERANCE,
+                       stored: torch.dtype = torch.float32) -> tuple[Tensor, str]:
     if kind == "llr":
         raise ValueError(f"LLRs must be one score column; these scores have {values.shape[1]} columns.")
     if kind == "log_probs" and bool((values > 0).any()):  # (as for one column: probabilities read as logs)
@@ -861,7 +867,7 @@ def _columns_to_logits(values: Tensor, kind: str, reason: str, tolerance: float 
             note += f"; rows renormalised, they summed to 1 only within {deviation:.2g} (row {worst})"
             values = values / row_sums.unsqueeze(1).to(values.dtype)
     values = values.clamp(0, 1)  # (round-off outside it: _UNIT_SLACK)
-    return floored_log(values), note + _floor_note(values)
+    return floored_log(values.clamp_min(probability_floor(stored))), note + _floor_note(values, stored)
 
 
 #: How ``read_as`` begins for scores that detection read as logits although every row lies in [0, 1]
@@ -875,8 +881,9 @@ def _in_unit_interval(values: Tensor) -> bool:
     return bool(((values >= -_UNIT_SLACK) & (values <= 1 + _UNIT_SLACK)).all())
 
 
-def _floor_note(probs: Tensor) -> str:
-    floored, zeros = int((probs < PROBABILITY_FLOOR).sum()), int((probs == 0).sum())
+def _floor_note(probs: Tensor, stored: torch.dtype) -> str:
+    floor = probability_floor(stored)
+    floored, zeros = int((probs < floor).sum()), int((probs == 0).sum())
     if not floored:
         return ""
-    return f"; {floored} probabilities below {PROBABILITY_FLOOR:g} ({zeros} of them 0) floored at it"
+    return f"; {floored} probabilities below {floor:g} ({zeros} of them 0) floored at it"

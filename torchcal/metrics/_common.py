@@ -59,13 +59,13 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 
 from torchcal._validation import (
     as_tensor,
+    binary_probability_columns,
     check_count,
     check_logits_and_labels,
     check_probs,
     compute_dtype,
     floored_log,
     looks_like_probs,
-    probability_floor,
     stacklevel_outside_package,
     total_may_be_of_probs,
 )
@@ -448,12 +448,7 @@ class ScoreMetric(BatchMetric):
     def _binary_columns(self, scores: Tensor) -> Tensor:
         """(N,) scores of class 1, of the declared kind, as two columns (N, 2) of that kind."""
         if self.input == "probs":
-            # (in float32 for half precision, whose probabilities of class 1 round to 1 from 1 - 2^-9
-            # (bfloat16): a complement of 0 stands for any value up to that, not for 1e-20)
-            p = scores.to(compute_dtype(scores.dtype))
-            if scores.dtype in (torch.float16, torch.bfloat16):
-                p = p.clamp(min=probability_floor(scores.dtype), max=1 - torch.finfo(scores.dtype).eps / 4)
-            return torch.stack([1 - p, p], dim=1)
+            return binary_probability_columns(scores.to(compute_dtype(scores.dtype)), scores.dtype)
         if self.input == "log_probs":  # log(1 - p) = log(-expm1(log p)), exact near p = 1 as well
             if self.validate_args and bool((scores > 0).any()):
                 raise ValueError(

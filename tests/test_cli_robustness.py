@@ -264,6 +264,12 @@ def test_output_paths_that_cannot_be_written_are_refused_before_fitting(tmp_path
     torch_scores = tmp_path / "scores.pt"
     assert run(capsys, "apply", head, good, "--out", torch_scores, "--quiet")[0] == 0
     assert_one_line_error(capsys, ["calibrate", torch_scores, "--method", "affine", "--save", torch_scores], "--save", "is also an input")
+    np.save(tmp_path / "scores_only.npy", np.load(good)["logits"])
+    labels_file = tmp_path / "labels.pt"
+    torch.save(torch.from_numpy(np.load(good)["labels"]), labels_file)
+    for argv in (["calibrate", tmp_path / "scores_only.npy", "--labels", labels_file, "--method", "affine", "--save", labels_file],
+                 ["apply", head, tmp_path / "scores_only.npy", "--labels", labels_file, "--out", labels_file]):
+        assert_one_line_error(capsys, argv, "is also an input of this command")  # (the labels file, a diff review)
 
 
 def _refuse_to_fit(monkeypatch):

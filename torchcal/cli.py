@@ -532,7 +532,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.save is None and args.target is None:
         raise UsageError("calibrate needs --save PATH, --target TARGET_SCORES, or both (see torchcal calibrate --help)")
     if args.save is not None:
-        _check_output("--save", args.save, folder=False, inputs=(args.scores, args.target))
+        inputs = (args.scores, args.target, getattr(args, "labels", None), getattr(args, "config", None))
+        _check_output("--save", args.save, folder=False, inputs=inputs)
     shift = (_label_shift_source(args, scores, priors, unfitted), _load_target(args, scores)) if args.target else None
     if not args.quiet:
         print(f"fitting {method} on {where} ...", file=sys.stderr, flush=True)
@@ -605,7 +606,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     if out_path.suffix.lower() not in APPLY_FORMATS:
         raise UsageError(f"--out {args.out}: unsupported extension {out_path.suffix or '(none)'!r}; use "
                          f"{', '.join(APPLY_FORMATS)}.")
-    _check_output("--out", args.out, folder=False, inputs=(args.head, args.scores))
+    _check_output("--out", args.out, folder=False, inputs=(args.head, args.scores, getattr(args, "labels", None)))
     method, calibrator, saved_label_shift, llr_priors, input_kind = load_saved_calibrator(args.head)
     # read as at the fit (e.g. rounded probabilities) where the file does not say otherwise
     scores = _load(args.scores, args, require_labels=False, priors=llr_priors, fallback=input_kind)  # LLRs: as at the fit

@@ -658,6 +658,7 @@ def test_fold_counts_and_groups():
          ValueError, "groups has NaN ids"),
         (lambda: F.bootstrap(F.cross_entropy, *good_data(), normalise=True), TypeError, r"cross_entropy does not take the options \['normalise'\]"),
         (lambda: F.bootstrap(F.cross_entropy, *good_data(), confidence="0.9"), ValueError, "confidence must lie strictly between 0 and 1, got '0.9'"),
+        (lambda: F.bootstrap(F.cross_entropy, *good_data(), confidence=torch.tensor(1.5)), ValueError, "got 1.5"),
         (lambda: F.reliability_intervals(*good_data()), TypeError, r"call reliability_intervals\(reliability_bins\(logits, labels\)\)"),
     ],
 )

@@ -405,3 +405,13 @@ def test_sum_reduction_of_the_expected_cost_of_decisions():
     counts = torch.bincount(labels, minlength=2).double()
     reduce = sum_reduction(expected_cost, 2, costs=costs)
     assert float(reduce(sums, counts)) == pytest.approx(float(expected_cost(decisions, labels, costs)), rel=1e-15)
+
+
+def test_a_confidence_given_as_a_number_of_any_kind():
+    """A 0-d tensor and NumPy scalars are numbers; the option check of a fuzz review had refused a
+    tensor (a diff review)."""
+    logits, labels = torch.randn(300, 3, generator=torch.Generator().manual_seed(0)), torch.arange(300) % 3
+    reference = bootstrap(cross_entropy, logits, labels, num_replicates=50, confidence=0.9)
+    for confidence in (torch.tensor(0.9), np.float32(0.9), np.float64(0.9)):
+        result = bootstrap(cross_entropy, logits, labels, num_replicates=50, confidence=confidence)
+        torch.testing.assert_close(result.lower, reference.lower, rtol=1e-6, atol=0)

@@ -379,6 +379,8 @@ def bootstrap(
     """
     check_count(num_replicates, "num_replicates", 2)  # a percentile interval needs two replicates
     check_seed(seed)
+    if isinstance(confidence, Tensor) and confidence.numel() == 1:
+        confidence = float(confidence)
     if isinstance(confidence, bool) or not isinstance(confidence, numbers.Real) or not 0 < confidence < 1:
         raise ValueError(f"confidence must lie strictly between 0 and 1, got {confidence!r}.")
     _check_options(metric_fn, metric_kwargs, calibrator)

@@ -507,3 +507,8 @@ def test_affine_calibration_of_scores_that_are_the_same_on_every_row():
             assert fitted.alpha == 0.0 and fitted.fit_record_.converged
             assert fitted.fit_record_.loss == pytest.approx(expected, rel=1e-12)
             np.testing.assert_allclose(fitted(torch.tensor([[2.0, 0.0, -1.0]])).exp().detach().numpy()[0], frequency, rtol=1e-6)
+    # a class without samples: the same fit of the biases (that class driven down), alpha = 0 (it had been 16.4)
+    with pytest.warns(UserWarning) as caught:
+        fitted = torchcal.AffineCalibration().fit(torch.zeros(80, 3, dtype=torch.float64), torch.arange(80) % 2)
+    assert fitted.alpha == 0.0 and sum("the same on every calibration row" in str(w.message) for w in caught) == 1
+    np.testing.assert_allclose(fitted(torch.tensor([[2.0, 0.0, -1.0]])).exp().detach().numpy()[0, :2], [0.5, 0.5], rtol=1e-9)

@@ -114,15 +114,21 @@ class AffineCalibration(Calibrator):
         if self.bias and _same_on_every_row(features, process_group):
             # every alpha fits equally (the biases absorb alpha times the one row), and Newton had
             # moved alpha on round-off (6.99 on all-zero logits, reported converged): the priors alone
+            warnings.warn(f"{type(self).__name__}: the scores' log-posteriors are the same on every calibration row, so "
+                          f"they carry no information: the fit is the class priors alone (alpha = 0).",
+                          UserWarning, stacklevel=stacklevel_outside_package())
             prior_only = self._prior_only_if_better(labels, weights, FitRecord(0, 0, math.inf, math.nan, False, ""), process_group)
-            if prior_only.converged:
-                warnings.warn(f"{type(self).__name__}: the scores' log-posteriors are the same on every calibration row, so "
-                              f"they carry no information: the fit is the class priors alone (alpha = 0).",
-                              UserWarning, stacklevel=stacklevel_outside_package())
-                if loss == "brier":  # (the best constant prediction under either score: the frequencies)
-                    frequency = torch.softmax(self.beta.detach(), dim=0)
-                    prior_only = dataclasses.replace(prior_only, loss=float(1 - frequency.square().sum()))
-                return prior_only
+            if not prior_only.converged:  # (a class without samples: the biases by the fit, the features zeroed)
+                with warnings.catch_warnings():  # (said above; the zeroed features are the same on every row too)
+                    warnings.filterwarnings("ignore", message=".*the same on every calibration row")
+                    record = self._fit_affine(torch.zeros_like(features), labels, weights, loss, max_iter, process_group)
+                with torch.no_grad():
+                    self.log_alpha.fill_(-math.inf)
+                return record
+            if loss == "brier":  # (the best constant prediction under either score: the frequencies)
+                frequency = torch.softmax(self.beta.detach(), dim=0)
+                prior_only = dataclasses.replace(prior_only, loss=float(1 - frequency.square().sum()))
+            return prior_only
         _, unit = margin_and_unit(features, process_group)
         if unit == 1.0:
             return self._fit_affine(features, labels, weights, loss, max_iter, process_group)

@@ -693,26 +693,30 @@ _SATURATED = 1e6
 _SPREAD_TAILS = (0.25, 0.1, 0.01, 0.001)
 
 
-def _centre_and_scale(llr: Tensor, w: Tensor, process_group: ProcessGroup | None) -> tuple[float, float]:
+def _centre_and_scale(llr: Tensor, process_group: ProcessGroup | None) -> tuple[float, float]:
     """A centre and scale of the log-odds ``llr: (N,)`` that one row cannot dominate: the median and
     the spread between the quartiles, or where they coincide (most rows at one value: clipped
     scores) between the 10th and 90th, 1st and 99th, 0.1th and 99.9th percentiles, each in units of
-    a normal distribution's standard deviation; each shard's quantiles averaged over a group's by
-    its rows; the ``w``-weighted mean and standard deviation where all of them coincide. (The
-    weighted mean and standard deviation alone: one row of log-odds -1e20, a class masked by a
-    large negative number, made every other row's standardised value the same, and the fit fell
-    back to the intercept, reported converged at log-loss 0.693 where 0.279 is reached.)"""
+    a normal distribution's standard deviation, and past those the median distance from the median
+    of the rows off it; each shard's averaged over a group's by its rows (scale 0: all rows at one
+    value). (The mean and standard deviation: one row of log-odds -1e20, a class masked by a large
+    negative number, made every other row's standardised value the same, and the fit fell back to
+    the intercept, reported converged at log-loss 0.693 where 0.279 is reached.)"""
     ordered = llr.sort().values
     n = ordered.numel()
     levels = [0.5, *(p for tail in _SPREAD_TAILS for p in (tail, 1 - tail))]
     quantiles = ordered[[round(p * (n - 1)) for p in levels]] * n if n else llr.new_zeros(len(levels))
     sums = all_reduce_(torch.cat([quantiles, llr.new_tensor([float(n)])]), process_group)
     m, *pairs = (sums[:-1] / sums[-1]).tolist()
+    tied = 1e-12 * max(1.0, abs(m))
     for tail, low, high in zip(_SPREAD_TAILS, pairs[::2], pairs[1::2]):
-        if high - low > 1e-12 * max(1.0, abs(m)):
+        if high - low > tied:
             return m, (high - low) / (2 * statistics.NormalDist().inv_cdf(1 - tail))
-    m = float(all_reduce_(w @ llr, process_group))
-    return m, math.sqrt(float(all_reduce_(w @ (llr - m).square(), process_group)))
+    off = (llr - m).abs()
+    off = off[off > tied]
+    local = llr.new_tensor([float(off.median()) * off.numel() if off.numel() else 0.0, float(off.numel())])
+    total, count = all_reduce_(local, process_group).tolist()
+    return m, (total / count / statistics.NormalDist().inv_cdf(0.75) if count else 0.0)
 
 
 class QuadraticScaling(Calibrator):
@@ -770,7 +774,7 @@ class QuadraticScaling(Calibrator):
         # 5 % above the optimum, reported converged, and L-BFGS on the Brier score above it too.
         # From all-zero coefficients in u (the prior), unless warm-started.
         llr = features[:, 0]
-        m, s = _centre_and_scale(llr, sample_weights(labels, weights, process_group), process_group)
+        m, s = _centre_and_scale(llr, process_group)
         if not s > 1e-12 * max(1.0, abs(m)):  # constant log-odds (s is their round-off): only a fits
             u, s = torch.zeros_like(llr), 1.0
         else:

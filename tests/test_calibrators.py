@@ -1344,9 +1344,16 @@ def test_newton_after_lbfgs_forms_one_hessian_per_step_and_centres_the_biases(mo
         return real_grad(outputs, inputs, *args, **kwargs)
 
     monkeypatch.setattr(base.torch.autograd, "grad", counting)
+    real_finish, finishes = base._newton_finish, []
+
+    def from_lbfgs_only(*args, **kwargs):  # (Newton from the start declined: the path after L-BFGS, as elsewhere)
+        finishes.append(args[2].message)
+        return args[2] if len(finishes) == 1 else real_finish(*args, **kwargs)
+
+    monkeypatch.setattr(base, "_newton_finish", from_lbfgs_only)
     fitted = torchcal.AffineCalibration().fit(logits, labels, loss="brier")
     record = fitted.fit_record_
-    assert "Newton on the exact 9 x 9 Hessian" in record.message
+    assert len(finishes) == 2 and "then Newton on the exact 9 x 9 Hessian" in record.message
     assert sum(calls) <= 9 * 2  # Hessian rows: one Hessian for the check and the first step, at most one more
     assert abs(float(fitted.beta.mean())) < 1e-12
 

@@ -761,11 +761,13 @@ class QuadraticScaling(Calibrator):
         return torch.stack([llr, llr.square()], dim=1)
 
     def _scores(self, features: Tensor) -> Tensor:
-        # a + llr (b + c llr): a + b llr + c llr^2 summed -inf and +inf into NaN for log-odds near
-        # float64's lowest value (a class masked at finfo.min), whose probability is 1 or 0
         a, b, c = self.coefficients.to(features.dtype).unbind()
         llr = features[:, 0]
-        return torch.stack([torch.zeros_like(llr), a + llr * (b + c * llr)], dim=1)
+        score = a + b * llr + c * features[:, 1]  # (the second column as given: a fit without it passes zeros)
+        # where b llr and c llr^2 overflow to -inf and +inf (log-odds near float64's lowest value, a
+        # class masked at finfo.min: NaN), the same map in Horner's form, which does not
+        score = torch.where(score.isnan(), a + llr * (b + c * llr), score)
+        return torch.stack([torch.zeros_like(llr), score], dim=1)
 
     def _fit(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
         # On the standardised log-odds u = (llr - m) / s, the coefficients converted there and

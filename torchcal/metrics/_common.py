@@ -111,12 +111,12 @@ def add_cat_state(metric: BatchMetric, name: str, dtype: torch.dtype, *trailing:
 
 
 def _stable_repr(value: Any) -> str:
-    """``repr(value)`` that is the same in every process for equal options: a tensor by its
-    bytes (its repr rounds; NumPy has no bfloat16), a function by its qualified name and a
-    ``functools.partial`` by its parts (their reprs hold memory addresses: a ``CalibrationLoss``
-    saved in one process was refused by an identical one in another)."""
+    """``repr(value)`` that is the same in every process for equal options: a tensor by the hash of
+    its bytes (its repr rounds; NumPy has no bfloat16; the repr of a (K, K) cost matrix's bytes is
+    four times their size), a function by its qualified name and a ``functools.partial`` by its
+    parts (their reprs hold memory addresses: a ``CalibrationLoss`` saved in one process was
+    refused by an identical one in another)."""
     if isinstance(value, Tensor):
-        # by the hash of its bytes: the repr of a (K, K) cost matrix's bytes is four times their size
         raw = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         return repr((value.dtype, tuple(value.shape), hashlib.sha256(raw.numpy().data).hexdigest()))
     if isinstance(value, functools.partial):

@@ -331,7 +331,8 @@ class Calibrator(nn.Module):
         def objective() -> Tensor:
             return self._data_term(features, labels, sample_w, loss) + penalty_share * self._penalty()
 
-        finish = tol_change is None and sum(p.numel() for p in params) <= _NEWTON_FINISH_PARAMETERS
+        size = sum(p.numel() for p in params)
+        finish = tol_change is None and size <= _NEWTON_FINISH_PARAMETERS
         if finish:
             # Newton from the start where the Hessian there is positive semi-definite: vector
             # scaling's prior-weighted Brier fit on the CIFAR-10 ResNet-110 validation logits took
@@ -341,12 +342,11 @@ class Calibrator(nn.Module):
                 start = FitRecord(0, 1, float(all_reduce_(objective().reshape(1), process_group)[0]), math.nan, False, "")
             first = _newton_finish(objective, params, start, max_iter, process_group)
             if first.converged:
-                size = sum(p.numel() for p in params)
                 return dataclasses.replace(first, message=f"Newton on the exact {size} x {size} Hessian from the start: "
                                                           f"gradient below tolerance (gradient {first.grad_max:.2e})")
-        lbfgs_cap = max_iter - min(NEWTON_FINISH_STEPS, max_iter // 2) if finish else max_iter
-        record = minimize(objective, params, max_iter=lbfgs_cap, tol_change=1e-12 if tol_change is None else tol_change,
-                          loose=tol_change is not None, process_group=process_group, warn=not finish)
+        record = minimize(objective, params, max_iter=lbfgs_share(max_iter) if finish else max_iter,
+                          tol_change=1e-12 if tol_change is None else tol_change, loose=tol_change is not None,
+                          process_group=process_group, warn=not finish)
         return finish_lbfgs_with_newton(objective, params, record, max_iter, process_group) if finish else record
 
     def _data_term(self, features: Tensor, labels: Tensor, sample_w: Tensor, loss: str) -> Tensor:
@@ -572,7 +572,13 @@ _NEWTON_FINISH_PARAMETERS = 20
 #: Of such a fit's cap, the iterations kept for Newton: L-BFGS met the whole cap of that vector
 #: scaling fit in another row order (after priors that summed to 1 - 1e-16 were divided by their
 #: sum), at a gradient of 8e-7, and Newton never ran.
-NEWTON_FINISH_STEPS = 20
+_NEWTON_FINISH_STEPS = 20
+
+
+def lbfgs_share(max_iter: int) -> int:
+    """The part of a fit's ``max_iter`` for L-BFGS where Newton finishes it: all but
+    ``_NEWTON_FINISH_STEPS`` (at most half), which :func:`finish_lbfgs_with_newton` has."""
+    return max_iter - min(_NEWTON_FINISH_STEPS, max_iter // 2)
 
 
 def finish_lbfgs_with_newton(objective: Callable[[], Tensor], params: Sequence[Tensor], record: FitRecord, max_iter: int,

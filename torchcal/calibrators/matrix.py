@@ -22,9 +22,9 @@ from torchcal.calibrators._multinomial import (
     selection_tolerances,
 )
 from torchcal.calibrators.base import (
-    NEWTON_FINISH_STEPS,
     Calibrator,
     finish_lbfgs_with_newton,
+    lbfgs_share,
     sample_weights,
     total_samples,
     weighted_loss_sum,
@@ -446,9 +446,8 @@ class MatrixScaling(Calibrator):
             return torch.autograd.grad(objective_at(theta), theta)[0]
 
         finish = tol_change is None and phi.numel() <= _MATRIX_NEWTON_FINISH_PARAMETERS
-        # (Newton keeps NEWTON_FINISH_STEPS of the cap: L-BFGS met it in one row order, see above)
-        lbfgs_cap = max_iter - min(NEWTON_FINISH_STEPS, max_iter // 2) if finish else max_iter
-        record = minimize(lambda: objective_at(phi / scale), [phi], max_iter=lbfgs_cap,
+        # (Newton keeps a part of the cap: L-BFGS met it in one row order, see above)
+        record = minimize(lambda: objective_at(phi / scale), [phi], max_iter=lbfgs_share(max_iter) if finish else max_iter,
                           tol_change=1e-12 if tol_change is None else tol_change, loose=tol_change is not None,
                           process_group=process_group, gradient=gradient, warn=not finish)
         theta = (phi.detach() / scale).requires_grad_(True)

@@ -833,8 +833,7 @@ def _label_frequencies(labels: Tensor | None, num_samples: int) -> tuple[Tensor,
     return torch.full((2,), 0.5, dtype=torch.float64), "uniform priors"
 
 
-def _columns_to_logits(values: Tensor, kind: str, reason: str, tolerance: float = SIMPLEX_TOLERANCE,
-                       stored: torch.dtype = torch.float32) -> tuple[Tensor, str]:
+def _columns_to_logits(values: Tensor, kind: str, reason: str, tolerance: float, stored: torch.dtype) -> tuple[Tensor, str]:
     if kind == "llr":
         raise ValueError(f"LLRs must be one score column; these scores have {values.shape[1]} columns.")
     if kind == "log_probs" and bool((values > 0).any()):  # (as for one column: probabilities read as logs)

@@ -46,9 +46,8 @@ def posterior_quality(
 
     Each value is that of its own functional form (``cross_entropy``, ``brier_score``,
     ``error_rate`` and ``expected_calibration_error(n_bins=n_bins)``); the ECE is never
-    prior-weighted. NCE and NBS
-    are NaN where the naive system scores 0 (one class holds all the labels, or all the priors),
-    as the metric's are; the other values are still defined there.
+    prior-weighted. NCE and NBS are NaN where the naive system scores 0 (one class holds all the
+    labels, or all the priors), as the metric's are; the other values are still defined there.
 
     Args:
         logits: (N, K) scores; any unnormalised log-posteriors.

@@ -525,9 +525,10 @@ def _per_class_blocks(
     under weak penalties, which the jitter below cannot outweigh.)"""
     r = torch.addcmul(q, q, q, value=-1)  # q (1 - q)
     total = all_reduce_(torch.stack([sample_w @ r, sample_w @ (r * x)]).to(penalty.dtype), process_group)
-    mean = total[1] / torch.where(total[0] > 0, total[0], 1.0)
+    divisor = torch.where(total[0] > 0, total[0], 1.0)
+    mean = total[1] / divisor
     spread = (x - mean.to(x.dtype)).square_().mul_(r)
-    variance = all_reduce_((sample_w @ spread).to(penalty.dtype), process_group) / torch.where(total[0] > 0, total[0], 1.0)
+    variance = all_reduce_((sample_w @ spread).to(penalty.dtype), process_group) / divisor
     sums = total[0].view(-1, 1, 1) * torch.stack([variance + mean.square(), mean, mean, torch.ones_like(mean)], dim=1).view(-1, 2, 2)
     blocks = sums + torch.diag_embed(2 * penalty.T)
     jitter = 1e-12 * blocks.diagonal(dim1=1, dim2=2).amax() + torch.finfo(blocks.dtype).tiny

@@ -214,6 +214,10 @@ def test_output_kinds_give_the_same_calibrated_posteriors(val):
     torch.testing.assert_close(probs, log_posteriors.exp(), rtol=0, atol=1e-6)
     torch.testing.assert_close(probs.sum(dim=1), torch.ones(20))
     assert heads["probs"].calibrator.temperature == pytest.approx(heads["logits"].calibrator.temperature, rel=1e-6)
+    # what the fit refuses, the head refuses too (it had floored -0.2 to 1e-20 and made a zero row uniform)
+    heads["probs"].model = make_net(final=nn.Tanh())
+    with pytest.raises(ValueError, match="network outputs must lie in"):
+        heads["probs"](x)
 
 
 def test_collect_scores_on_dict_batches_with_split_batch(val):
@@ -246,6 +250,34 @@ def test_gradients_flow_through_a_fitted_head(fitted_heads):
     x = make_data(8, seed=4)[0].requires_grad_()
     head(x)[:, 0].sum().backward()
     assert x.grad is not None and bool(x.grad.abs().sum() > 0)
+
+
+@pytest.mark.parametrize("name", [*PARAMETRIC, *NONPARAMETRIC])
+def test_heads_under_vmap(name, fitted_heads):
+    """vmap (alone, in jacfwd, in per-sample gradients) cannot read values into Python: the input
+    checks, which did, are left out there, and non-finite rows come out NaN."""
+    head = fitted_heads[name]
+    x = make_data(6, seed=8)[0]
+    one_row = torch.func.vmap(lambda row: head(row.unsqueeze(0)).squeeze(0))
+    with torch.no_grad():
+        torch.testing.assert_close(one_row(x), head(x), rtol=0, atol=1e-12)
+        x[0, 0] = float("nan")
+        assert one_row(x)[0].isnan().all()
+
+
+def test_per_sample_gradients_of_a_head_being_fine_tuned():
+    x, labels = make_data(5, seed=9)
+    head = CalibratedModel(make_net(), torchcal.TemperatureScaling()).fit(loader(*make_data(300))).eval().requires_grad_(True)
+    params = {name: p.detach() for name, p in head.named_parameters()}
+
+    def loss(params, x, label):
+        return nn.functional.nll_loss(torch.func.functional_call(head, params, (x.unsqueeze(0),)), label.unsqueeze(0))
+
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x, labels)
+    for i in range(5):
+        one = torch.func.grad(loss)(params, x[i], labels[i])
+        for name in params:
+            torch.testing.assert_close(per_sample[name][i], one[name])
 
 
 # -------------------------------------------------------------------------------------- misuse
@@ -371,6 +403,12 @@ def test_torch_export_round_trip(name, fitted_heads, tmp_path):
         x = make_data(n, seed=n)[0]
         with torch.no_grad():
             torch.testing.assert_close(loaded(x), head(x), rtol=0, atol=1e-6)
+    # the program has no input checks: a NaN row stays NaN (the step maps had given it a confident step)
+    x[0, 0] = float("nan")
+    with torch.no_grad():
+        out = loaded(x)
+        torch.testing.assert_close(out[1:], head(x[1:]), rtol=0, atol=1e-6)
+    assert out[0].isnan().all()
 
 
 class _Heads(nn.Module):

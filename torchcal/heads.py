@@ -40,7 +40,10 @@ network is another matter: ONNX Runtime on the CPU computes its layers in float3
 round their output to float16, so every head's output there differs from PyTorch's by float16's
 resolution (1e-3 to 1e-2 in log-posteriors; a step map's up to 0.3 where a score crosses a step;
 a review helper's measurements, ONNX Runtime 1.32): compare ONNX output against the network run
-in float32, or export the network in float32. A Lightning
+in float32, or export the network in float32. A compiled, exported or traced head, or one
+under ``torch.func.vmap``, does not check its input's values as the eager head does (refusing
+NaN and infinite scores); there a row with a NaN score comes out NaN, whatever the map (a step
+map's look-up had put it on a confident step). A Lightning
 checkpoint saved with :class:`torchcal.lightning.CalibrationCallback` holds the head under
 :data:`CHECKPOINT_KEY` (one per callback); :meth:`CalibratedModel.from_checkpoint` loads it
 without Lightning.
@@ -59,7 +62,7 @@ import torch
 from torch import Tensor, nn
 
 from torchcal._validation import check_probs, floored_log, looks_like_probs
-from torchcal.calibrators.base import Calibrator, check_calibrator
+from torchcal.calibrators.base import Calibrator, check_calibrator, values_readable
 
 __all__ = [
     "CHECKPOINT_KEY",
@@ -347,7 +350,10 @@ class CalibratedModel(nn.Module):
                 f".fit(heldout_loader) first, or load a fitted state_dict."
             )
         output = self.model(x, *args, **kwargs)
-        calibrated = calibrate_output(self.calibrator, select_logits(output, self.logits_key), self.output)
+        scores = select_logits(output, self.logits_key)
+        if self.output == "probs" and values_readable(scores):  # (the calibrator checks log-domain outputs itself)
+            check_probs(scores, "network outputs")
+        calibrated = calibrate_output(self.calibrator, scores, self.output)
         return replace_logits(output, self.logits_key, calibrated)
 
     def fit(self, dataloader: Iterable[Any], *, split_batch: SplitBatch | None = None, **fit_options: Any) -> CalibratedModel:

@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
+from torch._C._functorch import TransformType
 
 from torchcal._validation import (
     as_tensor,
@@ -288,8 +289,10 @@ class Calibrator(nn.Module):
         # (In place: the scores are the maps' own output, which no backward pass reads.) Maps that
         # compute in float64 (the non-parametric ones, quadratic scaling) normalise there, and a
         # log-posterior below the output dtype's range is its lowest too (it was -inf in float32).
+        # (vmap has no batching rule for clamp_, and warns of its slow fallback)
         finfo = torch.finfo(scores.dtype)
-        return torch.log_softmax(scores.clamp_(finfo.min, finfo.max), dim=1).clamp_min(torch.finfo(dtype).min).to(dtype)
+        scores = scores.clamp(finfo.min, finfo.max) if _under_vmap() else scores.clamp_(finfo.min, finfo.max)
+        return torch.log_softmax(scores, dim=1).clamp_min(torch.finfo(dtype).min).to(dtype)
 
     def predict_proba(self, logits: Tensor) -> Tensor:
         """Calibrated posteriors (N, K): ``forward(logits).exp()``."""
@@ -451,7 +454,7 @@ class Calibrator(nn.Module):
         if isinstance(logits, Tensor) and logits.is_meta and not all(t.is_meta for t in self._tensors()):
             raise ValueError(f"logits on the meta device, but the {type(self).__name__} is not: move it with .to('meta') "
                              f"for a shapes-only run.")
-        if torch.compiler.is_compiling() or (isinstance(logits, Tensor) and (logits.is_meta or _is_fake(logits))):
+        if not values_readable(logits):
             if logits.ndim != 2 or logits.shape[1] != self.num_classes:
                 raise ValueError(f"expected logits of shape (N, {self.num_classes}), got {tuple(logits.shape)}")
             return logits
@@ -544,6 +547,32 @@ def _is_fake(tensor: Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(tensor, FakeTensor)
+
+
+def _under_vmap() -> bool:
+    """Whether a ``torch.func.vmap`` is running (alone, or in ``jacfwd``, ``hessian`` or a
+    per-sample gradient): there a tensor's values cannot be read into Python. (Not asked while
+    compiling, where dynamo cannot trace the question.)"""
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return not torch.compiler.is_compiling() and any(interpreter.key() == TransformType.Vmap for interpreter in retrieve_all_functorch_interpreters())
+
+
+def nan_rows_stay_nan(features: Tensor, scores: Tensor) -> Tensor:
+    """``scores: (N, K)`` with NaN on every row where ``features: (N, C)`` has a NaN. A step map's
+    look-up sends NaN to one of its steps (a confident answer) where the input checks are left
+    out (compiled, exported or vmapped heads; see :func:`values_readable`); the parametric maps
+    propagate NaN by themselves."""
+    return scores.masked_fill(features.isnan().any(1, keepdim=True), float("nan"))
+
+
+def values_readable(x: Any) -> bool:
+    """Whether the values of ``x`` can be checked in Python: not while compiling or exporting, not
+    for meta and fake tensors (shapes only), not under ``vmap``. Where they cannot, the checks
+    are left out and the maps propagate a non-finite input as NaN."""
+    if torch.compiler.is_compiling() or _under_vmap():
+        return False
+    return not (isinstance(x, Tensor) and (x.is_meta or _is_fake(x)))
 
 
 def moving_only(fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:

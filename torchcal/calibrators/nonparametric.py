@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from torchcal._validation import check_count
-from torchcal.calibrators.base import Calibrator
+from torchcal.calibrators.base import Calibrator, nan_rows_stay_nan
 from torchcal.fit import FitRecord
 from torchcal.functional.diagnostics import bin_indices, edge_tolerance
 from torchcal.functional.isotonic import pool_adjacent_violators
@@ -50,7 +50,7 @@ class _OneVsRest(Calibrator):
         mapped = mapped.to(features.dtype)
         if features.shape[1] == 2:
             mapped = torch.cat([1 - mapped, mapped], dim=1)
-        return torch.log(mapped / mapped.sum(dim=1, keepdim=True))
+        return nan_rows_stay_nan(features, torch.log(mapped / mapped.sum(dim=1, keepdim=True)))
 
     @staticmethod
     def _targets(labels: Tensor, columns: list[int], weights: Tensor | None) -> tuple[Tensor, Tensor]:

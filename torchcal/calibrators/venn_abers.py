@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from torchcal._validation import check_count, compute_dtype, finite_log
-from torchcal.calibrators.base import Calibrator
+from torchcal.calibrators.base import Calibrator, nan_rows_stay_nan
 from torchcal.fit import FitRecord
 from torchcal.functional._ties import tie_group_starts, tie_tolerance
 from torchcal.functional.scoring import PER_SAMPLE_SCORES
@@ -324,7 +324,7 @@ class VennAbersCalibration(Calibrator):
         return torch.stack(lower, 1).reshape(shape), torch.stack(upper, 1).reshape(shape)
 
     def _scores(self, features: Tensor) -> Tensor:
-        return self._class_scores(_merge(*self._intervals(features), self.loss)) + self.log_prior_ratio
+        return nan_rows_stay_nan(features, self._class_scores(_merge(*self._intervals(features), self.loss)) + self.log_prior_ratio)
 
     def _class_scores(self, probs: Tensor) -> Tensor:
         """Unnormalised class log-posteriors (N, K) from the binary problems' probabilities (N, C)."""

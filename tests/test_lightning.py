@@ -920,9 +920,15 @@ class NaNOnRankOne(RankSplitClassifier):
         return {**out, "logits": torch.full_like(out["logits"], math.nan)} if self.global_rank == 1 else out
 
 
+class BadProbabilitiesOnRankOne(RankSplitClassifier):
+    def validation_step(self, batch, batch_idx):
+        probs = super().validation_step(batch, batch_idx)["logits"].softmax(dim=1)
+        return {"logits": 1.3 * probs if self.global_rank == 1 else probs}
+
+
 class RecordingErrors(CalibrationCallback):
-    def __init__(self, out: Path) -> None:
-        super().__init__(metrics=("nce",))
+    def __init__(self, out: Path, output: str = "logits") -> None:
+        super().__init__(metrics=("nce",), output=output)
         self.out = out
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -933,15 +939,17 @@ class RecordingErrors(CalibrationCallback):
             raise
 
 
-def test_ddp_bad_outputs_on_one_process_are_named_on_every_process(tmp_path):
+@pytest.mark.parametrize(("model", "output", "error"), [(NaNOnRankOne, "logits", "NaN"), (BadProbabilitiesOnRankOne, "probs", "must sum to one")])
+def test_ddp_bad_outputs_on_one_process_are_named_on_every_process(tmp_path, model, output, error):
     """The metrics-only path (trainer.validate without fit_on_validate) checked each process's
     outputs alone: the process with NaN logits said so, the other waited in the metric's sync and
-    got gloo's "Connection closed by peer" (review finding)."""
+    got gloo's "Connection closed by peer" (review finding); so did probabilities that sum to 1.3
+    (a later review)."""
     trainer = Trainer(**TRAINER_DEFAULTS, strategy="ddp_fork", devices=2, use_distributed_sampler=False,
-                      callbacks=[RecordingErrors(tmp_path)])
-    with pytest.raises(Exception, match="NaN|refused its shard"):  # (the first process to fail: either)
-        trainer.validate(NaNOnRankOne(), verbose=False)
-    assert "NaN" in (tmp_path / "rank1.txt").read_text()
+                      callbacks=[RecordingErrors(tmp_path, output)])
+    with pytest.raises(Exception, match=f"{error}|refused its shard"):  # (the first process to fail: either)
+        trainer.validate(model(), verbose=False)
+    assert error in (tmp_path / "rank1.txt").read_text()
     assert "another process of the group refused its shard" in (tmp_path / "rank0.txt").read_text()
 
 
@@ -1018,6 +1026,44 @@ def test_ddp_spawn_returns_the_head_to_the_main_process(tmp_path):
     worker = torch.load(tmp_path / "rank0.pt")
     assert not all(torch.equal(v, head[k]) for k, v in worker["head"].items() if k != "_extra_state")
     assert all(torch.equal(v, worker["head"][k]) for k, v in callback.calibrator.state_dict().items() if k != "_extra_state")
+
+
+def test_ddp_padding_of_a_dict_of_validation_loaders_is_named(tmp_path):
+    """A dict of validation loaders (which Lightning accepts) skipped the padding check: 301
+    samples padded to 302, with no warning (review finding)."""
+    trainer = Trainer(**TRAINER_DEFAULTS, strategy="ddp_fork", devices=2, callbacks=[SavingCallback(tmp_path)])
+    trainer.validate(Classifier(), {"val": loader(301, 1)}, verbose=False)
+    worker = torch.load(tmp_path / "rank0.pt")
+    assert "padding" in worker["warned"] and worker["count"] == 151
+
+
+def test_weights_changed_after_the_last_validation_are_named():
+    """StochasticWeightAveraging puts its average into the module at the end of training, after
+    the last validation: the head belonged to the weights before, silently (review finding: a
+    test NLL of 0.633 through the head against 0.610 uncalibrated). The callback says so, and
+    trainer.validate with fit_on_validate refits the head on the final weights."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    callback = CalibrationCallback(metrics=("nce",))
+    trainer = Trainer(**TRAINER_DEFAULTS, max_epochs=3, callbacks=[callback, StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)])
+    model = Classifier()
+    with pytest.warns(UserWarning, match="weights changed after the last validation epoch"):
+        trainer.fit(model, loader(200, 0, shuffle=True), loader(300, 1))
+    stale = callback.calibrator.temperature
+    callback.fit_on_validate = True
+    trainer.validate(model, loader(300, 1), verbose=False)
+    validation = make_data(300, seed=1)
+    expected = torchcal.TemperatureScaling().fit(raw_outputs(model, validation, batch_size=50), validation.tensors[1])
+    assert callback.calibrator.temperature == pytest.approx(expected.temperature, rel=1e-6) != stale
+
+
+def test_no_stale_head_warning_when_the_last_validation_saw_the_final_weights():
+    callback = CalibrationCallback(metrics=("nce",))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message=".*(does not have many workers|num_workers|log_every_n_steps).*")
+        Trainer(**TRAINER_DEFAULTS, max_epochs=2, callbacks=[callback]).fit(Classifier(), loader(200, 0), loader(300, 1))
+    assert "stale" not in callback._warned
 
 
 DDP_SCRIPT = """

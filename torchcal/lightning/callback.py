@@ -73,6 +73,13 @@ DEFAULT_METRICS = ("nce", "nbs", "ece", "refinement")
 _FUSED_STATISTICS = {"nce": "nce", "nbs": "nbs", "ece": "ece", "error": "error_rate"}
 
 
+def _weights_fingerprint(module: nn.Module) -> Tensor:
+    """A float64 sum of each floating parameter and buffer of ``module`` (on the CPU): tells
+    whether the weights changed between two moments of a fit."""
+    tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
+    return torch.stack([t.detach().sum(dtype=torch.float64).cpu() for t in tensors]) if tensors else torch.zeros(0)
+
+
 def _check_metric_names(names: Sequence[str]) -> None:
     unknown = [n for n in names if n not in METRIC_NAMES]
     if unknown:
@@ -185,7 +192,11 @@ class CalibrationCallback(Callback):
     temperature-scaling fit), so ``EarlyStopping(monitor=f"{prefix}refinement")`` and
     ``ModelCheckpoint`` find it every time. ``trainer.validate`` logs the metrics but refits the
     head only with ``fit_on_validate=True`` (it is the way to calibrate an already-trained model on
-    a calibration loader; without the flag a test loader never leaks into the head).
+    a calibration loader; without the flag a test loader never leaks into the head). Where the
+    weights change after the last validation (``StochasticWeightAveraging`` puts its average in at
+    the end of training; training epochs after the last validation), the head is that of the
+    earlier weights: the end of fitting says so, and ``trainer.validate`` with ``fit_on_validate``
+    refits it.
 
     **Distributed.** Under DDP every process keeps its own validation outputs; the metrics are
     reduced from per-process sums and the calibrator is fitted data-parallel
@@ -312,6 +323,7 @@ class CalibrationCallback(Callback):
         # the latest validation epoch's scores, labels and process group, and whether the head was fitted on it
         self._latest: tuple[Tensor, Tensor, ProcessGroup | None] | None = None
         self._latest_quality: dict[str, float] | None = None  # posterior_quality of those scores
+        self._latest_weights: Tensor | None = None  # the network's weights then (_weights_fingerprint)
         self._head_is_current = False
         self._trainer: Trainer | None = None
         self._hook: torch.utils.hooks.RemovableHandle | None = None
@@ -361,8 +373,8 @@ class CalibrationCallback(Callback):
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.world_size > 1:
-            loaders = trainer.val_dataloaders
-            first = loaders[0] if isinstance(loaders, (list, tuple)) else loaders
+            loaders = trainer.val_dataloaders  # (the callback reads the first loader's outputs)
+            first = next(iter(loaders.values())) if isinstance(loaders, Mapping) else loaders[0] if isinstance(loaders, (list, tuple)) else loaders
             sampler = getattr(first, "sampler", None)
             if isinstance(sampler, DistributedSampler) and not sampler.drop_last and sampler.total_size != len(sampler.dataset):  # type: ignore[arg-type]
                 self._warn_once(
@@ -423,6 +435,7 @@ class CalibrationCallback(Callback):
         if trainer.state.fn == TrainerFn.FITTING:
             fit = self.every_n_epochs > 0 and (trainer.current_epoch + 1) % self.every_n_epochs == 0
             self._latest, self._head_is_current = (scores, labels, group), False
+            self._latest_weights = _weights_fingerprint(pl_module)
             names = self.metrics if fit else tuple(m for m in self.metrics if m == "refinement")
         else:  # trainer.validate: an evaluation, unless asked to refit
             fit, names = self.fit_on_validate, self.metrics
@@ -458,7 +471,8 @@ class CalibrationCallback(Callback):
                 )
                 outputs = torch.cat(gather_all_tensors(outputs))  # pads and trims uneven sizes
                 labels = torch.cat(gather_all_tensors(labels))
-        return scores_from_outputs(outputs, self.output), labels, group
+        # (probabilities that one process refuses stop every process: the others would wait in the fit's sums)
+        return validate_together(lambda: scores_from_outputs(outputs, self.output), group, outputs), labels, group
 
     def _metrics(
         self,
@@ -642,7 +656,7 @@ class CalibrationCallback(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # an earlier fit's outputs and report are not this fit's (a second fit without validation
         # logged them again, as its own, at its own step)
-        self._latest = self._latest_quality = self._report = None
+        self._latest = self._latest_quality = self._report = self._latest_weights = None
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._latest is None:
@@ -652,6 +666,13 @@ class CalibrationCallback(Callback):
                                 "(and limit_val_batches > 0).")
             return
         scores, labels, group = self._latest
+        if self._latest_weights is not None and not torch.equal(_weights_fingerprint(pl_module), self._latest_weights):
+            self._warn_once("stale", (
+                "the network's weights changed after the last validation epoch (StochasticWeightAveraging puts its "
+                "average in at the end of training; or training epochs ran after the last validation), so the "
+                "calibration head and the end-of-fit report belong to the earlier weights: refit the head on the final "
+                "weights with callback.fit_on_validate = True and trainer.validate(model, val_dataloader), or "
+                "validate after the last training epoch."))
         with self._fit_warnings_once():
             if not self._head_is_current:
                 self._fit_head(scores, labels, group)

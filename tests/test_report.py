@@ -353,6 +353,23 @@ def test_calibration_data_that_hold_the_evaluated_samples_are_refused_or_warned_
     assert torchcal.fit.shared_samples(masked[:400], labels[:400].int(), masked.flip(0), labels.flip(0).int()).all()
 
 
+def test_disjoint_dense_binary_scores_are_not_taken_for_shared_samples(real):
+    """20,000 FVCAUS calibration trials and 5,000 other ones: binary float32 log-posteriors are a
+    dense one-dimensional score, and 852 of the 5,000 lay within round-off of a calibration trial
+    (249 bit-identical), so the disjoint split was said to share them (review finding). The
+    calibration data's twins among themselves (17 %) say that the scores cannot tell samples apart."""
+    data = real("fvcaus_xvector-plda_ferrer")
+    logits, labels = torch.from_numpy(data["logits"]), torch.from_numpy(data["labels"]).long()
+    rows = torch.randperm(labels.shape[0], generator=torch.Generator().manual_seed(0))
+    calibration, evaluated = rows[:20000], rows[20000:25000]
+    assert torchcal.fit.shared_samples(logits[evaluated], labels[evaluated], logits[calibration], labels[calibration]).sum() > 500
+    twins = torchcal.fit.shared_samples(logits[calibration], labels[calibration], logits[calibration], labels[calibration], exclude_self=True)
+    assert 0.05 < float(twins.double().mean()) < 0.5
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*in the calibration data too")
+        evaluate((logits[evaluated], labels[evaluated]), ["temperature"], calibration=(logits[calibration], labels[calibration]), bootstrap=0)
+
+
 @pytest.mark.parametrize("progress", [False, True])
 def test_progress_reaches_the_bootstrap(small, monkeypatch, progress):
     """The bootstrap's own bar (its column and general paths loop over the replicates) follows ``progress``."""

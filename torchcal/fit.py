@@ -551,11 +551,13 @@ SAME_SAMPLE_TOLERANCE = 6e-7
 _SAME_SAMPLE_CANDIDATES = 64
 
 
-def shared_samples(logits: Tensor, labels: Tensor, other_logits: Tensor, other_labels: Tensor) -> Tensor:
+def shared_samples(logits: Tensor, labels: Tensor, other_logits: Tensor, other_labels: Tensor, *, exclude_self: bool = False) -> Tensor:
     """Which samples of ``logits: (N, K)``, ``labels: (N,)`` appear in the other data as well: one
     of the same label whose log-posteriors lie within round-off (:data:`SAME_SAMPLE_TOLERANCE`);
     (N,) bool. The other samples are sorted by label and by a fixed random projection of their
-    log-posteriors; a sample's candidates are those within its tolerance's reach there."""
+    log-posteriors; a sample's candidates are those within its tolerance's reach there.
+    ``exclude_self``: the other data are these data, and a sample's own row does not count (which
+    of them have a near twin)."""
     floor = math.log(torch.finfo(torch.float64).tiny)
 
     def log_posteriors(scores: Tensor) -> Tensor:
@@ -584,7 +586,7 @@ def shared_samples(logits: Tensor, labels: Tensor, other_logits: Tensor, other_l
             break
         rows = open_.nonzero().flatten()
         candidates = order[lo[rows] + offset]
-        shared[rows] = ((mine[rows] - theirs[candidates]).abs() <= tol[rows]).all(1)
+        shared[rows] = ((mine[rows] - theirs[candidates]).abs() <= tol[rows]).all(1) & ~(exclude_self & (candidates == rows))
     return shared
 
 

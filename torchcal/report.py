@@ -814,8 +814,9 @@ class _Metrics:
             sums, counts = class_sums(pair[:, 0] - pair[:, 1], labels, num_classes)
             return prior_weighted_mean(sums, counts, self.priors) / naive
 
+        # (stratified, as the NCE's own bootstrap: the class counts set its naive system)
         result = bootstrap_metric(nce_difference, losses, self.labels, num_replicates=self.replicates, seed=self.seed,
-                                  stratify=self.priors is not None, progress=self.progress)
+                                  stratify=True, progress=self.progress)
         return Estimate(float(result.estimate), float(result.lower), float(result.upper))
 
     def _detection(self, logits: Tensor) -> dict[str, float]:

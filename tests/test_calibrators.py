@@ -743,6 +743,21 @@ def test_group_folds_keep_groups_together(data):
         assert not set(groups[fold].tolist()) & set(groups[others].tolist())
 
 
+def test_group_folds_follow_the_seed_when_the_groups_differ_in_size():
+    """Groups sorted largest first after the shuffle: the seed only broke ties between groups of
+    one size, so 20 groups of 10 to 29 samples got the same folds from every seed (review
+    finding; scikit-learn's shuffled GroupKFold gives 20 partitions)."""
+    sizes = torch.arange(10, 30)
+    groups = torch.arange(20).repeat_interleave(sizes)
+    labels = torch.zeros(groups.shape[0], dtype=torch.long)
+    partitions = set()
+    for seed in range(10):
+        folds = torchcal.fit.fold_indices(labels, 5, seed=seed, groups=groups)
+        partitions.add(frozenset(frozenset(groups[fold].unique().tolist()) for fold in folds))
+        assert max(len(f) for f in folds) - min(len(f) for f in folds) <= int(sizes.max())
+    assert len(partitions) == 10
+
+
 @pytest.mark.parametrize("stratified", [True, False])
 def test_cross_validation_does_not_depend_on_the_row_order_or_dtype(data, stratified):
     """Each sample's fold follows its scores, not its position: permuted float32 rows get the
@@ -1053,6 +1068,17 @@ def test_a_given_mu_is_kept_through_the_cross_validation_and_the_state_dict(data
     fresh_structured = torchcal.StructuredVectorScaling()
     fresh_structured.load_state_dict(structured.state_dict())
     assert (fresh_structured.reg_lambda_, fresh_structured.cv_losses_) == (structured.reg_lambda_, structured.cv_losses_)
+    # a fixed-strength refit of a loaded, cross-validated state selects nothing: it kept the loaded
+    # losses, whose minimum was at another lambda than reg_lambda_ (review finding)
+    for refit, loaded in [(torchcal.DirichletCalibration(reg="odir", reg_lambda=1.0), cal),
+                          (torchcal.StructuredVectorScaling(reg_lambda=1.0), structured)]:
+        refit.load_state_dict(loaded.state_dict())
+        assert refit.cv_losses_ is not None
+        refit.fit(logits, labels)
+        assert refit.cv_losses_ is None and refit.reg_lambda_ == 1.0
+    unpenalised = torchcal.DirichletCalibration()
+    unpenalised.load_state_dict(cal.state_dict())
+    assert unpenalised.fit(logits, labels).reg_lambda_ is None and unpenalised.reg_ is None and unpenalised.cv_losses_ is None
 
 
 def test_fit_does_not_depend_on_sample_order(data):

@@ -417,8 +417,8 @@ def fold_indices(
     """Split sample indices into ``folds`` disjoint test folds.
 
     Stratified folds deal each class's shuffled samples round-robin, so every fold has nearly the
-    same class proportions. With ``groups: (N,)``, whole groups are kept together (shuffled
-    groups assigned greedily, largest first, to the smallest fold) and ``stratified`` is ignored.
+    same class proportions. With ``groups: (N,)``, whole groups are kept together (the groups, in
+    an order drawn from ``seed``, each assigned to the smallest fold) and ``stratified`` is ignored.
     With ``scores: (N, K)`` (logits or log-posteriors), the samples are put in an order given by
     their scores before the seeded shuffle, so each sample lands in the same fold whatever the
     order of the rows, and whether the scores are float32 or float64. (Identical samples are not
@@ -474,8 +474,10 @@ def fold_indices(
     canonical = torch.arange(n) if scores is None or grouping is not None else _order_by_content(scores, labels)
     if grouping is not None:
         unique, inverse, counts = grouping
+        # in a random order, each to the smallest fold (as scikit-learn's shuffled GroupKFold; largest
+        # first, the seed only broke ties between groups of one size: groups of distinct sizes got
+        # the same folds from every seed)
         order = torch.randperm(unique.numel(), generator=gen)
-        order = order[torch.argsort(counts[order], descending=True, stable=True)]
         sizes = [0] * folds
         group_fold = torch.empty(unique.numel(), dtype=torch.long)
         for g in order.tolist():

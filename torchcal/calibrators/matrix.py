@@ -351,7 +351,8 @@ class MatrixScaling(Calibrator):
         if self._at_identity():
             with torch.no_grad():
                 self.weight.mul_(inverse_temperature_start(features, labels, weights, process_group))
-        self.reg_ = self.reg
+        # (this fit's selection, or none: a fixed-strength refit had kept an earlier fit's, or a loaded state's)
+        self.reg_, self.reg_lambda_, self.reg_mu_, self.cv_losses_ = self.reg, None, None, None
         if self.reg is not None and self.reg_lambda is None:
             cold = self._theta()
             self.cv_losses_, start = self._cross_validate_grid(features, labels, weights, loss, max_iter, process_group)

@@ -287,8 +287,8 @@ class _StructuredScaling(Calibrator):
             self.reg_lambda_ = self.reg_grid[min(range(len(self.reg_grid)), key=self.cv_losses_.__getitem__)]
             with torch.no_grad():  # the final fit starts where the folds ended, near its optimum
                 self._set_theta(start)
-        else:
-            self.reg_lambda_ = self.reg_lambda
+        else:  # (no selection: a fixed-strength refit had kept an earlier fit's, or a loaded state's)
+            self.reg_lambda_, self.cv_losses_ = self.reg_lambda, None
         return self._fit_map(x, labels, weights, loss, max_iter, self.reg_lambda_, process_group)
 
     def _fit_ts_mix(self, log_probs: Tensor, labels: Tensor, weights: Tensor | None, process_group: ProcessGroup | None) -> Tensor:

@@ -994,6 +994,27 @@ def test_separable_data_warn_under_either_loss(make, loss):
     assert not record.converged and record.message.startswith("separable data")
 
 
+def test_a_brier_fit_whose_loss_still_falls_as_its_parameters_grow_is_not_converged(real):
+    """Beta calibration's prior-weighted Brier fit on FVCAUS stopped at an absolute gradient of
+    6.5e-8, "a local optimum", with parameters near 1e3 and a loss of 9.75e-4: SciPy's L-BFGS-B
+    went on from there to 9.63e-4 (1.2 % lower) at parameters ten times larger, the loss falling
+    all the way (review finding). Scaled by the parameters and the loss, that gradient is not small."""
+    data = real("fvcaus_xvector-plda_ferrer")
+    logits, labels = torch.from_numpy(data["logits"]).double(), torch.from_numpy(data["labels"]).long()
+    priors = torch.tensor([1 / 3, 2 / 3], dtype=torch.float64)
+    with pytest.warns(torchcal.ConvergenceWarning, match="not relative to the loss"):
+        beta = torchcal.BetaCalibration().fit(logits, labels, loss="brier", priors=priors)
+    record = beta.fit_record_
+    assert not record.converged and record.grad_max < 1e-7 and record.loss > 9.7e-4
+    # the loss still falls from there, along the parameters' own direction
+    with torch.no_grad():
+        for p in beta.parameters():
+            p.mul_(2)
+    log_probs = beta(logits)
+    weights = (priors / torch.bincount(labels, minlength=2) * labels.shape[0])[labels]
+    assert float((weights * torchcal.functional.scoring.brier_per_sample(log_probs, labels)).mean()) < record.loss
+
+
 @pytest.mark.parametrize("loss", ["log", "brier"])
 @pytest.mark.parametrize("make", [lambda: torchcal.StructuredVectorScaling(reg_lambda=1e-3),
                                   lambda: torchcal.MatrixScaling(reg="l2", reg_lambda=1e-3)])

@@ -600,8 +600,11 @@ def moving_only(fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
 
 
 #: A non-convex fit's gradient times its largest parameter magnitude, at most this share of its
-#: loss, to count as converged (:meth:`Calibrator._fit_nonconvex`).
-_RELATIVE_STATIONARITY = 1e-3
+#: loss, to count as converged (:meth:`Calibrator._fit_nonconvex`). Measured on the real logits:
+#: 0.074 for beta calibration's Brier fit on FVCAUS (1.2 % above a lower loss), 0.76 for unpenalised
+#: Brier matrix scaling on CIFAR-10 ResNet-110 (5.8e-4 above), 1.5e-3 for vector scaling's Brier
+#: fit on FVCAUS (6e-7 above: converged for any use).
+_RELATIVE_STATIONARITY = 1e-2
 
 #: Final L-BFGS fits of at most this many parameters (Platt, beta and quadratic scaling's Brier fits,
 #: affine scaling's up to K = 19, vector scaling's up to 10) end with Newton's method on the exact

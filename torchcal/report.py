@@ -547,30 +547,33 @@ def _check_held_out(logits: Tensor, labels: Tensor, cal_logits: Tensor, cal_labe
     Samples count as the same where :func:`~torchcal.fit.shared_samples` finds them (their labels
     agree, their log-posteriors within round-off), which tells samples apart only where the
     scores do. Where fewer than ``_DISTINCT_SCORES`` of the evaluated samples have scores of their
-    own (scores of a few distinct values), or more than ``1 - _DISTINCT_SCORES`` of the calibration
-    samples have a twin within round-off among themselves (the chance that a new sample meets one
-    there: dense one-dimensional scores, such as 20,000 binary float32 log-posteriors of FVCAUS,
-    where 17 % of 5,000 disjoint samples had one), different samples share scores, and only data
-    equal row by row are refused."""
+    own (scores of a few distinct values), only data equal row by row are refused. Where more than
+    ``1 - _DISTINCT_SCORES`` of the calibration samples have a twin within round-off among
+    themselves, a new sample meets one by that chance (dense one-dimensional scores: of 20,000
+    binary float32 log-posteriors of FVCAUS, 17 %, and 852 of 5,000 disjoint samples matched one):
+    there all the evaluated samples matching is refused, and a share of them more than 4 standard
+    errors above that chance is warned of."""
     advice = "pass held-out calibration data, or none: then every sample is calibrated by cross-validation"
     n = labels.shape[0]
     if cal_logits.shape == logits.shape and torch.equal(cal_labels.cpu(), labels.cpu()) and torch.equal(cal_logits.cpu(), logits.cpu()):
         shared = n
-    elif content_keys(logits).unique().numel() < _DISTINCT_SCORES * n or _twin_share(cal_logits, cal_labels) > 1 - _DISTINCT_SCORES:
+    elif content_keys(logits).unique().numel() < _DISTINCT_SCORES * n:
         return
     else:
         shared = int(shared_samples(logits, labels, cal_logits, cal_labels).sum())
     if shared == n:
         raise ValueError(f"every evaluated sample ({n}) is in the calibration data too: the calibrators would be scored on "
                          f"the samples they were fitted on, which flatters them; {advice}.")
-    if shared:
+    if not shared:
+        return
+    chance = float(shared_samples(cal_logits, cal_labels, cal_logits, cal_labels, exclude_self=True).double().mean())
+    if chance <= 1 - _DISTINCT_SCORES:
         warnings.warn(f"{shared} of the {n} evaluated samples are in the calibration data too: their calibrated scores were "
                       f"fitted on themselves, which flatters the calibrators; {advice}.", stacklevel=stacklevel_outside_package())
-
-
-def _twin_share(logits: Tensor, labels: Tensor) -> float:
-    """The share of samples with another sample of the same label within round-off."""
-    return float(shared_samples(logits, labels, logits, labels, exclude_self=True).double().mean())
+    elif shared > n * chance + 4 * math.sqrt(n * chance * (1 - chance)):
+        warnings.warn(f"{shared} of the {n} evaluated samples match calibration samples within round-off, where different "
+                      f"samples of these scores match by chance {100 * chance:.0f} % of the time: some of them are probably in "
+                      f"the calibration data too, which flatters the calibrators; {advice}.", stacklevel=stacklevel_outside_package())
 
 
 def evaluate(

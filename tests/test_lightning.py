@@ -1046,9 +1046,13 @@ def test_weights_changed_after_the_last_validation_are_named():
 
     callback = CalibrationCallback(metrics=("nce",))
     trainer = Trainer(**TRAINER_DEFAULTS, max_epochs=3, callbacks=[callback, StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)])
+    with pytest.warns(UserWarning, match="weights changed after the last validation epoch"):
+        trainer.fit(Classifier(), loader(200, 0, shuffle=True), loader(300, 1))
+    # and again for the next fit (it was said once per callback: the diff review)
+    trainer = Trainer(**TRAINER_DEFAULTS, max_epochs=3, callbacks=[callback, StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)])
     model = Classifier()
     with pytest.warns(UserWarning, match="weights changed after the last validation epoch"):
-        trainer.fit(model, loader(200, 0, shuffle=True), loader(300, 1))
+        trainer.fit(model, loader(200, 2, shuffle=True), loader(300, 1))
     stale = callback.calibrator.temperature
     callback.fit_on_validate = True
     trainer.validate(model, loader(300, 1), verbose=False)
@@ -1057,13 +1061,24 @@ def test_weights_changed_after_the_last_validation_are_named():
     assert callback.calibrator.temperature == pytest.approx(expected.temperature, rel=1e-6) != stale
 
 
-def test_no_stale_head_warning_when_the_last_validation_saw_the_final_weights():
+@pytest.mark.parametrize("averaging_first", [True, False])
+def test_no_stale_head_warning_when_the_last_validation_saw_the_final_weights(averaging_first):
+    """Lightning's WeightAveraging validates on the averaged weights and puts them in at the end:
+    the head is theirs. Listed before the callback, its epoch-end hook had swapped the averaged
+    weights out before the callback read them, which then warned falsely (the diff review)."""
+    from lightning.pytorch.callbacks import WeightAveraging
+
     callback = CalibrationCallback(metrics=("nce",))
+    model = Classifier()
+    callbacks = [WeightAveraging(), callback] if averaging_first else [callback]
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         warnings.filterwarnings("ignore", message=".*(does not have many workers|num_workers|log_every_n_steps).*")
-        Trainer(**TRAINER_DEFAULTS, max_epochs=2, callbacks=[callback]).fit(Classifier(), loader(200, 0), loader(300, 1))
+        Trainer(**TRAINER_DEFAULTS, max_epochs=2, callbacks=callbacks).fit(model, loader(200, 0, shuffle=True), loader(300, 1))
     assert "stale" not in callback._warned
+    validation = make_data(300, seed=1)
+    expected = torchcal.TemperatureScaling().fit(raw_outputs(model, validation, batch_size=50), validation.tensors[1])
+    assert callback.calibrator.temperature == pytest.approx(expected.temperature, rel=1e-6)
 
 
 DDP_SCRIPT = """

@@ -324,6 +324,7 @@ class CalibrationCallback(Callback):
         self._latest: tuple[Tensor, Tensor, ProcessGroup | None] | None = None
         self._latest_quality: dict[str, float] | None = None  # posterior_quality of those scores
         self._latest_weights: Tensor | None = None  # the network's weights then (_weights_fingerprint)
+        self._validated_weights: Tensor | None = None  # those of this validation epoch's first batch
         self._head_is_current = False
         self._trainer: Trainer | None = None
         self._hook: torch.utils.hooks.RemovableHandle | None = None
@@ -399,6 +400,11 @@ class CalibrationCallback(Callback):
         if not trainer.sanity_checking:
             logits, labels = found
             self._batches.append((_own_storage(logits.detach()), _own_storage(labels.detach())))
+            if batch_idx == 0 and trainer.state.fn == TrainerFn.FITTING:
+                # the weights that give the outputs: read here, where every callback's epoch-start hook
+                # has run (EMA weight averaging puts its average in for validation there, and takes it
+                # out again in its epoch-end hook, which may run before this callback's)
+                self._validated_weights = _weights_fingerprint(pl_module)
 
     def _not_found_message(self, outputs: Any, batch: Any) -> str:
         """Why the default :meth:`extract` found nothing: no logits, logits of the wrong shape, or no labels."""
@@ -435,7 +441,7 @@ class CalibrationCallback(Callback):
         if trainer.state.fn == TrainerFn.FITTING:
             fit = self.every_n_epochs > 0 and (trainer.current_epoch + 1) % self.every_n_epochs == 0
             self._latest, self._head_is_current = (scores, labels, group), False
-            self._latest_weights = _weights_fingerprint(pl_module)
+            self._latest_weights = self._validated_weights
             names = self.metrics if fit else tuple(m for m in self.metrics if m == "refinement")
         else:  # trainer.validate: an evaluation, unless asked to refit
             fit, names = self.fit_on_validate, self.metrics
@@ -657,6 +663,7 @@ class CalibrationCallback(Callback):
         # an earlier fit's outputs and report are not this fit's (a second fit without validation
         # logged them again, as its own, at its own step)
         self._latest = self._latest_quality = self._report = self._latest_weights = None
+        self._warned.discard("stale")  # (said of each fit whose weights changed after its last validation)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._latest is None:

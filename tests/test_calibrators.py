@@ -1013,6 +1013,10 @@ def test_a_brier_fit_whose_loss_still_falls_as_its_parameters_grow_is_not_conver
     log_probs = beta(logits)
     weights = (priors / torch.bincount(labels, minlength=2) * labels.shape[0])[labels]
     assert float((weights * torchcal.functional.scoring.brier_per_sample(log_probs, labels)).mean()) < record.loss
+    # unweighted, the free fit (a < 0) is refitted with a = 0 to its optimum: no warning of the free fit's (the diff review)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchcal.ConvergenceWarning)
+        assert torchcal.BetaCalibration().fit(logits, labels, loss="brier").fit_record_.converged
 
 
 @pytest.mark.parametrize("loss", ["log", "brier"])

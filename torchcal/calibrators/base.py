@@ -243,6 +243,8 @@ class Calibrator(nn.Module):
             )
             record = self.fit_record_ = dataclasses.replace(
                 record, converged=False, message=f"no finite optimum: classes {unweighted} {why} ({record.message})")
+        if _STILL_FALLING in record.message:  # (said of the final fit only: beta calibration refits)
+            warn_unconverged(record, type(self).__name__)
         if record.converged and record.loss < _SEPARATED_LOSS and not self._penalised_everywhere():
             warnings.warn(
                 f"the calibration data are perfectly separated by the fitted {type(self).__name__} (mean {loss} loss "
@@ -395,18 +397,19 @@ class Calibrator(nn.Module):
             else:
                 start = "the identity map"
         record = self._fit_lbfgs(features, labels, weights, loss, max_iter, process_group, tol_change)
-        # L-BFGS's absolute gradient test, scaled: a move by the parameters' own magnitude would
-        # change the loss by at most about gradient x magnitude, which must be small beside the loss.
-        # (Beta calibration's prior-weighted Brier fit on FVCAUS stopped "converged" at a gradient
-        # of 6.5e-8, parameters near 1e3 and a loss of 9.75e-4, 1.2 % above the loss at parameters
-        # ten times larger; the loss falls towards its infimum as they grow.) Not for the selection
-        # fits, loose by design, nor for a loss near 0, which fit() names as separated data.
+        # L-BFGS's absolute gradient test, scaled: a move by the parameters' own magnitude changes
+        # the loss by about gradient x magnitude, which must be small beside the loss. (Beta
+        # calibration's prior-weighted Brier fit on FVCAUS stopped "converged" at a gradient of
+        # 6.5e-8, parameters near 1e3 and a loss of 9.75e-4, 1.2 % above the loss at parameters ten
+        # times larger; the loss falls towards its infimum as they grow.) Not for the selection
+        # fits, loose by design, nor for a loss near 0, which fit() names as separated data; fit()
+        # warns.
         magnitude = max(1.0, max(float(p.detach().abs().max()) for p in fitted.values()))
         if (record.converged and tol_change is None and record.loss >= _SEPARATED_LOSS
                 and record.grad_max * magnitude > _RELATIVE_STATIONARITY * record.loss):
-            record = warn_unconverged(dataclasses.replace(record, converged=False, message=(
+            record = dataclasses.replace(record, converged=False, message=(
                 f"{record.message}; but not relative to the loss ({record.loss:.3g}) at parameters of magnitude up to "
-                f"{magnitude:.3g}: the loss may still fall as they grow")), type(self).__name__)
+                f"{magnitude:.3g}: {_STILL_FALLING}"))
         found = "a local optimum" if record.converged else "a search for a local optimum"
         note = f"; the {loss} objective of {type(self).__name__} is not convex: {found}, started from {start}"
         return dataclasses.replace(record, message=record.message + note)
@@ -599,12 +602,14 @@ def moving_only(fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
     return same_dtype
 
 
-#: A non-convex fit's gradient times its largest parameter magnitude, at most this share of its
-#: loss, to count as converged (:meth:`Calibrator._fit_nonconvex`). Measured on the real logits:
+#: A non-convex fit's gradient times its largest parameter magnitude: at most this share of its
+#: loss to count as converged (:meth:`Calibrator._fit_nonconvex`). Measured on the real logits:
 #: 0.074 for beta calibration's Brier fit on FVCAUS (1.2 % above a lower loss), 0.76 for unpenalised
 #: Brier matrix scaling on CIFAR-10 ResNet-110 (5.8e-4 above), 1.5e-3 for vector scaling's Brier
 #: fit on FVCAUS (6e-7 above: converged for any use).
 _RELATIVE_STATIONARITY = 1e-2
+#: What the record of a fit that :data:`_RELATIVE_STATIONARITY` stopped says.
+_STILL_FALLING = "the loss may still fall as they grow"
 
 #: Final L-BFGS fits of at most this many parameters (Platt, beta and quadratic scaling's Brier fits,
 #: affine scaling's up to K = 19, vector scaling's up to 10) end with Newton's method on the exact

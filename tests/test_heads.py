@@ -215,6 +215,7 @@ def test_output_kinds_give_the_same_calibrated_posteriors(val):
     torch.testing.assert_close(probs.sum(dim=1), torch.ones(20))
     assert heads["probs"].calibrator.temperature == pytest.approx(heads["logits"].calibrator.temperature, rel=1e-6)
     # what the fit refuses, the head refuses too (it had floored -0.2 to 1e-20 and made a zero row uniform)
+    assert heads["probs"](x[:0]).shape == (0, K)  # (an empty batch still gives an empty batch: the diff review)
     heads["probs"].model = make_net(final=nn.Tanh())
     with pytest.raises(ValueError, match="network outputs must lie in"):
         heads["probs"](x)
@@ -255,7 +256,7 @@ def test_gradients_flow_through_a_fitted_head(fitted_heads):
 @pytest.mark.parametrize("name", [*PARAMETRIC, *NONPARAMETRIC])
 def test_heads_under_vmap(name, fitted_heads):
     """vmap (alone, in jacfwd, in per-sample gradients) cannot read values into Python: the input
-    checks, which did, are left out there, and non-finite rows come out NaN."""
+    checks, which did, are left out there, and rows with a NaN score come out NaN."""
     head = fitted_heads[name]
     x = make_data(6, seed=8)[0]
     one_row = torch.func.vmap(lambda row: head(row.unsqueeze(0)).squeeze(0))

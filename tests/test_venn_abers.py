@@ -359,3 +359,18 @@ def test_a_test_score_near_0_within_the_tolerance_of_a_calibration_score_pools_w
     # beyond the tolerance (20 ulps of 1 below) the score reads its own place, below the group, as before
     at, below = (va.predict_interval(torch.tensor([[0.0, -0.002 + s]], dtype=torch.float64)) for s in (0.0, -20 * eps))
     assert float(at[0]) == 0.4 and float(below[0]) == 0.0
+
+
+def test_intervals_of_a_nan_row_are_nan_where_the_input_is_not_checked():
+    """Under vmap (or exported) the input checks are left out: the interval of a row with a NaN
+    score was a confident step's, p0 = 0.987 and p1 = 1 on SST-2 (the diff review)."""
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 2, (400,), generator=gen)
+    logits = torch.randn(400, 2, generator=gen, dtype=torch.float64) + 2 * torch.nn.functional.one_hot(labels, 2)
+    va = VennAbersCalibration().fit(logits, labels)
+    rows = logits[:5].clone()
+    rows[0, 1] = float("nan")
+    lower, upper = torch.func.vmap(lambda row: tuple(p.squeeze(0) for p in va.predict_interval(row.unsqueeze(0))))(rows)
+    assert lower[0].isnan().all() and upper[0].isnan().all()
+    expected = va.predict_interval(rows[1:])
+    torch.testing.assert_close((lower[1:], upper[1:]), expected, rtol=0, atol=0)

@@ -43,7 +43,8 @@ a review helper's measurements, ONNX Runtime 1.32): compare ONNX output against 
 in float32, or export the network in float32. A compiled, exported or traced head, or one
 under ``torch.func.vmap``, does not check its input's values as the eager head does (refusing
 NaN and infinite scores); there a row with a NaN score comes out NaN, whatever the map (a step
-map's look-up had put it on a confident step). A Lightning
+map's look-up had put it on a confident step), and one with an infinite score as the map's limit
+(a certain class, or NaN). A Lightning
 checkpoint saved with :class:`torchcal.lightning.CalibrationCallback` holds the head under
 :data:`CHECKPOINT_KEY` (one per callback); :meth:`CalibratedModel.from_checkpoint` loads it
 without Lightning.
@@ -351,7 +352,8 @@ class CalibratedModel(nn.Module):
             )
         output = self.model(x, *args, **kwargs)
         scores = select_logits(output, self.logits_key)
-        if self.output == "probs" and values_readable(scores):  # (the calibrator checks log-domain outputs itself)
+        # (the calibrator checks log-domain outputs itself; an empty batch gives an empty batch)
+        if self.output == "probs" and values_readable(scores) and scores.shape[0]:
             check_probs(scores, "network outputs")
         calibrated = calibrate_output(self.calibrator, scores, self.output)
         return replace_logits(output, self.logits_key, calibrated)

@@ -584,7 +584,8 @@ def nan_rows_stay_nan(features: Tensor, scores: Tensor) -> Tensor:
 def values_readable(x: Any) -> bool:
     """Whether the values of ``x`` can be checked in Python: not while compiling or exporting, not
     for meta and fake tensors (shapes only), not under ``vmap``. Where they cannot, the checks
-    are left out and the maps propagate a non-finite input as NaN."""
+    are left out: a row with a NaN score comes out NaN (:func:`nan_rows_stay_nan`), one with an
+    infinite score as the map's limit there (a certain class, or NaN)."""
     if torch.compiler.is_compiling() or _under_vmap():
         return False
     return not (isinstance(x, Tensor) and (x.is_meta or _is_fake(x)))

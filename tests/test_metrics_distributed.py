@@ -65,6 +65,17 @@ def _worker(rank: int) -> None:
     pair = dist.new_group([0, 1])  # every process must take part in creating it
     if rank < 2:
         _check(cases, labels, slice(sum(EVEN[:rank]), sum(EVEN[: rank + 1])), pair, "2 even")
+    # states accumulated under other options on another process are refused on every process (the
+    # digest state's max hid them: DetectionCosts with target priors 0.5 and 0.01 returned 0.62 and
+    # 1.77, a mixture); the process without samples takes no part
+    from torchcal.metrics import DetectionCost
+
+    metric = DetectionCost(target_prior=0.5 if rank == 1 else 0.01)
+    shard = slice(start, start + UNEVEN[rank])
+    if UNEVEN[rank]:
+        metric.update(logits[shard, :2], (labels[shard] > 0).long())
+    with pytest.raises(ValueError, match="built with other options"):
+        metric.compute()
 
 
 def test_synchronised_metrics_equal_one_process():

@@ -290,7 +290,22 @@ class BatchMetric(Metric):
         for name, (dtype, trailing) in self._cat_states.items():
             if not getattr(self, name):
                 getattr(self, name).append(torch.empty(0, *trailing, dtype=dtype, device=self.device))
+        self._agree_on_options(process_group)
         super()._sync_dist(dist_sync_fn, process_group)
+
+    def _agree_on_options(self, process_group: Any | None) -> None:
+        """Refuse, on every process, to sync states accumulated under other options on another
+        process (merge_state refuses them too): the digest state is reduced by its maximum, which
+        hid the difference, and two DetectionCosts with other target priors returned a mixture.
+        Processes without an update (digest 0) take no part."""
+        digest = self.options_digest.to(torch.float64)
+        stamped = bool(digest.any())
+        extremes = torch.cat([digest if stamped else torch.full_like(digest, -1.0), -digest if stamped else torch.full_like(digest, -256.0)])
+        group = process_group or self.process_group or torch.distributed.group.WORLD  # (as torchmetrics syncs)
+        torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX, group=group)
+        if not torch.equal(extremes[: digest.numel()], -extremes[digest.numel() :]):
+            raise ValueError(f"the processes' {type(self).__name__} metrics were built with other options (those its update "
+                             "depends on): their states cannot be summed. Build the metric with the same options on every process.")
 
     def _apply(self, fn: Any, exclude_state: Any = "") -> Any:
         """Moves states and buffers with the module but keeps their dtypes: ``.to(torch.float16)``

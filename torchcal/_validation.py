@@ -6,6 +6,8 @@ that names the problem and says how to fix it. Nothing here modifies its input.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 import numbers
 import sys
@@ -373,3 +375,23 @@ def check_costs(costs: Any, num_classes: int | None, device: torch.device | None
             "costs must be non-negative; subtract each row's minimum (this leaves Bayes decisions unchanged)."
         )
     return costs
+
+
+def stable_repr(value: Any) -> str:
+    """``repr(value)`` that is the same in every process for equal options: a tensor by the hash of
+    its bytes (its repr rounds; NumPy has no bfloat16; the repr of a (K, K) cost matrix's bytes is
+    four times their size), a function by its qualified name and a ``functools.partial`` by its
+    parts (their reprs hold memory addresses: a ``CalibrationLoss`` saved in one process was
+    refused by an identical one in another)."""
+    if isinstance(value, Tensor):
+        raw = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        return repr((value.dtype, tuple(value.shape), hashlib.sha256(raw.numpy().data).hexdigest()))
+    if isinstance(value, functools.partial):
+        return f"partial({stable_repr(value.func)}, {stable_repr(value.args)}, {stable_repr(value.keywords)})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key!r}: {stable_repr(item)}" for key, item in sorted(value.items())) + "}"
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(stable_repr(item) for item in value) + ")"
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+    return repr(value)

@@ -29,7 +29,7 @@ from torchcal._validation import (
     seeded_generator,
     stacklevel_outside_package,
 )
-from torchcal.distributed import ProcessGroup, all_reduce_, validate_together
+from torchcal.distributed import ProcessGroup, agree_across, all_reduce_, validate_together
 
 if TYPE_CHECKING:
     from torchcal.calibrators.base import Calibrator
@@ -463,6 +463,9 @@ def fold_indices(
     # (every process's checks at once: one that raised alone left the others in their next collective)
     labels, grouping = validate_together(check, process_group, labels if isinstance(labels, Tensor) else None)
     device, n = labels.device, labels.shape[0]
+    # (folds that differ between processes aborted the group or left it waiting)
+    agree_across({"folds": folds, "seed": seed, "stratified": float(stratified), "groups given": float(grouping is not None)},
+                 process_group, device)
     if process_group is not None:
         fewest = -all_reduce_(torch.tensor(-float(n), dtype=torch.float64, device=device), process_group, op="max").item()
         if fewest < folds:

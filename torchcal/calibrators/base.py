@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import inspect
 import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -49,6 +50,7 @@ from torchcal._validation import (
     check_logits_and_labels,
     check_priors,
     compute_dtype,
+    stable_repr,
     stacklevel_outside_package,
 )
 from torchcal.distributed import ProcessGroup, agree_across, all_reduce_, validate_together, world_size
@@ -194,7 +196,8 @@ class Calibrator(nn.Module):
         num_classes = logits.shape[1]
         agree_across({"the number of classes K": num_classes, "the scores' dtype": _DTYPE_CODES.get(logits.dtype, 0),
                       "max_iter": max_iter, "loss": sorted(PER_SAMPLE_SCORES).index(loss), "warm_start": float(warm_start),
-                      "priors": _digest(priors)}, process_group, logits.device)
+                      "priors": _digest(priors), "the calibrator (its class, options and, warm-started, its fitted state)":
+                      self._setup_digest(warm_start)}, process_group, logits.device)
         counts = all_reduce_(torch.bincount(labels, minlength=num_classes), process_group)
         missing = (counts == 0).nonzero().flatten().tolist()
         if missing:
@@ -413,6 +416,17 @@ class Calibrator(nn.Module):
         found = "a local optimum" if record.converged else "a search for a local optimum"
         note = f"; the {loss} objective of {type(self).__name__} is not convex: {found}, started from {start}"
         return dataclasses.replace(record, message=record.message + note)
+
+    def _setup_digest(self, warm_start: bool) -> float:
+        """A number that differs between calibrators of other classes or constructor options, or,
+        for a ``warm_start`` fit, other fitted states: what every process of a data-parallel fit
+        must share (processes with different heads to start from had each kept their own, reported
+        as one converged fit; other options aborted the group or left it waiting)."""
+        options = [type(self).__qualname__] + [
+            f"{name}={stable_repr(getattr(self, name, None))}" for name in inspect.signature(type(self).__init__).parameters if name != "self"]
+        if warm_start:
+            options += [f"{name}={stable_repr(value)}" for name, value in self.state_dict().items()]
+        return float(int.from_bytes(hashlib.sha256(";".join(options).encode()).digest()[:6], "big"))  # (48 bits: exact in float64)
 
     def _at_identity(self) -> bool:
         """Whether the tensors being fitted hold the identity map (a fit that is not warm-started);

@@ -66,6 +66,7 @@ from torchcal._validation import (
     compute_dtype,
     floored_log,
     looks_like_probs,
+    stable_repr,
     stacklevel_outside_package,
     total_may_be_of_probs,
 )
@@ -108,26 +109,6 @@ def add_cat_state(metric: BatchMetric, name: str, dtype: torch.dtype, *trailing:
         )
     metric.add_state(name, [], dist_reduce_fx="cat", persistent=False)
     metric._cat_states[name] = (dtype, trailing)
-
-
-def _stable_repr(value: Any) -> str:
-    """``repr(value)`` that is the same in every process for equal options: a tensor by the hash of
-    its bytes (its repr rounds; NumPy has no bfloat16; the repr of a (K, K) cost matrix's bytes is
-    four times their size), a function by its qualified name and a ``functools.partial`` by its
-    parts (their reprs hold memory addresses: a ``CalibrationLoss`` saved in one process was
-    refused by an identical one in another)."""
-    if isinstance(value, Tensor):
-        raw = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        return repr((value.dtype, tuple(value.shape), hashlib.sha256(raw.numpy().data).hexdigest()))
-    if isinstance(value, functools.partial):
-        return f"partial({_stable_repr(value.func)}, {_stable_repr(value.args)}, {_stable_repr(value.keywords)})"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{key!r}: {_stable_repr(item)}" for key, item in sorted(value.items())) + "}"
-    if isinstance(value, (list, tuple)):
-        return "(" + ", ".join(_stable_repr(item) for item in value) + ")"
-    if callable(value) and hasattr(value, "__qualname__"):
-        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
-    return repr(value)
 
 
 class BatchMetric(Metric):
@@ -259,7 +240,7 @@ class BatchMetric(Metric):
                 options[prefix] = type(module).__qualname__
                 options.update((f"{prefix}.{name}", t) for name, t in module.state_dict(keep_vars=True).items())
             for name, value in sorted(options.items()):
-                digest.update(f"{name}={_stable_repr(value)};".encode())
+                digest.update(f"{name}={stable_repr(value)};".encode())
             self._options_digest = torch.tensor(list(digest.digest()[:_DIGEST_BYTES]), dtype=torch.float64, device=self.options_digest.device)
         self.options_digest.copy_(self._options_digest)
 

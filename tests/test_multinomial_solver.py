@@ -668,6 +668,23 @@ def test_unpenalised_fits_of_rows_that_sum_to_a_constant_score_shifted_rows_alik
     torch.testing.assert_close(narrow(test).detach(), model(test).detach(), rtol=0, atol=1e-4)
 
 
+def test_unpenalised_fits_of_stored_rows_that_sum_to_a_constant_converge_at_any_scale(real):
+    """Ferrer's CIFAR-10 ResNet-20 logits as stored (float32 rows summing to a constant within
+    4e-4): the solver moves orthogonally to the row-sum direction but tested, and solved for, the
+    whole gradient, whose part along it (round-off's) no step reduces: CG ran to its cap at every
+    Newton step, 12,773 passes, "converged" only by the stall test, and the same logits times 10
+    fell back to L-BFGS and another map, posteriors 0.35 apart (review finding)."""
+    data = real("cifar10_resnet20_ferrer")
+    logits, labels = torch.from_numpy(data["logits"]).double(), torch.from_numpy(data["labels"]).long()
+    rows = torch.randperm(labels.shape[0], generator=torch.Generator().manual_seed(0))
+    train, test = rows[:5000], rows[5000:]
+    fits = [torchcal.MatrixScaling().fit(scale * logits[train], labels[train]) for scale in (1.0, 10.0)]
+    for fit in fits:
+        record = fit.fit_record_
+        assert record.converged and record.message == "gradient below tolerance" and record.evaluations < 100
+    torch.testing.assert_close(fits[1].predict_proba(10 * logits[test]), fits[0].predict_proba(logits[test]), rtol=0, atol=1e-6)
+
+
 def test_unpenalised_fits_stay_off_the_directions_the_features_cannot_see():
     """A logit column that is constant (here 2: ``W[:, 0] + c, b - 2 c`` leaves every score as it
     is): without a penalty any move along that direction is an optimum too. The fit is the

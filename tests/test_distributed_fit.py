@@ -343,6 +343,13 @@ def _uneven_content_worker(rank: int, out: str) -> None:
         warnings.simplefilter("always")
         torchcal.MatrixScaling().fit(logits[few], labels[few], process_group=world)
     results["matrix-warnings"] = [str(w.message) for w in caught if "unregularised parameters" in str(w.message)]
+    masked = logits[mine].clone()
+    if rank == 1:
+        masked[0, 2] = -1e30  # (a masked class on one process: every process says so, as one process does)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torchcal.MatrixScaling(reg="odir", reg_lambda=1.0).fit(masked, labels[mine], process_group=world, max_iter=2)  # (the warning comes first)
+    results["masked-warnings"] = [str(w.message) for w in caught if "(a masked class?)" in str(w.message)]
     # a class with no sample anywhere, ODIR's rows free (lambda = 0): the 'no finite optimum' test
     # on every process's samples together
     keep = labels != 4
@@ -411,6 +418,7 @@ def test_shards_of_different_content_and_disagreeing_shards(tmp_path):
                 if isinstance(value, torch.Tensor):
                     torch.testing.assert_close(fitted[name][key], value, rtol=1e-7, atol=1e-9)
     assert ranks[0]["matrix-warnings"] == ranks[1]["matrix-warnings"] == []
+    assert len(ranks[0]["masked-warnings"]) == len(ranks[1]["masked-warnings"]) == 1 and "1 rows" in ranks[0]["masked-warnings"][0]
     assert ranks[0]["escapes"] == ranks[1]["escapes"]
     for rank in ranks:
         assert all(message is not None for message in rank["errors"]), rank["errors"]

@@ -345,7 +345,8 @@ class MatrixScaling(Calibrator):
         k = features.shape[1]
         n_total = int(total_samples(labels, process_group))
         lowest, highest = torch.aminmax(features, dim=1)
-        masked = int(((lowest <= -_SENTINEL) | (highest >= _SENTINEL)).sum())
+        # (over every process's rows: the warning was the one process's that held them)
+        masked = int(all_reduce_(((lowest <= -_SENTINEL) | (highest >= _SENTINEL)).sum(dtype=torch.float64), process_group))
         if masked:
             warnings.warn(
                 f"{masked} rows of the calibration scores hold a score of magnitude {_SENTINEL:.0e} or more (a masked "

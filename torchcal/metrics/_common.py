@@ -284,6 +284,8 @@ class BatchMetric(Metric):
         extremes = torch.cat([digest if stamped else torch.full_like(digest, -1.0), -digest if stamped else torch.full_like(digest, -256.0)])
         group = process_group or self.process_group or torch.distributed.group.WORLD  # (as torchmetrics syncs)
         torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX, group=group)
+        if bool((extremes[: digest.numel()] < 0).all()):  # (no process has an update: nothing to compare)
+            return
         if not torch.equal(extremes[: digest.numel()], -extremes[digest.numel() :]):
             raise ValueError(f"the processes' {type(self).__name__} metrics were built with other options (those its update "
                              "depends on): their states cannot be summed. Build the metric with the same options on every process.")

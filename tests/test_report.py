@@ -374,8 +374,21 @@ def test_disjoint_dense_binary_scores_are_not_taken_for_shared_samples(real):
         evaluate((logits[calibration[:5000]], labels[calibration[:5000]]), ["temperature"],
                  calibration=(logits[calibration], labels[calibration]), bootstrap=0)
     half = torch.cat([calibration[:2500], evaluated[:2500]])
-    with pytest.warns(UserWarning, match="some of them are probably in the calibration data too"):
+    with pytest.warns(UserWarning, match=r"of the 5000 evaluated samples are in the calibration data too \(about \d+ would match by chance"):
         evaluate((logits[half], labels[half]), ["temperature"], calibration=(logits[calibration], labels[calibration]), bootstrap=0)
+    # the chance is each class's, for the evaluated counts (targets match twice as often as
+    # non-targets; with the calibration data's class mix a disjoint set was warned of), and a few
+    # evaluated samples all matching by chance are no leak (20 were refused: the second diff review)
+    positives, negatives = (rows[labels[rows] == c] for c in (1, 0))
+    mixed_calibration, mixed_evaluated = torch.cat([positives[:1000], negatives[:20000]]), torch.cat([positives[1000:], negatives[20000:25000]])
+    twinned = torchcal.fit.shared_samples(logits[rows], labels[rows], logits[rows], labels[rows], exclude_self=True)
+    small = torch.cat([rows[twinned & (labels[rows] == 1)][:3], rows[twinned & (labels[rows] == 0)][:17]])  # (each meets a twin)
+    rest = rows[~torch.isin(rows, small)]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*in the calibration data too")
+        for evaluated_rows, calibration_rows in ((mixed_evaluated, mixed_calibration), (small, rest)):
+            evaluate((logits[evaluated_rows], labels[evaluated_rows]), ["temperature"],
+                     calibration=(logits[calibration_rows], labels[calibration_rows]), bootstrap=0)
     # exact duplicates among the calibration samples (oversampling) do not hide a complete leak
     cifar = real("cifar10_resnet110_kangsepp")
     x, y = torch.from_numpy(cifar["logits_val"]), torch.from_numpy(cifar["labels_val"]).long()

@@ -547,33 +547,39 @@ def _check_held_out(logits: Tensor, labels: Tensor, cal_logits: Tensor, cal_labe
     Samples count as the same where :func:`~torchcal.fit.shared_samples` finds them (their labels
     agree, their log-posteriors within round-off), which tells samples apart only where the
     scores do. Where fewer than ``_DISTINCT_SCORES`` of the evaluated samples have scores of their
-    own (scores of a few distinct values), only data equal row by row are refused. Where more than
-    ``1 - _DISTINCT_SCORES`` of the calibration samples have a twin within round-off among
-    themselves, a new sample meets one by that chance (dense one-dimensional scores: of 20,000
-    binary float32 log-posteriors of FVCAUS, 17 %, and 852 of 5,000 disjoint samples matched one):
-    there all the evaluated samples matching is refused, and a share of them more than 4 standard
-    errors above that chance is warned of."""
+    own (scores of a few distinct values), only data equal row by row are refused. Otherwise the
+    matches are weighed against chance: a calibration sample of class k has a twin within
+    round-off among the other calibration samples of its class with probability ``c_k`` (17 % for
+    20,000 binary float32 log-posteriors of FVCAUS, where 852 of 5,000 disjoint samples matched
+    one), so ``sum_k n_k c_k`` of the evaluated samples are expected to match by chance, give or
+    take its binomial standard deviation. More than 4 standard deviations (and one sample) above
+    that are warned of, and all of them matching beyond that is refused. (Duplicated calibration rows, oversampling
+    say, raise ``c_k``: there a few leaked samples can go unnoticed; all of them are still refused.)"""
     advice = "pass held-out calibration data, or none: then every sample is calibrated by cross-validation"
     n = labels.shape[0]
+    expected = 0.0  # of the evaluated samples, matching by chance
     if cal_logits.shape == logits.shape and torch.equal(cal_labels.cpu(), labels.cpu()) and torch.equal(cal_logits.cpu(), logits.cpu()):
         shared = n
     elif content_keys(logits).unique().numel() < _DISTINCT_SCORES * n:
         return
     else:
         shared = int(shared_samples(logits, labels, cal_logits, cal_labels).sum())
+        if not shared:
+            return
+        num_classes = max(int(labels.max()), int(cal_labels.max())) + 1
+        twins = shared_samples(cal_logits, cal_labels, cal_logits, cal_labels, exclude_self=True).double()
+        sums, counts = class_sums(twins, cal_labels.cpu(), num_classes)
+        chance = sums / counts.clamp_min(1)
+        evaluated = torch.bincount(labels.cpu(), minlength=num_classes).double()
+        expected, spread = float(evaluated @ chance), math.sqrt(float(evaluated @ (chance * (1 - chance))))
+        if shared <= expected + 4 * spread + 1:  # (+ 1: a coincidence the twin share, estimated from finite data, can miss)
+            return
     if shared == n:
         raise ValueError(f"every evaluated sample ({n}) is in the calibration data too: the calibrators would be scored on "
                          f"the samples they were fitted on, which flatters them; {advice}.")
-    if not shared:
-        return
-    chance = float(shared_samples(cal_logits, cal_labels, cal_logits, cal_labels, exclude_self=True).double().mean())
-    if chance <= 1 - _DISTINCT_SCORES:
-        warnings.warn(f"{shared} of the {n} evaluated samples are in the calibration data too: their calibrated scores were "
-                      f"fitted on themselves, which flatters the calibrators; {advice}.", stacklevel=stacklevel_outside_package())
-    elif shared > n * chance + 4 * math.sqrt(n * chance * (1 - chance)):
-        warnings.warn(f"{shared} of the {n} evaluated samples match calibration samples within round-off, where different "
-                      f"samples of these scores match by chance {100 * chance:.0f} % of the time: some of them are probably in "
-                      f"the calibration data too, which flatters the calibrators; {advice}.", stacklevel=stacklevel_outside_package())
+    by_chance = f" (about {expected:.0f} would match by chance: these scores are dense)" if expected >= 1 else ""
+    warnings.warn(f"{shared} of the {n} evaluated samples are in the calibration data too{by_chance}: their calibrated scores "
+                  f"were fitted on themselves, which flatters the calibrators; {advice}.", stacklevel=stacklevel_outside_package())
 
 
 def evaluate(

@@ -553,8 +553,9 @@ def _check_held_out(logits: Tensor, labels: Tensor, cal_logits: Tensor, cal_labe
     20,000 binary float32 log-posteriors of FVCAUS, where 852 of 5,000 disjoint samples matched
     one), so ``sum_k n_k c_k`` of the evaluated samples are expected to match by chance, give or
     take its binomial standard deviation. More than 4 standard deviations (and one sample) above
-    that are warned of, and all of them matching beyond that is refused. (Duplicated calibration rows, oversampling
-    say, raise ``c_k``: there a few leaked samples can go unnoticed; all of them are still refused.)"""
+    that are warned of, and all of them matching beyond that is refused. (Duplicated calibration
+    rows, oversampling say, raise ``c_k``: there a few leaked samples can go unnoticed; all of
+    them are still refused.)"""
     advice = "pass held-out calibration data, or none: then every sample is calibrated by cross-validation"
     n = labels.shape[0]
     expected = 0.0  # of the evaluated samples, matching by chance

@@ -267,6 +267,8 @@ def test_heads_under_vmap(name, fitted_heads):
 
 
 def test_per_sample_gradients_of_a_head_being_fine_tuned():
+    """torch.func's per-sample-gradient recipe, vmap(grad(loss)), through a head: each sample's
+    gradients (the network's and the temperature's) equal grad(loss) of that sample alone."""
     x, labels = make_data(5, seed=9)
     head = CalibratedModel(make_net(), torchcal.TemperatureScaling()).fit(loader(*make_data(300))).eval().requires_grad_(True)
     params = {name: p.detach() for name, p in head.named_parameters()}

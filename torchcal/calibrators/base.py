@@ -197,7 +197,7 @@ class Calibrator(nn.Module):
         agree_across({"the number of classes K": num_classes, "the scores' dtype": _DTYPE_CODES.get(logits.dtype, 0),
                       "max_iter": max_iter, "loss": sorted(PER_SAMPLE_SCORES).index(loss), "warm_start": float(warm_start),
                       "priors": _digest(priors), "the calibrator (its class, options and, warm-started, its fitted state)":
-                      self._setup_digest(warm_start)}, process_group, logits.device)
+                      self._setup_digest(warm_start) if process_group is not None else 0.0}, process_group, logits.device)
         counts = all_reduce_(torch.bincount(labels, minlength=num_classes), process_group)
         missing = (counts == 0).nonzero().flatten().tolist()
         if missing:

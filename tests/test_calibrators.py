@@ -950,7 +950,7 @@ def test_unregularised_matrix_on_separable_data_stops_early_as_diverging(make):
         return logits, torch.multinomial(torch.softmax(logits, 1), 1, generator=g).squeeze(1)
 
     logits, labels = sample(300, 1)  # separable (its infimum is 0), the fit stops near a loss of 0.07
-    with pytest.warns(torchcal.ConvergenceWarning, match=r"\(nearly\) separable.*reg='odir'"):
+    with pytest.warns(torchcal.ConvergenceWarning, match=r"\(nearly\) separable: the unpenalised fit has no finite optimum, or one too far out.*reg='odir'"):
         cal = make().fit(logits, labels)
     record = cal.fit_record_
     assert not record.converged and record.message.startswith("diverging")

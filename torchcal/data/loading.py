@@ -12,7 +12,8 @@ Supported files:
   ``targets.npy`` (a name without those words takes no sibling).
 - ``.pt`` / ``.pth``: a dict with the ``.npz`` keys (its calibration split too), a ``(scores, labels)`` pair, or a scores
   tensor with ``labels_path``. Loaded with ``weights_only=True``. Tensors may be sparse, still
-  attached to autograd, or in half precision (bfloat16, float16: read as float32).
+  attached to autograd, or in half precision (bfloat16, float16: read as float32, their
+  probabilities floored as what their zeros stand for, see below).
 - ``.csv``: a header row, one column named ``label`` (or ``labels``, ``target``, ``y``); every
   other column is a class score, in order. A header of the column numbers ``0,1,...,K-1`` (pandas'
   for a frame without column names) is taken as such from K = 3; a first line ``0`` or ``0,1`` is
@@ -21,6 +22,12 @@ Supported files:
   index-like one (``id``, ``index``, ... :data:`CSV_INDEX_NAMES`) or one ending in ``_id`` (also
   the index of a slice, of a shuffled frame, or of frames concatenated, which repeats values), or
   the row numbers 0..N-1 in order under any header (a named ``RangeIndex``; from 3 rows).
+  Probabilities written with a fixed number of decimals (at most :data:`CSV_MAX_DECIMALS`, no
+  exponents: ``%.4f``, ``round(4)``) have zeros that stand for anything below half their last
+  digit: they are floored there (5e-5 for 4 decimals), not at :data:`PROBABILITY_FLOOR` (1e-20,
+  46 nats a zero: a CIFAR-10 file written with 4 decimals scored 0.539 nats for 0.378), or lower
+  where K such zeros would add more than :data:`SIMPLEX_TOLERANCE` to a row (at ``1e-3 / K``).
+  So are half-precision probabilities, at half their smallest subnormal (2^-25 for float16).
 
 Scores are read as logits in the wide sense (any unnormalised log-posteriors) unless the caller
 says otherwise (``input="probs"`` / ``"log_probs"`` / ``"llr"``), the file says so (key ``probs`` /
@@ -253,15 +260,16 @@ def load_scores(
     if sibling is not None:  # (a file the caller never named: its errors say which)
         where += f" (labels: {sibling.name}, found beside it)"
     try:
-        raw, labels, hint, missing, note = _read(path, labels_path, split, input, labels_option)
+        raw, labels, hint, missing, note, unit = _read(path, labels_path, split, input, labels_option)
         labels = None if labels is None else _as_labels(labels)
         reason = "as requested" if input != "auto" else "as the file's key says"
         kind = input if input != "auto" else hint
         tolerance = _simplex_tolerance(raw)
+        stored = _stored_half_precision(raw)  # (before _as_array widens it)
         raw = _as_array(raw, "scores")
         if input == "auto" and fallback is not None and hint in ("auto", _AUTO_LOGITS) and _values_allow(raw, fallback):
             kind, reason = fallback, f"as the calibrator's were: --input {fallback}, saved with it"
-        logits, read_as, llr_priors = _to_logits(raw, kind, reason, priors, labels, tolerance)
+        logits, read_as, llr_priors = _to_logits(raw, kind, reason, priors, labels, tolerance, stored, unit)
         read_as += note
         if labels is not None and labels_path is not None and len(labels) == len(logits) + 1 and _header_zero(Path(labels_path)):
             raise ValueError(f"the labels file {Path(labels_path).name} has one entry more than the scores have rows, and its "
@@ -327,9 +335,10 @@ def _two_labels(own: str, option: str) -> str:
 
 def _read(
     path: Path, labels_path: str | Path | None, split: str, input: InputKind, labels_option: str
-) -> tuple[Any, Any, str, str, str]:
+) -> tuple[Any, Any, str, str, str, float | None]:
     """Return ``(scores, labels or None, kind hint (an input kind, or :data:`_AUTO_LOGITS`), what
-    to say if labels are missing, a note on what was left out of the file)``; of a file with
+    to say if labels are missing, a note on what was left out of the file, the unit of the last
+    decimal a CSV's numbers were written to (None: not rounded so, or not a CSV))``; of a file with
     several score keys, the one ``input`` names.
     Messages name ``labels_option`` as the way to give a labels file."""
     suffix = path.suffix.lower()
@@ -343,20 +352,21 @@ def _read(
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
             raise _unreadable(".npz", err) from None
         with npz:
-            return (*_from_mapping(_UsedArrays(npz), given, input, labels_option, suffix=key_suffix), "")
+            return (*_from_mapping(_UsedArrays(npz), given, input, labels_option, suffix=key_suffix), "", None)
     if suffix in (".pt", ".pth"):
-        return (*_from_torch(path, given, input, labels_option, key_suffix), "")
+        return (*_from_torch(path, given, input, labels_option, key_suffix), "", None)
     if suffix == ".npy":
         sibling, looked_for = _sibling_labels(path)
         labels = given if given is not None or sibling is None else _load_labels(sibling)
         missing = f"no labels file found next to it (looked for {looked_for}); {_pass_labels(labels_option)}."
-        return _load_array(path), labels, "auto", missing, "" if given is not None or sibling is None else f"; labels from {sibling.name}"
+        note = "" if given is not None or sibling is None else f"; labels from {sibling.name}"
+        return _load_array(path), labels, "auto", missing, note, None
     if suffix == ".csv":
-        scores, labels, note = _read_csv(path)
+        scores, labels, note, unit = _read_csv(path)
         if labels is not None and given is not None:
             raise ValueError(_two_labels("its 'label' column", labels_option))
         missing = f"no 'label' column; add one or {_pass_labels(labels_option)}."
-        return scores, given if labels is None else labels, "auto", missing, note
+        return scores, given if labels is None else labels, "auto", missing, note, unit
     raise ValueError(f"unsupported file type {path.suffix!r}; use .npz, .npy, .pt/.pth or .csv.")
 
 
@@ -590,8 +600,20 @@ def _sibling_labels(path: Path) -> tuple[Path | None, str]:
     return found, ", ".join(c.name for c in candidates) or "a name with 'logits', 'scores' or 'probs' in it"
 
 
-#: Reading a CSV file builds Python objects for every cell: about this many bytes per byte of text.
-CSV_EXPANSION = 10
+#: Reading a CSV file holds a line of text at a time and the numbers as float64 blocks, which are
+#: then joined, their score columns taken and made float32: about this many bytes per byte of text
+#: at most (5,000 x 1,000 written with ``%.4f``, 7 characters a cell: 4.0x; ``%.7g``: 2.9x; when
+#: every cell was a Python string first, 17.4x and 12.6x).
+CSV_EXPANSION = 5
+
+#: Rows parsed into one float64 block of the table.
+_CSV_BLOCK_ROWS = 4096
+
+#: A CSV whose numbers (of its first :data:`_CSV_RESOLUTION_ROWS` rows) are written without
+#: exponents and with at most this many decimals was rounded to them (see the module docstring);
+#: Python's and NumPy's shortest round-trip text of float32 or float64 values has more.
+CSV_MAX_DECIMALS = 8
+_CSV_RESOLUTION_ROWS = 100
 
 #: Headers of a first CSV column that, over whole numbers, name a row index, not a class (so does
 #: any header ending in "_id"; compared in lower case; "unnamed: 0" is how pandas reads back an
@@ -599,7 +621,9 @@ CSV_EXPANSION = 10
 CSV_INDEX_NAMES = ("", "id", "ids", "idx", "index", "row", "sample", "sample_id", "unnamed: 0")
 
 
-def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None, str]:
+def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None, str, float | None]:
+    """The scores (N, K) and labels (N,) or None of a CSV file, a note on what was left out of it,
+    and the unit of the last decimal its numbers were rounded to (:data:`CSV_MAX_DECIMALS`)."""
     size, available = path.stat().st_size, _available_memory()
     if available is not None and CSV_EXPANSION * size > available:
         raise _TooLarge(
@@ -608,55 +632,77 @@ def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None, str]:
             f"without that overhead), or evaluate a subset."
         )
     with path.open(newline="", encoding="utf-8-sig") as f:  # (Excel's "CSV UTF-8" starts with a byte-order mark)
-        rows = list(csv.reader(f))
-    if not rows:
-        raise ValueError("the CSV file is empty.")
-    rows = [row if any(cell.strip() for cell in row) else [] for row in rows]  # (blank lines: none)
-    skipped = next((i for i, row in enumerate(rows) if row), len(rows))  # (blank lines before the header)
-    rows = rows[skipped:]
-    if not rows:
-        raise ValueError("the CSV file is empty.")
-    header = [name.strip() for name in rows[0]]
-    separator = next((sep for sep in (";", "\t") if len(header) == 1 and sep in header[0]), None)
-    if separator is not None:
-        raise ValueError(f"the CSV file's columns seem to be separated by {separator!r}: torchcal reads comma-separated "
-                         f"values with '.' as the decimal point (pandas: to_csv(sep=',', decimal='.')).")
-    # A header of the column numbers 0..K-1 is pandas' for a frame without column names; from 3
-    # columns (a first row 0, 1 of two columns is as likely a row of probabilities), and said so.
-    numbered = header == [str(i) for i in range(len(header))]
-    if numbered and len(header) < 3:
-        raise ValueError(f"the first line, {','.join(header)!r}, may be pandas' column numbers or a row of scores: name "
-                         f"the columns in a header row (e.g. c0,c1, and 'label' for the labels' column).")
-    if all(_is_number(cell) for cell in header) and not numbered:
-        raise ValueError("a CSV file needs a header row naming its columns (and a column 'label', unless a labels file "
-                         "gives the labels).")
-    if not any(rows[1:]):
+        reader = csv.reader(f)
+        skipped = 0  # (blank lines before the header)
+        for row in reader:
+            if any(cell.strip() for cell in row):
+                header = [name.strip() for name in row]
+                break
+            skipped += 1
+        else:
+            raise ValueError("the CSV file is empty.")
+        separator = next((sep for sep in (";", "\t") if len(header) == 1 and sep in header[0]), None)
+        if separator is not None:
+            raise ValueError(f"the CSV file's columns seem to be separated by {separator!r}: torchcal reads comma-separated "
+                             f"values with '.' as the decimal point (pandas: to_csv(sep=',', decimal='.')).")
+        # A header of the column numbers 0..K-1 is pandas' for a frame without column names; from 3
+        # columns (a first row 0, 1 of two columns is as likely a row of probabilities), and said so.
+        numbered = header == [str(i) for i in range(len(header))]
+        if numbered and len(header) < 3:
+            raise ValueError(f"the first line, {','.join(header)!r}, may be pandas' column numbers or a row of scores: name "
+                             f"the columns in a header row (e.g. c0,c1, and 'label' for the labels' column).")
+        if all(_is_number(cell) for cell in header) and not numbered:
+            raise ValueError("a CSV file needs a header row naming its columns (and a column 'label', unless a labels file "
+                             "gives the labels).")
+        label_cols = [i for i, name in enumerate(header) if name.lower() in _CSV_LABEL_COLUMNS]
+        if len(label_cols) > 1:  # (the second would be read as a class's scores)
+            names = ", ".join(repr(header[i]) for i in label_cols)
+            raise ValueError(f"the CSV file has {len(label_cols)} label columns ({names}); keep the one with the labels.")
+        blocks: list[np.ndarray] = []
+        block, filled = np.empty((_CSV_BLOCK_ROWS, len(header))), 0
+        decimals: int | None = 0  # the most of the first rows' numbers; None: one written otherwise
+        for line, row in enumerate(reader, start=2 + skipped):
+            if not any(cell.strip() for cell in row):
+                continue  # (blank lines: none)
+            if len(row) != len(header):  # (a ragged table would fail the parsing with a misleading message)
+                why = ("is the file truncated?" if len(row) < len(header) else
+                       "a trailing comma?" if row[-1].strip() == "" else "a column without a name in the header?")
+                raise ValueError(f"every CSV row must have {len(header)} cells, like the header; line {line} has {len(row)} ({why}).")
+            try:
+                block[filled] = [float(cell) for cell in row]
+            except ValueError:
+                column, cell = next((column, cell) for column, cell in enumerate(row) if not _is_number(cell))
+                raise ValueError(f"every CSV cell after the header must be a number; line {line}, column {header[column]!r} "
+                                 f"holds {cell!r}.") from None
+            if decimals is not None and len(blocks) * _CSV_BLOCK_ROWS + filled < _CSV_RESOLUTION_ROWS:
+                written = [_decimals(cell) for cell in row]
+                decimals = None if None in written else max(decimals, *written)  # type: ignore[type-var]
+                decimals = None if decimals is None or decimals > CSV_MAX_DECIMALS else decimals
+            filled += 1
+            if filled == _CSV_BLOCK_ROWS:
+                blocks.append(block)
+                block, filled = np.empty_like(block), 0
+    blocks.append(block[:filled])
+    table = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
+    del blocks, block
+    if not table.shape[0]:
         raise ValueError("the CSV file has a header but no rows of scores.")
-    label_cols = [i for i, name in enumerate(header) if name.lower() in _CSV_LABEL_COLUMNS]
-    if len(label_cols) > 1:  # (the second would be read as a class's scores)
-        names = ", ".join(repr(header[i]) for i in label_cols)
-        raise ValueError(f"the CSV file has {len(label_cols)} label columns ({names}); keep the one with the labels.")
-    ragged = next((i for i, row in enumerate(rows[1:], start=2 + skipped) if row and len(row) != len(header)), None)
-    if ragged is not None:  # before parsing: a ragged table fails there with a misleading message
-        cells = rows[ragged - 1 - skipped]
-        why = ("is the file truncated?" if len(cells) < len(header) else
-               "a trailing comma?" if cells[-1].strip() == "" else "a column without a name in the header?")
-        raise ValueError(f"every CSV row must have {len(header)} cells, like the header; line {ragged} has {len(cells)} ({why}).")
-    try:
-        table = np.array([[float(cell) for cell in row] for row in rows[1:] if row], dtype=np.float64)
-    except ValueError:
-        line, column, cell = next((line, column, cell) for line, row in enumerate(rows[1:], start=2 + skipped)
-                                  for column, cell in enumerate(row) if not _is_number(cell))
-        raise ValueError(f"every CSV cell after the header must be a number; line {line}, column {header[column]!r} "
-                         f"holds {cell!r}.") from None
-    if table.ndim != 2 or table.shape[1] != len(header):
-        raise ValueError(f"every CSV row must have {len(header)} cells, like the header.")
     index = None if label_cols[:1] == [0] else _row_index(header[0], table[:, 0])
     note = f"; the first column ({index}) is a row index as pandas writes it, left out" if index else ""
     if numbered:
         note += f"; its line {1 + skipped}, the column numbers 0..{len(header) - 1}, read as the header"
     score_cols = [i for i in range(int(index is not None), len(header)) if not (label_cols and i == label_cols[0])]
-    return table[:, score_cols], table[:, label_cols[0]] if label_cols else None, note
+    unit = None if decimals is None or decimals == 0 else 10.0**-decimals
+    return table[:, score_cols], table[:, label_cols[0]] if label_cols else None, note, unit
+
+
+def _decimals(cell: str) -> int | None:
+    """The decimals a CSV number is written with; None for an exponent, inf or nan."""
+    text = cell.strip().lower()
+    if any(c in text for c in "ein"):  # (1e-05, inf, nan)
+        return None
+    point = text.find(".")
+    return 0 if point < 0 else len(text) - point - 1
 
 
 def _row_index(name: str, values: np.ndarray) -> str | None:
@@ -723,11 +769,14 @@ def _as_labels(labels: Any) -> Tensor:
 
 
 def _to_logits(
-    scores: np.ndarray, kind: str, reason: str, priors: Any, labels: Tensor | None, tolerance: float = SIMPLEX_TOLERANCE
+    scores: np.ndarray, kind: str, reason: str, priors: Any, labels: Tensor | None, tolerance: float = SIMPLEX_TOLERANCE,
+    stored: torch.dtype | None = None, unit: float | None = None,
 ) -> tuple[Tensor, str, Tensor | None]:
     """Interpret ``scores`` as ``kind`` (or detect it for ``"auto"``; rows of probabilities sum to 1
     within ``tolerance``); return logits, a note and the priors that turned LLRs into them (see
-    :func:`load_scores`; None for other kinds)."""
+    :func:`load_scores`; None for other kinds). ``stored``: the half precision the scores were
+    saved in before they were widened; ``unit``: that of the last decimal a CSV's numbers were
+    rounded to. A probability of 0 stands for anything below what either leaves, and is floored there."""
     if scores.dtype.kind not in "fiub" or scores.ndim not in (1, 2) or scores.size == 0:
         raise ValueError(f"scores must be a non-empty (N, K) or (N,) array of numbers, got shape "
                          f"{scores.shape} and dtype {scores.dtype}.")
@@ -736,13 +785,25 @@ def _to_logits(
     wider = scores.dtype.kind == "f" and scores.dtype.itemsize > 8
     scores = np.ascontiguousarray(scores, dtype=np.float64 if wider else scores.dtype.newbyteorder("="))
     dtype = torch.float64 if scores.dtype == np.float64 else torch.float32
-    stored = torch.float16 if scores.dtype == np.float16 else dtype  # (whose probabilities of 0 stand for < 2^-25)
+    if stored is None:
+        stored = torch.float16 if scores.dtype == np.float16 else dtype  # (whose probabilities of 0 stand for < 2^-25)
+    # a rounded CSV's zeros: below half a unit of the last digit, and not so high that a row's
+    # zeros add more than SIMPLEX_TOLERANCE to its sum (K = 100 written with 4 decimals: 1e-5)
+    columns = 2 if scores.ndim == 1 or scores.shape[1] == 1 else scores.shape[1]
+    floor = max(probability_floor(stored), 0.0 if unit is None else min(unit / 2, SIMPLEX_TOLERANCE / columns))
     values = torch.from_numpy(scores).to(dtype)
     if not bool(torch.isfinite(values).all()):
         raise ValueError(f"scores contain {int((~torch.isfinite(values)).sum())} NaN or infinite values.")
     if values.ndim == 1 or values.shape[1] == 1:
-        return _one_column_to_logits(values.reshape(-1), kind, reason, priors, labels, stored)
-    return (*_columns_to_logits(values, kind, reason, tolerance, stored), None)
+        return _one_column_to_logits(values.reshape(-1), kind, reason, priors, labels, stored, floor)
+    return (*_columns_to_logits(values, kind, reason, tolerance, floor), None)
+
+
+def _stored_half_precision(scores: Any) -> torch.dtype | None:
+    """The half precision (bfloat16, float16) of a tensor that :func:`_as_array` widens to float32."""
+    if isinstance(scores, Tensor) and scores.dtype in (torch.float16, torch.bfloat16):
+        return scores.dtype
+    return None
 
 
 def _simplex_tolerance(scores: Any) -> float:
@@ -782,7 +843,7 @@ _ONE_COLUMN_KINDS = {
 
 
 def _one_column_to_logits(
-    values: Tensor, kind: str, reason: str, priors: Any, labels: Tensor | None, stored: torch.dtype
+    values: Tensor, kind: str, reason: str, priors: Any, labels: Tensor | None, stored: torch.dtype, floor: float
 ) -> tuple[Tensor, str, Tensor | None]:
     if kind in ("auto", _AUTO_LOGITS):
         under_logits = kind == _AUTO_LOGITS
@@ -819,8 +880,10 @@ def _one_column_to_logits(
     elif _in_unit_interval(values):  # (round-off outside [0, 1]: _UNIT_SLACK)
         values = values.clamp(0, 1)
     note = f"binary {'probabilities' if kind == 'probs' else 'log-probabilities'} of class 1 ({reason})"
-    given = values.to(stored) if kind == "probs" else values  # (exact: float16's values, read into float32)
-    return binary_scores_to_logits(given, "probability"), note + _floor_note(torch.stack([1 - values, values], 1), stored), None
+    if kind == "probs" and floor > probability_floor(stored):  # (a rounded CSV's: its 1 as its 0)
+        values = values.clamp(floor, 1 - floor)
+    given = values.to(stored) if kind == "probs" else values  # (exact: half precision's values, read into float32)
+    return binary_scores_to_logits(given, "probability"), note + _floor_note(torch.stack([1 - values, values], 1), floor), None
 
 
 def _label_frequencies(labels: Tensor | None, num_samples: int) -> tuple[Tensor, str]:
@@ -833,7 +896,7 @@ def _label_frequencies(labels: Tensor | None, num_samples: int) -> tuple[Tensor,
     return torch.full((2,), 0.5, dtype=torch.float64), "uniform priors"
 
 
-def _columns_to_logits(values: Tensor, kind: str, reason: str, tolerance: float, stored: torch.dtype) -> tuple[Tensor, str]:
+def _columns_to_logits(values: Tensor, kind: str, reason: str, tolerance: float, floor: float) -> tuple[Tensor, str]:
     if kind == "llr":
         raise ValueError(f"LLRs must be one score column; these scores have {values.shape[1]} columns.")
     if kind == "log_probs" and bool((values > 0).any()):  # (as for one column: probabilities read as logs)
@@ -866,7 +929,7 @@ def _columns_to_logits(values: Tensor, kind: str, reason: str, tolerance: float,
             note += f"; rows renormalised, they summed to 1 only within {deviation:.2g} (row {worst})"
             values = values / row_sums.unsqueeze(1).to(values.dtype)
     values = values.clamp(0, 1)  # (round-off outside it: _UNIT_SLACK)
-    return floored_log(values.clamp_min(probability_floor(stored))), note + _floor_note(values, stored)
+    return floored_log(values.clamp_min(floor)), note + _floor_note(values, floor)
 
 
 #: How ``read_as`` begins for scores that detection read as logits although every row lies in [0, 1]
@@ -880,8 +943,7 @@ def _in_unit_interval(values: Tensor) -> bool:
     return bool(((values >= -_UNIT_SLACK) & (values <= 1 + _UNIT_SLACK)).all())
 
 
-def _floor_note(probs: Tensor, stored: torch.dtype) -> str:
-    floor = probability_floor(stored)
+def _floor_note(probs: Tensor, floor: float) -> str:
     floored, zeros = int((probs < floor).sum()), int((probs == 0).sum())
     if not floored:
         return ""

@@ -103,9 +103,16 @@ def gaussian_task(
     """
     check_count(num_classes, "num_classes", 2)
     check_count(num_samples, "num_samples", 1)
-    if not 0 < prior1 < 1 or variance <= 0:
-        raise ValueError("prior1 must lie in (0, 1) and variance must be positive.")
+    if not 0 < prior1 < 1 or not 0 < variance < math.inf:
+        raise ValueError(f"prior1 must lie in (0, 1) and variance must be positive and finite, got {prior1!r} and {variance!r}.")
     priors = class_priors(num_classes, prior1)
+    counts = [int(p * num_samples) for p in priors.tolist()]
+    if min(counts) < 1:
+        enough = math.ceil(1 / min(priors.tolist()))
+        while min(int(p * enough) for p in priors.tolist()) < 1:  # (1 / P in floating point may fall short)
+            enough += 1
+        raise ValueError(f"num_samples={num_samples} leaves class {counts.index(min(counts))} no sample (class i gets "
+                         f"int(P_i * num_samples)); use num_samples >= {enough}.")
     if layout == "line":
         means = np.arange(num_classes, dtype=np.float64)[:, None]
     elif layout == "simplex":
@@ -114,7 +121,6 @@ def gaussian_task(
         raise ValueError(f"layout must be 'line' or 'simplex', got {layout!r}.")
     rng = np.random.RandomState(seed)
     covariance = variance * np.eye(means.shape[1])
-    counts = [int(p * num_samples) for p in priors.tolist()]
     features = np.concatenate([rng.multivariate_normal(mu, covariance, size=n) for mu, n in zip(means, counts)])
     x = torch.from_numpy(features)
     mu = torch.from_numpy(means)

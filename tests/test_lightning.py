@@ -525,6 +525,48 @@ def test_early_stopping_and_checkpointing_monitor_the_refinement_loss(tmp_path):
     )
 
 
+class DivergingDigitsClassifier(DigitsClassifier):
+    """Its validation outputs turn NaN from epoch 2 (a diverged network), in one row or in all."""
+
+    def __init__(self, rows: int | None = None) -> None:
+        super().__init__()
+        self.rows = rows
+
+    def validation_step(self, batch, batch_idx):
+        logits = self(batch[0])
+        if self.current_epoch >= 2 and (batch_idx == 0 or self.rows is None):
+            logits = logits.clone()
+            logits[: self.rows] = math.nan
+        return logits
+
+
+@pytest.mark.parametrize(("rows", "every_n_epochs", "output"), [(None, 1, "logits"), (1, 0, "logits"), (1, 1, "probs")])
+def test_outputs_that_turn_nan_end_the_run_through_early_stopping(rows, every_n_epochs, output, recwarn):
+    """A network whose validation outputs turn NaN: the callback raised from the head's fit (or the
+    refinement loss's, or the probabilities' check), killing trainer.fit, where EarlyStopping
+    (check_finite=True) would have ended the run (a review). Now the metrics are NaN, with one
+    warning, EarlyStopping stops the run, and the head keeps the last finite epoch's fit."""
+
+    class Model(DivergingDigitsClassifier):
+        def validation_step(self, batch, batch_idx):
+            logits = super().validation_step(batch, batch_idx)
+            return logits.softmax(1) if output == "probs" else logits
+
+    digits = digits_loaders()
+    callback = CalibrationCallback(metrics=("nce", "refinement"), every_n_epochs=every_n_epochs, output=output)
+    stopping = EarlyStopping(monitor="calibration/refinement", patience=5)
+    trainer = Trainer(**TRAINER_DEFAULTS, max_epochs=6, callbacks=[callback, stopping])
+    model = Model(rows)
+    trainer.fit(model, digits["train"], digits["val"])
+    assert stopping.stopped_epoch == 2 and trainer.current_epoch == 3
+    assert math.isnan(float(trainer.callback_metrics["calibration/refinement"]))
+    warned = [str(w.message) for w in recwarn if "NaN or infinite outputs" in str(w.message)]
+    assert len(warned) == 1 and warned[0].startswith(f"CalibrationCallback: {rows or 500} validation rows hold NaN")
+    assert not any("no validation epoch ran" in str(w.message) for w in recwarn)
+    assert callback.report_ is None  # (the end of fitting fitted nothing on NaN outputs)
+    assert callback.calibrator.is_fitted == (every_n_epochs > 0)  # (epoch 1's head, fitted on finite outputs)
+
+
 class SeveralValidationLoaders(Classifier):
     def validation_step(self, batch, batch_idx, dataloader_idx=0):
         x, y = batch

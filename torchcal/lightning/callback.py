@@ -35,7 +35,7 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 from torchcal._validation import check_count
 from torchcal.calibrators import Calibrator, TemperatureScaling
 from torchcal.calibrators.base import check_calibrator
-from torchcal.distributed import ProcessGroup, validate_together
+from torchcal.distributed import ProcessGroup, all_reduce_, validate_together
 from torchcal.fit import cross_validate
 from torchcal.functional import (
     brier_score,
@@ -197,6 +197,12 @@ class CalibrationCallback(Callback):
     the end of training; training epochs after the last validation), the head is that of the
     earlier weights: the end of fitting says so, and ``trainer.validate`` with ``fit_on_validate``
     refits it.
+
+    **Outputs that are not finite.** A validation epoch whose outputs hold NaN or infinite values
+    (a diverged network, half-precision overflow) fits nothing and logs every metric as NaN, with
+    a warning, so that ``EarlyStopping(check_finite=True)`` (its default) ends the run as it does
+    on a NaN ``val_loss``. The head stays as it was: the end of fitting does not refit it on those
+    outputs (unless a later epoch's are finite again).
 
     **Distributed.** Under DDP every process keeps its own validation outputs; the metrics are
     reduced from per-process sums and the calibrator is fitted data-parallel
@@ -436,31 +442,50 @@ class CalibrationCallback(Callback):
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or not self._batches:
             return
-        scores, labels, group = self._epoch_data()
+        outputs, labels, group = self._epoch_outputs()
         self._batches = []
-        if trainer.state.fn == TrainerFn.FITTING:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
             fit = self.every_n_epochs > 0 and (trainer.current_epoch + 1) % self.every_n_epochs == 0
-            self._latest, self._head_is_current = (scores, labels, group), False
-            self._latest_weights = self._validated_weights
             names = self.metrics if fit else tuple(m for m in self.metrics if m == "refinement")
         else:  # trainer.validate: an evaluation, unless asked to refit
             fit, names = self.fit_on_validate, self.metrics
+        # (counted over the group: every process then skips the fit's collectives together)
+        nonfinite = int(all_reduce_((~torch.isfinite(outputs)).any(1).sum(dtype=torch.float64).reshape(1), group)[0])
+        if nonfinite:
+            self._warn_once("nonfinite", (
+                f"CalibrationCallback: {nonfinite} validation rows hold NaN or infinite outputs (a diverged network? half-"
+                f"precision overflow?): no calibration head is fitted on them and the calibration metrics are logged as "
+                f"NaN, on which EarlyStopping(check_finite=True) stops."))
+            if fitting:  # (nor does the end of fitting, with these weights)
+                self._latest = self._latest_quality = None
+            self._log(trainer, pl_module, dict.fromkeys(names, math.nan))
+            return
+        # (probabilities that one process refuses stop every process: the others would wait in the fit's sums)
+        scores = validate_together(lambda: scores_from_outputs(outputs, self.output), group, outputs)
+        if fitting:
+            self._latest, self._head_is_current = (scores, labels, group), False
+            self._latest_weights = self._validated_weights
         with self._fit_warnings_once():
             if fit:
                 self._fit_head(scores, labels, group)
             quality = self._quality(scores, labels, group) if any(n in _FUSED_STATISTICS or n == "rcl" for n in names) else None
             values = self._metrics(scores, labels, names, group, quality, head_fitted_here=fit)
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             self._latest_quality = quality  # the end-of-fit report reuses it
+        self._log(trainer, pl_module, values)
+
+    def _log(self, trainer: Trainer, pl_module: LightningModule, values: Mapping[str, float]) -> None:
+        """Log the epoch's ``values`` (identical on every process) under the callback's names."""
         # Lightning puts what an epoch-end hook logs into the results of every loader, so with
         # several loaders the names say that the values are the first loader's (see the class docs)
         suffix = "/dataloader_idx_0" if len(trainer.num_val_batches) > 1 else ""
         for name, value in values.items():
-            # identical on every process; sync_dist averages identical values (exactly)
+            # sync_dist averages identical values (exactly)
             pl_module.log(self.prefix + name + suffix, value, sync_dist=True, add_dataloader_idx=False)
 
-    def _epoch_data(self) -> tuple[Tensor, Tensor, ProcessGroup | None]:
-        """This process's scores (N, K) and labels (N,), and the process group to reduce over:
+    def _epoch_outputs(self) -> tuple[Tensor, Tensor, ProcessGroup | None]:
+        """This process's outputs (N, K) and labels (N,), and the process group to reduce over:
         ``None`` outside DDP, or when the calibrator cannot fit data-parallel and the outputs of
         all processes are gathered instead (in rank order, so every process fits the same head)."""
         outputs = torch.cat([s for s, _ in self._batches])
@@ -477,8 +502,7 @@ class CalibrationCallback(Callback):
                 )
                 outputs = torch.cat(gather_all_tensors(outputs))  # pads and trims uneven sizes
                 labels = torch.cat(gather_all_tensors(labels))
-        # (probabilities that one process refuses stop every process: the others would wait in the fit's sums)
-        return validate_together(lambda: scores_from_outputs(outputs, self.output), group, outputs), labels, group
+        return outputs, labels, group
 
     def _metrics(
         self,
@@ -667,7 +691,7 @@ class CalibrationCallback(Callback):
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._latest is None:
-            if not self._calibrator.is_fitted:  # (said here, not first at trainer.test)
+            if not self._calibrator.is_fitted and "nonfinite" not in self._warned:  # (said here, not first at trainer.test)
                 self._warn_once("no-validation", "CalibrationCallback: no validation epoch ran in trainer.fit, so there "
                                 "were no outputs to fit the calibration head on; give trainer.fit val_dataloaders "
                                 "(and limit_val_batches > 0).")

@@ -576,6 +576,42 @@ def test_a_refused_batch_is_not_counted(cifar):
         assert int(metric.sample_count) == 0 and math.isnan(float(metric.compute()))
 
 
+def test_a_batch_refused_inside_forward_keeps_the_state_accumulated_so_far(cifar):
+    """forward: torchmetrics resets the state to the batch's before the update's checks run, so a
+    refused batch (a NaN score) after 2,000 good samples left none: compute() NaN, sample_count 0
+    (a review; update() refusing the same batch kept them). Every kind of state: sums, a
+    per-sample (cat) state, a Bayes risk's counts."""
+    logits, labels = cifar
+    bad = logits[:100].clone()
+    bad[5, 3] = math.nan
+    for make, value in [(lambda: M.CrossEntropy(K), lambda x, y: F.cross_entropy(x, y)),
+                        (lambda: M.ExpectedCalibrationError(K, strategy="quantile"),
+                         lambda x, y: F.expected_calibration_error(x, y, strategy="quantile")),
+                        (lambda: M.BayesRisk(F.zero_one_costs(K)), lambda x, y: F.bayes_risk(x, y, F.zero_one_costs(K)))]:
+        metric = make()
+        for part in torch.arange(600).split(200):
+            metric(logits[part], labels[part])
+        with pytest.raises(ValueError, match="NaN"):
+            metric(bad, labels[:100])
+        assert int(metric.sample_count) == 600
+        _close(metric.compute(), value(logits[:600], labels[:600]))
+        metric(logits[600:800], labels[600:800])  # and it goes on accumulating
+        _close(metric.compute(), value(logits[:800], labels[:800]))
+
+
+def test_options_that_the_metrics_cannot_honour_are_refused_when_built():
+    """A review: BayesRisk of a one-row cost matrix was a K = 1 metric that read 0;
+    SpiegelhalterTest(4, kind="binary") failed only at its first update; MurphyDecomposition
+    ignored norm= and named another class's __init__ for reduction=."""
+    with pytest.raises(ValueError, match=r"costs must have one row per class, K >= 2 rows; got shape \(1, 2\)"):
+        M.BayesRisk(torch.tensor([[0.0, 1.0]]))
+    with pytest.raises(ValueError, match='kind="binary" needs K = 2 classes, got K = 4'):
+        M.SpiegelhalterTest(4, kind="binary")
+    for option in ({"norm": "max"}, {"reduction": "none"}):
+        with pytest.raises(TypeError, match=f"MurphyDecomposition takes no {next(iter(option))}"):
+            M.MurphyDecomposition(K, **option)
+
+
 def test_classwise_equal_mass_metrics_need_num_classes():
     """Accepted with num_classes=None, they raised a TypeError from an empty state's shape at
     compute(), forward on an empty batch or a sync (review finding); now refused when built, as

@@ -111,6 +111,10 @@ def add_cat_state(metric: BatchMetric, name: str, dtype: torch.dtype, *trailing:
     metric._cat_states[name] = (dtype, trailing)
 
 
+#: What torchmetrics' ``forward`` changes besides the states, and restores only when it succeeds.
+_FORWARD_CONTEXT = ("_update_count", "_computed", "_is_synced", "_should_unsync", "_to_sync", "compute_on_cpu", "_enable_grad")
+
+
 class BatchMetric(Metric):
     """A ``Metric`` with the shared ``ignore_index``, ``validate_args``, extra dimensions, empty
     batches and ``plot`` (see the module docs).
@@ -149,10 +153,20 @@ class BatchMetric(Metric):
         batch alone, NaN where the batch alone leaves it undefined (see ``_wrap_compute``):
         ``self.log(name, metric(scores, labels))`` with ``BalancedErrorRate`` on CIFAR-100 batches
         of 128, which always miss some class, would otherwise raise at every step (and lose the
-        state accumulated so far: torchmetrics has reset it to the batch's by then)."""
+        state accumulated so far: torchmetrics has reset it to the batch's by then).
+
+        A batch that its checks refuse raises, and leaves the state accumulated so far as it was
+        (torchmetrics' ``forward`` had reset it to the batch's before the checks ran: a NaN logit
+        after 2,000 good samples left none)."""
+        # (references suffice: torchmetrics' reset puts new tensors and lists in their place)
+        kept = {name: getattr(self, name) for name in (*self._defaults, *_FORWARD_CONTEXT)}
         self._batch_only = True
         try:
             return super().forward(*args, **kwargs)
+        except Exception:
+            for name, value in kept.items():
+                setattr(self, name, value)
+            raise
         finally:
             self._batch_only = False
 

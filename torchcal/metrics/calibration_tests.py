@@ -17,6 +17,7 @@ from torchcal.functional.calibration_tests import (
     spiegelhalter_sums,
     spiegelhalter_test_from_sums,
 )
+from torchcal.functional.diagnostics import check_binary_kind
 from torchcal.metrics._common import ScoreMetric, add_sum_state
 
 __all__ = ["SpiegelhalterTest"]
@@ -68,6 +69,8 @@ class SpiegelhalterTest(ScoreMetric):
             raise ValueError(f'kind must be "top-label" or "binary", got {kind!r}.')
         if alternative not in ("two-sided", "greater", "less"):
             raise ValueError(f'alternative must be "two-sided", "greater" or "less", got {alternative!r}.')
+        if num_classes is not None:  # (else at the first update, which knows K)
+            check_binary_kind(kind, num_classes, ("top-label", "binary"))
         self.kind, self.alternative = kind, alternative
         add_sum_state(self, "sums", 3)  # spiegelhalter_sums
 

@@ -47,6 +47,8 @@ class _CostMetric(BatchMetric):
     ) -> None:
         super().__init__(**kwargs)
         costs = as_tensor(costs, "costs")
+        if costs.ndim == 2 and costs.shape[0] < 2:  # (a K = 1 metric would read 0 whatever it is given)
+            raise ValueError(f"costs must have one row per class, K >= 2 rows; got shape {tuple(costs.shape)}.")
         costs = check_costs(costs, costs.shape[0] if costs.ndim else 0)
         self.num_classes, self.num_decisions = costs.shape
         self.register_buffer("costs", costs, persistent=False)

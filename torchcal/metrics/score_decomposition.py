@@ -47,6 +47,10 @@ class MurphyDecomposition(CalibrationError):
         kind: Literal["top-label", "binary", "classwise"] = "classwise",
         **kwargs: Any,
     ) -> None:
+        fixed = sorted({"norm", "reduction"} & set(kwargs))  # (the decomposition has neither; "norm" was ignored)
+        if fixed:
+            raise TypeError(f"MurphyDecomposition takes no {' or '.join(fixed)}: it decomposes the Brier score "
+                            f"into (refinement, reliability, resolution) terms.")
         super().__init__(num_classes, n_bins=n_bins, strategy=strategy, kind=kind, reduction="sum", **kwargs)
 
     def compute(self) -> Tensor:

@@ -981,18 +981,26 @@ class RecordingErrors(CalibrationCallback):
             raise
 
 
-@pytest.mark.parametrize(("model", "output", "error"), [(NaNOnRankOne, "logits", "NaN"), (BadProbabilitiesOnRankOne, "probs", "must sum to one")])
-def test_ddp_bad_outputs_on_one_process_are_named_on_every_process(tmp_path, model, output, error):
+def test_ddp_bad_outputs_on_one_process_are_named_on_every_process(tmp_path):
     """The metrics-only path (trainer.validate without fit_on_validate) checked each process's
-    outputs alone: the process with NaN logits said so, the other waited in the metric's sync and
-    got gloo's "Connection closed by peer" (review finding); so did probabilities that sum to 1.3
-    (a later review)."""
+    outputs alone: the process with probabilities that sum to 1.3 said so, the other waited in the
+    metric's sync and got gloo's "Connection closed by peer" (review findings)."""
     trainer = Trainer(**TRAINER_DEFAULTS, strategy="ddp_fork", devices=2, use_distributed_sampler=False,
-                      callbacks=[RecordingErrors(tmp_path, output)])
-    with pytest.raises(Exception, match=f"{error}|refused its shard"):  # (the first process to fail: either)
-        trainer.validate(model(), verbose=False)
-    assert error in (tmp_path / "rank1.txt").read_text()
+                      callbacks=[RecordingErrors(tmp_path, "probs")])
+    with pytest.raises(Exception, match="must sum to one|refused its shard"):  # (the first process to fail: either)
+        trainer.validate(BadProbabilitiesOnRankOne(), verbose=False)
+    assert "must sum to one" in (tmp_path / "rank1.txt").read_text()
     assert "another process of the group refused its shard" in (tmp_path / "rank0.txt").read_text()
+
+
+@pytest.mark.parametrize("fit_on_validate", [False, True])
+def test_ddp_nan_outputs_on_one_process_give_nan_metrics_on_every_process(fit_on_validate):
+    """NaN logits on one process: both processes log NaN metrics and fit nothing, together (one
+    that skipped the fit's sums alone would leave the other waiting in them)."""
+    callback = CalibrationCallback(metrics=("nce", "refinement"), fit_on_validate=fit_on_validate)
+    trainer = Trainer(**TRAINER_DEFAULTS, strategy="ddp_fork", devices=2, use_distributed_sampler=False, callbacks=[callback])
+    results = trainer.validate(NaNOnRankOne(), verbose=False)  # (the processes' warnings stay in them)
+    assert math.isnan(results[0]["calibration/nce"]) and math.isnan(results[0]["calibration/refinement"])
 
 
 class RecordingTestHead(CalibrationCallback):

@@ -26,9 +26,13 @@ SUFFIXES = {".npz", ".npy", ".pt", ".pth", ".csv"}
 
 
 def score_files(folder: Path) -> list[Path]:
-    """The scores files in ``folder``; ``.npy`` files holding labels are partners, not scores."""
-    return sorted(p for p in folder.iterdir() if p.suffix.lower() in SUFFIXES
-                  and not (p.suffix == ".npy" and any(w in p.stem for w in ("labels", "targets"))))
+    """The scores files in ``folder``; the ``.npy`` labels files that ``torchcal.data`` finds beside
+    a scores file (``x_logits.npy`` -> ``x_labels.npy`` or ``x_targets.npy``) are partners, not
+    scores. (Any name with "labels" in it was: ``noisy_labels_logits.npy`` had no report.)"""
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in SUFFIXES)
+    partners = {p.with_name(p.stem.replace(word, labels) + ".npy") for p in files if p.suffix == ".npy"
+                for word in ("logits", "scores", "probs") if word in p.stem for labels in ("labels", "targets")}
+    return [p for p in files if p not in partners]
 
 
 def report_folder(path: Path, paths: Sequence[Path]) -> str:

@@ -124,6 +124,35 @@ def test_config_and_overrides(scores_file, capsys, tmp_path):
     assert json.loads((tmp_path / "o" / "report.json").read_text())["options"] == {"dirichlet-l2": {"reg_lambda": 0.01}}
 
 
+def test_calibrate_names_the_config_settings_it_does_not_use(scores_file, capsys, tmp_path):
+    """calibrate fits one method on all the data: a config's methods, cv, seed, bootstrap and other
+    methods' options were dropped without a word (a review), where evaluate warns."""
+    config = tmp_path / "c.yaml"
+    config.write_text("methods: [histogram]\ncv: 3\nseed: 4\noptions:\n  histogram: {n_bins: 5}\n  affine: {bias: false}\n")
+    code, _, err = run(capsys, "calibrate", scores_file, "--method", "affine", "--config", config, "--save", tmp_path / "h.pt")
+    assert code == 0 and err.startswith(f"torchcal: warning: {config}: cv, methods, seed, options for histogram not used by "
+                                        f"calibrate, which fits one method (--method affine) on all the data given.\n")
+    config.write_text("options:\n  affine: {bias: false}\n")
+    code, _, err = run(capsys, "calibrate", scores_file, "--method", "affine", "--config", config, "--save", tmp_path / "h.pt")
+    assert code == 0 and "warning" not in err
+
+
+def test_the_seed_reaches_the_calibrators_own_folds(scores_file, tmp_path):
+    """--seed is the seed of the folds: SVS's cross-validated regularisation ignored it (its
+    cv_seed stayed 0; a review), unless the config's options set cv_seed."""
+    from torchcal.data import load_scores
+    from torchcal.report import evaluate
+
+    scores = load_scores(scores_file)
+    fitted = {seed: evaluate(scores, ["svs"], bootstrap=0, seed=seed).calibrator for seed in (0, 7)}
+    expected = {seed: torchcal.StructuredVectorScaling(cv_seed=seed).fit(scores.logits, scores.labels) for seed in (0, 7)}
+    for seed in (0, 7):
+        assert fitted[seed].cv_seed == seed and fitted[seed].cv_losses_ == expected[seed].cv_losses_
+    assert fitted[0].cv_losses_ != fitted[7].cv_losses_
+    kept = evaluate(scores, ["svs"], bootstrap=0, seed=7, method_options={"svs": {"cv_seed": 3}}).calibrator
+    assert kept.cv_seed == 3
+
+
 def test_config_options_for_a_method_not_run_are_named(scores_file, capsys, tmp_path, synthetic):
     """Options of a method the config does not run warn (they were ignored silently); with --method
     choosing some of the config's methods, leaving the others' options unused is the point."""

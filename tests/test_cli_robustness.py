@@ -202,6 +202,12 @@ def test_broken_config_and_cost_files(tmp_path, capsys):
     config = tmp_path / "bad.yaml"
     config.write_text("methods: [temperature\n  cv: 3")
     assert_one_line_error(capsys, ["evaluate", good, "--config", config, "--out", tmp_path / "o"], "bad.yaml", "not valid YAML")
+    # a key given twice: PyYAML keeps the last (a second options: block dropped the first's, silently)
+    for text, key, line in [("options:\n  histogram: {n_bins: 5}\noptions:\n  platt: {}\n", "options", 3),
+                            ("options:\n  histogram: {n_bins: 5}\n  histogram: {n_bins: 9}\n", "histogram", 3)]:
+        config.write_text(text)
+        assert_one_line_error(capsys, ["evaluate", good, "--config", config, "--out", tmp_path / "o"], "bad.yaml",
+                              f"not valid YAML (the key '{key}' is given twice (line {line}); keep one)")
     config.write_text(yaml.safe_dump({"methods": ["temperature"], "folds": 3}))
     assert_one_line_error(capsys, ["evaluate", good, "--config", config, "--out", tmp_path / "o"], "unknown config keys ['folds']")
     for settings, fragment in [

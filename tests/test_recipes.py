@@ -110,6 +110,13 @@ def test_evaluate_folder(tmp_path, synthetic, capsys):
     assert recipe.main([str(folder), "--out", str(tmp_path / "out2"), "--bootstrap", "0", "--no-figures"]) == 0
     samples = {name: json.loads((tmp_path / "out2" / name / "report.json").read_text())["num_samples"] for name in ("x.npz", "x.csv")}
     assert samples == {"x.npz": 300, "x.csv": 100} and (tmp_path / "out2" / "model0_logits" / "report.json").is_file()
+    # a scores file with "labels" in its name is a scores file (a review: a label-noise study's
+    # noisy_labels_logits.npy was taken for a labels file and left out without a word)
+    np.save(folder / "noisy_labels_logits.npy", logits)
+    np.save(folder / "noisy_labels_labels.npy", labels)
+    assert recipe.main([str(folder), "--out", str(tmp_path / "out3"), "--bootstrap", "0", "--no-figures"]) == 0
+    rows = list(csv.DictReader((tmp_path / "out3" / "summary.csv").open()))
+    assert [r["file"] for r in rows] == ["model0_logits.npy", "model1_logits.npy", "noisy_labels_logits.npy", "x.csv", "x.npz"]
 
 
 def test_ferrer_synthetic_tables_4_and_5_small(capsys):

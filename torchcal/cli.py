@@ -24,7 +24,7 @@ import re
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
@@ -205,11 +205,22 @@ def load_config(name: str | Path) -> dict[str, Any]:
 def _yaml_loader() -> type:
     """PyYAML's safe loader, reading ``1e-2`` as the number YAML 1.2 makes it: YAML 1.1 floats need
     a dot (``1.0e-2``), so ``reg_lambda: 1e-2`` arrived as a string, refused with "'<=' not
-    supported between instances of 'int' and 'str'"."""
+    supported between instances of 'int' and 'str'". A key given twice in one mapping is refused
+    (PyYAML keeps the last: a second ``options:`` block dropped the first's without a word)."""
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if not isinstance(key, Hashable):  # (the constructor's own error says so)
+                    continue
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key!r} is given twice (line {key_node.start_mark.line + 1}); keep one", None)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
 
     exponent_float = re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+$")
     Loader.add_implicit_resolver("tag:yaml.org,2002:float", exponent_float, list("-+0123456789."))
@@ -523,6 +534,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     method = args.method
     options = (settings.get("options") or {}).get(method, {})
     unfitted = make_calibrator(method, **options)  # bad names and options fail before the data are read
+    if getattr(args, "config", None):  # (evaluate's settings, and other methods' options: said, not dropped)
+        unused = sorted(k for k in settings if k not in ("options", "priors", "description"))
+        unused += [f"options for {m}" for m in settings.get("options") or {} if m != method]
+        if unused:
+            warnings.warn(f"{args.config}: {', '.join(unused)} not used by calibrate, which fits one method "
+                          f"(--method {method}) on all the data given.", stacklevel=2)
     split = _calibration_split(args.scores)
     scores = _with_two_classes(_load(args.scores, args, priors=_binary_priors(settings.get("priors")), split=split), args.scores)
     where = f"{scores.num_samples} samples" + (" (the file's validation split)" if split == "val" else "")

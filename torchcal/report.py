@@ -165,6 +165,11 @@ def make_calibrator(method: str, **options: Any) -> Calibrator:
         raise ValueError(f"bad options for method {method!r}: {err}.") from None
 
 
+def _seeded(method: str, seed: int) -> dict[str, int]:
+    """``{"cv_seed": seed}`` for a method whose calibrator cross-validates with a seed of its own."""
+    return {"cv_seed": seed} if "cv_seed" in inspect.signature(METHODS[method]).parameters else {}
+
+
 def fit_calibrator(method: str, options: Mapping[str, Any], logits: Tensor, labels: Tensor, *,
                    priors: Tensor | None = None) -> Calibrator:
     """A calibrator of ``method`` with ``options`` fitted on ``logits: (N, K)``, ``labels: (N,)``,
@@ -615,7 +620,8 @@ def evaluate(
             (Ferrer & Ramos, App. E), so calibrated metrics carry no interval. The same replicates
             decide whether the lowest NCE is significantly below temperature scaling's; with 0 there
             is no such test, and the method of the lowest NCE wins.
-        seed: seed of the folds and of the bootstrap.
+        seed: seed of the folds and of the bootstrap, and of the calibrators' own folds where they
+            cross-validate a regularisation (``cv_seed``, unless ``method_options`` set it).
         method_options: constructor options per method, e.g. ``{"dirichlet-odir": {"reg_grid": [...]}}``;
             a name that is no method of :data:`METHODS` is refused, options of a method not in
             ``methods`` are not used.
@@ -685,7 +691,7 @@ def evaluate(
         results, fitted, calibrated = [], {}, {}
         for method in methods:
             start = time.perf_counter()
-            options = method_options.get(method, {})
+            options = {**_seeded(method, seed), **method_options.get(method, {})}
             where = "fit on the calibration data" if calibration is not None else f"{folds}-fold CV and the final fit"
             with _solver_warnings(f"{method} ({where})", fits):
                 status(f"{method}: fit on all calibration data")

@@ -418,12 +418,12 @@ def test_file_larger_than_the_available_memory_is_refused_without_reading_it(tmp
 
 
 def test_csv_file_larger_than_the_available_memory_is_refused_before_it_is_parsed(tmp_path, capsys, monkeypatch):
-    """Parsing a CSV file builds a Python object per cell, about ten times the text."""
+    """Parsing a CSV file takes a few times the text (CSV_EXPANSION): refused where that is more than is available."""
     import torchcal.data.loading as loading
 
     path = tmp_path / "scores.csv"
     path.write_text(GOOD_CSV)
-    monkeypatch.setattr(loading, "_available_memory", lambda: 5 * len(GOOD_CSV))
+    monkeypatch.setattr(loading, "_available_memory", lambda: (loading.CSV_EXPANSION - 1) * len(GOOD_CSV))
     line = assert_one_line_error(capsys, ["evaluate", path, "--out", tmp_path / "o", "--quiet"], "scores.csv", "too large")
     assert "numpy.save" in line
 

@@ -428,6 +428,25 @@ def test_csv_file_larger_than_the_available_memory_is_refused_before_it_is_parse
     assert "numpy.save" in line
 
 
+def test_running_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch):
+    """torch's CPU allocator raises a RuntimeError: at K = 20,000 the run ended in a traceback
+    (exit 1) from the cost matrix (a review). Other RuntimeErrors are bugs and stay tracebacks."""
+    import torchcal.report
+
+    path = tmp_path / "scores.npz"
+    path.write_bytes(GOOD_NPZ)
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 3200000000 bytes.")
+
+    monkeypatch.setattr(torchcal.report, "evaluate", out_of_memory)
+    line = assert_one_line_error(capsys, ["evaluate", path, "--out", tmp_path / "o", "--quiet"], "out of memory (DefaultCPUAllocator")
+    assert "--method temperature" in line
+    monkeypatch.setattr(torchcal.report, "evaluate", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        run(capsys, "evaluate", path, "--out", tmp_path / "o", "--quiet")
+
+
 def test_a_file_that_fits_still_loads(tmp_path, capsys):
     path = tmp_path / "scores.npz"
     path.write_bytes(GOOD_NPZ)

@@ -518,3 +518,17 @@ def test_the_zero_one_fast_path_ties_as_the_product_does():
     logits = torch.tensor([[-3 * EPS64, 0.0]], dtype=torch.float64)
     assert bayes_decisions(logits, zero_one_costs(2)).item() == bayes_decisions(logits, 2 * zero_one_costs(2)).item() == 0
     assert _first_near_maximal(logits).item() == 0
+
+
+def test_zero_one_costs_are_recognised_without_a_second_matrix():
+    """is_zero_one_costs compared with a second K x K matrix (3.2 GB at K = 20,000); now it reads
+    the given one only, and still tells 0-1 costs from anything else exactly."""
+    from torchcal.functional.decisions import is_zero_one_costs
+
+    costs = zero_one_costs(4)
+    assert is_zero_one_costs(costs) and is_zero_one_costs(costs.float())
+    for changed in [(0, 0, 1e-300), (1, 2, 1 - 2**-52), (3, 0, 2.0), (2, 2, -0.0)]:
+        other = costs.clone()
+        other[changed[0], changed[1]] = changed[2]
+        assert is_zero_one_costs(other) == (changed[2] == 0), changed
+    assert not is_zero_one_costs(zero_one_costs(4, abstain=1.0)) and not is_zero_one_costs(torch.ones(3, 3))

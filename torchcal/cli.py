@@ -347,24 +347,34 @@ def _integer(args: argparse.Namespace, settings: dict[str, Any], key: str, defau
 _LARGE_SCORES = 10_000_000
 
 
-def _keep_freed_memory() -> None:
-    """Make glibc keep large freed blocks for reuse instead of returning them to the system.
+def _keep_freed_memory(keep: bool = True) -> None:
+    """Make glibc keep large freed blocks for reuse instead of returning them to the system
+    (``keep=False``: give them back, and allocate as glibc does by default, from then on).
 
     The metrics' (N, K) float64 temporaries are far above the 32 MB up to which glibc keeps freed
     blocks in its heap, so each was mapped afresh and faulted in page by page: at 50,000 x 1,000
     ``evaluate`` spent 41 of its 123 CPU seconds in the kernel (21.6 million page faults); with
-    this, 8 s (2.4 million), 2:04 -> 1:36 wall, peak memory 2.2 -> 4.3 GB. The command line owns
-    its process; the library leaves the allocator to its users. A no-op without glibc.
+    this, 8 s (2.4 million), 2:04 -> 1:36 wall. The figures, drawn after the metrics, allocate
+    blocks of many other sizes, which the kept heap fragments into: ``--method temperature`` there
+    peaked at 7.7 GB (1.9 GB with glibc's defaults; a review), so they are drawn with the freed
+    memory given back. The command line owns its process; the library leaves the allocator to its
+    users. A no-op without glibc.
     """
     import ctypes
 
     try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
     except (OSError, AttributeError):
         return
     m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
-    mallopt(m_mmap_max, 0)  # every block from the heap, which keeps freed ones
-    mallopt(m_trim_threshold, 2**31 - 1)  # and does not give its free top back
+    if keep:
+        mallopt(m_mmap_max, 0)  # every block from the heap, which keeps freed ones
+        mallopt(m_trim_threshold, 2**31 - 1)  # and does not give its free top back
+    else:
+        mallopt(m_mmap_max, 65536)  # glibc's defaults
+        mallopt(m_trim_threshold, 128 * 1024)
+        malloc_trim(0)
 
 
 def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | None, default_methods: Sequence[str]) -> int:
@@ -413,6 +423,8 @@ def _evaluate(args: argparse.Namespace, scores_path: str, calibration: Scores | 
     stale = report.stale_files(args.out, figures=not args.no_figures)  # an earlier run's, by torchcal's names only
     for path in stale:
         path.unlink()
+    if scores.logits.numel() >= _LARGE_SCORES:
+        _keep_freed_memory(False)  # (before the figures: see there)
     written = report.save(args.out, figures=not args.no_figures, progress=not args.quiet,
                           input_kind=_saved_reading(args, scores))
     if not args.quiet:
@@ -781,6 +793,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return args.run(args)
     except (ValueError, OSError) as err:  # bad input, or a file that cannot be read or written
         print(f"torchcal: error: {err}", file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as err:  # torch's allocators raise RuntimeError (OutOfMemoryError is one)
+        if not isinstance(err, MemoryError) and "memory" not in str(err).lower():
+            raise
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        print(f"torchcal: error: out of memory ({first_line}); evaluate a subset of the samples, fewer methods "
+              f"(--method temperature), or on a machine with more memory.", file=sys.stderr)
         return 2
 
 

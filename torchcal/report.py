@@ -811,10 +811,9 @@ class _Metrics:
         )
 
     def _error_rate(self, logits: Tensor, with_intervals: bool) -> Estimate:
-        """The error rate, weighted by the priors like the other columns when there are any."""
-        if self.priors is None:
-            return self._estimate(error_rate, logits, with_intervals)
-        return self._estimate(bayes_risk, logits, with_intervals, costs=zero_one_costs(logits.shape[1]), priors=self.priors)
+        """The error rate, weighted by the priors like the other columns when there are any (the
+        Bayes risk under 0-1 costs, without their K x K matrix)."""
+        return self._estimate(error_rate, logits, with_intervals, priors=self.priors)
 
     def nce_difference(self, a: Tensor, b: Tensor) -> Estimate:
         """NCE(a) - NCE(b) of two systems' log-posteriors on the evaluated samples, with the

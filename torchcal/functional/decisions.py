@@ -67,7 +67,7 @@ def zero_one_costs(num_classes: int, abstain: float | None = None) -> Tensor:
                 [1.0000, 0.0000, 0.1000]], dtype=torch.float64)
     """
     check_count(num_classes, "num_classes", 2)
-    costs = 1 - torch.eye(num_classes, dtype=torch.float64)
+    costs = torch.ones(num_classes, num_classes, dtype=torch.float64).fill_diagonal_(0)  # (one K x K buffer)
     if abstain is None:
         return costs
     if not 0 <= abstain < math.inf:
@@ -118,7 +118,9 @@ def is_zero_one_costs(costs: Tensor) -> bool:
         (True, False)
     """
     num_classes, num_decisions = costs.shape
-    return num_classes == num_decisions and torch.equal(costs, zero_one_costs(num_classes).to(costs))
+    # (without a second K x K matrix: at K = 20,000 each is 3.2 GB)
+    return (num_classes == num_decisions and bool((costs.diagonal() == 0).all())
+            and int(torch.count_nonzero(costs == 1)) == num_classes * (num_classes - 1))
 
 
 def _least_cost_decisions(logits: Tensor, costs: Tensor) -> Tensor:

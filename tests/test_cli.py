@@ -151,6 +151,11 @@ def test_the_seed_reaches_the_calibrators_own_folds(scores_file, tmp_path):
     assert fitted[0].cv_losses_ != fitted[7].cv_losses_
     kept = evaluate(scores, ["svs"], bootstrap=0, seed=7, method_options={"svs": {"cv_seed": 3}}).calibrator
     assert kept.cv_seed == 3
+    # the seed is saved with the calibrator (the diff review: it reloaded with cv_seed=0)
+    report = evaluate(scores, ["svs"], bootstrap=0, seed=7)
+    report.save(tmp_path / "r", figures=False)
+    assert load_calibrator(tmp_path / "r" / "calibrator.pt")[1].cv_seed == 7
+    assert json.loads((tmp_path / "r" / "report.json").read_text())["options"] == {"svs": {"cv_seed": 7}}
 
 
 def test_config_options_for_a_method_not_run_are_named(scores_file, capsys, tmp_path, synthetic):

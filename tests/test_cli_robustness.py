@@ -202,6 +202,13 @@ def test_broken_config_and_cost_files(tmp_path, capsys):
     config = tmp_path / "bad.yaml"
     config.write_text("methods: [temperature\n  cv: 3")
     assert_one_line_error(capsys, ["evaluate", good, "--config", config, "--out", tmp_path / "o"], "bad.yaml", "not valid YAML")
+    # merge keys (<<: *anchor) are YAML, not a key given twice (the diff review: the first version
+    # of the duplicate test refused them)
+    config.write_text("methods: [dirichlet-l2, dirichlet-odir]\noptions:\n  dirichlet-l2: &grid\n    reg_grid: [0.001, 0.01]\n"
+                      "  dirichlet-odir:\n    <<: *grid\n    reg_mu: 0.1\n")
+    from torchcal.cli import load_config
+    assert load_config(str(config))["options"] == {"dirichlet-l2": {"reg_grid": [0.001, 0.01]},
+                                                  "dirichlet-odir": {"reg_grid": [0.001, 0.01], "reg_mu": 0.1}}
     # a key given twice: PyYAML keeps the last (a second options: block dropped the first's, silently)
     for text, key, line in [("options:\n  histogram: {n_bins: 5}\noptions:\n  platt: {}\n", "options", 3),
                             ("options:\n  histogram: {n_bins: 5}\n  histogram: {n_bins: 9}\n", "histogram", 3)]:

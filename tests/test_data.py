@@ -787,3 +787,18 @@ def test_a_long_csv_reads_as_numpy_reads_it(tmp_path):
     read = load_scores(tmp_path / "long.csv")
     assert read.logits.dtype == torch.float64 and read.logits.numpy().tolist() == logits.tolist()
     assert read.labels.tolist() == labels.tolist()
+
+
+def test_one_rounded_column_of_probabilities_or_log_probabilities(tmp_path):
+    """One column of a CSV written with 2 decimals: probabilities 0.00 and 1.00 floored at 5e-4
+    (1e-3 / K, below half the last digit), and the note counts them as they were (the diff
+    review: it counted them after the floor, "0 of them 0"); log-probabilities are not floored at
+    their text's unit (their logs are exact enough; the note had claimed a floor never applied)."""
+    (tmp_path / "p.csv").write_text("p,label\n0.00,1\n1.00,0\n0.30,1\n0.70,0\n")
+    read = load_scores(tmp_path / "p.csv", input="probs")
+    assert read.read_as.endswith("; 2 probabilities below 0.0005 (2 of them 0) floored at it")
+    np.testing.assert_allclose(read.logits.softmax(1)[:, 1].numpy(), [5e-4, 1 - 5e-4, 0.3, 0.7], rtol=1e-12)
+    (tmp_path / "lp.csv").write_text("lp,label\n-0.0000,0\n-12.0000,1\n-0.5000,1\n-1.0000,0\n")
+    read = load_scores(tmp_path / "lp.csv", input="log_probs")
+    assert read.read_as.endswith("; 1 probabilities below 1e-20 (1 of them 0) floored at it")
+    np.testing.assert_allclose(read.logits.softmax(1)[:, 1].numpy(), np.exp([0.0, -12.0, -0.5, -1.0]), rtol=1e-12)

@@ -213,6 +213,8 @@ def _yaml_loader() -> type:
         def construct_mapping(self, node: Any, deep: bool = False) -> Any:
             seen: set[Any] = set()
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # (<<: *anchor, which flattening merges)
+                    continue
                 key = self.construct_object(key_node, deep=deep)
                 if not isinstance(key, Hashable):  # (the constructor's own error says so)
                     continue

@@ -166,8 +166,9 @@ def make_calibrator(method: str, **options: Any) -> Calibrator:
 
 
 def _seeded(method: str, seed: int) -> dict[str, int]:
-    """``{"cv_seed": seed}`` for a method whose calibrator cross-validates with a seed of its own."""
-    return {"cv_seed": seed} if "cv_seed" in inspect.signature(METHODS[method]).parameters else {}
+    """``{"cv_seed": seed}`` for a method whose calibrator cross-validates with a seed of its own
+    (none for the calibrators' default seed, 0)."""
+    return {"cv_seed": seed} if seed and "cv_seed" in inspect.signature(METHODS[method]).parameters else {}
 
 
 def fit_calibrator(method: str, options: Mapping[str, Any], logits: Tensor, labels: Tensor, *,
@@ -673,6 +674,8 @@ def evaluate(
                     f"calibrated by a model fitted on the other folds)")
 
     metrics = _Metrics(labels, priors, costs, bootstrap, seed, progress)
+    # (as fitted, and so saved with the calibrator and in report.json)
+    seeded_options = {method: {**_seeded(method, seed), **method_options.get(method, {})} for method in methods}
     fits = 1 if calibration is not None else folds + 1  # per method: the final fit, and one per fold
     bar_format = "{desc}: {n_fmt}/{total_fmt} steps |{bar}| {elapsed} elapsed{postfix}"  # no ETA: fits differ a lot
     with tqdm(total=1 + fits * len(methods), disable=None if progress else True, desc="torchcal", leave=False,
@@ -691,7 +694,7 @@ def evaluate(
         results, fitted, calibrated = [], {}, {}
         for method in methods:
             start = time.perf_counter()
-            options = {**_seeded(method, seed), **method_options.get(method, {})}
+            options = seeded_options[method]
             where = "fit on the calibration data" if calibration is not None else f"{folds}-fold CV and the final fit"
             with _solver_warnings(f"{method} ({where})", fits):
                 status(f"{method}: fit on all calibration data")
@@ -726,7 +729,7 @@ def evaluate(
         costs_name=costs_name or ("0-1" if is_zero_one else "custom"),
         costs=None if is_zero_one else costs.tolist(), bootstrap=bootstrap, raw=raw, methods=results, best=best,
         lowest=lowest if versus is not None else None, lowest_vs_temperature=versus,
-        calibrator=None if best is None else fitted[best], method_options={m: dict(method_options.get(m, {})) for m in methods},
+        calibrator=None if best is None else fitted[best], method_options=seeded_options,
         logits=logits, labels=labels, calibrated=calibrated,
         llr_priors=_llr_priors(calibration if calibration is not None else scores),
     )

@@ -879,11 +879,14 @@ def _one_column_to_logits(
         values = values.to(torch.float64).exp()
     elif _in_unit_interval(values):  # (round-off outside [0, 1]: _UNIT_SLACK)
         values = values.clamp(0, 1)
+    if kind != "probs":  # (a rounded CSV's floor is that of its probabilities' text, not of their logs')
+        floor = probability_floor(stored)
     note = f"binary {'probabilities' if kind == 'probs' else 'log-probabilities'} of class 1 ({reason})"
-    if kind == "probs" and floor > probability_floor(stored):  # (a rounded CSV's: its 1 as its 0)
+    note += _floor_note(torch.stack([1 - values, values], 1), floor)
+    if floor > probability_floor(stored):  # (a rounded CSV's: its 1 as its 0)
         values = values.clamp(floor, 1 - floor)
     given = values.to(stored) if kind == "probs" else values  # (exact: half precision's values, read into float32)
-    return binary_scores_to_logits(given, "probability"), note + _floor_note(torch.stack([1 - values, values], 1), floor), None
+    return binary_scores_to_logits(given, "probability"), note, None
 
 
 def _label_frequencies(labels: Tensor | None, num_samples: int) -> tuple[Tensor, str]:

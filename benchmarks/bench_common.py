@@ -36,9 +36,9 @@ import torch
 
 #: converged when the largest absolute entry of the objective's gradient is below this
 GRAD_TOL = 1e-6
-#: iteration cap of the plain SciPy fits (--scipy-max-iter; 300 with --smoke)
+#: iteration cap of the plain SciPy fits (--scipy-max-iter; 300 with --smoke unless given), printed in the header
 SCIPY_MAX_ITER = 2000
-SCIPY_NOTE = "NumPy float64, analytic gradient, gtol 1e-7, at most --scipy-max-iter iterations (2000)"
+SCIPY_NOTE = "NumPy float64, analytic gradient, gtol 1e-7, at most --scipy-max-iter iterations"
 
 
 def make_data(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,13 +248,13 @@ def main(description: str, rows: dict[str, list[Row]], problems: dict[str, Probl
     parser.add_argument("--rows", nargs="*", default=None, help="only rows whose name contains one of these")
     parser.add_argument("--smoke", action="store_true", help="quick run in one process: n=2000, k=10, 1 repetition, no slow rows")
     parser.add_argument("--max-memory-gb", type=float, default=6.0, help="skip rows estimated to need more")
-    parser.add_argument("--scipy-max-iter", type=int, default=SCIPY_MAX_ITER, help="iteration cap of the plain SciPy fits")
+    parser.add_argument("--scipy-max-iter", type=int, help=f"iteration cap of the plain SciPy fits ({SCIPY_MAX_ITER}; --smoke: 300)")
     parser.add_argument("--_row", help=argparse.SUPPRESS)
     parser.add_argument("--_problem", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    SCIPY_MAX_ITER = args.scipy_max_iter
     if args.smoke:
-        args.n, args.k, args.repeat, SCIPY_MAX_ITER = 2000, 10, 1, 300
+        args.n, args.k, args.repeat = 2000, 10, 1
+    SCIPY_MAX_ITER = args.scipy_max_iter or (300 if args.smoke else SCIPY_MAX_ITER)
 
     if args._row is not None:  # child process: run one row, print its result as JSON
         row = next(r for r in rows[args._problem] if r.name == args._row)
@@ -264,7 +264,8 @@ def main(description: str, rows: dict[str, list[Row]], problems: dict[str, Probl
 
     print(f"# {description}")
     print(f"# n = {args.n:,}, k = {args.k}, threads = {args.threads}, median of {args.repeat} runs after a warm-up;")
-    print(f"# load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; torch {torch.__version__}")
+    print(f"# load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; torch {torch.__version__}; "
+          f"SciPy rows: at most {SCIPY_MAX_ITER} iterations")
     for name in args.problem:
         results = []
         for row in rows[name]:
@@ -327,7 +328,10 @@ def load_torch_uncertainty():
     import importlib.util
     import types
 
-    root = Path(importlib.util.find_spec("torch_uncertainty").origin).parent
+    spec = importlib.util.find_spec("torch_uncertainty")
+    if spec is None or spec.origin is None:
+        raise ImportError("torch_uncertainty not installed")
+    root = Path(spec.origin).parent
 
     def stub(name: str, sub: str) -> types.ModuleType:
         module = types.ModuleType(name)

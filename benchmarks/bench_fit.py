@@ -197,27 +197,27 @@ ROWS = {
         Row("torchcal AffineCalibration", torchcal_affine, note="Newton, (K+1)^2 Hessian"),
         Row("torchcal generic L-BFGS", torchcal_generic(_make_affine, _extract_affine), note="same model"),
         Row("psrcal AffineCalLogLoss", psrcal_affine, needs=("psrcal",), note="SciPy L-BFGS-B, 100 it."),
-        Row("SciPy L-BFGS-B", scipy("affine"), note=SCIPY_NOTE),
+        Row("SciPy L-BFGS-B", scipy("affine"), needs=("scipy",), note=SCIPY_NOTE),
     ],
     "vector": [
         Row("torchcal VectorScaling", torchcal_vector, note="Newton, (2K)^2 Hessian"),
         Row("torchcal generic L-BFGS", torchcal_generic(_make_vector, _extract_vector), note="same model"),
         Row("torch-uncertainty VectorScaler", tu_vector, needs=("torch_uncertainty",), note="defaults; no bias: a smaller model"),
         Row("dirichletcal VectorScaling", dirichletcal("vector"), needs=("dirichletcal", "jax"), memory=DIRICHLETCAL_MEMORY, slow=True),
-        Row("SciPy L-BFGS-B", scipy("vector"), note=SCIPY_NOTE),
+        Row("SciPy L-BFGS-B", scipy("vector"), needs=("scipy",), note=SCIPY_NOTE),
     ],
     "matrix": [
         Row("torchcal MatrixScaling", torchcal_matrix),
         Row("torch-uncertainty MatrixScaler", tu_matrix, needs=("torch_uncertainty",), note="defaults"),
         Row("dirichletcal MatrixScaling", dirichletcal("matrix"), needs=("dirichletcal", "jax"), memory=DIRICHLETCAL_MEMORY, slow=True),
-        Row("SciPy L-BFGS-B", scipy("matrix"), note=SCIPY_NOTE),
+        Row("SciPy L-BFGS-B", scipy("matrix"), needs=("scipy",), note=SCIPY_NOTE),
     ],
     "dirichlet-odir": [
         Row("torchcal DirichletCalibration(odir)", torchcal_dirichlet),
         Row("torch-uncertainty DirichletScaler", tu_dirichlet, needs=("torch_uncertainty",), note="defaults"),
         Row("dirichletcal FullDirichletCalibrator", dirichletcal("dirichlet"), needs=("dirichletcal", "jax"), memory=DIRICHLETCAL_MEMORY,
             slow=True, note="ref_row=False"),
-        Row("SciPy L-BFGS-B", scipy("dirichlet-odir"), note=SCIPY_NOTE),
+        Row("SciPy L-BFGS-B", scipy("dirichlet-odir"), needs=("scipy",), note=SCIPY_NOTE),
     ],
 }
 

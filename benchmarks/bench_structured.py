@@ -23,6 +23,7 @@ numba installed a stub decorator stands in for ``numba.njit``.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import sys
 import types
@@ -163,6 +164,11 @@ def real_table(files: list[str], methods: list[str] | None = None, folds: int = 
         "probmetrics quadratic-scaling": _probmetrics_method("quadratic-scaling"),
     }
     methods = methods or [m for m in every if "lambda = mu" not in m and "uadratic" not in m and m != "Platt"]
+    if importlib.util.find_spec("probmetrics") is None:  # (skipped with a note, as the other tables do)
+        skipped = [m for m in methods if m.startswith("probmetrics")]
+        if skipped:
+            print(f"# skipped: {', '.join(skipped)} (probmetrics not installed)")
+        methods = [m for m in methods if m not in skipped]
     print(f"| method | {' | '.join(files)} |")
     print("|---|" + "---:|" * len(files))
     rows: dict[str, list[str]] = {name: [] for name in methods}

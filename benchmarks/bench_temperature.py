@@ -134,7 +134,7 @@ ROWS = [
     Row("psrcal AffineCalLogLoss(bias=False)", psrcal, needs=("psrcal",)),
     # dirichletcal precomputes N (K+1)^2 outer products and jax holds several copies
     Row("dirichletcal TemperatureScaling", dirichletcal, needs=("dirichletcal", "jax"), memory=lambda n, k: 5 * 8 * n * (k + 1) ** 2, slow=True),
-    Row("SciPy L-BFGS-B", scipy, note=SCIPY_NOTE),
+    Row("SciPy L-BFGS-B", scipy, needs=("scipy",), note=SCIPY_NOTE),
 ]
 
 if __name__ == "__main__":

@@ -781,6 +781,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+#: How torch's CPU allocator says it is out of memory ("DefaultCPUAllocator: can't allocate memory: you
+#: tried to allocate ... bytes"), and other allocators ("out of memory"); not "memory format".
+_OUT_OF_MEMORY = re.compile(r"can't allocate memory|out of memory", re.IGNORECASE)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0, or 2 for bad input)."""
     try:
@@ -797,7 +802,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"torchcal: error: {err}", file=sys.stderr)
         return 2
     except (MemoryError, RuntimeError) as err:  # torch's allocators raise RuntimeError (OutOfMemoryError is one)
-        if not isinstance(err, MemoryError) and "memory" not in str(err).lower():
+        if not isinstance(err, MemoryError) and not _OUT_OF_MEMORY.search(str(err)):  # (torch.OutOfMemoryError's: "CUDA out of memory")
             raise
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
         print(f"torchcal: error: out of memory ({first_line}); evaluate a subset of the samples, fewer methods "

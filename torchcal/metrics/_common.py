@@ -159,7 +159,7 @@ class BatchMetric(Metric):
         (torchmetrics' ``forward`` had reset it to the batch's before the checks ran: a NaN logit
         after 2,000 good samples left none)."""
         # (references suffice: torchmetrics' reset puts new tensors and lists in their place)
-        kept = {name: getattr(self, name) for name in (*self._defaults, *_FORWARD_CONTEXT)}
+        kept = {name: getattr(self, name) for name in (*self._defaults, *_FORWARD_CONTEXT) if hasattr(self, name)}
         self._batch_only = True
         try:
             return super().forward(*args, **kwargs)

@@ -802,3 +802,8 @@ def test_one_rounded_column_of_probabilities_or_log_probabilities(tmp_path):
     read = load_scores(tmp_path / "lp.csv", input="log_probs")
     assert read.read_as.endswith("; 1 probabilities below 1e-20 (1 of them 0) floored at it")
     np.testing.assert_allclose(read.logits.softmax(1)[:, 1].numpy(), np.exp([0.0, -12.0, -0.5, -1.0]), rtol=1e-12)
+    # float16 log-probabilities are exp'd in float64: their note named float16's floor, never applied
+    np.savez(tmp_path / "lp16.npz", log_probs=np.array([-0.0, -20.0, -0.5, -1.0, -40.0], dtype=np.float16), labels=[0, 1, 1, 0, 1])
+    read = load_scores(tmp_path / "lp16.npz")
+    assert read.read_as.endswith("; 1 probabilities below 1e-20 (1 of them 0) floored at it")
+    np.testing.assert_allclose(read.logits.softmax(1)[1:, 1].numpy(), np.exp([-20.0, -0.5, -1.0, -40.0]), rtol=1e-3)

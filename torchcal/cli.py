@@ -351,7 +351,8 @@ _LARGE_SCORES = 10_000_000
 
 def _keep_freed_memory(keep: bool = True) -> None:
     """Make glibc keep large freed blocks for reuse instead of returning them to the system
-    (``keep=False``: give them back, and allocate as glibc does by default, from then on).
+    (``keep=False``: give them back, and map large blocks afresh again, at glibc's default
+    thresholds; its threshold that adapts to freed blocks stays off once set, mallopt(3)).
 
     The metrics' (N, K) float64 temporaries are far above the 32 MB up to which glibc keeps freed
     blocks in its heap, so each was mapped afresh and faulted in page by page: at 50,000 x 1,000
@@ -805,8 +806,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not isinstance(err, MemoryError) and not _OUT_OF_MEMORY.search(str(err)):  # (torch.OutOfMemoryError's: "CUDA out of memory")
             raise
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        print(f"torchcal: error: out of memory ({first_line}); evaluate a subset of the samples, fewer methods "
-              f"(--method temperature), or on a machine with more memory.", file=sys.stderr)
+        print(f"torchcal: error: out of memory ({first_line}): the scores, the K x K cost matrix (K classes) and the "
+              f"calibrators' work arrays must fit; evaluate a subset of the samples or fewer methods (--method "
+              f"temperature), or use a machine with more memory.", file=sys.stderr)
         return 2
 
 

@@ -879,8 +879,8 @@ def _one_column_to_logits(
         values = values.to(torch.float64).exp()
     elif _in_unit_interval(values):  # (round-off outside [0, 1]: _UNIT_SLACK)
         values = values.clamp(0, 1)
-    if kind != "probs":  # (a rounded CSV's floor is that of its probabilities' text, not of their logs')
-        floor = probability_floor(stored)
+    if kind != "probs":  # (a rounded CSV's floor is that of its probabilities' text, not of their logs':
+        floor = probability_floor(values.dtype)  # these are exp'd in float64 and floored there)
     note = f"binary {'probabilities' if kind == 'probs' else 'log-probabilities'} of class 1 ({reason})"
     note += _floor_note(torch.stack([1 - values, values], 1), floor)
     if floor > probability_floor(stored):  # (a rounded CSV's: its 1 as its 0)

@@ -568,12 +568,13 @@ def shared_samples(logits: Tensor, labels: Tensor, other_logits: Tensor, other_l
     def log_posteriors(scores: Tensor) -> Tensor:
         return torch.log_softmax(scores.detach().to(torch.float64), dim=1).clamp_(min=floor).cpu()
 
-    mine, theirs = log_posteriors(logits), log_posteriors(other_logits)
+    mine = log_posteriors(logits)
+    theirs = mine if exclude_self else log_posteriors(other_logits)
     direction = torch.randn(mine.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     tol = SAME_SAMPLE_TOLERANCE + mine.abs() * 2.0**-20  # (N, K)
     key, reach = mine @ direction, tol @ direction.abs()
     labels, other_labels = labels.cpu().long(), other_labels.cpu().long()
-    other_key = theirs @ direction
+    other_key = key if exclude_self else theirs @ direction
     order = torch.argsort(other_key, stable=True)
     order = order[torch.argsort(other_labels[order], stable=True)]
     sorted_key, sorted_labels = other_key[order], other_labels[order]

@@ -588,11 +588,12 @@ def _under_vmap() -> bool:
 
 
 def nan_rows_stay_nan(features: Tensor, scores: Tensor) -> Tensor:
-    """``scores: (N, K)`` with NaN on every row where ``features: (N, C)`` has a NaN. A step map's
+    """``scores: (N, ...)`` with NaN on every row where ``features: (N, C)`` has a NaN. A step map's
     look-up sends NaN to one of its steps (a confident answer) where the input checks are left
     out (compiled, exported or vmapped heads; see :func:`values_readable`); the parametric maps
     propagate NaN by themselves."""
-    return scores.masked_fill(features.isnan().any(1, keepdim=True), float("nan"))
+    unknown = features.isnan().any(1).reshape(-1, *[1] * (scores.ndim - 1))
+    return scores.masked_fill(unknown, float("nan"))
 
 
 def values_readable(x: Any) -> bool:

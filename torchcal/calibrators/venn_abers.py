@@ -355,8 +355,7 @@ class VennAbersCalibration(Calibrator):
         """
         logits = self._check_input(logits)
         features = self._features(logits)
-        unknown = features.isnan().any(1).view(-1, 1, 1)  # (NaN in, NaN out: see nan_rows_stay_nan)
-        return tuple(p.masked_fill(unknown, float("nan")) for p in self._intervals(features))  # type: ignore[return-value]
+        return tuple(nan_rows_stay_nan(features, p) for p in self._intervals(features))  # type: ignore[return-value]
 
     def get_extra_state(self) -> dict[str, Any]:
         return {**super().get_extra_state(), "loss": self.loss, "folds": self.folds, "multiclass": self.multiclass}

@@ -4,6 +4,7 @@ optimum of the reference solvers: exact Newton with the dense Hessian (``fit_lin
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
@@ -610,6 +611,32 @@ def test_a_loose_fit_with_a_decrease_tolerance_does_not_stop_far_from_a_weak_pen
     assert optimum.converged and loose.converged and guarded.converged
     assert loose.loss - optimum.loss > 2e-4
     assert guarded.loss - optimum.loss < 1e-5 and guarded.iterations > loose.iterations
+
+
+def test_a_loose_fit_from_near_its_optimum_stops_once_the_next_step_is_predicted_to_gain_little(monkeypatch):
+    """Started at 0.95 times the optimum (SMS, lambda = 1, K = 50), a fit with the selection's
+    tolerances meets the gradient tolerance after a Newton step that gained more than
+    ``tol_decrease``. The next step's decrease predicted by the preconditioner (``g.M^-1 g / 2``)
+    is far below it, so the fit stops there: fewer Newton steps than where only the last step's
+    decrease may stop it, and as close to the optimum."""
+    n, k = 2000, 50
+    gen = torch.Generator().manual_seed(0)
+    latent = 3 * torch.randn(n, k, generator=gen, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(latent, 1), 1, generator=gen).squeeze(1)
+    mixing = torch.eye(k, dtype=torch.float64) + 0.05 * torch.randn(k, k, generator=gen, dtype=torch.float64)
+    features = torch.log_softmax(2.5 * latent @ mixing, 1)
+    sample_w = torch.full((n,), 1 / n, dtype=torch.float64)
+    penalty = torchcal.StructuredMatrixScaling._penalty_weights(k, float(n), 1.0)
+    anchor = torch.eye(k, k + 1, dtype=torch.float64)
+    optimum, tight = fit_multinomial_logistic(features, labels, sample_w, torch.zeros(k, k + 1, dtype=torch.float64), penalty, anchor=anchor)
+    loose = functools.partial(fit_multinomial_logistic, features, labels, sample_w, 0.95 * optimum, penalty, anchor=anchor,
+                              tol_grad=1e-4, tol_decrease=1e-4)
+    _, predicted = loose()
+    monkeypatch.setattr(torchcal.calibrators._multinomial, "_PREDICTED_DECREASE_SHARE", 0.0, raising=False)
+    _, measured = loose()
+    assert tight.converged and predicted.converged and measured.converged
+    assert predicted.iterations < measured.iterations
+    assert abs(predicted.loss - tight.loss) < 1e-5 and abs(measured.loss - tight.loss) < 1e-5
 
 
 @pytest.mark.parametrize("path", ["blocks", "rank-one", "low-rank"])

@@ -79,6 +79,25 @@ def test_affine_hessian_is_the_generic_one_with_an_exact_null_direction():
         torch.testing.assert_close(fast, fast.T, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("design", [_linear.AffineDesign(), _linear.VectorDesign(), _linear.FullDesign()], ids=type)
+def test_each_designs_hessian_diagonal_is_that_of_the_autograd_hessian(design):
+    """``hessian_diagonal``, which every Newton evaluation forms for its convergence test, against
+    the diagonal of the weighted log-loss's Hessian by autograd (float64), at features whose scale
+    varies by 1e3 across rows."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 400, 6
+    x = torch.log_softmax(3 * torch.randn(n, k, generator=gen, dtype=torch.float64), 1) * torch.logspace(-1, 2, n, dtype=torch.float64).unsqueeze(1)
+    labels, w = torch.randint(0, k, (n,), generator=gen), torch.rand(n, generator=gen, dtype=torch.float64)
+    theta = 0.1 * torch.randn(design.num_parameters(k), generator=gen, dtype=torch.float64)
+
+    def loss(t):
+        return -(w * torch.log_softmax(design.scores(x, t), 1)[torch.arange(n), labels]).sum()
+
+    reference = torch.autograd.functional.hessian(loss, theta).diagonal()
+    q = torch.softmax(design.scores(x, theta), 1)
+    torch.testing.assert_close(design.hessian_diagonal(q, w, x), reference, rtol=1e-10, atol=1e-12 * float(reference.abs().max()))
+
+
 def test_newtons_softmax_is_log_softmaxs():
     """Newton's evaluations form the posteriors with one exponential per entry (_linear._softmax_):
     softmax and the label's log-posterior as log_softmax gives them, also where a row's scores span

@@ -118,9 +118,13 @@ class AffineDesign(LinearDesign):
         return torch.cat([torch.cat([corner.reshape(1, 1), edge.unsqueeze(0)], dim=1), torch.cat([edge.unsqueeze(1), biases], dim=1)])
 
     def hessian_diagonal(self, q: Tensor, w: Tensor, x: Tensor) -> Tensor:
-        mean_x = torch.linalg.vecdot(q, x)
-        corner = torch.dot((w.unsqueeze(1) * q).flatten(), x.square().flatten()) - torch.dot(w * mean_x, mean_x)
-        return torch.cat([corner.reshape(1), (w.unsqueeze(1) * q * (1 - q)).sum(0)])
+        """The scale's entry ``sum_i w_i var_{q_i}(x_i)`` and the biases' ``sum_i w_i q_i (1 - q_i)``,
+        from two (n, K) buffers (every evaluation forms it: at 50,000 x 1,000 six buffers took a
+        quarter of the fit)."""
+        qx = q * x
+        mean_x = qx.sum(1)
+        corner = w @ torch.linalg.vecdot(qx, x).sub_(mean_x.square())
+        return torch.cat([corner.reshape(1), w @ torch.addcmul(q, q, q, value=-1)])
 
 
 class VectorDesign(LinearDesign):

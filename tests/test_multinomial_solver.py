@@ -585,19 +585,23 @@ def test_the_solver_function_on_its_own(anchored):
     np.testing.assert_allclose(theta.numpy().ravel(), res.x, atol=1e-6)
 
 
-def test_a_loose_fit_with_a_decrease_tolerance_does_not_stop_far_from_a_weak_penalty_optimum():
-    """Warm-started from the lambda = 100 optimum (the cross-validation's path), the lambda = 1 fit
-    at K = 150 meets the selection's gradient tolerance (1e-4) 5e-4 above its optimum: the
-    directions that only the penalty curves are nearly flat. With ``tol_decrease`` it goes on
-    until a Newton step gains less than that, and stops within 1e-5 of the optimum. (Data: the
-    benchmarks' recipe, over-confident by 2.5 and mildly class-mixed.)"""
-    n, k = 2000, 150
+def _overconfident_mixed(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-posterior features (n, k), labels and uniform sample weights, float64: the benchmarks'
+    recipe, over-confident by 2.5 and mildly class-mixed."""
     gen = torch.Generator().manual_seed(0)
     latent = 3 * torch.randn(n, k, generator=gen, dtype=torch.float64)
     labels = torch.multinomial(torch.softmax(latent, 1), 1, generator=gen).squeeze(1)
     mixing = torch.eye(k, dtype=torch.float64) + 0.05 * torch.randn(k, k, generator=gen, dtype=torch.float64)
-    features = torch.log_softmax(2.5 * latent @ mixing, 1)
-    sample_w = torch.full((n,), 1 / n, dtype=torch.float64)
+    return torch.log_softmax(2.5 * latent @ mixing, 1), labels, torch.full((n,), 1 / n, dtype=torch.float64)
+
+
+def test_a_loose_fit_with_a_decrease_tolerance_does_not_stop_far_from_a_weak_penalty_optimum():
+    """Warm-started from the lambda = 100 optimum (the cross-validation's path), the lambda = 1 fit
+    at K = 150 meets the selection's gradient tolerance (1e-4) 5e-4 above its optimum: the
+    directions that only the penalty curves are nearly flat. With ``tol_decrease`` it goes on
+    until a Newton step gains less than that, and stops within 1e-5 of the optimum."""
+    n, k = 2000, 150
+    features, labels, sample_w = _overconfident_mixed(n, k)
     cal = torchcal.DirichletCalibration(reg="odir", reg_lambda=1.0)
 
     def penalty(lam):
@@ -618,14 +622,9 @@ def test_a_loose_fit_from_near_its_optimum_stops_once_the_next_step_is_predicted
     tolerances meets the gradient tolerance after a Newton step that gained more than
     ``tol_decrease``. The next step's decrease predicted by the preconditioner (``g.M^-1 g / 2``)
     is far below it, so the fit stops there: fewer Newton steps than where only the last step's
-    decrease may stop it, and as close to the optimum."""
+    decrease may stop it, and as close to the optimum. (Data: as the test above.)"""
     n, k = 2000, 50
-    gen = torch.Generator().manual_seed(0)
-    latent = 3 * torch.randn(n, k, generator=gen, dtype=torch.float64)
-    labels = torch.multinomial(torch.softmax(latent, 1), 1, generator=gen).squeeze(1)
-    mixing = torch.eye(k, dtype=torch.float64) + 0.05 * torch.randn(k, k, generator=gen, dtype=torch.float64)
-    features = torch.log_softmax(2.5 * latent @ mixing, 1)
-    sample_w = torch.full((n,), 1 / n, dtype=torch.float64)
+    features, labels, sample_w = _overconfident_mixed(n, k)
     penalty = torchcal.StructuredMatrixScaling._penalty_weights(k, float(n), 1.0)
     anchor = torch.eye(k, k + 1, dtype=torch.float64)
     optimum, tight = fit_multinomial_logistic(features, labels, sample_w, torch.zeros(k, k + 1, dtype=torch.float64), penalty, anchor=anchor)

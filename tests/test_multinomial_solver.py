@@ -4,7 +4,6 @@ optimum of the reference solvers: exact Newton with the dense Hessian (``fit_lin
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import re
@@ -617,25 +616,39 @@ def test_a_loose_fit_with_a_decrease_tolerance_does_not_stop_far_from_a_weak_pen
     assert guarded.loss - optimum.loss < 1e-5 and guarded.iterations > loose.iterations
 
 
-def test_a_loose_fit_from_near_its_optimum_stops_once_the_next_step_is_predicted_to_gain_little(monkeypatch):
-    """Started at 0.95 times the optimum (SMS, lambda = 1, K = 50), a fit with the selection's
-    tolerances meets the gradient tolerance after a Newton step that gained more than
-    ``tol_decrease``. The next step's decrease predicted by the preconditioner (``g.M^-1 g / 2``)
-    is far below it, so the fit stops there: fewer Newton steps than where only the last step's
-    decrease may stop it, and as close to the optimum. (Data: as the test above.)"""
+def test_a_loose_fit_stops_once_its_gap_to_the_optimum_is_certified_small(monkeypatch):
+    """Where every parameter is penalised (SMS), the objective is strongly convex and its gap to
+    the optimum at most ``sum g^2 / (4 p)``. Started at 0.95 times the optimum (lambda = 1,
+    K = 50), a fit with the selection's tolerances meets the gradient tolerance after a Newton step
+    that gained more than ``tol_decrease``; the certified gap is below a tenth of it, so the fit
+    stops there: fewer Newton steps than where only the last step's decrease may stop it, and as
+    close to the optimum. The bound itself holds at every start tried. With Dir-ODIR's free
+    diagonal there is no certificate, and the fit is the same as without it."""
     n, k = 2000, 50
     features, labels, sample_w = _overconfident_mixed(n, k)
     penalty = torchcal.StructuredMatrixScaling._penalty_weights(k, float(n), 1.0)
     anchor = torch.eye(k, k + 1, dtype=torch.float64)
     optimum, tight = fit_multinomial_logistic(features, labels, sample_w, torch.zeros(k, k + 1, dtype=torch.float64), penalty, anchor=anchor)
-    loose = functools.partial(fit_multinomial_logistic, features, labels, sample_w, 0.95 * optimum, penalty, anchor=anchor,
-                              tol_grad=1e-4, tol_decrease=1e-4)
-    _, predicted = loose()
-    monkeypatch.setattr(torchcal.calibrators._multinomial, "_PREDICTED_DECREASE_SHARE", 0.0, raising=False)
-    _, measured = loose()
-    assert tight.converged and predicted.converged and measured.converged
-    assert predicted.iterations < measured.iterations
-    assert abs(predicted.loss - tight.loss) < 1e-5 and abs(measured.loss - tight.loss) < 1e-5
+    for shrink in [0.0, 0.5, 0.9, 0.99]:
+        theta = (shrink * optimum).requires_grad_(True)
+        scores = torch.nn.functional.pad(features, (0, 1), value=1.0) @ (anchor + theta).T
+        objective = -(sample_w * scores.log_softmax(1)[torch.arange(n), labels]).sum() + (penalty * theta.square()).sum()
+        (grad,) = torch.autograd.grad(objective, theta)
+        assert tight.loss <= float(objective.detach()) <= tight.loss + 0.25 * float((grad.square() / penalty).sum())
+
+    def loose(start, penalty, anchor, share):
+        monkeypatch.setattr(torchcal.calibrators._multinomial, "_CERTIFIED_GAP_SHARE", share, raising=False)
+        return fit_multinomial_logistic(features, labels, sample_w, start, penalty, anchor=anchor, tol_grad=1e-4, tol_decrease=1e-4)[1]
+
+    certified, measured = loose(0.95 * optimum, penalty, anchor, 0.1), loose(0.95 * optimum, penalty, anchor, 0.0)
+    assert tight.converged and certified.converged and measured.converged
+    assert certified.iterations < measured.iterations
+    assert abs(certified.loss - tight.loss) < 1e-5 and abs(measured.loss - tight.loss) < 1e-5
+
+    odir = torchcal.DirichletCalibration(reg="odir", reg_lambda=1.0)
+    odir.reg_lambda_ = odir.reg_mu_ = 1.0
+    start = torch.eye(k, k + 1, dtype=torch.float64) * 0.9
+    assert loose(start, odir._penalty_weights(k), None, 0.1) == loose(start, odir._penalty_weights(k), None, 0.0)
 
 
 @pytest.mark.parametrize("path", ["blocks", "rank-one", "low-rank"])

@@ -660,7 +660,7 @@ def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None, str, float | N
             raise ValueError(f"the CSV file has {len(label_cols)} label columns ({names}); keep the one with the labels.")
         blocks: list[np.ndarray] = []
         block, filled = np.empty((_CSV_BLOCK_ROWS, len(header))), 0
-        decimals: int | None = 0  # the most of the first rows' numbers; None: one written otherwise
+        decimals = 0  # the most of the first rows' numbers (above CSV_MAX_DECIMALS: not rounded so)
         for line, row in enumerate(reader, start=2 + skipped):
             if not any(cell.strip() for cell in row):
                 continue  # (blank lines: none)
@@ -674,10 +674,8 @@ def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None, str, float | N
                 column, cell = next((column, cell) for column, cell in enumerate(row) if not _is_number(cell))
                 raise ValueError(f"every CSV cell after the header must be a number; line {line}, column {header[column]!r} "
                                  f"holds {cell!r}.") from None
-            if decimals is not None and len(blocks) * _CSV_BLOCK_ROWS + filled < _CSV_RESOLUTION_ROWS:
-                written = [_decimals(cell) for cell in row]
-                decimals = None if None in written else max(decimals, *written)  # type: ignore[type-var]
-                decimals = None if decimals is None or decimals > CSV_MAX_DECIMALS else decimals
+            if decimals <= CSV_MAX_DECIMALS and len(blocks) * _CSV_BLOCK_ROWS + filled < _CSV_RESOLUTION_ROWS:
+                decimals = max(decimals, *(_decimals(cell) for cell in row))
             filled += 1
             if filled == _CSV_BLOCK_ROWS:
                 blocks.append(block)
@@ -692,15 +690,16 @@ def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None, str, float | N
     if numbered:
         note += f"; its line {1 + skipped}, the column numbers 0..{len(header) - 1}, read as the header"
     score_cols = [i for i in range(int(index is not None), len(header)) if not (label_cols and i == label_cols[0])]
-    unit = None if decimals is None or decimals == 0 else 10.0**-decimals
+    unit = None if decimals == 0 or decimals > CSV_MAX_DECIMALS else 10.0**-decimals
     return table[:, score_cols], table[:, label_cols[0]] if label_cols else None, note, unit
 
 
-def _decimals(cell: str) -> int | None:
-    """The decimals a CSV number is written with; None for an exponent, inf or nan."""
+def _decimals(cell: str) -> int:
+    """The decimals a CSV number is written with; more than :data:`CSV_MAX_DECIMALS` for an
+    exponent, inf or nan (not rounded to decimals)."""
     text = cell.strip().lower()
     if any(c in text for c in "ein"):  # (1e-05, inf, nan)
-        return None
+        return CSV_MAX_DECIMALS + 1
     point = text.find(".")
     return 0 if point < 0 else len(text) - point - 1
 

@@ -812,8 +812,8 @@ def test_an_over_parametrised_unpenalised_fit_stops_once_it_classifies_every_sam
         warnings.simplefilter("always")
         cal = make().fit(logits, labels)
     record = cal.fit_record_
-    assert not record.converged and record.message.startswith("diverging: the map classifies every sample correctly")
-    assert any("classifies every sample correctly" in str(w.message) and "reg='odir'" in str(w.message) for w in caught)
+    assert not record.converged and record.message.startswith("diverging: the map classifies every weighted sample correctly")
+    assert any("classifies every weighted sample correctly" in str(w.message) and "reg='odir'" in str(w.message) for w in caught)
     assert record.evaluations < 1000
     with torch.no_grad():
         assert torch.equal(cal(logits).argmax(1), labels)
@@ -833,7 +833,7 @@ def test_a_separated_fit_s_certificate_counts_the_least_sample_weight():
     weights = torch.where(labels == labels[0], 0.02, 1.0).double()
     weights /= weights.sum()
     fitted, record = fit_multinomial_logistic(features, labels, weights, theta, penalty)
-    assert record.message.startswith("diverging: the map classifies every sample correctly")
+    assert record.message.startswith("diverging: the map classifies every weighted sample correctly")
     assert record.loss < 0.5 * math.log(2) * float(weights.min())
     scores = torch.cat([features, torch.ones(400, 1, dtype=torch.float64)], 1) @ fitted.T
     assert torch.equal(scores.argmax(1), labels)

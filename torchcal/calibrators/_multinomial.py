@@ -1015,8 +1015,9 @@ def fit_multinomial_logistic(
                    n, f, k, iteration + 1, str(new_q.dtype).removeprefix("torch."), loss_value, grad_max, t, passes, time.perf_counter() - started)
         if unpenalised:
             if loss_value < separated_below:
-                message = (f"{DIVERGING}: the map classifies every sample correctly (the loss, {loss_value:.3g}, is below log(2) "
-                           f"times the least sample weight): the data are separable, and the unpenalised fit has no finite optimum")
+                message = (f"{DIVERGING}: the map classifies every weighted sample correctly (the loss, {loss_value:.3g}, is below "
+                           f"half of log(2) times the least sample weight): the data are separable, and the unpenalised fit has no "
+                           f"finite optimum")
                 return result(c), FitRecord(iteration + 1, passes, loss_value, grad_max, False, message)
             damped = t < _DAMPING_AFTER_CUT or steps >= _MAX_CG_STEPS
             damping = max(4 * damping, _DAMPING_SHARE * grad_norm) if damped else damping / 4 if t == 1 else damping

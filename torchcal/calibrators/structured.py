@@ -57,6 +57,7 @@ from torchcal.calibrators._linear import (
     newton_stalled,
 )
 from torchcal.calibrators._multinomial import (
+    DIVERGING,
     MAX_NEWTON_STEPS,
     SELECTION_TOLERANCES,
     TIE_TOLERANCES,
@@ -620,6 +621,10 @@ class StructuredMatrixScaling(_StructuredScaling):
             if record.converged or bool(torch.isfinite(theta).all()):
                 self._set_theta(theta)
         if record.converged:
+            return record
+        if record.message.startswith(DIVERGING):  # (reg_lambda = 0: no finite optimum, which L-BFGS would only chase)
+            record = dataclasses.replace(record, message=f"{record.message}. {self._regularisation_advice()}")
+            warnings.warn(f"Newton-CG stopped: {record.message}", ConvergenceWarning, stacklevel=stacklevel_outside_package())
             return record
         def lbfgs(cap: int) -> FitRecord:  # (the preconditioned L-BFGS of _StructuredScaling)
             return super(StructuredMatrixScaling, self)._fit_map(x, labels, weights, loss, cap, reg_lambda, process_group, accuracy)

@@ -471,6 +471,22 @@ def test_fast_dev_run_fits_a_head_in_one_short_epoch():
     assert "calibration/error" in trainer.callback_metrics
 
 
+def test_a_validation_set_smaller_than_the_folds_skips_the_rcl_and_the_report(recwarn):
+    """4 validation samples, 5 folds: the report's cross-validation raised at the end of
+    trainer.fit, after training, and the RCL's at the first validation epoch. Both are left out
+    now, said once; the head is fitted and the other metrics logged."""
+    data = make_data(4, seed=1)
+    val = DataLoader(data, batch_size=4)
+    callback = CalibrationCallback(torchcal.TemperatureScaling(), metrics=("nce", "rcl"))
+    trainer = Trainer(**TRAINER_DEFAULTS, max_epochs=2, callbacks=[callback])
+    trainer.fit(Classifier(), loader(100, seed=0, shuffle=True), val)
+    assert callback.calibrator.is_fitted and callback.report_ is None
+    assert math.isnan(float(trainer.callback_metrics["calibration/rcl"]))
+    assert math.isfinite(float(trainer.callback_metrics["calibration/nce"]))
+    said = [str(w.message) for w in recwarn if "validation samples" in str(w.message)]
+    assert len(said) == 1 and "at least 5 validation samples (the fewest: 4)" in said[0]
+
+
 @pytest.mark.parametrize(("every_n_epochs", "epochs", "head_fits"), [(2, 4, 2), (0, 2, 1)])
 def test_every_n_epochs_fits_and_logs_only_then(every_n_epochs, epochs, head_fits, tmp_path):
     """Digits, a few epochs: the head and the metrics every n-th epoch (0: once, at the end), the

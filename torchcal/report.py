@@ -84,6 +84,7 @@ from torchcal.functional import (
 from torchcal.functional import (
     bootstrap as bootstrap_metric,
 )
+from torchcal.functional.bootstrap import normalised_resampling_is_stratified
 from torchcal.functional.consistency_resampling import consistency_resampling_test
 from torchcal.functional.decisions import is_zero_one_costs
 from torchcal.functional.detection import cllr, equal_error_rate, min_cllr
@@ -832,9 +833,10 @@ class _Metrics:
             sums, counts = class_sums(pair[:, 0] - pair[:, 1], labels, num_classes)
             return prior_weighted_mean(sums, counts, self.priors) / naive
 
-        # (stratified, as the NCE's own bootstrap: the class counts set its naive system)
+        # (resampled as the NCE's own bootstrap is)
+        stratify = self.priors is not None or normalised_resampling_is_stratified(self.labels)
         result = bootstrap_metric(nce_difference, losses, self.labels, num_replicates=self.replicates, seed=self.seed,
-                                  stratify=True, progress=self.progress)
+                                  stratify=stratify, progress=self.progress)
         return Estimate(float(result.estimate), float(result.lower), float(result.upper))
 
     def _detection(self, logits: Tensor) -> dict[str, float]:

@@ -524,8 +524,10 @@ class CalibrationCallback(Callback):
         if quality is not None:
             values.update({name: quality[_FUSED_STATISTICS[name]] for name in names if name in _FUSED_STATISTICS})
             if "rcl" in names:
-                calibrated = self._quality(self._out_of_fold(scores, labels, group), labels, group)
-                values["rcl"] = _relative_calibration_loss(quality, calibrated)
+                values["rcl"] = math.nan
+                if self._enough_for_folds(labels, group):
+                    calibrated = self._quality(self._out_of_fold(scores, labels, group), labels, group)
+                    values["rcl"] = _relative_calibration_loss(quality, calibrated)
         if "refinement" in names:
             if head_fitted_here and self._head_is_plain_temperature_scaling():
                 scaling = self._calibrator
@@ -548,6 +550,21 @@ class CalibrationCallback(Callback):
         # (a process's bad outputs raise on every process: the others would wait in the sync)
         validate_together(lambda: quality.update(scores, labels), group, scores)
         return {name: float(value) for name, value in quality.compute().items()}
+
+    def _enough_for_folds(self, labels: Tensor, group: ProcessGroup | None) -> bool:
+        """Whether every process holds at least ``folds`` validation samples, as the RCL's and the
+        report's cross-validation needs; says once where not (it raised at the end of trainer.fit,
+        after training: 4 samples with fast_dev_run, or 8 over two ddp processes)."""
+        own = torch.tensor([-float(labels.shape[0])], dtype=torch.float64, device=labels.device)
+        fewest = int(-all_reduce_(own, group, op="max")[0])
+        if fewest >= self.folds:
+            return True
+        where = "on every process " if group is not None else ""
+        self._warn_once("folds", f"CalibrationCallback: the RCL and the end-of-fit report cross-validate the calibrator "
+                                 f"with {self.folds} folds, which needs at least {self.folds} validation samples {where}"
+                                 f"(the fewest: {fewest}); they are left out (the RCL logged as NaN). Validate on more "
+                                 f"samples, or pass fewer folds.")
+        return False
 
     def _out_of_fold(self, scores: Tensor, labels: Tensor, group: ProcessGroup | None) -> Tensor:
         """Out-of-fold calibrated scores; under DDP each fold is the union of the processes' folds,
@@ -707,7 +724,7 @@ class CalibrationCallback(Callback):
         with self._fit_warnings_once():
             if not self._head_is_current:
                 self._fit_head(scores, labels, group)
-            if not self.report:
+            if not self.report or not self._enough_for_folds(labels, group):
                 return
             names = [m for m in self.metrics if m not in ("rcl", "refinement")]
             # the last fit epoch's pass on these scores, or a new one when the last epoch fitted nothing

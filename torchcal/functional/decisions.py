@@ -295,7 +295,10 @@ def expected_cost(
         costs: (K, M) cost matrix, rows true classes, columns decisions.
         priors: optional (K,) deployment priors; the default is the empirical class frequencies.
         normalize: divide by the cost of the best naive system ``min_j sum_i costs[i, j] P[i]``
-            (NEC); ``ValueError`` if that is 0.
+            (NEC); ``ValueError`` if that is 0. The costs are used as given: a constant added to
+            a class's row raises the system's and the naive system's costs alike, so the NEC of
+            costs whose rows have no zero differs from psrcal's, which subtracts each row's
+            minimum first (do that to compare).
 
     Example (Ferrer's micro test):
         >>> import torch
@@ -351,7 +354,8 @@ def bayes_risk(
         labels: (N,) class indices in [0, K).
         costs: (K, M) cost matrix.
         priors: optional (K,) deployment priors for the evaluation.
-        normalize: divide by the cost of the best naive system.
+        normalize: divide by the cost of the best naive system (the costs as given: see
+            :func:`expected_cost`).
 
     Example:
         >>> import torch

@@ -167,6 +167,23 @@ def test_calibration_loss_with_refit_in_every_replicate(data):
     assert torch.all(result.replicates[:, 1] > 10)  # tripled logits: large relative loss
 
 
+def test_a_cross_validated_calibration_loss_keeps_a_resample_s_copies_in_one_fold(data):
+    """Each replicate's cross-validation gets the original row of each drawn copy as its group, so
+    no fold calibrator is fitted on copies of what it calibrates (Ferrer & Ramos, App. E); a metric
+    without a ``groups`` argument is called as before."""
+    logits, labels = data
+    calibrator = torchcal.IsotonicCalibration()
+    result = bootstrap(cross_validated_calibration_loss, logits, labels, num_replicates=3, seed=5, calibrator=calibrator, folds=3)
+    index = next(iter(resample_indices(labels.shape[0], 3, 5, None)))[0]
+    grouped = cross_validated_calibration_loss(logits[index], labels[index], calibrator, folds=3, groups=index)
+    spread = cross_validated_calibration_loss(logits[index], labels[index], calibrator, folds=3)
+    assert result.replicates[0].tolist() == [float(grouped.absolute), float(grouped.relative)]
+    assert float(spread.relative) != float(grouped.relative)
+    plain = bootstrap(lambda z, y, calibrator: cross_validated_calibration_loss(z, y, calibrator, folds=3), logits, labels,
+                      num_replicates=3, seed=5, calibrator=calibrator)
+    assert plain.replicates[0].tolist() == [float(spread.absolute), float(spread.relative)]
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -36,8 +36,12 @@ Three paths, chosen automatically, give the same replicates for the same seed:
 
 The column and general paths loop over the replicates; ``progress=True`` shows a progress bar.
 
-The resampled data contain duplicates, so a calibrator cross-validated inside a replicate may see
-copies of a test sample in its training folds, which favours the calibrator.
+The resampled data contain duplicates. A metric that cross-validates the ``calibrator`` inside a
+replicate and takes ``groups`` (``cross_validated_calibration_loss``) is given each copy's
+original row, so that copies share a fold, as Ferrer & Ramos ask (App. E): folds that spread them
+fitted calibrators on copies of the samples they calibrated (isotonic regression on the
+AdrenalMNIST logits: replicates of the relative calibration loss averaging +7 % around an
+estimate of -1 %, against -15 % grouped).
 
 The percentile interval describes the metric's sampling distribution, which for a binned or
 kernel ECE (non-negative, and biased upwards by the noise of finite bins) lies above the true
@@ -463,11 +467,27 @@ def _evaluator(
 
         return float64_metric_value(decomposition.evaluate()), on_rows
 
-    def call(x: Tensor, y: Tensor) -> Tensor:
+    # a cross-validating metric keeps a resample's copies of a row in one fold (see the module docs)
+    grouped = calibrator is not None and "groups" not in metric_kwargs and _takes_groups(metric_fn)
+
+    def call(x: Tensor, y: Tensor, groups: Tensor | None = None) -> Tensor:
         extra = {} if calibrator is None else {"calibrator": copy.deepcopy(calibrator)}
+        if groups is not None:
+            extra["groups"] = groups
         return float64_metric_value(metric_fn(x, y, **metric_kwargs, **extra))
 
-    return call(logits, labels), lambda index: call(logits[index.to(logits.device)], labels[index.to(labels.device)])
+    def resampled(index: Tensor) -> Tensor:
+        return call(logits[index.to(logits.device)], labels[index.to(labels.device)], index if grouped else None)
+
+    return call(logits, labels), resampled
+
+
+def _takes_groups(metric_fn: Callable[..., Any]) -> bool:
+    """Whether ``metric_fn`` takes a ``groups`` argument (as ``cross_validated_calibration_loss``)."""
+    try:
+        return "groups" in inspect.signature(metric_fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _resamples(

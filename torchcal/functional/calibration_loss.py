@@ -109,6 +109,7 @@ def cross_validated_calibration_loss(
     priors: Tensor | None = None,
     folds: int = 5,
     seed: int = 0,
+    groups: Tensor | None = None,
 ) -> CalibrationLossResult:
     """Calibration loss with out-of-fold calibrated scores from ``torchcal.cross_validate``.
 
@@ -124,6 +125,10 @@ def cross_validated_calibration_loss(
             ``priors`` too (``fit(..., priors=priors)``), as psrcal's ``calibration_with_crossval`` does.
         folds: number of cross-validation folds.
         seed: seed of the fold assignment.
+        groups: optional (N,) group of each sample; a group's samples share a fold (unstratified
+            folds, see ``torchcal.fit.fold_indices``). :func:`~torchcal.functional.bootstrap`
+            passes each copy's original row, so that no fold calibrator is fitted on copies of the
+            samples it calibrates (Ferrer & Ramos, App. E).
 
     Example:
         >>> import torch, torchcal
@@ -141,5 +146,5 @@ def cross_validated_calibration_loss(
     logits, labels = check_logits_and_labels(logits, labels)
     # the fold calibrators are fitted for the priors they are scored with (their posteriors are for them)
     fit_options: dict[str, Any] = {} if priors is None else {"priors": priors}
-    calibrated = cross_validate(copy.deepcopy(calibrator), logits, labels, folds=folds, seed=seed, **fit_options)
+    calibrated = cross_validate(copy.deepcopy(calibrator), logits, labels, folds=folds, seed=seed, groups=groups, **fit_options)
     return calibration_loss(logits, calibrated, labels, score, priors)

@@ -54,6 +54,11 @@ def all_reduce_(tensor: Tensor, group: ProcessGroup | None, op: Literal["sum", "
     return tensor
 
 
+def least_across(value: float, group: ProcessGroup | None, device: torch.device | None = None) -> float:
+    """The smallest of the processes' ``value`` (one collective; ``value`` itself without a group)."""
+    return -float(all_reduce_(torch.tensor([-float(value)], dtype=torch.float64, device=device), group, op="max")[0])
+
+
 def agree_across(values: dict[str, float], group: ProcessGroup | None, device: torch.device | None = None) -> None:
     """Raise ``ValueError`` on every process of ``group`` unless each of the named ``values`` is
     the same on all of them (one collective; nothing without a group): a K or a dtype that differs

@@ -29,7 +29,7 @@ from torchcal._validation import (
     seeded_generator,
     stacklevel_outside_package,
 )
-from torchcal.distributed import ProcessGroup, agree_across, all_reduce_, validate_together
+from torchcal.distributed import ProcessGroup, agree_across, all_reduce_, least_across, validate_together
 
 if TYPE_CHECKING:
     from torchcal.calibrators.base import Calibrator
@@ -467,7 +467,7 @@ def fold_indices(
     agree_across({"folds": folds, "seed": seed, "stratified": float(stratified), "groups given": float(grouping is not None)},
                  process_group, device)
     if process_group is not None:
-        fewest = -all_reduce_(torch.tensor(-float(n), dtype=torch.float64, device=device), process_group, op="max").item()
+        fewest = least_across(n, process_group, device)
         if fewest < folds:
             raise ValueError(f"cross-validation with {folds} folds needs at least {folds} samples on every process "
                              f"(the fewest: {int(fewest)}), got N = {n} here.")

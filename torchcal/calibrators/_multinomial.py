@@ -46,6 +46,7 @@ passes (the steps between a test met and its read-back) than the synchronisation
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -57,7 +58,7 @@ from torch import Tensor
 
 from torchcal._fast_exp import exp_floor
 from torchcal._validation import stacklevel_outside_package
-from torchcal.distributed import ProcessGroup, all_reduce_, world_size
+from torchcal.distributed import ProcessGroup, all_reduce_, least_across, world_size
 from torchcal.fit import STALL_GRAD, ConvergenceWarning, FitRecord
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "TIE_TOLERANCES",
     "fit_multinomial_logistic",
     "selection_tolerances",
+    "warn_diverging",
 ]
 
 _log = logging.getLogger(__name__)
@@ -260,6 +262,14 @@ _FLOAT32_TOL_GRAD = 1e-4
 #: The ridges, relative to a block's largest diagonal entry, that a numerically indefinite block
 #: gets in turn; past the last, Cholesky's own error is raised.
 _RIDGES = (1e-6, 1e-4, 1e-2)
+
+
+def warn_diverging(record: FitRecord, advice: str) -> FitRecord:
+    """The record of a fit stopped as :data:`DIVERGING`, its message ending in ``advice``, with a
+    warning that says so. The caller keeps it: an L-BFGS fallback would only chase the infimum."""
+    record = dataclasses.replace(record, message=f"{record.message}: {advice}")
+    warnings.warn(f"Newton-CG stopped: {record.message}", ConvergenceWarning, stacklevel=stacklevel_outside_package())
+    return record
 
 
 def _forcing(grad_norm: float, previous: tuple[float, float] | None, floor: float) -> float:
@@ -757,9 +767,9 @@ def fit_multinomial_logistic(
         # log(2) times its weight to the loss. Below that for the least weight, every sample is
         # classified correctly: scaling the map up lowers the loss towards 0, and there is no
         # finite optimum to go on to. (Half of it: the float32 passes' round-off.)
-        weighted = sample_w[sample_w > 0].to(torch.float64)
-        least = weighted.min().reshape(1) if weighted.numel() else weighted.new_full((1,), math.inf)  # (an empty shard)
-        separated_below = 0.5 * math.log(2) * -float(all_reduce_(-least, process_group, op="max")[0])
+        weighted = sample_w[sample_w > 0]
+        least = float(weighted.min()) if weighted.numel() else math.inf  # (an empty shard)
+        separated_below = 0.5 * math.log(2) * least_across(least, process_group, sample_w.device)
     # Without a penalty, directions of theta's rows that the features cannot see (a logit column
     # that is constant) change nothing, and CG, preconditioned by blocks
     # singular along them, let round-off walk the parameters out along them: a constant logit

@@ -4,7 +4,6 @@ ODIR and L2 regularisers of Kull et al. (2019) and cross-validated regularisatio
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -20,6 +19,7 @@ from torchcal.calibrators._multinomial import (
     TIE_TOLERANCES,
     fit_multinomial_logistic,
     selection_tolerances,
+    warn_diverging,
 )
 from torchcal.calibrators.base import (
     Calibrator,
@@ -421,8 +421,7 @@ class MatrixScaling(Calibrator):
             return hand_over_to_lbfgs(record, lambda cap: Calibrator._fit(self, features, labels, weights, loss, cap, process_group),
                                       max_iter, type(self).__name__)
         if diverging:
-            record = dataclasses.replace(record, message=f"{record.message}: use reg='odir' or reg='l2'")
-            warnings.warn(f"Newton-CG stopped: {record.message}", ConvergenceWarning, stacklevel=stacklevel_outside_package())
+            record = warn_diverging(record, "use reg='odir' or reg='l2'")
         self._set_theta(theta)
         return record
 

@@ -62,6 +62,7 @@ from torchcal.calibrators._multinomial import (
     SELECTION_TOLERANCES,
     TIE_TOLERANCES,
     fit_multinomial_logistic,
+    warn_diverging,
 )
 from torchcal.calibrators.base import Calibrator, sample_weights, total_samples
 from torchcal.calibrators.temperature import fit_inverse_temperature
@@ -622,10 +623,8 @@ class StructuredMatrixScaling(_StructuredScaling):
                 self._set_theta(theta)
         if record.converged:
             return record
-        if record.message.startswith(DIVERGING):  # (reg_lambda = 0: no finite optimum, which L-BFGS would only chase)
-            record = dataclasses.replace(record, message=f"{record.message}. {self._regularisation_advice()}")
-            warnings.warn(f"Newton-CG stopped: {record.message}", ConvergenceWarning, stacklevel=stacklevel_outside_package())
-            return record
+        if record.message.startswith(DIVERGING):  # (reg_lambda = 0: no finite optimum)
+            return warn_diverging(record, self._regularisation_advice())
         def lbfgs(cap: int) -> FitRecord:  # (the preconditioned L-BFGS of _StructuredScaling)
             return super(StructuredMatrixScaling, self)._fit_map(x, labels, weights, loss, cap, reg_lambda, process_group, accuracy)
 

@@ -35,7 +35,7 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 from torchcal._validation import check_count
 from torchcal.calibrators import Calibrator, TemperatureScaling
 from torchcal.calibrators.base import check_calibrator
-from torchcal.distributed import ProcessGroup, all_reduce_, validate_together
+from torchcal.distributed import ProcessGroup, all_reduce_, least_across, validate_together
 from torchcal.fit import cross_validate
 from torchcal.functional import (
     brier_score,
@@ -555,8 +555,7 @@ class CalibrationCallback(Callback):
         """Whether every process holds at least ``folds`` validation samples, as the RCL's and the
         report's cross-validation needs; says once where not (it raised at the end of trainer.fit,
         after training: 4 samples with fast_dev_run, or 8 over two ddp processes)."""
-        own = torch.tensor([-float(labels.shape[0])], dtype=torch.float64, device=labels.device)
-        fewest = int(-all_reduce_(own, group, op="max")[0])
+        fewest = int(least_across(labels.shape[0], group, labels.device))
         if fewest >= self.folds:
             return True
         where = "on every process " if group is not None else ""

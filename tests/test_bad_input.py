@@ -244,7 +244,7 @@ def test_calibrator_applied_to_another_number_of_classes():
     logits, labels = good_data()
     for cal in (torchcal.TemperatureScaling(), torchcal.AffineCalibration(), torchcal.IsotonicCalibration()):
         cal.fit(logits, labels)
-        with pytest.raises(ValueError, match="K = 4 classes but 3 were expected"):
+        with pytest.raises(ValueError, match=rf"K = 4 classes but 3 were expected \(the number of classes {type(cal).__name__} was fitted on\)"):
             cal(torch.randn(5, 4))
         with pytest.raises(ValueError, match="K = 2 classes but 3 were expected"):
             cal(torch.randn(5, 2))
@@ -306,7 +306,7 @@ def test_metric_updated_with_another_number_of_classes():
         metrics.CalibrationLoss(_fitted_temperature(), num_classes=K),
     ):
         metric.update(logits, labels)
-        with pytest.raises(ValueError, match="K = 4 classes but 3 were expected.*metric was built for"):
+        with pytest.raises(ValueError, match=rf"K = 4 classes but 3 were expected \(the number of classes {type(metric).__name__} was built for\)"):
             metric.update(wider, labels)
 
 
@@ -452,12 +452,12 @@ def test_probability_file_whose_rows_do_not_sum_to_one(tmp_path):
 
 # --------------------------------------------------------------------------- priors
 BAD_PRIORS = [
-    (torch.tensor([0.5, 0.3, 0.1]), "priors must sum to one, got sum 0.9"),
+    (torch.tensor([0.5, 0.3, 0.1]), r"priors must sum to one \(within 0.0001\), got sum 0.9"),
     (torch.tensor([0.6, 0.6, -0.2]), "priors must be finite and non-negative"),
     (torch.tensor([0.5, float("nan"), 0.5]), "priors must be finite and non-negative"),
     (torch.tensor([0.5, 0.5]), r"priors must have shape \(3,\) for K = 3 classes, got \(2,\)"),
     (torch.full((1, 3), 1 / 3), r"priors must have shape \(3,\)"),
-    (torch.tensor([1, 2, 1]) / 4 * 100, "priors must sum to one, got sum 100; divide them by their sum"),
+    (torch.tensor([1, 2, 1]) / 4 * 100, r"priors must sum to one \(within 0.0001\), got sum 100; divide them by their sum"),
 ]
 PRIOR_ENTRY_POINTS = {
     "cross_entropy": lambda p: F.cross_entropy(*good_data(), priors=p),
@@ -478,6 +478,17 @@ PRIOR_ENTRY_POINTS = {
 def test_bad_priors(entry, priors, pattern):
     with pytest.raises(ValueError, match=pattern):
         PRIOR_ENTRY_POINTS[entry](priors)
+
+
+def test_priors_rounded_to_six_decimals_are_accepted_and_divided_by_their_sum():
+    """0.333333 three times sums to 0.999999: round-off of how priors are written, not a mistake
+    (it was refused at a tolerance of 1e-6); the values used are divided by the sum."""
+    logits, labels = good_data()
+    rounded = torch.full((K,), round(1 / K, 6), dtype=torch.float64)
+    assert abs(float(rounded.sum()) - 1) > 1e-7
+    exact = torch.full((K,), 1 / K, dtype=torch.float64)
+    torch.testing.assert_close(check_priors(rounded, K), exact, rtol=1e-15, atol=0)
+    torch.testing.assert_close(F.cross_entropy(logits, labels, priors=rounded), F.cross_entropy(logits, labels, priors=exact))
 
 
 # --------------------------------------------------------------------------- costs
@@ -520,7 +531,7 @@ def test_cost_matrix_for_another_k():
     with pytest.raises(ValueError, match=r"labels must lie in \[0, 2\) for K = 2 classes"):
         F.expected_cost(torch.zeros(N, dtype=torch.long), labels, F.zero_one_costs(2))
     for k in (2, 4):
-        with pytest.raises(ValueError, match=f"logits has K = 3 classes but {k} were expected.*metric was built for"):
+        with pytest.raises(ValueError, match=rf"logits has K = 3 classes but {k} were expected \(the number of classes BayesRisk was built for\)"):
             metrics.BayesRisk(F.zero_one_costs(k)).update(logits, labels)
 
 

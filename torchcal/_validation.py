@@ -149,8 +149,11 @@ def _all_in_range(labels: Tensor, num_classes: int) -> bool:
     return low >= 0 and high < num_classes
 
 
-def check_logits(logits: Any, name: str = "logits", num_classes: int | None = None, *, warn_probs: bool = True) -> Tensor:
-    """Validate scores of shape (N, K): floating dtype, K >= 2, N >= 1, all finite.
+def check_logits(
+    logits: Any, name: str = "logits", num_classes: int | None = None, *, warn_probs: bool = True, classes_of: str = ""
+) -> Tensor:
+    """Validate scores of shape (N, K): floating dtype, K >= 2, N >= 1, all finite; K equal to
+    ``num_classes`` if given, ``classes_of`` saying whose they are ("the calibrator was fitted on").
 
     Scores are logits in the wide sense: any unnormalised log-posteriors (``log(probs)`` works,
     clamped if a probability is 0: -inf is refused).
@@ -179,8 +182,8 @@ def check_logits(logits: Any, name: str = "logits", num_classes: int | None = No
         )
     if num_classes is not None and k != num_classes:
         raise ValueError(
-            f"{name} has K = {k} classes but {num_classes} were expected (the number of classes "
-            f"the calibrator was fitted on, or the metric was built for)."
+            f"{name} has K = {k} classes but {num_classes} were expected"
+            + (f" (the number of classes {classes_of})." if classes_of else ".")
         )
     if n == 0:
         raise ValueError(f"{name} is empty (N = 0): at least one sample is needed.")
@@ -277,10 +280,10 @@ def check_labels(labels: Any, num_samples: int, num_classes: int, name: str = "l
 
 
 def check_logits_and_labels(
-    logits: Any, labels: Any, num_classes: int | None = None, *, warn_probs: bool = True
+    logits: Any, labels: Any, num_classes: int | None = None, *, warn_probs: bool = True, classes_of: str = ""
 ) -> tuple[Tensor, Tensor]:
     """Validate a (scores, labels) pair and put the labels on the scores' device."""
-    logits = check_logits(logits, num_classes=num_classes, warn_probs=warn_probs)
+    logits = check_logits(logits, num_classes=num_classes, warn_probs=warn_probs, classes_of=classes_of)
     labels = check_labels(labels, logits.shape[0], logits.shape[1]).to(logits.device)
     return logits, labels
 
@@ -335,13 +338,14 @@ def total_may_be_of_probs(total: float, rows: int, dtype: torch.dtype) -> bool:
 
 
 def check_priors(priors: Any, num_classes: int, device: torch.device | None = None) -> Tensor:
-    """Validate class priors: K non-negative numbers summing to one within 1e-6 (half-precision
-    ones within their round-off). Returned in float64, divided by their sum: priors that sum to
-    1 + 1e-7 would scale every prior-weighted value by it (an expected cost above the largest cost)."""
+    """Validate class priors: K non-negative numbers summing to one within the tolerance of a row
+    of probabilities of their dtype (1e-4 in single and double precision: priors written to six
+    decimals, 0.333333 three times, are accepted). Returned in float64, divided by their sum:
+    priors that sum to 1 + 1e-7 would scale every prior-weighted value by it (an expected cost
+    above the largest cost)."""
     given = as_tensor(priors, "priors")
     if given.is_complex():
         raise ValueError(f"priors must be real numbers, got {given.dtype}.")
-    half = given.dtype in (torch.float16, torch.bfloat16)
     priors = given.to(dtype=torch.float64, device=device)
     if priors.shape != (num_classes,):
         raise ValueError(
@@ -350,9 +354,9 @@ def check_priors(priors: Any, num_classes: int, device: torch.device | None = No
     if not bool(torch.isfinite(priors).all()) or bool((priors < 0).any()):
         raise ValueError("priors must be finite and non-negative.")
     total = float(priors.detach().sum())
-    # (each half-precision entry is within eps / 2 of its value, relatively, and so is their sum)
-    if abs(total - 1) > (2 * torch.finfo(given.dtype).eps if half else 1e-6):
-        raise ValueError(f"priors must sum to one, got sum {total:.8g}; divide them by their sum.")
+    atol = _simplex_atol(given.dtype)
+    if abs(total - 1) > atol:
+        raise ValueError(f"priors must sum to one (within {atol:g}), got sum {total:.8g}; divide them by their sum.")
     return priors if total == 1 else priors / total
 
 

@@ -490,7 +490,7 @@ class Calibrator(nn.Module):
         logits = as_tensor(logits, "logits")
         if logits.ndim == 2 and logits.shape[0] == 0 and logits.shape[1] == self.num_classes and logits.is_floating_point():
             return logits  # an empty batch gives an empty batch, as in a compiled or exported head (fit needs samples)
-        return check_logits(logits, num_classes=self.num_classes)
+        return check_logits(logits, num_classes=self.num_classes, classes_of=f"{type(self).__name__} was fitted on")
 
     def get_extra_state(self) -> dict[str, Any]:
         return {"num_classes": self.num_classes, "class": type(self).__name__}

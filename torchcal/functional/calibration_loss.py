@@ -90,7 +90,9 @@ def calibration_loss(
     _check_score(score)
     raw_logits = check_logits(raw_logits, "raw_logits")
     labels = check_labels(labels, raw_logits.shape[0], raw_logits.shape[1]).to(raw_logits.device)
-    calibrated_logits = check_logits(calibrated_logits, "calibrated_logits", num_classes=raw_logits.shape[1])
+    calibrated_logits = check_logits(
+        calibrated_logits, "calibrated_logits", num_classes=raw_logits.shape[1], classes_of="of raw_logits"
+    )
     if calibrated_logits.shape[0] != raw_logits.shape[0]:
         raise ValueError(
             f"calibrated_logits has {calibrated_logits.shape[0]} rows but raw_logits has "

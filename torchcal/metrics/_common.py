@@ -405,7 +405,10 @@ class ScoreMetric(BatchMetric):
         if self.validate_args and not self._common_case_valid(scores, labels):
             if self.input == "probs":
                 check_probs(scores, "scores")
-            scores, labels = check_logits_and_labels(scores, labels, num_classes=self.num_classes, warn_probs=False)
+            scores, labels = check_logits_and_labels(
+                scores, labels, num_classes=self.num_classes, warn_probs=False,
+                classes_of=f"{type(self).__name__} was built for",
+            )
             if self.input != "probs" and looks_like_probs(scores):
                 warnings.warn(
                     f"the scores look like probabilities (rows in [0, 1] summing to one) but "

@@ -807,6 +807,19 @@ def test_probability_outputs_are_calibrated_as_probabilities(trained):
         )
 
 
+def test_probabilities_declared_as_logits_are_named_once(trained, recwarn):
+    """The outputs' check, the head's fit and the metrics each warned that the scores look like
+    probabilities (three lines saying one thing); now only the first, which names output=."""
+    _, model, _, _ = trained
+    network = ProbsClassifier()
+    network.load_state_dict(model.state_dict())
+    callback = CalibrationCallback(torchcal.VectorScaling(), metrics=("nce", "ece", "rcl"), fit_on_validate=True)
+    Trainer(**TRAINER_DEFAULTS, callbacks=[callback]).validate(network, DataLoader(make_data(200, seed=4), batch_size=64), verbose=False)
+    said = [str(w.message) for w in recwarn if "look like probabilities" in str(w.message)]
+    assert said == ["CalibrationCallback: the network outputs look like probabilities (rows in [0, 1] summing to one) "
+                    "but output='logits'; pass output='probs' if they are."]
+
+
 def test_a_head_restores_only_into_a_callback_of_its_output_kind(trained, tmp_path):
     """A head fitted on probabilities, restored into a callback with output="logits", was fed
     probabilities as logits without a word; "logits" and "log_probs" are the same domain."""

@@ -461,12 +461,12 @@ class CalibrationCallback(Callback):
                 self._latest = self._latest_quality = None
             self._log(trainer, pl_module, dict.fromkeys(names, math.nan))
             return
-        # (probabilities that one process refuses stop every process: the others would wait in the fit's sums)
-        scores = validate_together(lambda: scores_from_outputs(outputs, self.output), group, outputs)
-        if fitting:
-            self._latest, self._head_is_current = (scores, labels, group), False
-            self._latest_weights = self._validated_weights
         with self._fit_warnings_once():
+            # (probabilities that one process refuses stop every process: the others would wait in the fit's sums)
+            scores = validate_together(lambda: scores_from_outputs(outputs, self.output), group, outputs)
+            if fitting:
+                self._latest, self._head_is_current = (scores, labels, group), False
+                self._latest_weights = self._validated_weights
             if fit:
                 self._fit_head(scores, labels, group)
             quality = self._quality(scores, labels, group) if any(n in _FUSED_STATISTICS or n == "rcl" for n in names) else None
@@ -588,13 +588,16 @@ class CalibrationCallback(Callback):
     def _fit_warnings_once(self) -> Iterator[None]:
         """The block's warnings (its fits'), each distinct one once per callback and named as the
         callback's: a head fitted every validation epoch, with its folds' fits, repeated them (23
-        lines in 3 epochs of a validation set without one class), at a line in Lightning."""
+        lines in 3 epochs of a validation set without one class), at a line in Lightning. Outputs
+        that look like probabilities but were declared log-domain are said once, by the first check
+        (the outputs', which names the callback's ``output``), not again by the fit and the metrics."""
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             yield
         for w in caught:
             message = str(w.message)
-            self._warn_once(message, message if message.startswith("CalibrationCallback") else f"CalibrationCallback: {message}",
+            key = "probabilities declared log-domain" if "look like probabilities" in message else message
+            self._warn_once(key, message if message.startswith("CalibrationCallback") else f"CalibrationCallback: {message}",
                             w.category)
 
     # ------------------------------------------------------------------------------ the head

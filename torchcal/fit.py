@@ -474,7 +474,7 @@ def fold_indices(
     gen = seeded_generator(seed)
     assignment = torch.empty(n, dtype=torch.long)
     labels = labels.cpu()
-    canonical = torch.arange(n) if scores is None or grouping is not None else _order_by_content(scores, labels)
+    canonical = torch.arange(n) if scores is None or grouping is not None else order_by_content(scores, labels)
     if grouping is not None:
         unique, inverse, counts = grouping
         # in a random order, each to the smallest fold (as scikit-learn's shuffled GroupKFold; largest
@@ -534,7 +534,7 @@ def content_keys(scores: Tensor) -> Tensor:
                       @ direction for chunk in scores.split(rows)]).cpu()
 
 
-def _order_by_content(scores: Tensor, labels: Tensor) -> Tensor:
+def order_by_content(scores: Tensor, labels: Tensor) -> Tensor:
     """A permutation of the samples that depends on their values only: by label, then by their
     :func:`content_keys`, then by their mean score (rounded to float32): rows that differ by a
     constant share a key, the same posteriors, but are different samples to a map of the raw

@@ -70,7 +70,7 @@ from torchcal import (
 from torchcal._validation import check_costs, check_logits_and_labels, check_priors, stacklevel_outside_package
 from torchcal.data import Scores
 from torchcal.data.loading import ROUNDED_READ_AS_LOGITS
-from torchcal.fit import ConvergenceWarning, content_keys, shared_samples
+from torchcal.fit import ConvergenceWarning, order_by_content, shared_samples
 from torchcal.functional import (
     bayes_risk,
     brier_score,
@@ -138,9 +138,6 @@ ECE_BINS = 15
 #: Label resamples of the calibration test in the report (p-values in steps of 1/200, the smallest 0.005).
 CALIBRATION_TEST_RESAMPLES = 199
 _TEXT_FILES = ("report.txt", "report.json", "report.csv")
-#: The share of evaluated samples with scores of their own above which samples of equal scores and
-#: labels are taken for the same sample (:func:`_check_held_out`).
-_DISTINCT_SCORES = 0.99
 #: Every name :meth:`Report.save` may write: the files :meth:`Report.stale_files` may name for removal.
 REPORT_FILES = (*_TEXT_FILES, "calibrator.pt", "reliability_top_label.png", "reliability_smooth.png",
                 "reliability_per_class.png", "bayes_risk.png", "det.png")
@@ -545,16 +542,25 @@ def _csv_row(name: str, q: Quality, m: MethodResult | None) -> list[Any]:
 
 # --- the workflow ----------------------------------------------------------------------------------
 
+def _same_rows_in_any_order(logits: Tensor, labels: Tensor, cal_logits: Tensor, cal_labels: Tensor) -> bool:
+    """Whether the calibration data are the evaluated data with the rows perhaps reordered: the
+    same multiset of (label, scores) rows (rows equal bit for bit)."""
+    if cal_logits.shape != logits.shape or cal_logits.dtype != logits.dtype:
+        return False
+    labels, cal_labels = labels.cpu(), cal_labels.cpu()
+    mine, theirs = order_by_content(logits, labels), order_by_content(cal_logits, cal_labels)
+    return torch.equal(labels[mine], cal_labels[theirs]) and torch.equal(logits.cpu()[mine], cal_logits.cpu()[theirs])
+
+
 def _check_held_out(logits: Tensor, labels: Tensor, cal_logits: Tensor, cal_labels: Tensor) -> None:
     """Refuse calibration data that are the evaluated data, and warn of calibration data that hold
     some of the evaluated samples: a calibrator is never scored on the samples it was fitted on
     (Ferrer & Ramos; the evaluated file given as its own calibration data raised the affine RCL of
     CIFAR-10 ResNet-20 from 17.28 % by cross-validation to 17.65 %).
 
-    Samples count as the same where :func:`~torchcal.fit.shared_samples` finds them (their labels
-    agree, their log-posteriors within round-off), which tells samples apart only where the
-    scores do. Where fewer than ``_DISTINCT_SCORES`` of the evaluated samples have scores of their
-    own (scores of a few distinct values), only data equal row by row are refused. Otherwise the
+    The evaluated data given again, in any row order, are refused. Otherwise samples count as the
+    same where :func:`~torchcal.fit.shared_samples` finds them (their labels agree, their
+    log-posteriors within round-off), which tells samples apart only where the scores do, and the
     matches are weighed against chance: a calibration sample of class k has a twin within
     round-off among the other calibration samples of its class with probability ``c_k`` (17 % for
     20,000 binary float32 log-posteriors of FVCAUS, where 852 of 5,000 disjoint samples matched
@@ -562,14 +568,13 @@ def _check_held_out(logits: Tensor, labels: Tensor, cal_logits: Tensor, cal_labe
     take its binomial standard deviation. More than 4 standard deviations (and one sample) above
     that are warned of, and all of them matching beyond that is refused. (Duplicated calibration
     rows, oversampling say, raise ``c_k``: there a few leaked samples can go unnoticed; all of
-    them are still refused.)"""
+    them are still refused. With scores of a few distinct values nearly every sample has a twin,
+    and only the same data are told apart.)"""
     advice = "pass held-out calibration data, or none: then every sample is calibrated by cross-validation"
     n = labels.shape[0]
     expected = 0.0  # of the evaluated samples, matching by chance
-    if cal_logits.shape == logits.shape and torch.equal(cal_labels.cpu(), labels.cpu()) and torch.equal(cal_logits.cpu(), logits.cpu()):
+    if _same_rows_in_any_order(logits, labels, cal_logits, cal_labels):
         shared = n
-    elif content_keys(logits).unique().numel() < _DISTINCT_SCORES * n:
-        return
     else:
         shared = int(shared_samples(logits, labels, cal_logits, cal_labels).sum())
         if not shared:

@@ -514,3 +514,41 @@ def test_affine_calibration_of_scores_that_are_the_same_on_every_row():
         fitted = torchcal.AffineCalibration().fit(torch.zeros(80, 3, dtype=torch.float64), torch.arange(80) % 2)
     assert fitted.alpha == 0.0 and sum("the same on every calibration row" in str(w.message) for w in caught) == 1
     np.testing.assert_allclose(fitted(torch.tensor([[2.0, 0.0, -1.0]])).exp().detach().numpy()[0, :2], [0.5, 0.5], rtol=1e-9)
+
+
+def test_beta_calibration_of_scores_of_at_most_two_distinct_values_is_platt_scaling():
+    """[1, log q1, -log q0] has rank 1 on constant scores and 2 on two distinct ones: a line of
+    (a, b, c) fits equally well, and the fit had stopped anywhere on it, "converged" without a word
+    (constant scores: a = 0.685, b = 1.315, sloped on unseen scores; two values: the exact optima
+    a = 0 and a = 3 give 0.24 and 0.00 at llr -4; a review finding). Now it warns and fits a = b,
+    Platt scaling, for either loss; three distinct values identify all three (no warning)."""
+    llr = torch.tensor([0.5] * 60 + [2.0] * 60, dtype=torch.float64)
+    labels = torch.tensor([1] * 30 + [0] * 30 + [1] * 48 + [0] * 12)
+    unseen = torch.tensor([[0.0, -4.0], [0.0, 0.5], [0.0, 2.0], [0.0, 6.0]], dtype=torch.float64)
+    for loss in ("log", "brier"):
+        for logits in (torch.stack([torch.zeros_like(llr), llr], dim=1), torch.zeros(120, 2, dtype=torch.float64)):
+            with pytest.warns(UserWarning, match="at most two distinct values, which do not determine a and b apart"):
+                beta = torchcal.BetaCalibration().fit(logits, labels, loss=loss)  # (constant ones: also "the same on every row")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (Platt's own warning of constant scores)
+                platt = torchcal.PlattScaling().fit(logits, labels, loss=loss)
+            assert beta.a.item() == beta.b.item() == pytest.approx(platt.slope, abs=1e-12)
+            torch.testing.assert_close(beta(unseen), platt(unseen), rtol=0, atol=1e-9)
+    # two values: the frequencies 0.5 and 0.8 exactly (NumPy: the logistic fit through both points)
+    beta = torchcal.BetaCalibration()
+    with pytest.warns(UserWarning, match="two distinct values"):
+        beta.fit(torch.stack([torch.zeros_like(llr), llr], dim=1), labels)
+    slope = (np.log(0.8 / 0.2) - np.log(0.5 / 0.5)) / 1.5
+    np.testing.assert_allclose(beta.predict_proba(unseen)[:, 1].detach().numpy(),
+                               1 / (1 + np.exp(-(slope * (np.array([-4.0, 0.5, 2.0, 6.0]) - 0.5)))), rtol=1e-8)
+    # constant scores: the base rate everywhere, said under Beta's name
+    with pytest.warns(UserWarning) as caught:
+        beta = torchcal.BetaCalibration().fit(torch.zeros(120, 2), labels)
+    assert [str(w.message).split(":")[0] for w in caught] == ["BetaCalibration"] * 2
+    assert "the same on every calibration row" in str(caught[1].message)
+    assert beta.a.item() == beta.b.item() == 0.0
+    np.testing.assert_allclose(beta.predict_proba(unseen)[:, 1].detach().numpy(), 78 / 120, rtol=1e-9)
+    three = torch.cat([llr, torch.tensor([1.0] * 10, dtype=torch.float64)])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*distinct values")
+        torchcal.BetaCalibration().fit(torch.stack([torch.zeros_like(three), three], dim=1), torch.cat([labels, torch.arange(10) % 2]))

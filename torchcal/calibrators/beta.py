@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
+from torchcal._validation import stacklevel_outside_package
 from torchcal.calibrators._linear import BinaryLogisticDesign, finish_newton, fit_linear_newton
+from torchcal.calibrators.affine import PlattScaling
 from torchcal.calibrators.base import Calibrator
 from torchcal.calibrators.temperature import inverse_temperature_start
-from torchcal.distributed import ProcessGroup
+from torchcal.distributed import ProcessGroup, all_reduce_
 from torchcal.fit import FitRecord
 
 __all__ = ["BetaCalibration"]
@@ -25,7 +29,9 @@ class BetaCalibration(Calibrator):
     remaining coefficients. The log-loss fits are convex: Newton's method with the
     exact 3 x 3 Hessian, started from temperature scaling of the log-odds. Under other losses (the
     Brier score) they are not, and each fit starts from the better of the identity and the log-loss
-    fit of the same coefficients.
+    fit of the same coefficients. Scores of at most two distinct values do not determine ``a`` and
+    ``b`` apart (a line of maps fits them equally well, and each extrapolates differently): there
+    the fit warns and is Platt scaling, ``a = b``.
     """
 
     supported_num_classes = 2
@@ -48,6 +54,8 @@ class BetaCalibration(Calibrator):
         return torch.stack([torch.zeros_like(log_odds), log_odds], dim=1)
 
     def _fit(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
+        if not _coefficients_identified(features, process_group):
+            return self._fit_as_platt_scaling(features, labels, weights, loss, max_iter, process_group)
         try:
             record = self._fit_free(features, labels, weights, loss, max_iter, process_group)
             # a first, as the reference does; a refit with b = 0 can turn a negative (scores that
@@ -66,6 +74,27 @@ class BetaCalibration(Calibrator):
         finally:
             for p in (self.a, self.b):
                 p.requires_grad_(True)
+        return record
+
+    def _fit_as_platt_scaling(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
+        """``a = b``: Platt scaling of the log-odds (whose warnings, of scores that are the same on
+        every row say, are passed on under this calibrator's name)."""
+        warnings.warn(f"{type(self).__name__}: the scores take at most two distinct values, which do not determine a and b "
+                      f"apart (a line of maps fits them equally well): fitted with a = b, as Platt scaling of the log-odds.",
+                      UserWarning, stacklevel=stacklevel_outside_package())
+        platt = PlattScaling()
+        platt._materialize(2, features.device)
+        platt.num_classes = 2
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            record = platt._fit(platt._features(features), labels, weights, loss, max_iter, process_group)
+        for w in caught:
+            warnings.warn(str(w.message).replace(type(platt).__name__, type(self).__name__), w.category,
+                          stacklevel=stacklevel_outside_package())
+        with torch.no_grad():
+            self.a.fill_(platt.slope)
+            self.b.fill_(platt.slope)
+            self.c.fill_(platt.intercept)
         return record
 
     def _fit_free(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
@@ -97,3 +126,14 @@ class BetaCalibration(Calibrator):
 
         return finish_newton(record, keep_point, lambda cap: Calibrator._fit(self, features, labels, weights, "log", cap, process_group),
                              max_iter, type(self).__name__)
+
+
+def _coefficients_identified(features: Tensor, process_group: ProcessGroup | None) -> bool:
+    """Whether the design ``[1, log q1, -log q0]`` of ``features: (N, 2)`` (log-posteriors) has full
+    rank over all shards; it has not where the scores take at most two distinct values."""
+    design = torch.stack([torch.ones_like(features[:, 0]), features[:, 1], -features[:, 0]], dim=1).to(torch.float64)
+    gram = all_reduce_(design.T @ design, process_group)
+    scale = gram.diagonal().sqrt().clamp_min(torch.finfo(torch.float64).tiny)
+    eigenvalues = torch.linalg.eigvalsh(gram / scale[:, None] / scale[None, :])
+    # (two distinct rows leave the smallest at round-off, 1e-17; three leave it far above)
+    return bool(eigenvalues[0] > 1e-12 * eigenvalues[-1])

@@ -501,6 +501,14 @@ def test_binary_kind_with_more_classes_names_only_the_kinds_the_function_takes()
         assert "class_index" not in str(caught.value)
     with pytest.raises(ValueError, match='got K = 3; use kind="top-label".$'):
         SpiegelhalterTest(kind="binary").update(logits, labels)
+    # the unbinned ECD, where kind changes nothing, took kind="binary" at K = 3 (a review finding)
+    from torchcal.functional import entropic_calibration_difference
+    from torchcal.metrics import EntropicCalibrationDifference
+
+    with pytest.raises(ValueError, match='needs K = 2 classes, got K = 3; use kind="top-label"'):
+        entropic_calibration_difference(logits, labels, kind="binary")
+    with pytest.raises(ValueError, match='needs K = 2 classes, got K = 3; use kind="top-label"'):
+        EntropicCalibrationDifference(kind="binary").update(logits, labels)
 
 
 def test_numpy_integer_seeds_are_seeds_everywhere():

@@ -800,6 +800,7 @@ def entropic_calibration_difference(
         raise ValueError(f'kind must be "top-label" or "binary", got {kind!r}.')
     if n_bins is None:
         logits, labels = check_logits_and_labels(logits, labels)
+        check_binary_kind(kind, logits.shape[1], ("top-label", "binary"))  # (unbinned, kind changes nothing: refused alike)
         return ecd_per_sample(to_log_probs(logits), labels).mean()
     log_probs, labels, scores, _, edges, tolerance = binned_scores(logits, labels, n_bins, strategy, kind,
                                                                    allowed=("top-label", "binary"))

@@ -319,10 +319,10 @@ class EntropicCalibrationDifference(ScoreMetric):
         logits, labels = batch
         log_probs = to_log_probs(logits)
         values = ecd_per_sample(log_probs, labels)
+        check_binary_kind(self.kind, log_probs.shape[1], _SIGNED_KINDS)
         if self.n_bins is None:
             self.sums += torch.stack([values.sum(), values.new_tensor(float(labels.shape[0]))]).unsqueeze(1)
             return
-        check_binary_kind(self.kind, log_probs.shape[1], _SIGNED_KINDS)
         binned, _ = binning_scores(log_probs, labels, self.kind)
         if self.strategy == "quantile":
             self.scores.append(binned.detach())

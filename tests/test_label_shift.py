@@ -190,6 +190,17 @@ def test_adaptation_lowers_the_log_loss_under_shift_like_the_known_priors(cifar1
     assert weighted_after == pytest.approx(oracle, abs=0.01)
 
 
+@pytest.mark.parametrize("confidence", [0.9, 0.99])
+def test_a_class_absent_from_the_target_ends_at_exactly_zero_also_when_em_alone_converges(confidence):
+    """No target sample of class 1: the gradient at (1, 0) is (1 - p) / p < 1, so the maximum has
+    the class at 0. At p = 0.99 the ten EM steps alone reached the maximum's likelihood and left
+    the prior at 1.1e-20 (a review finding); p = 0.9 takes a Newton step, which projects it."""
+    posteriors = torch.tensor([[confidence, 1 - confidence]] * 100, dtype=torch.float64)
+    estimate = estimate_priors(posteriors.log(), torch.tensor([0.5, 0.5]))
+    assert estimate.priors.tolist() == [1.0, 0.0]
+    assert estimate.record.converged
+
+
 def test_classes_estimated_at_zero_keep_a_finite_log_posterior():
     """The likelihood's maximum sets a class's prior to exactly 0 wherever the target scores are
     explained without it, also when a few of its samples are there: adapted to those priors, the

@@ -74,6 +74,11 @@ _BOUNDARY = 1e-6
 # the iteration cap. Priors it leaves unsettled then move by sqrt(2 gap / curvature), a tiny
 # fraction, sqrt(2 gap N), of their standard error.
 _OPTIMAL_GAP = 16 * torch.finfo(torch.float64).eps
+# Priors below this that the gradient pushes down when the EM steps alone reach the maximum (EM
+# shrinks such a prior by its gradient each step, to 1e-20 in ten steps) are set to 0, where the
+# maximum has them: moving a prior x_k whose gradient g_k is below 1 to the others raises L by
+# x_k (1 - g_k) to first order.
+_VANISHING_PRIOR = 1e-10
 # a class at 0 whose gradient is this close to 1 costs no likelihood to move mass to: its data may
 # not tell it from a free class (copies of a class's scores, rounded to float32, are not exact
 # copies), so it joins the free ones in the search for directions the data leave unidentified
@@ -336,6 +341,7 @@ def _maximise(likelihood: _TargetLikelihood, source: Tensor, max_iter: int, tol:
         # where the gradient is sum(priors) times this one: by concavity, how far L is below its maximum
         if float(priors.sum() * gradient.max()) - 1 <= _OPTIMAL_GAP:
             stopped_by, at_optimum = None, True
+            priors = torch.where((priors.sum() * gradient < 1) & (priors < _VANISHING_PRIOR), 0.0, priors)
             break
         updated, trials, accepted = _projected_newton_step(likelihood, priors, mean_log, gradient)
         priors, step = updated, (updated - priors).abs().max()

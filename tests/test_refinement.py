@@ -254,6 +254,13 @@ def test_empty_batch_is_a_no_op_and_range_warning(val):
             bound = float(narrow.compute())
         assert bound == pytest.approx(float(cross_entropy(logits.double() / 1.5, labels)), rel=rel)
         assert bound > float(refinement_loss(logits, labels))
+    # separable float32 scores: the loss at T_min is 3.7e-44 (mpmath), its float32 sum -1.8e-49;
+    # a loss is never returned below 0 (it was -8.8e-50: a review finding)
+    for dtype in (torch.float32, torch.float64):
+        separable = RefinementLoss()
+        separable.update(torch.tensor([[2.0, 0.0], [0.0, 2.0]], dtype=dtype), torch.tensor([0, 1]))
+        with pytest.warns(UserWarning, match="beyond T_min"):
+            assert 0 <= float(separable.compute()) < 1e-43
     # constant score rows: the loss is log K at every temperature, not beyond either end
     constant = RefinementLoss()
     constant.update(torch.ones(20, 4), torch.arange(20) % 4)

@@ -127,7 +127,8 @@ class RefinementLoss(ScoreMetric):
             return torch.full((), math.nan, dtype=self.loss_sums.dtype, device=self.count.device)
         sums = (self.loss_sums, self.slope_sums, self.curvature_sums)
         f, df, d2f = (s.to(torch.float64) / self.count.to(torch.float64) for s in sums)
-        return self._minimum(f, df, d2f).to(self.loss_sums.dtype)
+        # (a loss is >= 0; float32 sums of losses near 0, separable data at T_min, came out at -9e-50)
+        return self._minimum(f, df, d2f).clamp_min(0).to(self.loss_sums.dtype)
 
     def _minimum(self, f: Tensor, df: Tensor, d2f: Tensor) -> Tensor:
         """The minimum of the loss from its values and derivatives (num_temperatures,) on the grid."""

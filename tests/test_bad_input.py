@@ -988,6 +988,23 @@ def test_segmentation_labels_of_the_wrong_shape_are_named(labels_shape):
         metrics.CrossEntropy(num_classes=4).update(torch.randn(3, 4, 6, 7), torch.zeros(labels_shape, dtype=torch.long))
 
 
+def test_one_hot_labels_of_two_class_segmentation_scores_are_refused():
+    """(N, 2, H, W) scores with one-hot labels of their shape were read as a map of binary scores:
+    N 2 H W "samples" of class-1 log-odds, the error rate exactly 0.5 (a review finding). A map of
+    binary scores with a dimension of size 2 and its own 0/1 labels is still read as one."""
+    gen = torch.Generator().manual_seed(0)
+    scores, classes = torch.randn(3, 2, 6, 7, generator=gen), torch.randint(0, 2, (3, 6, 7), generator=gen)
+    one_hot = torch.nn.functional.one_hot(classes, 2).movedim(-1, 1)
+    for metric in (metrics.CrossEntropy(num_classes=2), metrics.ErrorRate(num_classes=2), metrics.CalibrationError(num_classes=2)):
+        with pytest.raises(ValueError, match=r"need labels of shape \(N, d1, ...\) = \(3, 6, 7\) \(class indices, not one-hot\)"):
+            metric.update(scores, one_hot)
+    binary = metrics.CrossEntropy(num_classes=2)
+    maps = torch.randint(0, 2, (3, 2, 6, 7), generator=gen)
+    binary.update(scores, maps)
+    expected = F.cross_entropy(torch.stack([torch.zeros(3 * 2 * 6 * 7), scores.reshape(-1)], dim=1), maps.reshape(-1))
+    torch.testing.assert_close(binary.compute(), expected.to(binary.compute().dtype))
+
+
 def test_errors_in_a_validation_split_name_the_split(tmp_path):
     path = tmp_path / "scores.npz"
     labels = np.arange(50) % 3

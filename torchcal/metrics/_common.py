@@ -332,9 +332,10 @@ class BatchMetric(Metric):
         elif class_dim and preds.ndim >= 3 and labels.ndim >= 2 and not binary_maps:
             # a map of labels that does not pair with the scores (one-hot labels among them: a map
             # of binary scores needs K = 2); the later checks would blame the scores
-            raise ValueError(f"segmentation scores of shape (N, K, d1, ...) = {tuple(preds.shape)} need labels of shape "
-                             f"(N, d1, ...) = {tuple(preds.shape[:1] + preds.shape[2:])} (class indices, not one-hot), "
-                             f"got {tuple(labels.shape)}.")
+            raise _segmentation_labels_error(preds, labels)
+        elif class_dim and binary_maps and preds.ndim >= 3 and preds.shape[1] == 2 and _one_hot_along_dim_1(labels):
+            # (N, 2, d1, ...) scores of K = 2 classes with one-hot labels, not a map of binary scores
+            raise _segmentation_labels_error(preds, labels)
         elif preds.shape == labels.shape and (preds.ndim >= 3 or (preds.ndim == 2 and not (class_dim and self._maybe_one_hot(preds)))):
             # same shapes: one decision, or one binary score, per element; (N, K) scores with
             # (N, K) labels stay as they are where K may be the classes' count (that is one-hot
@@ -361,6 +362,19 @@ class BatchMetric(Metric):
         time), by torchmetrics' plotting helper. Returns ``(fig, ax)``; needs matplotlib.
         """
         return self._plot(val, ax)
+
+
+def _segmentation_labels_error(scores: Tensor, labels: Tensor) -> ValueError:
+    return ValueError(f"segmentation scores of shape (N, K, d1, ...) = {tuple(scores.shape)} need labels of shape "
+                      f"(N, d1, ...) = {tuple(scores.shape[:1] + scores.shape[2:])} (class indices, not one-hot), "
+                      f"got {tuple(labels.shape)}.")
+
+
+def _one_hot_along_dim_1(labels: Tensor) -> bool:
+    """Whether ``labels: (N, 2, d1, ...)`` hold a single 1 along dim 1 everywhere (one-hot labels of
+    two classes; a map of binary labels with a dimension of size 2 practically never does)."""
+    values = labels.to(torch.int64)
+    return bool(((values == 0) | (values == 1)).all()) and bool((values.sum(dim=1) == 1).all())
 
 
 class ScoreMetric(BatchMetric):

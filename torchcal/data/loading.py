@@ -22,8 +22,9 @@ Supported files:
   index-like one (``id``, ``index``, ... :data:`CSV_INDEX_NAMES`) or one ending in ``_id`` (also
   the index of a slice, of a shuffled frame, or of frames concatenated, which repeats values), or
   the row numbers 0..N-1 in order under any header (a named ``RangeIndex``; from 3 rows).
-  Probabilities written with a fixed number of decimals (at most :data:`CSV_MAX_DECIMALS`, no
-  exponents: ``%.4f``, ``round(4)``) have zeros that stand for anything below half their last
+  Probabilities written with a fixed number of decimals (at most :data:`CSV_MAX_DECIMALS`:
+  ``%.4f``, pandas' ``round(6)``, whose small values come as ``1.3e-05``, six decimals in all
+  either way) have zeros that stand for anything below half their last
   digit: they are floored there (5e-5 for 4 decimals), not at :data:`PROBABILITY_FLOOR` (1e-20,
   46 nats a zero: a CIFAR-10 file written with 4 decimals scored 0.539 nats for 0.378), or lower
   where K such zeros would add more than :data:`SIMPLEX_TOLERANCE` to a row (at ``1e-3 / K``).
@@ -609,9 +610,9 @@ CSV_EXPANSION = 5
 #: Rows parsed into one float64 block of the table.
 _CSV_BLOCK_ROWS = 4096
 
-#: A CSV whose numbers (of its first :data:`_CSV_RESOLUTION_ROWS` rows) are written without
-#: exponents and with at most this many decimals was rounded to them (see the module docstring);
-#: Python's and NumPy's shortest round-trip text of float32 or float64 values has more.
+#: A CSV whose numbers (of its first :data:`_CSV_RESOLUTION_ROWS` rows) are written with at most
+#: this many decimals (an exponent counted in: ``1.3e-05`` has six) was rounded to them (see the
+#: module docstring); Python's and NumPy's shortest round-trip text of float32 or float64 values has more.
 CSV_MAX_DECIMALS = 8
 _CSV_RESOLUTION_ROWS = 100
 
@@ -695,13 +696,16 @@ def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None, str, float | N
 
 
 def _decimals(cell: str) -> int:
-    """The decimals a CSV number is written with; more than :data:`CSV_MAX_DECIMALS` for an
-    exponent, inf or nan (not rounded to decimals)."""
+    """The decimals a CSV number is written with, its exponent counted in (``1.3e-05``: six, as
+    Python writes 0.000013, rounded to six decimals); more than :data:`CSV_MAX_DECIMALS` for inf or
+    nan (not rounded to decimals)."""
     text = cell.strip().lower()
-    if any(c in text for c in "ein"):  # (1e-05, inf, nan)
+    if "n" in text:  # (inf, nan)
         return CSV_MAX_DECIMALS + 1
-    point = text.find(".")
-    return 0 if point < 0 else len(text) - point - 1
+    mantissa, _, exponent = text.partition("e")
+    point = mantissa.find(".")
+    places = 0 if point < 0 else len(mantissa) - point - 1
+    return max(0, places - int(exponent)) if exponent else places
 
 
 def _row_index(name: str, values: np.ndarray) -> str | None:

@@ -147,6 +147,9 @@ def test_every_method_round_trips_through_a_file(method, tmp_path, small):
     name, loaded = load_calibrator(save_calibrator(tmp_path / "c.pt", method, calibrator, options))
     assert name == method
     torch.testing.assert_close(loaded(logits), calibrator(logits))
+    # the fit's record travels with it: the command line's convergence warning points to it, and
+    # the file had none (a review finding)
+    assert loaded.fit_record_ is not None and repr(loaded.fit_record_) == repr(calibrator.fit_record_)  # (NaN losses)
 
 
 def test_bad_requests_raise_value_errors(small):

@@ -73,7 +73,7 @@ from torchcal import (
 from torchcal._validation import check_costs, check_logits_and_labels, check_priors, stacklevel_outside_package
 from torchcal.data import Scores
 from torchcal.data.loading import ROUNDED_READ_AS_LOGITS
-from torchcal.fit import ConvergenceWarning, order_by_content, shared_samples
+from torchcal.fit import ConvergenceWarning, FitRecord, order_by_content, shared_samples
 from torchcal.functional import (
     bayes_risk,
     brier_score,
@@ -199,7 +199,8 @@ def _solver_warnings(what: str, fits: int) -> Iterator[None]:
         warnings.warn(
             f"{what}: {len(stopped)} convergence warning{'s' * (len(stopped) > 1)} in {fits} fit{'s' * (fits > 1)} (first: "
             f"{stopped[0]}); its numbers come from where the solver stopped. {advice} (method options, e.g. "
-            f"reg_lambda in a --config file) usually converges; the saved calibrator's fit_record_ has the details.",
+            f"reg_lambda in a --config file) usually converges; the final fit's fit_record_ (saved with the calibrator) "
+            f"says where it stopped.",
             ConvergenceWarning,
             stacklevel=3,
         )
@@ -954,10 +955,13 @@ def save_calibrator(
     ``llr_priors``, if given: the priors that turned the binary LLRs it was fitted on into
     posteriors (``Scores.llr_priors``), which new LLRs need too; and ``input_kind``, if given: how
     its scores were declared (``--input``: ``"probs"``, ``"log_probs"``, ``"llr"``, ``"logits"``),
-    how new scores are read too unless declared otherwise."""
+    how new scores are read too unless declared otherwise. The calibrator's ``fit_record_`` is
+    saved with it, and set again on loading."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     extra: dict[str, Any] = {} if label_shift is None else {"label_shift": dict(label_shift)}
+    if calibrator.fit_record_ is not None:
+        extra["fit_record"] = asdict(calibrator.fit_record_)
     if llr_priors is not None:
         extra["llr_priors"] = llr_priors
     if input_kind is not None:
@@ -1009,6 +1013,8 @@ def load_saved_calibrator(path: str | Path) -> SavedCalibrator:
     saved = _read_saved(path)
     calibrator = make_calibrator(saved["method"], **saved["options"])
     calibrator.load_state_dict(saved["state_dict"])
+    if "fit_record" in saved:
+        calibrator.fit_record_ = FitRecord(**saved["fit_record"])
     return SavedCalibrator(
         saved["method"], calibrator.eval().requires_grad_(False), saved.get("label_shift"), saved.get("llr_priors"),
         saved.get("input"),

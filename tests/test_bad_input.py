@@ -1005,6 +1005,15 @@ def test_one_hot_labels_of_two_class_segmentation_scores_are_refused():
     torch.testing.assert_close(binary.compute(), expected.to(binary.compute().dtype))
 
 
+def test_one_binary_score_column_with_labels_of_another_shape_names_the_labels():
+    """(N,) scores, the documented one-column form of K = 2, with (N, 1) labels: the message blamed
+    the scores, "logits must have shape (N, K)" (a review finding)."""
+    scores, labels = torch.randn(12), torch.arange(12) % 2
+    for metric in (metrics.CrossEntropy(num_classes=2), metrics.Cllr(), metrics.CalibrationError(num_classes=2)):
+        with pytest.raises(ValueError, match=r"labels must have shape \(N,\), got shape \(12, 1\); use labels.reshape\(-1\)"):
+            metric.update(scores, labels[:, None])
+
+
 def test_errors_in_a_validation_split_name_the_split(tmp_path):
     path = tmp_path / "scores.npz"
     labels = np.arange(50) % 3

@@ -61,6 +61,7 @@ from torchcal._validation import (
     as_tensor,
     binary_probability_columns,
     check_count,
+    check_labels,
     check_logits_and_labels,
     check_probs,
     compute_dtype,
@@ -409,6 +410,8 @@ class ScoreMetric(BatchMetric):
         if batch is None:
             return None
         scores, labels = batch
+        if scores.ndim == 1 and labels.ndim > 1 and labels.shape[0] == scores.shape[0]:
+            check_labels(labels, scores.shape[0], 2)  # (one score column is fine; the labels' shape is not)
         if scores.ndim == 1 and labels.shape == scores.shape:
             # (a kind="binary" metric is of K = 2 classes, as documented: no num_classes needed)
             if self.num_classes is None and getattr(self, "kind", None) != "binary":

@@ -130,10 +130,15 @@ class BetaCalibration(Calibrator):
 
 def _coefficients_identified(features: Tensor, process_group: ProcessGroup | None) -> bool:
     """Whether the design ``[1, log q1, -log q0]`` of ``features: (N, 2)`` (log-posteriors) has full
-    rank over all shards; it has not where the scores take at most two distinct values."""
-    design = torch.stack([torch.ones_like(features[:, 0]), features[:, 1], -features[:, 0]], dim=1).to(torch.float64)
-    gram = all_reduce_(design.T @ design, process_group)
+    rank over all shards; it has not where the scores take at most two distinct values. Judged on
+    the centred columns: log-odds of 1e-3 leave both columns nearly constant (uncentred, the design
+    looked singular to 1e-12), while their centred parts, about llr / 2 each, still differ at
+    second order (llr^2 / 8)."""
+    columns = torch.stack([features[:, 1], -features[:, 0]], dim=1).to(torch.float64)
+    sums = all_reduce_(torch.cat([columns.sum(0), columns.new_tensor([columns.shape[0]])]), process_group)
+    centred = columns - sums[:2] / sums[2]
+    gram = all_reduce_(centred.T @ centred, process_group)
     scale = gram.diagonal().sqrt().clamp_min(torch.finfo(torch.float64).tiny)
     eigenvalues = torch.linalg.eigvalsh(gram / scale[:, None] / scale[None, :])
-    # (two distinct rows leave the smallest at round-off, 1e-17; three leave it far above)
-    return bool(eigenvalues[0] > 1e-12 * eigenvalues[-1])
+    # (two distinct rows leave the smallest at round-off, about 1e-16 of the largest; constant ones at 0)
+    return bool(eigenvalues[0] > 1e-13 * eigenvalues[-1])

@@ -81,7 +81,7 @@ def test_classwise_reliability_says_which_classes_it_shows(synthetic):
     assert fig.get_suptitle() == "Reliability per class: classes 11, 3 of 12"
 
 
-def test_sweep_is_the_bayes_risk_of_the_documented_cost_family(synthetic):
+def test_sweep_is_the_bayes_risk_of_the_documented_cost_family(synthetic, monkeypatch):
     logits, labels = synthetic(4, 2000, seed=2)
     logits, labels = torch.from_numpy(logits), torch.from_numpy(labels)
     priors = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
@@ -93,6 +93,11 @@ def test_sweep_is_the_bayes_risk_of_the_documented_cost_family(synthetic):
         pi[2] = pi_k
         costs = (pi / priors)[:, None] * (1 - torch.eye(4, dtype=torch.float64))  # c_ij = pi_i / P_i
         assert float(value) == pytest.approx(float(bayes_risk(logits, labels, costs, priors, normalize=True)), rel=1e-9)
+    # in steps of a few samples (the sweep holds (T, step) at a time: (T, N) took 2 GB per million
+    # samples, a review finding), the same values
+    monkeypatch.setattr(sys.modules["torchcal.plots"], "_SWEEP_ELEMENTS", 4 * 7)
+    _, stepped = bayes_risk_sweep(logits, labels, class_index=2, log_odds=t, priors=priors)
+    torch.testing.assert_close(stepped, nec, rtol=1e-14, atol=0)
     # with data priors, the operating point logit(P_k) is the 0-1 cost matrix: NEC = error / (1 - max P)
     p = torch.bincount(labels).double() / len(labels)
     _, at_01 = bayes_risk_sweep(logits, labels, class_index=1, log_odds=torch.logit(p[1:2]))
@@ -347,3 +352,20 @@ def test_one_operating_point_given_as_a_number(binary):
     _, expected = bayes_risk_sweep(logits, labels, log_odds=torch.tensor([0.5]))
     assert float(nec[0]) == float(expected[0])
     bayes_risk_curve(logits, labels, log_odds=0.5)
+
+
+def test_more_than_ten_systems_get_colours_of_their_own(synthetic):
+    """The default cycle has 10 colours: with every method of the command line (14 for K = 2), the
+    report's reliability figure gave temperature and beta, affine and histogram, ... one colour each
+    (a review finding)."""
+    import matplotlib.colors
+
+    from torchcal.plots import reliability_diagram
+
+    logits, labels = synthetic(2, 300, seed=0)
+    logits, labels = torch.from_numpy(logits), torch.from_numpy(labels)
+    systems = {"raw": logits} | {f"method {i}": logits * (1 + i / 20) for i in range(14)}
+    _, ax = reliability_diagram(systems, labels)
+    colours = {line.get_label(): matplotlib.colors.to_rgba(line.get_color()) for line in ax.lines
+               if line.get_label() in systems}
+    assert len(colours) == 15 and len(set(colours.values())) == 15 and colours["raw"] == (0, 0, 0, 1)

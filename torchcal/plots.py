@@ -21,7 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import sys
@@ -93,9 +92,16 @@ def _classes_and_labels(systems: dict[str, Any], labels: Tensor) -> tuple[int, T
 
 
 def _colors(names: Sequence[str]) -> dict[str, Any]:
-    """"raw" in black, the others in the default colour cycle."""
-    cycle = (f"C{i % 10}" for i in itertools.count())
-    return {name: "black" if name == "raw" else next(cycle) for name in names}
+    """"raw" in black, the others in the default colour cycle; more than its 10, in the 20 of
+    "tab20" (the cycle gave two of 14 methods one colour)."""
+    others = [name for name in names if name != "raw"]
+    if len(others) <= 10:
+        palette = [f"C{i}" for i in range(len(others))]
+    else:
+        tab20 = pyplot().get_cmap("tab20")
+        palette = [tab20(i % 20) for i in range(len(others))]
+    colours = iter(palette)
+    return {name: "black" if name == "raw" else next(colours) for name in names}
 
 
 def _figure_and_axes(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Figure, Axes]:
@@ -345,15 +351,21 @@ def bayes_risk_sweep(
     best_other_score, best_other = others.max(dim=1)
     margin = logits[:, class_index].to(torch.float64) - best_other_score.to(torch.float64)
     threshold = math.log(p[class_index] / (1 - p[class_index])) - t  # (T, 1)
-    # (a tie goes to the lower class index, as in bayes_decisions: at 0-1 costs, the error rate's)
-    margins = margin.unsqueeze(0)
-    decide_k = (margins > threshold) | ((margins == threshold) & (best_other > class_index))  # (T, N)
-    is_k = labels == class_index
-    wrong = torch.where(decide_k, ~is_k, best_other != labels).to(torch.float64)
     counts = torch.zeros(num_classes, dtype=torch.float64, device=labels.device).index_add_(0, labels, torch.ones_like(margin))
     _check_classes_present(counts, p)  # their error rate is unknown: not 0
-    errors = torch.zeros(len(t), num_classes, dtype=torch.float64, device=labels.device).index_add_(1, labels, wrong)
+    errors = torch.zeros(len(t), num_classes, dtype=torch.float64, device=labels.device)
+    # (T, chunk) at a time: (T, N) took 2 GB per million samples
+    for rows in torch.arange(labels.shape[0], device=labels.device).split(max(1, _SWEEP_ELEMENTS // len(t))):
+        margins, others_chosen, y = margin[rows].unsqueeze(0), best_other[rows], labels[rows]
+        # (a tie goes to the lower class index, as in bayes_decisions: at 0-1 costs, the error rate's)
+        decide_k = (margins > threshold) | ((margins == threshold) & (others_chosen > class_index))  # (T, chunk)
+        wrong = torch.where(decide_k, y != class_index, others_chosen != y).to(torch.float64)
+        errors.index_add_(1, y, wrong)
     return log_odds, (pi * errors / counts.clamp_min(1)).sum(1) / unit
+
+
+#: Operating points times samples per step of :func:`bayes_risk_sweep` (32 MB of float64 errors).
+_SWEEP_ELEMENTS = 1 << 22
 
 
 def _zero_one_log_odds(priors: Tensor, class_index: int) -> float:

@@ -27,7 +27,7 @@ from torch.nn import functional as F
 from torchcal._validation import as_tensor
 from torchcal.functional.diagnostics import Strategy, bin_statistics, binary_problems, binned_scores
 from torchcal.functional.isotonic import pool_adjacent_violators
-from torchcal.functional.scoring import one_vs_rest_log_odds
+from torchcal.functional.scoring import one_vs_rest_log_odds, top_label_log_odds
 
 __all__ = [
     "CorpDecomposition",
@@ -75,8 +75,8 @@ class _BinaryProblem(NamedTuple):
 
 def _binary_problem(logits: Tensor, labels: Tensor, kind: str) -> _BinaryProblem:
     scores, targets = binary_problems(logits, labels, kind)
-    log_odds = one_vs_rest_log_odds(as_tensor(logits, "logits"))
-    event = log_odds.max(dim=1).values if kind == "top-label" else log_odds[:, 1]
+    logits = as_tensor(logits, "logits")
+    event = top_label_log_odds(logits) if kind == "top-label" else one_vs_rest_log_odds(logits)[:, 1]
     return _BinaryProblem(scores[:, 0], targets[:, 0], event)
 
 

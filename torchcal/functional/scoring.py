@@ -63,9 +63,15 @@ def one_vs_rest_log_odds(logits: Tensor) -> Tensor:
     z = logits.to(torch.float64)
     log_p = torch.log_softmax(z, dim=1)
     odds = log_p - torch.log1p(-log_p.exp())
+    return odds.scatter(1, z.argmax(dim=1, keepdim=True), top_label_log_odds(z).unsqueeze(1))
+
+
+def top_label_log_odds(logits: Tensor) -> Tensor:
+    """(N,) the log-odds of each row's top label, ``z_top - logsumexp_{j != top} z_j``, in float64:
+    the top label's column of :func:`one_vs_rest_log_odds` alone (a K-th of its work)."""
+    z = logits.to(torch.float64)
     top = z.argmax(dim=1, keepdim=True)
-    rest = z.scatter(1, top, -math.inf).logsumexp(dim=1, keepdim=True)
-    return odds.scatter(1, top, z.gather(1, top) - rest)
+    return (z.gather(1, top) - z.scatter(1, top, -math.inf).logsumexp(dim=1, keepdim=True)).squeeze(1)
 
 
 def log_loss_per_sample(log_probs: Tensor, labels: Tensor) -> Tensor:

@@ -296,6 +296,24 @@ def test_probabilities_rounded_to_six_decimals_as_pandas_writes_them_are_floored
     assert _nll(scores.logits, scores.labels) == pytest.approx(-log_p[np.arange(len(labels)), labels].mean(), rel=1e-12)
 
 
+def test_probabilities_in_scientific_notation_are_not_taken_for_rounded_ones(tmp_path):
+    """``%.2e`` writes significant digits, not decimals: 1.00e-06 must stay 1e-6, not be floored at
+    5e-5 as if the file held four decimals (its first rows' 5.00e-01 .. 5.00e-02; a review finding
+    against the exponent rule above). Only exponents below -4, as Python writes small numbers of a
+    fixed-decimals file, count as decimals."""
+    probs, labels = _bundled_probabilities(300)
+    probs[200:, :] = 1e-6 / 9
+    probs[np.arange(200, 300), labels[200:]] = 1 - 1e-6
+    header = ",".join(f"p{k}" for k in range(10)) + ",label\n"
+    text = "".join(",".join(f"{v:.2e}" for v in row) + f",{y}\n" for row, y in zip(probs, labels))
+    (tmp_path / "sci.csv").write_text(header + text)
+    scores = load_scores(tmp_path / "sci.csv", input="probs")
+    assert "floored" not in scores.read_as
+    written = np.loadtxt(tmp_path / "sci.csv", delimiter=",", skiprows=1)[:, :-1]
+    log_p = np.log(written / written.sum(1, keepdims=True))
+    np.testing.assert_allclose(torch.log_softmax(scores.logits.double(), 1).numpy(), log_p, rtol=1e-12, atol=1e-12)
+
+
 def test_probabilities_with_round_off_below_zero_are_probabilities(tmp_path):
     """A last class computed as ``1 - sum(others)`` in float32 goes to -2.4e-7: read silently as
     logits (cross-entropy 1.53 where 0.358 is right) and refused under input="probs" (review

@@ -559,18 +559,23 @@ def test_brier_temperature_fit_of_rows_whose_two_largest_scores_tie(dtype):
     """Every row's two largest scores tied (a constant classifier): the margin is 0 and the largest
     inverse temperature searched was 1e304, inf in float32, and inf * 0 made every Brier value of
     the grid NaN: `max() arg is an empty sequence` (a review finding). Constant rows give uniform
-    posteriors at every temperature, a Brier score of 1 - 1/K; rows like [1, 1, 0] are best at
-    T -> 0, [0.5, 0.5, 0]."""
+    posteriors at every temperature, a Brier score of 1 - 1/K; rows like [10, 10, 3] are best at
+    T -> 0, [0.5, 0.5, 0] (a first fix searched betas up to half of float32's largest number, whose
+    product with 10 overflowed: T = 6e-39 and uniform posteriors; the diff review)."""
     labels = torch.arange(300) % 10
     constant = torch.zeros(300, 10, dtype=dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # ("not positively related": T = inf)
         assert torchcal.TemperatureScaling().fit(constant, labels, loss="brier").temperature == math.inf
         assert float(F.refinement_loss(constant, labels, loss="brier")) == pytest.approx(0.9, rel=1e-12)
-    tied = torch.tensor([[1.0, 1.0, 0.0]], dtype=dtype).repeat(60, 1)
+    tied = torch.tensor([[10.0, 10.0, 3.0]], dtype=dtype).repeat(60, 1)
     two = torch.arange(60) % 2
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fitted = torchcal.TemperatureScaling().fit(tied, two, loss="brier")
-    assert 0 < fitted.temperature < 0.2
+    assert 0 < fitted.temperature < 1
+    np.testing.assert_allclose(fitted(tied.double()).exp()[0].detach().numpy(), [0.5, 0.5, 0.0], atol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fitted = torchcal.TemperatureScaling().fit(tied, two)  # (the log-loss fit of float32 rows ended uniform too)
     np.testing.assert_allclose(fitted(tied.double()).exp()[0].detach().numpy(), [0.5, 0.5, 0.0], atol=1e-6)

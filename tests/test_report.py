@@ -228,35 +228,40 @@ def test_lowest_nce_not_significantly_below_temperature_keeps_temperature():
 
 
 def test_a_significantly_better_method_wins_and_says_so():
-    """Under cross-validation a significant difference is checked again by 20 replicates that
-    refit both calibrators, the folds dealt by original sample (Ferrer & Ramos, App. E): the fixed
-    out-of-fold outputs' interval leaves out how the calibrators vary with their training data
-    (half as wide as the refitted one on CIFAR-10 VGG-19: a review finding). Checked against
-    replicates made by hand with cold fits: the value plus or minus 1.96 of their standard deviation."""
     task = gaussian_task(10, num_samples=5_000)
     logits, labels = ferrer_systems(task)["Mismp-cal"], task.labels
     report = evaluate((logits, labels), ["temperature", "affine"], bootstrap=200)
     assert report.best == report.lowest == "affine"
     d = report.lowest_vs_temperature
-    assert d.upper < 0 and report.lowest_vs_temperature_refits == 20
+    assert d.upper < d.value / 2  # clearly significant: nothing refitted
+    assert report.lowest_vs_temperature_refits == 0
+    assert "It beats temperature significantly" in report.table() and "refitting" not in report.table()
+
+
+def test_a_narrowly_significant_difference_is_checked_by_refitting_both_calibrators():
+    """Under cross-validation the fixed out-of-fold outputs' interval leaves out how the
+    calibrators vary with their training data (refitted intervals were up to twice as wide, on
+    CIFAR-10 VGG-19: a review finding); where it excludes 0 by less than its half-width, 20
+    replicates refit both, their folds dealt by original sample (Ferrer & Ramos, App. E). Checked
+    against replicates made by hand with cold fits: the value plus or minus 1.96 of their standard
+    deviation. With held-out calibration data the calibrators are fixed, and nothing is refitted."""
+    test = load_scores(EXAMPLE_PATH)  # ResNet-110: vector scaling 0.0018 below temperature
+    logits, labels = test.logits, test.labels
+    report = evaluate((logits, labels), ["temperature", "vector"], bootstrap=200)
+    d = report.lowest_vs_temperature
+    assert report.lowest == "vector" and report.lowest_vs_temperature_refits == 20
     differences = []
     for index in torch.cat(list(resample_indices(len(labels), 20, seed=0))):
         x, y = logits[index], labels[index]
         nce = [float(cross_entropy(torchcal.cross_validate(make(), x, y, folds=5, seed=0, groups=index), y, normalize=True))
-               for make in (torchcal.AffineCalibration, torchcal.TemperatureScaling)]
+               for make in (torchcal.VectorScaling, torchcal.TemperatureScaling)]
         differences.append(nce[0] - nce[1])
     half_width = 1.959964 * np.std(differences, ddof=1)
     assert (d.value - d.lower, d.upper - d.value) == pytest.approx((half_width, half_width), rel=1e-5)
-    table = report.table()
-    assert "It beats temperature significantly" in table and "interval of 20 replicates refitting both calibrators" in table
+    assert "interval of 20 replicates refitting both calibrators" in report.table()
     assert json.loads(json.dumps(report.to_dict()))["lowest_vs_temperature_refits"] == 20
-    # held-out calibration data: the calibrators are fixed, part of the system, and nothing is refitted
-    rows = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
-    test, calibration = rows[:2500], rows[2500:]
-    heldout = evaluate((logits[test], labels[test]), ["temperature", "affine"], calibration=(logits[calibration], labels[calibration]),
-                       bootstrap=200)
-    assert heldout.lowest_vs_temperature.upper < 0 and heldout.lowest_vs_temperature_refits == 0
-    assert "refitting" not in heldout.table()
+    heldout = evaluate(test, ["temperature", "vector"], calibration=load_scores(EXAMPLE_PATH, split="val"), bootstrap=200)
+    assert heldout.lowest_vs_temperature_refits == 0 and "refitting" not in heldout.table()
 
 
 class _Stubborn(torchcal.TemperatureScaling):
@@ -421,6 +426,17 @@ def test_disjoint_dense_binary_scores_are_not_taken_for_shared_samples(real):
         for evaluated_rows, calibration_rows in ((mixed_evaluated, mixed_calibration), (small, rest)):
             evaluate((logits[evaluated_rows], labels[evaluated_rows]), ["temperature"],
                      calibration=(logits[calibration_rows], labels[calibration_rows]), bootstrap=0)
+    # posteriors rounded to two decimals: samples of one score and label match, or miss, together,
+    # and a disjoint 95 / 5 % split (108,368 matching where 108,347 were expected) had been refused
+    # on a binomial spread of 4.6 (a review finding); some matching among tied scores is not warned of
+    p = torch.softmax(logits.double(), 1)
+    rounded = torch.log(p.round(decimals=2).clamp_min(0.005))
+    rounded = (rounded - rounded.logsumexp(1, keepdim=True)).float()
+    perm = torch.randperm(labels.shape[0], generator=torch.Generator().manual_seed(2))
+    cut = int(0.95 * labels.shape[0])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*in the calibration data too")
+        report_module._check_held_out(rounded[perm[:cut]], labels[perm[:cut]], rounded[perm[cut:]], labels[perm[cut:]])
     # exact duplicates among the calibration samples (oversampling) do not hide a complete leak
     cifar = real("cifar10_resnet110_kangsepp")
     x, y = torch.from_numpy(cifar["logits_val"]), torch.from_numpy(cifar["labels_val"]).long()

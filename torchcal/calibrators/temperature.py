@@ -261,8 +261,9 @@ def fit_inverse_temperature(
 
 
 def margin_and_unit(logits: Tensor, process_group: ProcessGroup | None = None) -> tuple[float, float]:
-    """A typical row's margin between its two largest scores of ``logits: (N, K)``, and the power
-    of 2 near it to divide scores by, where it lies beyond 2^16 either way (else 1).
+    """A typical row's margin between its largest score and the next one below it, of ``logits:
+    (N, K)``, and the power of 2 near it to divide scores by, where it lies beyond 2^16 either way
+    (else 1).
 
     The margin comes from evenly spaced rows, about ``_SUBSAMPLE_ELEMENTS`` scores: not the largest
     margin, as one saturated row must not stop a temperature search short of an optimum that the
@@ -270,12 +271,14 @@ def margin_and_unit(logits: Tensor, process_group: ProcessGroup | None = None) -
     logit of -1e4 sets to 1e4 (T was capped at 1)."""
     n, k = logits.shape
     rows = logits[:: max(1, n * k // _SUBSAMPLE_ELEMENTS)]
-    # the two largest of each row as the largest, then the largest of the rest: a third of topk(2)'s
-    # time (10,000 x 100: 3.3 against 10.0 ms, a quarter of the fit); equal maxima give a margin of 0
-    top, where = rows.max(dim=1, keepdim=True)
-    second = rows.scatter(1, where, -math.inf).amax(dim=1, keepdim=True)
+    # the largest of each row, then the largest below it: a third of topk(2)'s time (10,000 x 100:
+    # 3.3 against 10.0 ms, a quarter of the fit). Below it, not the second of topk: where the two
+    # largest tie, the scale at which T still matters is that of the next score ([10, 10, 3]: 7),
+    # and a margin of 0 had let the search run to betas that overflow the scores' dtype.
+    top = rows.amax(dim=1, keepdim=True)
+    second = rows.masked_fill(rows >= top, -math.inf).amax(dim=1, keepdim=True)
     margins = (top.to(torch.float64) - second.to(torch.float64)).squeeze(1)
-    margins = margins[margins > 0]
+    margins = margins[(margins > 0) & torch.isfinite(margins)]
     typical_margin = margins.median() if margins.numel() else margins.new_zeros(())
     margin = float(all_reduce_(typical_margin, process_group, op="max"))
     octave = math.frexp(margin)[1] - 1  # margin in [2^octave, 2^(octave + 1)); 0 for 0, inf and NaN

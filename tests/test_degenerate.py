@@ -527,7 +527,7 @@ def test_beta_calibration_of_scores_of_at_most_two_distinct_values_is_platt_scal
     unseen = torch.tensor([[0.0, -4.0], [0.0, 0.5], [0.0, 2.0], [0.0, 6.0]], dtype=torch.float64)
     for loss in ("log", "brier"):
         for logits in (torch.stack([torch.zeros_like(llr), llr], dim=1), torch.zeros(120, 2, dtype=torch.float64)):
-            with pytest.warns(UserWarning, match="at most two distinct values, which do not determine a and b apart"):
+            with pytest.warns(UserWarning, match=r"at most two distinct values \(or differ by round-off only\), which do not determine a and b apart"):
                 beta = torchcal.BetaCalibration().fit(logits, labels, loss=loss)  # (constant ones: also "the same on every row")
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # (Platt's own warning of constant scores)

@@ -29,9 +29,9 @@ class BetaCalibration(Calibrator):
     remaining coefficients. The log-loss fits are convex: Newton's method with the
     exact 3 x 3 Hessian, started from temperature scaling of the log-odds. Under other losses (the
     Brier score) they are not, and each fit starts from the better of the identity and the log-loss
-    fit of the same coefficients. Scores of at most two distinct values do not determine ``a`` and
-    ``b`` apart (a line of maps fits them equally well, and each extrapolates differently): there
-    the fit warns and is Platt scaling, ``a = b``.
+    fit of the same coefficients. Scores of at most two distinct values (or of log-odds within
+    about 1e-6 of each other) do not determine ``a`` and ``b`` apart (a line of maps fits them
+    equally well, and each extrapolates differently): there the fit warns and is Platt scaling, ``a = b``.
     """
 
     supported_num_classes = 2
@@ -79,8 +79,9 @@ class BetaCalibration(Calibrator):
     def _fit_as_platt_scaling(self, features, labels, weights, loss, max_iter, process_group=None) -> FitRecord:
         """``a = b``: Platt scaling of the log-odds (whose warnings, of scores that are the same on
         every row say, are passed on under this calibrator's name)."""
-        warnings.warn(f"{type(self).__name__}: the scores take at most two distinct values, which do not determine a and b "
-                      f"apart (a line of maps fits them equally well): fitted with a = b, as Platt scaling of the log-odds.",
+        warnings.warn(f"{type(self).__name__}: the scores take at most two distinct values (or differ by round-off only), which "
+                      f"do not determine a and b apart (a line of maps fits them equally well): fitted with a = b, as Platt "
+                      f"scaling of the log-odds.",
                       UserWarning, stacklevel=stacklevel_outside_package())
         platt = PlattScaling()
         platt._materialize(2, features.device)

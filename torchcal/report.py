@@ -15,9 +15,10 @@ calibrators vary with their training data, which Ferrer & Ramos ask to include (
 refitting them in each replicate: refitted intervals were up to twice as wide on the real logits.
 So a difference whose fixed interval excludes 0 by less than its half-width (its upper end above
 half the difference) is checked again by replicates that refit both calibrators; a clearer one
-stands, and one whose interval holds 0 is not significant either way. The winner is refitted on all the calibration data and returned for reuse. The
-diagnostics (ECE, ECD, smooth ECE, the calibration test) describe the samples at their own class
-frequencies; the scores and the fits use the given priors.
+stands, and one whose interval holds 0 is not significant either way. The winner is refitted on
+all the calibration data and returned for reuse. The diagnostics (ECE, ECD, smooth ECE, the
+calibration test) describe the samples at their own class frequencies; the scores and the fits
+use the given priors.
 
 Long runs show a progress bar counting fits (every fold of every method), refreshed every second;
 a method's repeated solver warnings are collapsed into one line that names it.
@@ -290,10 +291,11 @@ class Report:
     ``lowest_vs_temperature`` its NCE minus temperature scaling's with the paired-bootstrap
     interval, when both were run and differ (``best`` is then temperature unless the difference is
     significant); ``lowest_vs_temperature_refits`` is the number of replicates that refitted both
-    calibrators for that interval (0: the calibrators' outputs were held fixed). The last fields hold tensors for notebooks and figures and are left out of
-    :meth:`to_dict`: the winning ``calibrator`` (fitted on all calibration data), the evaluated
-    ``logits``/``labels``, each method's ``calibrated`` log-posteriors, and ``llr_priors``, the
-    priors that turned the binary LLRs the calibrator was fitted on into posteriors (saved with it).
+    calibrators for that interval (0: the calibrators' outputs were held fixed). The last fields
+    hold tensors for notebooks and figures and are left out of :meth:`to_dict`: the winning
+    ``calibrator`` (fitted on all calibration data), the evaluated ``logits``/``labels``, each
+    method's ``calibrated`` log-posteriors, and ``llr_priors``, the priors that turned the binary
+    LLRs the calibrator was fitted on into posteriors (saved with it).
     """
 
     source: str

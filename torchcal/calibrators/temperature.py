@@ -177,8 +177,8 @@ def fit_inverse_temperature(
     # (a fit at T = inf reported converged), and beta, near float32's smallest normal number there.
     margin, unit = margin_and_unit(logits, process_group)
     logits = in_units(logits, unit)
-    # (finite in the scores' dtype: with every row's two largest scores tied the margin is 0, and
-    # float32 betas of 1e304 were inf, inf * 0 NaN in every Brier value of the grid)
+    # (finite in the scores' dtype: rows that are constant have no margin, and float32 betas of
+    # 1e304 were inf, inf * 0 NaN in every Brier value of the grid)
     beta_max = min(_MAX_SCALED_MARGIN / max(margin / unit, 1e-300), torch.finfo(logits.dtype).max / 2)
 
     start, lo, hi = 1.0, 0.0, math.inf

@@ -273,6 +273,8 @@ def test_bad_input(toy):
         VennAbersCalibration().fit(logits, labels, process_group=object())
     with pytest.raises(ValueError, match="fewer folds"):
         VennAbersCalibration(folds=5).fit(logits[:3], labels[:3])
+    with pytest.raises(ValueError, match=r"3 calibration samples for class 0 against the rest cannot fill 5 folds"):
+        VennAbersCalibration(folds=5, multiclass="ovr").fit(logits[:3], labels[:3])  # (it said "classes (-1, 0)")
     with pytest.raises(RuntimeError, match="not fitted"):
         VennAbersCalibration().predict_interval(logits)
     # K = 1,000 pairwise asked for 40 GB at once (499,500 problems); refused before any allocation

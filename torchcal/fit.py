@@ -526,22 +526,33 @@ def content_keys(scores: Tensor) -> Tensor:
     of a few distinct values, different samples share keys). Log-posteriors are floored at
     float64's smallest normal probability: a class masked at -1e30 swamped every other term of the
     projection, every sample shared one key, and the folds followed the order of the rows."""
+    floor = math.log(torch.finfo(torch.float64).tiny)
+    return _projected(scores, lambda rows: torch.log_softmax(rows, dim=1).clamp_(min=floor))
+
+
+def _projected(scores: Tensor, transform: Callable[[Tensor], Tensor]) -> Tensor:
+    """(N,) float64: a fixed random projection of the float32 roundings of ``transform`` of the
+    rows of ``scores: (N, K)`` in float64, chunk by chunk."""
     direction = torch.randn(scores.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     direction = direction.to(scores.device)
-    floor = math.log(torch.finfo(torch.float64).tiny)
     rows = max(1, (1 << 22) // scores.shape[1])  # float64 temporaries of 32 MB
-    return torch.cat([torch.log_softmax(chunk.detach().to(torch.float64), dim=1).clamp_(min=floor).to(torch.float32).to(torch.float64)
-                      @ direction for chunk in scores.split(rows)]).cpu()
+    return torch.cat([transform(chunk.detach().to(torch.float64)).to(torch.float32).to(torch.float64) @ direction
+                      for chunk in scores.split(rows)]).cpu()
 
 
 def order_by_content(scores: Tensor, labels: Tensor) -> Tensor:
     """A permutation of the samples that depends on their values only: by label, then by their
-    :func:`content_keys`, then by their mean score (rounded to float32): rows that differ by a
-    constant share a key, the same posteriors, but are different samples to a map of the raw
-    logits (matrix scaling), and were left in the order of the rows. Identical samples are
-    interchangeable."""
+    :func:`content_keys`, then by their scores below each row's top, then by their mean score
+    (rounded to float32): rows that differ by a constant share a key, the same posteriors, but are
+    different samples to a map of the raw logits (matrix scaling), and were left in the order of
+    the rows. Identical samples are interchangeable."""
     means = scores.detach().to(torch.float64).mean(1).to(torch.float32).cpu()
+    # log-posteriors floored at -708 give one key to rows whose other classes all lie further below
+    # the top ([1000, 0, -1000] and [1000, -500, -500], of one mean: their folds followed the row
+    # order, a fuzz review); the projection of the scores below each row's top tells them apart
+    below_top = _projected(scores, lambda rows: rows - rows.amax(dim=1, keepdim=True))
     order = torch.argsort(means, stable=True)
+    order = order[torch.argsort(below_top[order], stable=True)]
     order = order[torch.argsort(content_keys(scores)[order], stable=True)]
     return order[torch.argsort(labels[order], stable=True)]
 

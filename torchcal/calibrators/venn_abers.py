@@ -277,10 +277,9 @@ class VennAbersCalibration(Calibrator):
             rows = slice(None) if negative == -1 else (labels == negative) | (labels == positive)
             scores, targets = features[rows, column], labels[rows] == positive
             if 0 < scores.numel() < self.folds:
-                raise ValueError(
-                    f"{scores.numel()} calibration samples for classes {(negative, positive)} cannot "
-                    f"fill {self.folds} folds; use fewer folds."
-                )
+                which = f"class {positive} against the rest" if negative == -1 else f"classes {(negative, positive)}"
+                raise ValueError(f"{scores.numel()} calibration samples for {which} cannot fill {self.folds} folds; "
+                                 f"use fewer folds.")
             fold = self._fold_of(scores, targets)
             tables.append([venn_abers_table(scores[fold == f], targets[fold == f]) for f in range(self.folds)])
         width = max(1, max(len(grid) for row in tables for grid, _, _ in row))

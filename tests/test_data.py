@@ -294,6 +294,13 @@ def test_probabilities_rounded_to_six_decimals_as_pandas_writes_them_are_floored
     floored = np.maximum(rounded, 5e-7)
     log_p = np.log(floored / floored.sum(1, keepdims=True))
     assert _nll(scores.logits, scores.labels) == pytest.approx(-log_p[np.arange(len(labels)), labels].mean(), rel=1e-12)
+    # R's write.csv of four decimals writes 0.0001 .. 0.0009 as 1e-04 .. 9e-04, an exponent of -4
+    # (it had marked the file as not rounded: floored at 1e-20, a second diff review)
+    r_style = "".join(",".join(f"{v:.0e}" if 0 < v < 1e-3 else f"{v:g}" for v in np.round(row, 4)) + f",{y}\n"
+                      for row, y in zip(probs, labels))
+    assert "e-04," in r_style
+    (tmp_path / "r4.csv").write_text(header + r_style)
+    assert re.search(r"probabilities below 5e-05 \(\d+ of them 0\) floored at it$", load_scores(tmp_path / "r4.csv", input="probs").read_as)
 
 
 def test_probabilities_in_scientific_notation_are_not_taken_for_rounded_ones(tmp_path):

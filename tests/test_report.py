@@ -427,8 +427,9 @@ def test_disjoint_dense_binary_scores_are_not_taken_for_shared_samples(real):
             evaluate((logits[evaluated_rows], labels[evaluated_rows]), ["temperature"],
                      calibration=(logits[calibration_rows], labels[calibration_rows]), bootstrap=0)
     # posteriors rounded to two decimals: samples of one score and label match, or miss, together,
-    # and a disjoint 95 / 5 % split (108,368 matching where 108,347 were expected) had been refused
-    # on a binomial spread of 4.6 (a review finding); some matching among tied scores is not warned of
+    # which the binomial spread leaves out, and a disjoint 95 / 5 % split (108,368 matching where
+    # 108,347 were expected) had been refused on a spread of 4.6 (a review finding): scores with
+    # fewer than 90 % distinct are not weighed against chance
     p = torch.softmax(logits.double(), 1)
     rounded = torch.log(p.round(decimals=2).clamp_min(0.005))
     rounded = (rounded - rounded.logsumexp(1, keepdim=True)).float()

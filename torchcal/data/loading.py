@@ -611,9 +611,9 @@ CSV_EXPANSION = 5
 _CSV_BLOCK_ROWS = 4096
 
 #: A CSV whose numbers (of its first :data:`_CSV_RESOLUTION_ROWS` rows) are written with at most
-#: this many decimals (the exponent of a number below 1e-4 counted in: ``1.3e-05`` has six) was
+#: this many decimals (an exponent of -4 or below counted in: ``1.3e-05`` has six) was
 #: rounded to them (see the module docstring); Python's and NumPy's shortest round-trip text of
-#: float32 or float64 values has more, and ``%e`` formatting writes exponents of numbers above 1e-4.
+#: float32 or float64 values has more, and ``%e`` formatting writes the exponents of larger numbers too.
 CSV_MAX_DECIMALS = 8
 _CSV_RESOLUTION_ROWS = 100
 
@@ -697,10 +697,10 @@ def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray | None, str, float | N
 
 
 def _decimals(cell: str) -> int:
-    """The decimals a CSV number is written with, an exponent below -4 counted in (``1.3e-05``: six;
-    Python and pandas write numbers below 1e-4 so, 0.000013 rounded to six decimals); more than
-    :data:`CSV_MAX_DECIMALS` for inf, nan or any other exponent (``5.00e-01``: ``%e`` formatting,
-    significant digits rather than decimals)."""
+    """The decimals a CSV number is written with, an exponent of -4 or below counted in
+    (``1.3e-05``: six; Python and pandas write numbers below 1e-4 so, R's ``write.csv`` 0.0001 as
+    ``1e-04``); more than :data:`CSV_MAX_DECIMALS` for inf, nan or any other exponent
+    (``5.00e-01``: ``%e`` formatting, significant digits rather than decimals)."""
     text = cell.strip().lower()
     if "n" in text:  # (inf, nan)
         return CSV_MAX_DECIMALS + 1
@@ -709,7 +709,7 @@ def _decimals(cell: str) -> int:
     places = 0 if point < 0 else len(mantissa) - point - 1
     if not exponent:
         return places
-    return places - int(exponent) if int(exponent) < -4 else CSV_MAX_DECIMALS + 1
+    return places - int(exponent) if int(exponent) <= -4 else CSV_MAX_DECIMALS + 1
 
 
 def _row_index(name: str, values: np.ndarray) -> str | None:

@@ -710,15 +710,24 @@ def test_folds_of_rows_that_differ_by_a_constant_do_not_depend_on_the_row_order(
     base = 2 * torch.randn(300, 4, generator=gen, dtype=torch.float64)
     logits = torch.cat([base, base + 5 * torch.rand(300, 1, generator=gen, dtype=torch.float64)])
     labels = torch.randint(0, 4, (300,), generator=gen).repeat(2)
-    fold_of = torch.empty(600, dtype=torch.long)
-    for fold, test in enumerate(torchcal.fit.fold_indices(labels, 5, seed=1, scores=logits)):
-        fold_of[test] = fold
     for seed in range(3):
         order = torch.randperm(600, generator=torch.Generator().manual_seed(seed))
-        shuffled = torch.empty(600, dtype=torch.long)
-        for fold, test in enumerate(torchcal.fit.fold_indices(labels[order], 5, seed=1, scores=logits[order])):
-            shuffled[order[test]] = fold
-        assert torch.equal(shuffled, fold_of)
+        assert torch.equal(_folds_in_row_order(labels, logits, order, seed=1), _fold_of(labels, logits, seed=1))
+
+
+def _fold_of(labels: torch.Tensor, scores: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """Each sample's fold of ``fold_indices(labels, 5, seed, scores=scores)``."""
+    fold_of = torch.empty(labels.shape[0], dtype=torch.long)
+    for fold, test in enumerate(torchcal.fit.fold_indices(labels, 5, seed=seed, scores=scores)):
+        fold_of[test] = fold
+    return fold_of
+
+
+def _folds_in_row_order(labels: torch.Tensor, scores: torch.Tensor, order: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """Each sample's fold when the rows are given in ``order``, indexed as the original rows."""
+    folds = torch.empty(labels.shape[0], dtype=torch.long)
+    folds[order] = _fold_of(labels[order], scores[order], seed)
+    return folds
 
 
 @pytest.mark.parametrize("mask", [-1e30, torch.finfo(torch.float32).min])
@@ -730,12 +739,7 @@ def test_folds_of_logits_with_a_masked_class_do_not_depend_on_the_row_order(mask
     logits = torch.cat([3 * torch.randn(500, 4, generator=gen, dtype=torch.float64), torch.full((500, 1), mask, dtype=torch.float64)], 1)
     labels = torch.randint(0, 4, (500,), generator=gen)
     order = torch.randperm(500, generator=gen)
-    fold_of, shuffled = torch.empty(500, dtype=torch.long), torch.empty(500, dtype=torch.long)
-    for fold, test in enumerate(torchcal.fit.fold_indices(labels, 5, scores=logits)):
-        fold_of[test] = fold
-    for fold, test in enumerate(torchcal.fit.fold_indices(labels[order], 5, scores=logits[order])):
-        shuffled[order[test]] = fold
-    assert torch.equal(shuffled, fold_of)
+    assert torch.equal(_folds_in_row_order(labels, logits, order), _fold_of(labels, logits))
 
 
 def test_folds_of_rows_whose_posteriors_floor_alike_do_not_depend_on_the_row_order():
@@ -747,12 +751,7 @@ def test_folds_of_rows_whose_posteriors_floor_alike_do_not_depend_on_the_row_ord
                         torch.tensor([[1000.0, 0.0, -1000.0], [1000.0, -500.0, -500.0]], dtype=torch.float64)])
     labels = torch.cat([torch.randint(0, 3, (40,), generator=gen), torch.tensor([1, 1])])
     swapped = torch.cat([torch.arange(40), torch.tensor([41, 40])])
-    fold_of, shuffled = torch.empty(42, dtype=torch.long), torch.empty(42, dtype=torch.long)
-    for fold, test in enumerate(torchcal.fit.fold_indices(labels, 5, scores=logits)):
-        fold_of[test] = fold
-    for fold, test in enumerate(torchcal.fit.fold_indices(labels[swapped], 5, scores=logits[swapped])):
-        shuffled[swapped[test]] = fold
-    assert torch.equal(shuffled, fold_of)
+    assert torch.equal(_folds_in_row_order(labels, logits, swapped), _fold_of(labels, logits))
 
 
 def test_group_folds_keep_groups_together(data):

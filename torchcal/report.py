@@ -887,7 +887,7 @@ class _Metrics:
 
         # (resampled as the NCE's own bootstrap is)
         result = bootstrap_metric(nce_difference, losses, self.labels, num_replicates=self.replicates, seed=self.seed,
-                                  stratify=self._nce_stratified(), progress=self.progress)
+                                  stratify=normalised_resampling_is_stratified(self.labels, self.priors), progress=self.progress)
         return Estimate(float(result.estimate), float(result.lower), float(result.upper))
 
     def refitted_nce_difference(self, value: float, logits: Tensor, fitted: Sequence[Calibrator], folds: int,
@@ -907,14 +907,10 @@ class _Metrics:
             return nce[0] - nce[1]
 
         result = bootstrap_metric(refitted_nce_difference, logits, self.labels, num_replicates=replicates, seed=self.seed,
-                                  calibrator=[_refit_start(model) for model in fitted], stratify=self._nce_stratified(),
-                                  progress=self.progress)
+                                  calibrator=[_refit_start(model) for model in fitted],
+                                  stratify=normalised_resampling_is_stratified(self.labels, self.priors), progress=self.progress)
         spread = 1.959964 * float(result.replicates.double().std())
         return Estimate(value, value - spread, value + spread)
-
-    def _nce_stratified(self) -> bool:
-        """Whether the NCE's bootstrap resamples within classes (see :mod:`torchcal.functional.bootstrap`)."""
-        return self.priors is not None or normalised_resampling_is_stratified(self.labels)
 
     def _detection(self, logits: Tensor) -> dict[str, float]:
         if logits.shape[1] != 2 or bool((self.labels == 1).all()) or not bool((self.labels == 1).any()):

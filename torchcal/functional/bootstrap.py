@@ -280,9 +280,12 @@ _CLASS_AVERAGES = (balanced_error_rate, cllr, min_cllr, detection_cost, min_dete
 FEW_PER_CLASS = 10
 
 
-def normalised_resampling_is_stratified(labels: Tensor) -> bool:
-    """Whether a normalised score of the data's own class frequencies is resampled within classes:
-    where some class present in ``labels: (N,)`` has fewer than ``FEW_PER_CLASS`` samples."""
+def normalised_resampling_is_stratified(labels: Tensor, priors: Any | None = None) -> bool:
+    """Whether a normalised score is resampled within classes: with ``priors``, always (a
+    prior-weighted combination of per-class means); with the data's own class frequencies, where
+    some class present in ``labels: (N,)`` has fewer than ``FEW_PER_CLASS`` samples."""
+    if priors is not None:
+        return True
     counts = torch.unique(labels, return_counts=True)[1]
     return counts.numel() > 0 and int(counts.min()) < FEW_PER_CLASS
 
